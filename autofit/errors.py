@@ -1,0 +1,70 @@
+"""The errors autofit raises on bad input or when nothing fits.
+
+Every error is an `AutofitError`; its message is one line that says what to do.
+The CLI prints that line and exits with `exit_code` (2 for bad input, 3 when the
+configuration does not fit), never a traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AutofitError",
+    "BadInputError",
+    "UnknownModelError",
+    "UnknownTaskError",
+    "UnknownDeviceError",
+    "InvalidConfigError",
+    "UnsupportedPrecisionError",
+    "MissingDependencyError",
+    "NoTrainableParametersError",
+    "EmptyDatasetError",
+    "DoesNotFitError",
+]
+
+
+class AutofitError(Exception):
+    """Base class of every error autofit raises on purpose."""
+
+    exit_code: int = 2
+
+
+class BadInputError(AutofitError, ValueError):
+    """The caller asked for something that cannot be done as asked."""
+
+
+class UnknownModelError(BadInputError):
+    """The model could not be found or recognised."""
+
+
+class UnknownTaskError(BadInputError):
+    """The task name is not one autofit knows."""
+
+
+class UnknownDeviceError(BadInputError):
+    """The device name is neither present nor in the catalog."""
+
+
+class InvalidConfigError(BadInputError):
+    """A TrainConfig field has a value that cannot be trained with."""
+
+
+class UnsupportedPrecisionError(BadInputError):
+    """The device cannot run the requested precision (e.g. bf16 before Ampere)."""
+
+
+class MissingDependencyError(BadInputError):
+    """An optional package is needed for what was asked (e.g. bitsandbytes)."""
+
+
+class NoTrainableParametersError(BadInputError):
+    """The model has no parameter with requires_grad=True."""
+
+
+class EmptyDatasetError(BadInputError):
+    """The dataset has no samples to train on."""
+
+
+class DoesNotFitError(AutofitError):
+    """The configuration does not fit the device's memory."""
+
+    exit_code = 3
