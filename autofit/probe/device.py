@@ -1,0 +1,289 @@
+"""Devices by name: the present CPU or GPU, a capped CPU, or a catalog card.
+
+    >>> from autofit.probe.device import resolve_device
+    >>> d = resolve_device("cpu:4GiB")
+    >>> d.capacity_bytes, d.allocator
+    (4294967296, 'cpu')
+    >>> resolve_device("H100-80GB").bf16
+    True
+
+Accepted names: ``auto`` (the present accelerator, else the CPU), ``cpu``,
+``cpu:<size>`` (a CPU whose memory is capped: trials and tests without a GPU),
+``cuda`` / ``cuda:N`` (probed live), and the names and aliases of the catalog
+(``catalog.toml`` beside this file) for planning on a card that is not present.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from autofit.errors import UnknownDeviceError, UnsupportedPrecisionError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["DeviceInfo", "resolve_device", "catalog", "parse_bytes", "format_bytes", "check_precision"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kb": 1000, "kib": 1 << 10,
+    "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``"4GiB"`` -> 4294967296; ``"512MB"`` -> 512000000; a bare number is bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UnknownDeviceError(f"cannot read memory size {text!r}; write it like 4GiB or 512MiB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise UnknownDeviceError(f"memory size must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units with 3 significant digits: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{sign}{int(n)} B"
+            return f"{sign}{n:.3g} {unit}" if n < 100 else f"{sign}{n:.0f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """A device to train on, present or planned.
+
+    ``capacity_bytes`` is what a training process may fill on it, runtime context
+    included; an estimate fits when ``peak_reserved + overhead_bytes <= capacity``.
+    """
+
+    name: str  # as the user wrote it, normalised (catalog name, "cpu:4GiB", "cuda:0")
+    kind: str  # "cuda" | "cpu" | other torch.accelerator types
+    present: bool  # a device this process can run on
+    capacity_bytes: int
+    total_bytes: int  # physical memory of the device
+    allocator: str  # "cuda" (caching allocator) | "cpu"
+    bf16: bool
+    fp16: bool
+    index: int | None = None
+    product: str | None = None  # catalog entry it matches ("H100-80GB"), if any
+    capped: bool = False  # capacity set by the user (cpu:4GiB)
+    context_bytes: int = 0  # runtime context, outside the allocator
+    workspace_bytes: int = 0  # cuBLAS workspace
+    bf16_tflops: float | None = None
+    fp16_tflops: float | None = None
+    fp32_tflops: float | None = None
+    bandwidth_gbs: float | None = None
+    compute_capability: str | None = None
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Device memory used outside the tensors: context + workspace."""
+        return self.context_bytes + self.workspace_bytes
+
+    def peak_tflops(self, precision: str) -> float | None:
+        """Peak dense matmul TFLOP/s for a Lightning precision name."""
+        if precision.startswith("bf16"):
+            return self.bf16_tflops
+        if precision.startswith("16"):
+            return self.fp16_tflops
+        return self.fp32_tflops
+
+
+@cache
+def catalog() -> dict[str, dict[str, Any]]:
+    """The GPU catalog: name -> entry (see catalog.toml for the fields)."""
+    with open(Path(__file__).with_name("catalog.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def _catalog_lookup(name: str) -> str | None:
+    key = name.strip().lower().replace(" ", "-").replace("_", "-")
+    for entry, d in catalog().items():
+        names = [entry] + list(d.get("aliases", []))
+        if any(key == n.lower() for n in names):
+            return entry
+    return None
+
+
+def _from_catalog(entry: str, *, present: bool = False, index: int | None = None) -> DeviceInfo:
+    d = catalog()[entry]
+    total = int(d["memory_mib"] * MiB)
+    return DeviceInfo(
+        name=entry if not present else f"cuda:{index}",
+        kind="cuda",
+        present=present,
+        capacity_bytes=total,
+        total_bytes=total,
+        allocator="cuda",
+        bf16=bool(d["bf16"]),
+        fp16=bool(d["fp16"]),
+        index=index,
+        product=entry,
+        context_bytes=int(d["context_mib"] * MiB),
+        workspace_bytes=int(d["cublas_workspace_mib"] * MiB),
+        bf16_tflops=float(d["bf16_tflops"]) or None,
+        fp16_tflops=float(d["fp16_tflops"]) or None,
+        fp32_tflops=float(d["fp32_tflops"]) or None,
+        bandwidth_gbs=float(d["bandwidth_gbs"]),
+        compute_capability=str(d["compute_capability"]),
+    )
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _cpu(cap: int | None, name: str) -> DeviceInfo:
+    mi = _meminfo()
+    total = mi.get("MemTotal") or (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    available = mi.get("MemAvailable", total)
+    if cap is not None and cap > total:
+        raise UnknownDeviceError(
+            f"{name}: the cap {format_bytes(cap)} is more than this machine's "
+            f"{format_bytes(total)} of memory; use a smaller cap"
+        )
+    return DeviceInfo(
+        name=name,
+        kind="cpu",
+        present=True,
+        capacity_bytes=cap if cap is not None else available,
+        total_bytes=total,
+        allocator="cpu",
+        bf16=True,  # torch.autocast("cpu", bfloat16) and bf16 kernels exist on every CPU
+        fp16=True,
+        capped=cap is not None,
+    )
+
+
+def _cuda(index: int | None) -> DeviceInfo:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UnknownDeviceError(
+            "no CUDA device is present here; plan for a card by its catalog name "
+            "(e.g. --device H100-80GB) or use --device cpu"
+        )
+    i = torch.cuda.current_device() if index is None else index
+    if i >= torch.cuda.device_count():
+        raise UnknownDeviceError(
+            f"cuda:{i} does not exist; this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    free, total = torch.cuda.mem_get_info(i)
+    props = torch.cuda.get_device_properties(i)
+    product = _catalog_lookup(props.name.replace(" ", "-"))
+    if product is None:  # match by the words of the name ("NVIDIA H100 80GB HBM3")
+        words = props.name.upper().replace("NVIDIA", "").split()
+        for entry in catalog():
+            if words and entry.split("-")[0] in words:
+                product = entry
+                break
+    base = _from_catalog(product) if product else None
+    reserved = torch.cuda.memory_reserved(i)
+    # mem_get_info created the context already: free excludes it, so the capacity
+    # this process may fill is free + what torch already caches + the context.
+    context = base.context_bytes if base else 300 * MiB
+    workspace = base.workspace_bytes if base else int(8.5 * MiB)
+    hip = getattr(torch.version, "hip", None) is not None
+    return DeviceInfo(
+        name=f"cuda:{i}",
+        kind="cuda",
+        present=True,
+        capacity_bytes=int(free + reserved + context),
+        total_bytes=int(total),
+        allocator="cuda",
+        bf16=bool(torch.cuda.is_bf16_supported()),
+        fp16=True,
+        index=i,
+        product=product,
+        context_bytes=context,
+        workspace_bytes=workspace,
+        bf16_tflops=base.bf16_tflops if base else None,
+        fp16_tflops=base.fp16_tflops if base else None,
+        fp32_tflops=base.fp32_tflops if base else None,
+        bandwidth_gbs=base.bandwidth_gbs if base else None,
+        compute_capability=(props.gcnArchName if hip else f"{props.major}.{props.minor}"),
+    )
+
+
+def resolve_device(device: str | DeviceInfo | None = "auto") -> DeviceInfo:
+    """Turn a device name into a DeviceInfo (see the module docstring).
+
+    Raises:
+        UnknownDeviceError: the name is unknown (the message lists close matches).
+    """
+    if isinstance(device, DeviceInfo):
+        return device
+    name = "auto" if device is None else str(device).strip()
+    low = name.lower()
+    if low == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return _cuda(None)
+        return _cpu(None, "cpu")
+    if low == "cpu":
+        return _cpu(None, "cpu")
+    if low.startswith("cpu:"):
+        cap = parse_bytes(name[4:])
+        return _cpu(cap, f"cpu:{format_bytes(cap).replace(' ', '')}")
+    m = re.fullmatch(r"cuda(?::(\d+))?", low)
+    if m:
+        return _cuda(int(m.group(1)) if m.group(1) else None)
+    entry = _catalog_lookup(name)
+    if entry is not None:
+        return _from_catalog(entry)
+    names = list(catalog())
+    for d in catalog().values():
+        names += d.get("aliases", [])
+    near = difflib.get_close_matches(name.upper(), [n.upper() for n in names], n=3, cutoff=0.4)
+    near_names = [n for n in names if n.upper() in near]
+    hint = (
+        f"did you mean {' or '.join(near_names)}?"
+        if near_names
+        else f"known cards: {', '.join(catalog())}"
+    )
+    raise UnknownDeviceError(
+        f"unknown device {name!r}; {hint} (or use auto, cpu, cpu:8GiB, cuda, cuda:N)"
+    )
+
+
+def check_precision(device: DeviceInfo, precision: str) -> None:
+    """Raise UnsupportedPrecisionError if ``device`` cannot run ``precision``."""
+    if precision.startswith("bf16") and not device.bf16:
+        raise UnsupportedPrecisionError(
+            f"{device.product or device.name} does not support bf16 (it needs Ampere or newer); "
+            f"use --precision 16-mixed or 32-true"
+        )
+    if precision.startswith("16") and not device.fp16:
+        raise UnsupportedPrecisionError(
+            f"{device.product or device.name} does not support fp16; use --precision 32-true"
+        )

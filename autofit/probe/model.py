@@ -1,0 +1,654 @@
+"""Model probing: what a model is made of, without its weights.
+
+``probe_model`` accepts an ``nn.Module``, a ``PreTrainedModel`` (a ``PeftModel``
+too), a hub id, a local model directory, a path to a ``config.json``, or the name
+of a config bundled with autofit (``autofit.probe.model.bundled_models()``), and
+returns a frozen ``ModelInfo``. Models given by name or config are built on the
+meta device, so a 70B config is probed in about a second with no memory.
+
+    >>> from autofit.probe.model import probe_model
+    >>> info = probe_model("tiny-llama")
+    >>> info.model_type, info.num_layers
+    ('llama', 4)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autofit.errors import (
+    BadInputError,
+    MissingDependencyError,
+    UnknownModelError,
+    UnknownTaskError,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "TASKS",
+    "LoraSpec",
+    "ParamGroup",
+    "BlockSpec",
+    "ModelInfo",
+    "bundled_models",
+    "load_config",
+    "build_model",
+    "probe_model",
+    "default_task",
+]
+
+# Task name -> transformers Auto class.
+TASKS: dict[str, str] = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+    "seq-cls": "AutoModelForSequenceClassification",
+}
+
+_BUNDLED_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
+
+# Linear-like output projections: they never share their input with a sibling.
+_OUTPUT_PROJECTIONS = {"o_proj", "o", "out_proj", "c_proj", "down_proj", "wo", "fc2", "dense_4h_to_h"}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter to put on the model (what ``peft.LoraConfig`` says)."""
+
+    r: int = 8
+    alpha: int = 16
+    target_modules: tuple[str, ...] | str = "all-linear"
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.r <= 0:
+            raise BadInputError(f"LoRA rank must be positive, got {self.r}")
+        if isinstance(self.target_modules, list):
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters that share shape, dtype and role (e.g. the 32 q_proj weights)."""
+
+    shape: tuple[int, ...]
+    count: int
+    dtype: str  # "float32", "bfloat16", "uint8" (packed 4-bit), ...
+    trainable: bool
+    quantized: str | None = None  # "4bit" | "8bit" | None
+    role: str = "other"  # "linear" | "embedding" | "norm" | "bias" | "lora" | "other"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One kind of transformer block, as the analytic model needs it.
+
+    ``linears`` lists (name, in_features, out_features, shares_input) in module
+    order; ``shares_input`` marks a linear that reads the same tensor as the
+    linear before it (q/k/v, gate/up), which autograd saves only once.
+    """
+
+    role: str  # "decoder" | "encoder" | "decoder-cross"
+    count: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    linears: tuple[tuple[str, int, int, bool], ...]
+    gated_mlp: bool
+    activation: str
+    norm: str  # "rmsnorm" | "layernorm"
+    num_norms: int
+    dropout: float  # residual / hidden dropout probability
+    attention_dropout: float
+    num_dropouts: int  # hidden-sized dropout modules with p > 0 per block (residual stream)
+    num_inner_dropouts: int = 0  # intermediate-sized dropouts (T5's DenseReluDense.dropout)
+    cross_attention: bool = False
+    relative_bias: bool = False  # T5-style position bias added to the scores
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model is made of: parameter counts and the shape of its blocks."""
+
+    name: str
+    model_type: str
+    task: str
+    architecture: str
+    num_params: int
+    trainable_params: int
+    frozen_params: int
+    quantized_params: int
+    params: tuple[ParamGroup, ...]
+    blocks: tuple[BlockSpec, ...]
+    num_layers: int | None
+    hidden_size: int | None
+    num_heads: int | None
+    num_kv_heads: int | None
+    head_dim: int | None
+    intermediate_size: int | None
+    vocab_size: int | None
+    max_position_embeddings: int | None
+    tie_word_embeddings: bool
+    attn_implementation: str | None
+    is_encoder_decoder: bool = False
+    num_labels: int | None = None
+    embedding_dropout: float = 0.0
+    peft: str | None = None
+    lora_r: int | None = None
+    lora_targets: tuple[str, ...] = ()
+    quantization: str | None = None
+    dtype: str = "float32"
+    supports_gradient_checkpointing: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def is_transformer(self) -> bool:
+        """True when the blocks were recognised (the analytic method needs them)."""
+        return bool(self.blocks) and self.hidden_size is not None
+
+
+def bundled_models() -> list[str]:
+    """Names of the model configs that ship with autofit (usable offline)."""
+    if not _BUNDLED_DIR.is_dir():
+        return []
+    names = []
+    for p in sorted(_BUNDLED_DIR.glob("*.json")):
+        with open(p) as f:
+            names.append(json.load(f).get("_autofit_name", p.stem))
+    return names
+
+
+def _bundled_path(name: str) -> Path | None:
+    if not _BUNDLED_DIR.is_dir():
+        return None
+    for p in _BUNDLED_DIR.glob("*.json"):
+        with open(p) as f:
+            if json.load(f).get("_autofit_name", p.stem).lower() == name.lower():
+                return p
+    return None
+
+
+def _config_from_json(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    with open(path) as f:
+        d = json.load(f)
+    d = {k: v for k, v in d.items() if not k.startswith("_autofit")}
+    model_type = d.pop("model_type", None)
+    if model_type is None:
+        raise UnknownModelError(f"{path} has no 'model_type'; is it a transformers config.json?")
+    try:
+        return AutoConfig.for_model(model_type, **d)
+    except (ValueError, KeyError) as e:
+        raise UnknownModelError(
+            f"{path}: model_type {model_type!r} is not known to this transformers version ({e})"
+        ) from None
+
+
+def load_config(ref: str | os.PathLike) -> Any:
+    """Load a ``PretrainedConfig`` from a bundled name, a config.json, a directory or a hub id."""
+    ref_s = os.fspath(ref)
+    path = Path(ref_s).expanduser()
+    if path.is_file():
+        return _config_from_json(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UnknownModelError(f"{ref_s} is a directory without a config.json")
+        return _config_from_json(path / "config.json")
+    bundled = _bundled_path(ref_s)
+    if bundled is not None:
+        return _config_from_json(bundled)
+    if ref_s.endswith(".json"):
+        raise UnknownModelError(f"{ref_s}: no such file")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(ref_s)
+    except Exception as e:  # noqa: BLE001 - hub errors come in many types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnknownModelError(
+            f"cannot load model {ref_s!r}: not a local path, not a bundled config "
+            f"({', '.join(bundled_models())}), and the hub said: {first}"
+        ) from None
+
+
+def default_task(config: Any) -> str:
+    """The task a config is usually trained for."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq"
+    archs = getattr(config, "architectures", None) or []
+    for a in archs:
+        if a.endswith("ForSequenceClassification"):
+            return "seq-cls"
+        if a.endswith("ForMaskedLM") or a.endswith("ForPreTraining"):
+            return "masked-lm"
+        if a.endswith("ForCausalLM") or a.endswith("LMHeadModel"):
+            return "causal-lm"
+    if getattr(config, "model_type", "") in {"bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "xlm-roberta", "modernbert"}:
+        return "masked-lm"
+    return "causal-lm"
+
+
+def _check_task(task: str) -> str:
+    t = task.strip().lower().replace("_", "-")
+    if t not in TASKS:
+        raise UnknownTaskError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    return t
+
+
+def _lora_config(lora: Any, task: str) -> Any:
+    from peft import LoraConfig, TaskType
+
+    if isinstance(lora, LoraConfig):
+        return lora
+    if isinstance(lora, dict):
+        lora = LoraSpec(**lora)
+    task_type = {
+        "causal-lm": TaskType.CAUSAL_LM,
+        "seq2seq": TaskType.SEQ_2_SEQ_LM,
+        "seq-cls": TaskType.SEQ_CLS,
+        "masked-lm": None,
+    }[task]
+    targets = lora.target_modules
+    if isinstance(targets, tuple):
+        targets = list(targets)
+    kwargs = dict(r=lora.r, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout)
+    if task_type is not None:
+        kwargs["task_type"] = task_type
+    return LoraConfig(**kwargs)
+
+
+def _quantize_on_meta(model: torch.nn.Module, bits: int) -> None:
+    """Replace the base model's Linear layers by bitsandbytes' quantized layers (meta)."""
+    import torch
+
+    try:
+        import bitsandbytes as bnb  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError(
+            "--load-in-4bit/8bit needs bitsandbytes: pip install 'autofit[bnb]'"
+        ) from None
+    from transformers.integrations import bitsandbytes as hf_bnb
+
+    # The output head stays in full precision, as transformers does.
+    skip = ["lm_head"] + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    from transformers import BitsAndBytesConfig
+
+    qc = BitsAndBytesConfig(
+        load_in_4bit=bits == 4,
+        load_in_8bit=bits == 8,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_type="nf4",
+    )
+    replace = getattr(hf_bnb, "replace_with_bnb_linear")
+    with torch.device("meta"):
+        replace(model, modules_to_not_convert=skip, quantization_config=qc)
+
+
+def build_model(
+    model: Any,
+    *,
+    task: str | None = None,
+    attn_implementation: str | None = None,
+    lora: LoraSpec | dict | Any | None = None,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+) -> tuple[torch.nn.Module, str]:
+    """Return (module, task). A model given by reference is built on the meta device.
+
+    An ``nn.Module`` is returned as is (never modified); asking for LoRA or
+    quantization on a module is an error, since that would change the user's model.
+    """
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        if lora is not None or load_in_4bit or load_in_8bit:
+            raise BadInputError(
+                "LoRA/quantization options apply to a model given by name or config; "
+                "for a module, pass the PeftModel / quantized model itself"
+            )
+        config = getattr(model, "config", None)
+        t = _check_task(task) if task else (default_task(config) if config is not None else "causal-lm")
+        return model, t
+    if not isinstance(model, (str, os.PathLike)):
+        raise UnknownModelError(
+            f"model must be an nn.Module, a hub id, a directory or a config.json path, "
+            f"got {type(model).__name__}"
+        )
+    import transformers
+
+    config = load_config(model)
+    t = _check_task(task) if task else default_task(config)
+    if t == "seq2seq" and not getattr(config, "is_encoder_decoder", False):
+        raise UnknownTaskError(f"task 'seq2seq' needs an encoder-decoder model; {model} is not one")
+    auto = getattr(transformers, TASKS[t])
+    kwargs: dict[str, Any] = {}
+    if attn_implementation:
+        if attn_implementation not in {"eager", "sdpa", "flash_attention_2", "flex_attention"}:
+            raise BadInputError(
+                f"unknown attention implementation {attn_implementation!r}; use eager or sdpa"
+            )
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        with torch.device("meta"):
+            module = auto.from_config(config, **kwargs)
+    except ValueError as e:
+        raise UnknownTaskError(
+            f"{model} ({config.model_type}) cannot be built for task {t!r}: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
+    if load_in_4bit or load_in_8bit:
+        _quantize_on_meta(module, 4 if load_in_4bit else 8)
+    if lora is not None:
+        from peft import get_peft_model
+
+        for p in module.parameters():
+            p.requires_grad_(False)
+        with torch.device("meta"):
+            module = get_peft_model(module, _lora_config(lora, t))
+    return module, t
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _quant_kind(p: Any) -> str | None:
+    cls = type(p).__name__
+    if cls == "Params4bit":
+        return "4bit"
+    if cls == "Int8Params":
+        return "8bit"
+    return None
+
+
+def _param_groups(module: Any) -> tuple[ParamGroup, ...]:
+    import torch
+
+    groups: dict[tuple, int] = {}
+    for name, p in module.named_parameters():
+        leaf = name.rsplit(".", 1)
+        if "lora_" in name:
+            role = "lora"
+        elif p.ndim >= 2 and isinstance(_owner(module, name), torch.nn.Embedding):
+            role = "embedding"
+        elif p.ndim >= 2:
+            role = "linear"
+        elif leaf[-1] == "bias":
+            role = "bias"
+        else:
+            role = "norm"
+        key = (tuple(p.shape), _dtype_name(p.dtype), bool(p.requires_grad), _quant_kind(p), role)
+        groups[key] = groups.get(key, 0) + 1
+    return tuple(
+        ParamGroup(shape=k[0], count=c, dtype=k[1], trainable=k[2], quantized=k[3], role=k[4])
+        for k, c in groups.items()
+    )
+
+
+def _owner(module: Any, param_name: str) -> Any:
+    path = param_name.rsplit(".", 1)[0] if "." in param_name else ""
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _first(config: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = getattr(config, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _layer_lists(module: Any) -> list[tuple[str, Any]]:
+    """The ModuleLists of transformer blocks (the largest ones; two for encoder-decoders)."""
+    import torch
+
+    lists = [
+        (n, m)
+        for n, m in module.named_modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 0 and any(True for _ in m[0].parameters())
+    ]
+    # keep lists that are not nested inside another list's block
+    top = [
+        (n, m)
+        for n, m in lists
+        if not any(n != o and n.startswith(o + ".") for o, _ in lists)
+    ]
+    return top
+
+
+def _linear_dims(m: Any) -> tuple[int, int] | None:
+    cls = type(m).__name__
+    if hasattr(m, "in_features") and hasattr(m, "out_features"):
+        return int(m.in_features), int(m.out_features)
+    if cls == "Conv1D":  # GPT-2: weight is (in, out)
+        w = m.weight
+        return int(w.shape[0]), int(w.shape[1])
+    return None
+
+
+def _block_spec(role: str, count: int, block: Any, config: Any, info: dict[str, Any]) -> BlockSpec:
+    import torch
+
+    linears: list[tuple[str, int, int, bool]] = []
+    prev: tuple[str, int] | None = None  # (parent, in_features)
+    norms = 0
+    norm_kind = "layernorm"
+    dropouts = 0
+    inner_dropouts = 0
+    gated = False
+    act = str(_first(config, "hidden_act", "activation_function", "dense_act_fn", default="gelu"))
+    cross = False
+    rel_bias = False
+    seen_base = set()
+    for name, m in block.named_modules():
+        if "lora_" in name or name in seen_base:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        # peft wraps a Linear in a LoraLayer whose `base_layer` is the Linear
+        if hasattr(m, "base_layer"):
+            seen_base.add(name + ".base_layer")
+            m_dims = _linear_dims(m.base_layer) or _linear_dims(m)
+        else:
+            m_dims = _linear_dims(m)
+        if m_dims is not None and leaf != "base_layer":
+            shares = (
+                prev is not None
+                and prev[0] == parent
+                and prev[1] == m_dims[0]
+                and leaf not in _OUTPUT_PROJECTIONS
+            )
+            linears.append((name, m_dims[0], m_dims[1], shares))
+            prev = (parent, m_dims[0]) if leaf not in _OUTPUT_PROJECTIONS else None
+            if leaf in {"gate_proj", "wi_0", "w1", "w3", "gate_up_proj"}:
+                gated = True
+        cls = type(m).__name__
+        if "Norm" in cls and not isinstance(m, torch.nn.ModuleList):
+            norms += 1
+            if "RMS" in cls or cls == "T5LayerNorm":
+                norm_kind = "rmsnorm"
+        if isinstance(m, torch.nn.Dropout) and m.p > 0:
+            owner = type(block.get_submodule(parent)).__name__ if parent else type(block).__name__
+            if leaf == "attn_dropout" or (owner.endswith("SelfAttention") and "Layer" not in owner):
+                pass  # dropout on attention probabilities, counted with the attention
+            elif owner.startswith("T5Dense"):
+                inner_dropouts += 1  # NB: T5 applies it to the (B, T, d_ff) activation
+            else:
+                dropouts += 1
+        if "EncDec" in cls or "EncDec" in name or "crossattention" in name.lower() or "cross_attn" in name:
+            cross = True
+        if leaf == "relative_attention_bias":
+            rel_bias = True
+    hidden = int(info["hidden_size"])
+    heads = int(info["num_heads"])
+    return BlockSpec(
+        role="decoder-cross" if cross else role,
+        count=count,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(info["num_kv_heads"]),
+        head_dim=int(info["head_dim"]),
+        intermediate_size=int(info["intermediate_size"]),
+        linears=tuple(linears),
+        gated_mlp=gated,
+        activation=act,
+        norm=norm_kind,
+        num_norms=norms,
+        dropout=float(info["dropout"]),
+        attention_dropout=float(info["attention_dropout"]),
+        num_dropouts=dropouts,
+        num_inner_dropouts=inner_dropouts,
+        cross_attention=cross,
+        relative_bias=rel_bias,
+    )
+
+
+def probe_model(
+    model: Any,
+    *,
+    task: str | None = None,
+    attn_implementation: str | None = None,
+    lora: LoraSpec | dict | Any | None = None,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+) -> ModelInfo:
+    """Describe ``model`` (see the module docstring for the accepted forms).
+
+    Raises:
+        UnknownModelError: the reference cannot be resolved.
+        UnknownTaskError: the task is unknown or does not fit the model.
+    """
+    module, t = build_model(
+        model,
+        task=task,
+        attn_implementation=attn_implementation,
+        lora=lora,
+        load_in_4bit=load_in_4bit,
+        load_in_8bit=load_in_8bit,
+    )
+    return describe(module, task=t, name=str(model) if not hasattr(model, "parameters") else None)
+
+
+def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
+    """ModelInfo of an already built module (meta or real); reads, never modifies."""
+    base = module
+    peft_kind = None
+    lora_r = None
+    lora_targets: tuple[str, ...] = ()
+    peft_config = getattr(module, "peft_config", None)
+    if peft_config:
+        cfg = next(iter(peft_config.values()))
+        peft_kind = str(getattr(cfg, "peft_type", "lora")).split(".")[-1].lower()
+        lora_r = getattr(cfg, "r", None)
+        tm = getattr(cfg, "target_modules", None) or ()
+        lora_targets = tuple(sorted(tm)) if not isinstance(tm, str) else (tm,)
+        base = module.get_base_model()
+    config = getattr(base, "config", None)
+
+    params = _param_groups(module)
+    num = trainable = quant = 0
+    for g in params:
+        n = g.numel * g.count
+        if g.quantized == "4bit":
+            n *= 2  # Params4bit packs two 4-bit values per uint8 element
+        num += n
+        if g.trainable:
+            trainable += n
+        if g.quantized:
+            quant += n
+    dtypes = [g.dtype for g in params if g.role in {"linear", "embedding"} and not g.quantized]
+    dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
+    quantization = next((g.quantized for g in params if g.quantized), None)
+
+    blocks: list[BlockSpec] = []
+    fields: dict[str, Any] = {}
+    if config is not None:
+        hidden = _first(config, "hidden_size", "n_embd", "d_model")
+        heads = _first(config, "num_attention_heads", "n_head", "num_heads")
+        if hidden is not None and heads is not None:
+            head_dim = _first(config, "head_dim", "d_kv", default=None) or hidden // heads
+            inter = _first(config, "intermediate_size", "n_inner", "d_ff", "ffn_dim") or 4 * hidden
+            fields = dict(
+                hidden_size=int(hidden),
+                num_heads=int(heads),
+                num_kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
+                head_dim=int(head_dim),
+                intermediate_size=int(inter),
+                dropout=float(
+                    _first(config, "hidden_dropout_prob", "resid_pdrop", "dropout_rate", "hidden_dropout", "dropout", default=0.0)
+                    or 0.0
+                ),
+                attention_dropout=float(
+                    _first(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", "dropout_rate", default=0.0)
+                    or 0.0
+                ),
+            )
+            for list_name, layers in _layer_lists(base):
+                role = "encoder" if "encoder" in list_name else "decoder"
+                if task == "masked-lm" or task == "seq-cls":
+                    role = "encoder" if not getattr(config, "is_decoder", False) else role
+                blocks.append(_block_spec(role, len(layers), layers[0], config, fields))
+    vocab = _first(config, "vocab_size") if config is not None else None
+    tie = bool(getattr(config, "tie_word_embeddings", False)) if config is not None else False
+    if tie:
+        # trust the modules: tied only if the output head shares the input embedding
+        try:
+            out = base.get_output_embeddings()
+            inp = base.get_input_embeddings()
+            tie = out is not None and inp is not None and out.weight is inp.weight
+        except (AttributeError, NotImplementedError):
+            pass
+    attn = getattr(config, "_attn_implementation", None) if config is not None else None
+    num_layers = sum(b.count for b in blocks) if blocks else None
+    return ModelInfo(
+        name=name or type(module).__name__,
+        model_type=getattr(config, "model_type", "custom") if config is not None else "custom",
+        task=task,
+        architecture=type(base).__name__,
+        num_params=num,
+        trainable_params=trainable,
+        frozen_params=num - trainable,
+        quantized_params=quant,
+        params=params,
+        blocks=tuple(blocks),
+        num_layers=num_layers,
+        hidden_size=fields.get("hidden_size"),
+        num_heads=fields.get("num_heads"),
+        num_kv_heads=fields.get("num_kv_heads"),
+        head_dim=fields.get("head_dim"),
+        intermediate_size=fields.get("intermediate_size"),
+        vocab_size=int(vocab) if vocab is not None else None,
+        max_position_embeddings=_first(config, "max_position_embeddings", "n_positions") if config is not None else None,
+        tie_word_embeddings=tie,
+        attn_implementation=attn,
+        is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)) if config is not None else False,
+        num_labels=int(getattr(config, "num_labels", 2)) if task == "seq-cls" and config is not None else None,
+        embedding_dropout=float(_first(config, "embd_pdrop", "hidden_dropout_prob", "dropout_rate", default=0.0) or 0.0)
+        if config is not None
+        else 0.0,
+        peft=peft_kind,
+        lora_r=lora_r,
+        lora_targets=lora_targets,
+        quantization=quantization,
+        dtype=dtype,
+        supports_gradient_checkpointing=bool(getattr(base, "supports_gradient_checkpointing", False)),
+    )
