@@ -1,0 +1,69 @@
+"""The result of an estimate: three peaks and what fills them.
+
+``breakdown`` splits ``device_total_bytes`` into the components of MEMORY.md, at
+the moment of the peak: ``weights + gradients + optimizer_states + activations +
+temporaries == peak_allocated_bytes`` and ``overhead`` holds the rest (allocator
+cache above the live tensors, runtime context, cuBLAS workspace), so the six add
+up to ``device_total_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["COMPONENTS", "MemoryEstimate"]
+
+COMPONENTS: tuple[str, ...] = (
+    "weights",
+    "gradients",
+    "optimizer_states",
+    "activations",
+    "temporaries",
+    "overhead",
+)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Device memory of one training step of one configuration.
+
+    Attributes:
+        peak_allocated_bytes: most bytes held by live tensors at once
+            (``torch.cuda.max_memory_allocated`` on a GPU).
+        peak_reserved_bytes: most bytes the allocator holds at once
+            (``torch.cuda.max_memory_reserved``); equals allocated on the CPU.
+        device_total_bytes: what the device must have: reserved + context + workspace.
+        capacity_bytes: what the device offers to the training process.
+        fits: ``device_total_bytes <= capacity_bytes``.
+        breakdown: component -> bytes at the peak (see ``COMPONENTS``).
+        method: ``"analytic"`` or ``"simulate"``.
+        peak_phase: ``"forward"``, ``"backward"`` or ``"optimizer"``.
+    """
+
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    capacity_bytes: int
+    fits: bool
+    breakdown: dict[str, int]
+    method: str
+    device: str
+    peak_phase: str
+    model: str = ""
+    num_params: int = 0
+    trainable_params: int = 0
+    seq_len: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Capacity left above the peak (negative when it does not fit)."""
+        return self.capacity_bytes - self.device_total_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        d["headroom_bytes"] = self.headroom_bytes
+        return d
