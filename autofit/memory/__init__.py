@@ -1,0 +1,1 @@
+"""Device memory: allocator models that turn recorded allocations into peaks."""
