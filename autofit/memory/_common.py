@@ -79,8 +79,8 @@ class ReplayResult:
             on CPU, live blocks).
         num_cuda_mallocs: ``cudaMalloc`` calls (page mappings with expandable
             segments), ``num_device_alloc`` in ``torch.cuda.memory_stats``; 0 on CPU.
-        oom: Whether an allocation failed; the replay stops there.
-        oom_index: Index of the failing allocation, or ``None``.
+        oom: Whether an allocation of this model failed (a replay stops there).
+        oom_index: Index of the last failing allocation, or ``None``.
         peak_requested_bytes: Most bytes requested (unrounded) by live tensors.
         reserved_peak_index: Event at which reserved bytes first reached their
             peak, or ``None``.

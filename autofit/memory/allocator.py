@@ -32,11 +32,28 @@ fragmentation.
   each pool has one segment with a huge virtual range that grows by mapping pages
   of 2 MiB (small pool) or 20 MiB (large pool), see ``ExpandableSegment``,
   ``find_expandable_block``, ``map_block`` and ``unmap_block``. Reserved memory is
-  the mapped pages; on OOM the pages that hold no live block are unmapped.
+  the mapped pages; on OOM the pages that hold no live block are unmapped. Free
+  space no longer sits in separate segments, but memory grows by whole pages, so
+  a request can reserve more than it would without (see the tests).
+
+The rules and constants were read in ``c10/cuda/CUDACachingAllocator.cpp`` (pytorch
+main of 2025, commit 001074d2) and checked against ``c10/core/AllocatorConfig.h`` of
+newer releases, where ``large_segment_size`` (default ``kLargeBuffer``, 20 MiB) is
+the 1-10 MiB segment and the large-pool page.
 
 `CpuAllocatorModel` models torch's CPU allocator on glibc (``alloc_cpu``:
-``posix_memalign`` with 64 B alignment, no caching): each allocation is its own
-block and reserved == allocated == the resident bytes of the live blocks.
+``posix_memalign`` with ``gAlignment`` = 64 of ``c10/core/alignment.h``, no
+caching): each allocation is its own block and reserved == allocated == the
+resident bytes of the live blocks, see `cpu_block_bytes`: with
+``MALLOC_MMAP_THRESHOLD_=65536`` a block of 64 KiB or more is ``mmap``-ed as whole
+4 KiB pages including glibc's header (``_int_memalign``, ``sysmalloc``); a smaller
+one is charged its size rounded to 64 B plus a 16 B header.
+
+Both models take events (`AllocEvent`) through ``replay`` or calls to ``malloc``
+and ``free``, keep their state between calls (a second training step finds the
+cache the first left), and report a `ReplayResult`; the CUDA model also lists its
+segments (``segments()``, like ``torch.cuda.memory_snapshot()``) and has
+``empty_cache()``. A request of 0 bytes allocates nothing, as in PyTorch.
 
 Usage::
 
@@ -65,9 +82,14 @@ Known limitations:
 - Addresses are invented: segments get increasing addresses, which only breaks ties
   between free blocks of equal size; real ``cudaMalloc`` addresses may order them
   differently.
-- CPU: glibc may serve a large request from the top of the heap instead of ``mmap``;
-  untouched pages of an ``mmap``-ed block are not resident in reality but are
-  counted here; other allocators (jemalloc, tcmalloc) differ.
+- The category breakdown at the reserved peak is taken once the allocation that
+  raised reserved memory is done, so it includes that allocation.
+- CPU: ``MALLOC_MMAP_THRESHOLD_`` is assumed set; without it glibc's threshold
+  starts at 128 KiB and rises (up to 32 MiB) as mmapped blocks are freed. glibc may
+  serve a large request from the top of the heap instead of ``mmap``; heap blocks
+  are charged a little more than glibc keeps and freed heap memory is taken as
+  returned; untouched pages of an ``mmap``-ed block are not resident in reality but
+  are counted here; other allocators (jemalloc, tcmalloc) differ.
 """
 
 from __future__ import annotations

@@ -11,12 +11,14 @@ neighbours of the same segment. Addresses below are offsets in MiB in a segment.
 from __future__ import annotations
 
 import contextlib
+import doctest
 import random
 import time
 
 import pytest
 
 from autofit.errors import BadInputError
+from autofit.memory import _common, _cpu_model, _cuda_model, _sorted_ints, allocator
 from autofit.memory.allocator import (
     AllocEvent,
     CpuAllocatorModel,
@@ -43,6 +45,14 @@ def free(i: int) -> AllocEvent:
 def layout(model: CudaCachingAllocatorModel) -> list[list[tuple[float, bool]]]:
     """Each segment as [(block size in MiB, allocated), ...]."""
     return [[(b.size / MiB, b.allocated) for b in seg.blocks] for seg in model.segments()]
+
+
+@pytest.mark.parametrize(
+    "module", [allocator, _common, _cuda_model, _cpu_model, _sorted_ints], ids=lambda m: m.__name__
+)
+def test_docstring_examples(module: object) -> None:
+    failures, tests = doctest.testmod(module)  # type: ignore[arg-type]
+    assert failures == 0 and tests > 0
 
 
 # -- size rules --------------------------------------------------------------------
