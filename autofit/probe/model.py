@@ -295,7 +295,7 @@ def _quantize_on_meta(model: torch.nn.Module, bits: int) -> None:
         bnb_4bit_compute_dtype=torch.bfloat16,
         bnb_4bit_quant_type="nf4",
     )
-    replace = getattr(hf_bnb, "replace_with_bnb_linear")
+    replace = hf_bnb.replace_with_bnb_linear
     with torch.device("meta"):
         replace(model, modules_to_not_convert=skip, quantization_config=qc)
 
