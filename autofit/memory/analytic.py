@@ -87,8 +87,10 @@ def weights_bytes(info: ModelInfo, config: TrainConfig) -> int:
     for g in info.params:
         n = g.numel * g.count
         if g.quantized == "4bit":
-            # packed uint8 (two values per byte) + one fp32 absmax per 64 values
-            total += n + math.ceil(2 * n / _NF4_BLOCK) * 4
+            # packed uint8 (two values per byte) + one fp32 absmax per 64 values; on the
+            # meta device Params4bit is not packed yet and still has every element
+            values = 2 * n if g.dtype == "uint8" else n
+            total += values // 2 + math.ceil(values / _NF4_BLOCK) * 4
         elif g.quantized == "8bit":
             total += n + g.shape[0] * 4 * g.count  # int8 + per-row fp32 scale
         else:
@@ -243,8 +245,9 @@ def _layer_bytes_per_token(c: dict, b: BlockSpec, seq_len: int) -> float:
 def _linear_weight_numel(info: ModelInfo) -> int:
     """Elements of the matmul weights autocast copies (blocks + output head)."""
     n = 0
-    for b in info.blocks:
-        n += b.count * sum(i * o for _, i, o, _ in b.linears)
+    if info.quantization is None:  # bitsandbytes dequantizes per op and saves the packed weight
+        for b in info.blocks:
+            n += b.count * sum(i * o for _, i, o, _ in b.linears)
     if info.vocab_size and info.hidden_size and info.task != "seq-cls":
         n += info.vocab_size * info.hidden_size
     return n

@@ -568,8 +568,8 @@ def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
     num = trainable = quant = 0
     for g in params:
         n = g.numel * g.count
-        if g.quantized == "4bit":
-            n *= 2  # Params4bit packs two 4-bit values per uint8 element
+        if g.quantized == "4bit" and g.dtype == "uint8":
+            n *= 2  # a quantized Params4bit packs two 4-bit values per uint8 element
         num += n
         if g.trainable:
             trainable += n
