@@ -150,7 +150,7 @@ def test_cuda_foreach_adamw_temporary_and_overhead(info):
     # foreach AdamW on CUDA: one full fp32 copy (sqrt of the second moment)
     assert h100.breakdown["temporaries"] == 4 * P
     assert fused.peak_allocated_bytes < h100.peak_allocated_bytes - 3 * P  # in place, no copy
-    assert cpu.breakdown["temporaries"] == 2 * 10240 * 4  # 2 x the largest param, one at a time
+    assert cpu.breakdown["temporaries"] == 2 * 32768 * 4  # 2 x the largest param (embedding)
     assert h100.breakdown["overhead"] >= resolve_device("H100-80GB").overhead_bytes
     assert h100.peak_reserved_bytes > h100.peak_allocated_bytes
 
