@@ -137,15 +137,29 @@ def _version() -> str:
         return "0.1.0"
 
 
+def _quiet_libraries() -> None:
+    """Keep library chatter (deprecations, optional-kernel notices) off the terminal."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autofit`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _quiet_libraries()
     try:
         return int(args.func(args))
     except AutofitError as e:
         print(f"autofit: error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # output piped into `head`
+        return EXIT_OK
     except KeyboardInterrupt:
         print("autofit: interrupted", file=sys.stderr)
         return 130

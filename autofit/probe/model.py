@@ -359,8 +359,11 @@ def build_model(
 
         for p in module.parameters():
             p.requires_grad_(False)
-        with torch.device("meta"):
-            module = get_peft_model(module, _lora_config(lora, t))
+        try:
+            with torch.device("meta"):
+                module = get_peft_model(module, _lora_config(lora, t))
+        except ValueError as e:  # e.g. target modules not found in the model
+            raise BadInputError(f"LoRA: {str(e).splitlines()[0]}") from None
     return module, t
 
 
