@@ -104,3 +104,285 @@ def estimate(
 
         return simulate(module, config, seq_len=seq, device=dev, task=t, model_name=info.name)
     return estimate_analytic(info, config, seq, dev)
+
+
+_CONSTRAINTS = {
+    "precision", "optimizer", "gradient_checkpointing", "max_micro_batch", "training_args",
+    "method", "task", "tokenizer", "collator", "text_column", "cache", "confirm_top",
+    "max_trials", "progress", "isolation", "trial_timeout_s", "attn_implementation", "lora",
+    "load_in_4bit", "optim_args", "world_size",
+}
+
+
+def _library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("autofit", "torch", "transformers", "peft", "bitsandbytes", "accelerate"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "-"
+    return out
+
+
+def _fingerprint(info: Any) -> dict[str, Any]:
+    return {
+        "model_type": info.model_type,
+        "architecture": info.architecture,
+        "task": info.task,
+        "params": [(list(g.shape), g.count, g.dtype, g.trainable, g.quantized) for g in info.params],
+        "attn": info.attn_implementation,
+        "peft": info.peft,
+        "lora_r": info.lora_r,
+        "lora_targets": list(info.lora_targets),
+    }
+
+
+def autofit(
+    model: Any,
+    dataset: Any,
+    *,
+    device: str | DeviceInfo = "auto",
+    target_batch_size: int | None = None,
+    max_seq_len: int | None = None,
+    margin: float | None = None,
+    objective: str = "throughput",
+    time_budget_s: float | None = None,
+    **constraints: Any,
+):
+    """The fastest training configuration of ``model`` on ``device`` that fits for the whole run.
+
+    Estimates every candidate (precision x checkpointing x optimizer x micro batch),
+    ranks them by predicted throughput, confirms the best few with real micro-steps
+    on the worst-case batch of ``dataset``, and returns the fastest measured one.
+
+    Args:
+        model: as for ``estimate`` (a module, a hub id, a directory, a config).
+        dataset: a ``datasets.Dataset`` (tokenized, or text + ``tokenizer=``), a
+            torch ``Dataset`` or a list of dicts with ``input_ids``.
+        device: ``auto``, ``cpu``, ``cpu:4GiB``, ``cuda``, ``cuda:N`` or a catalog card
+            (planned from the estimate alone when the card is not present).
+        target_batch_size: the effective batch to keep (micro x accumulation x
+            devices); default: a user's ``training_args=`` batch, else none.
+        max_seq_len: truncation length of the samples.
+        margin: fraction of the capacity kept free (default 10% plus the
+            fragmentation measured in trials).
+        objective: ``"throughput"`` (the only one so far).
+        time_budget_s: stop starting trials after this long; the best confirmed
+            candidate so far is returned.
+        **constraints: ``precision=[...]``, ``optimizer=[...]``,
+            ``gradient_checkpointing=False``, ``max_micro_batch=``,
+            ``training_args=`` (a ``TrainingArguments``, only the tuned fields
+            change), ``method=`` (``analytic``), ``tokenizer=``, ``collator=``,
+            ``task=``, ``cache=`` (False, True or a storage URL), ``confirm_top=``,
+            ``max_trials=``, ``progress=``, ``isolation=``, ``trial_timeout_s=``.
+
+    Returns:
+        A ``FitResult``.
+
+    Raises:
+        DoesNotFitError: nothing fits; the message says what would (LoRA, QLoRA or
+            a shorter sequence), with the estimated numbers.
+        AutofitError: bad input, with what to do.
+
+    Example:
+        >>> from autofit import autofit
+        >>> data = [{"input_ids": list(range(1, 65))}] * 16
+        >>> r = autofit("tiny-llama", data, device="A100-80GB", target_batch_size=16)
+        >>> r.config.effective_batch_size, r.confirmed
+        (16, False)
+    """
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.probe.data import probe_data
+    from autofit.probe.model import build_model, describe
+    from autofit.result import FitResult
+    from autofit.search import DEFAULT_MARGIN, Engine, build_space, cache_key
+    from autofit.speed import predict_speed
+
+    unknown = set(constraints) - _CONSTRAINTS
+    if unknown:
+        raise BadInputError(
+            f"unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(_CONSTRAINTS))}"
+        )
+    if objective != "throughput":
+        raise BadInputError(f"unknown objective {objective!r}; use 'throughput'")
+    method = constraints.get("method", "analytic")
+    if method not in METHODS:
+        raise BadInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    reasons: list[str] = []
+    dev = resolve_device(device)
+    module, task = build_model(
+        model,
+        task=constraints.get("task"),
+        attn_implementation=constraints.get("attn_implementation"),
+        lora=constraints.get("lora"),
+        load_in_4bit=constraints.get("load_in_4bit", False),
+    )
+    info = describe(module, task=task, name=model if isinstance(model, str) else None)
+    if info.trainable_params == 0:
+        from autofit.errors import NoTrainableParametersError
+
+        raise NoTrainableParametersError(
+            f"{info.name} has no trainable parameter; unfreeze some or add LoRA (lora={{'r': 8}})"
+        )
+    data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=constraints.get("tokenizer"),
+                      text_column=constraints.get("text_column"))
+    seq_len = data.length_max
+    reasons.append(f"sequence length {seq_len}: the longest sample"
+                   + (f" after truncation at {max_seq_len}" if data.num_truncated else "")
+                   + f" (p50 {data.length_p50}, p99 {data.length_p99})")
+
+    training_args = constraints.get("training_args")
+    base_args: dict[str, Any] | None = None
+    world_size = int(constraints.get("world_size", 1))
+    if training_args is not None:
+        base_args = training_args.to_dict() if hasattr(training_args, "to_dict") else dict(training_args)
+        if target_batch_size is None:
+            target_batch_size = (int(base_args.get("per_device_train_batch_size", 8))
+                                 * int(base_args.get("gradient_accumulation_steps", 1)) * world_size)
+            reasons.append(f"target batch {target_batch_size}: from training_args "
+                           "(per-device batch × accumulation × devices)")
+    if margin is None:
+        margin = DEFAULT_MARGIN
+    max_micro = int(constraints.get("max_micro_batch", 256))
+    space = build_space(
+        dev,
+        precision=constraints.get("precision"),
+        optimizer=constraints.get("optimizer"),
+        gradient_checkpointing=constraints.get("gradient_checkpointing"),
+        max_micro_batch=min(max_micro, max(data.num_samples, 1)) if target_batch_size is None else max_micro,
+        target_batch_size=target_batch_size,
+        world_size=world_size,
+        optim_args=constraints.get("optim_args"),
+        bnb_available=importlib.util.find_spec("bitsandbytes") is not None,
+        reasons=reasons,
+    )
+
+    def estimate_total(config: TrainConfig) -> int:
+        return estimate_analytic(info, config, seq_len, dev).device_total_bytes
+
+    def speed(config: TrainConfig) -> float:
+        return predict_speed(info, config, seq_len, dev).tokens_per_s
+
+    trial_fn = None
+    if dev.present:
+        from autofit.probe.data import worst_case_batch
+        from autofit.trial import measure
+
+        batches: dict[int, Any] = {}
+
+        def trial_fn(config: TrainConfig):
+            b = config.micro_batch_size
+            if b not in batches:
+                batches[b] = worst_case_batch(
+                    dataset, b, max_seq_len=max_seq_len, tokenizer=constraints.get("tokenizer"),
+                    collator=constraints.get("collator"), task=task,
+                    text_column=constraints.get("text_column"))
+            return measure(model, config, batches[b], device=dev, task=task,
+                           isolation=constraints.get("isolation", "auto"),
+                           timeout_s=constraints.get("trial_timeout_s", 600.0),
+                           attn_implementation=constraints.get("attn_implementation"),
+                           lora=constraints.get("lora"))
+    else:
+        reasons.append(f"{dev.name} is not present here: planned from the estimate alone "
+                       "(unconfirmed); run autofit on the target to confirm")
+
+    recorder = None
+    cache = constraints.get("cache", True)
+    key = cache_key({
+        "model": _fingerprint(info), "seq_len": seq_len, "samples": data.num_samples,
+        "device": [dev.name, dev.product, dev.capacity_bytes], "versions": _library_versions(),
+        "space": [space.precisions, space.gradient_checkpointing, space.optimizers,
+                  space.micro_batches[-1], space.target_batch_size, space.world_size,
+                  space.optim_args],
+        "margin": margin, "method": method, "objective": objective,
+    })
+    if cache and trial_fn is not None:
+        from autofit._study import TrialRecorder, default_storage
+
+        storage = cache if isinstance(cache, str) else default_storage()
+        recorder = TrialRecorder(key, storage=storage, precisions=space.precisions,
+                                 optimizers=space.optimizers, max_micro_batch=space.micro_batches[-1],
+                                 capacity_bytes=dev.capacity_bytes)
+        cached = recorder.cached_result()
+        if cached is not None:
+            return _from_cache(cached, recorder, info, seq_len, dev, base_args)
+
+    progress = _progress_printer(constraints.get("progress", False))
+    engine = Engine(space, dev.capacity_bytes, estimate=estimate_total, speed=speed,
+                    trial=trial_fn, seq_len=seq_len, margin=margin,
+                    confirm_top=int(constraints.get("confirm_top", 3)),
+                    max_trials=int(constraints.get("max_trials", 12)),
+                    time_budget_s=time_budget_s, recorder=recorder, progress=progress)
+    outcome = engine.run()
+    if outcome.config is None:
+        from autofit._suggest import nothing_fits
+
+        raise nothing_fits(info, space, engine, seq_len, dev)
+    config = outcome.config
+    est = estimate_analytic(info, config, seq_len, dev)
+    reasons = outcome.reasons + reasons
+    from autofit.emit import training_arguments_dict
+
+    kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
+    if config.precision in ("bf16-true", "16-true"):
+        reasons.append(f"{config.precision}: load the model in that dtype "
+                       "(torch_dtype=torch.bfloat16 / float16); TrainingArguments has no flag for it")
+    rows = tuple(_candidate_row(c) for c in outcome.candidates)
+    meta = {"model": model if isinstance(model, str) else info.name, "task": task,
+            "seq_len": seq_len, "device": dev.name, "margin": margin, "cache_key": key,
+            "target_batch_size": space.target_batch_size}
+    result = FitResult(config=config, estimate=est, trials=tuple(outcome.trials),
+                       reasons=tuple(reasons), confirmed=outcome.confirmed, device=dev.name,
+                       candidates=rows, training_arguments_kwargs=kwargs, meta=meta)
+    if recorder is not None and outcome.confirmed and not outcome.stopped_early:
+        recorder.store_result({"config": config.to_dict(), "reasons": list(reasons),
+                               "candidates": list(rows), "meta": meta})
+    return result
+
+
+def _candidate_row(c: Any) -> dict[str, Any]:
+    return {
+        "precision": c.precision, "gradient_checkpointing": c.gradient_checkpointing,
+        "optimizer": c.optimizer, "micro_batch": c.micro_batch, "status": c.status,
+        "estimate_bytes": c.estimate_bytes, "measured_bytes": c.measured_bytes,
+        "predicted_tokens_per_s": c.predicted_tokens_per_s,
+        "measured_tokens_per_s": c.measured_tokens_per_s, "calibration": c.calibration,
+        "failed_micro_batch": c.failed_micro_batch, "reason": c.reason,
+    }
+
+
+def _from_cache(cached: dict, recorder: Any, info: Any, seq_len: int, dev: DeviceInfo,
+                base_args: dict | None):
+    from autofit.emit import training_arguments_dict
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.result import FitResult
+
+    config = TrainConfig(**cached["config"])
+    reasons = ["answered from the cache: same model, data shape, device, library versions "
+               "and constraints; no trial run"] + list(cached["reasons"])
+    return FitResult(
+        config=config,
+        estimate=estimate_analytic(info, config, seq_len, dev),
+        trials=tuple(recorder.all_trials()),
+        reasons=tuple(reasons),
+        confirmed=True,
+        device=dev.name,
+        candidates=tuple(cached["candidates"]),
+        training_arguments_kwargs=training_arguments_dict(config, base=base_args,
+                                                          use_cpu=dev.kind == "cpu"),
+        meta=cached["meta"],
+        from_cache=True,
+    )
+
+
+def _progress_printer(enabled: Any):
+    if not enabled:
+        return None
+    if callable(enabled):
+        return enabled
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    return lambda line: console.print(f"[dim]autofit:[/] {line}")

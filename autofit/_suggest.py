@@ -1,0 +1,93 @@
+"""When nothing fits: say what would, with the estimated numbers.
+
+PEFT and quantization change what is trained, so autofit never applies them
+silently; it estimates them (LoRA on every linear layer; QLoRA: a 4-bit base plus
+LoRA) and the longest sequence that would fit, and puts them in the error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from autofit.config import TrainConfig
+from autofit.errors import DoesNotFitError
+from autofit.probe.device import format_bytes
+from autofit.probe.model import ModelInfo, ParamGroup
+
+__all__ = ["with_lora", "nothing_fits"]
+
+_LORA_R = 16
+
+
+def with_lora(info: ModelInfo, r: int = _LORA_R, quantize: bool = False) -> ModelInfo:
+    """``info`` as if LoRA (rank r, every block linear) were added; optionally a 4-bit base."""
+    vocab = info.vocab_size
+    params: list[ParamGroup] = []
+    for g in info.params:
+        is_block_linear = g.role == "linear" and vocab not in g.shape
+        params.append(replace(g, trainable=False,
+                              quantized="4bit" if quantize and is_block_linear else g.quantized))
+    adapters: dict[tuple[int, ...], int] = {}
+    for b in info.blocks:
+        for _, i, o, _ in b.linears:
+            adapters[(r, i)] = adapters.get((r, i), 0) + b.count
+            adapters[(o, r)] = adapters.get((o, r), 0) + b.count
+    for shape, count in adapters.items():
+        params.append(ParamGroup(shape=shape, count=count, dtype="float32", trainable=True,
+                                 role="lora"))
+    trainable = sum(g.numel * g.count for g in params if g.trainable)
+    num = info.num_params + trainable
+    return replace(info, params=tuple(params), trainable_params=trainable, num_params=num,
+                   frozen_params=num - trainable, peft="lora", lora_r=r,
+                   lora_targets=("all-linear",),
+                   quantization="4bit" if quantize else info.quantization)
+
+
+def _smallest(info: ModelInfo, configs: list[TrainConfig], seq_len: int, dev: Any):
+    from autofit.memory.analytic import estimate_analytic
+
+    best = None
+    for c in configs:
+        est = estimate_analytic(info, c, seq_len, dev)
+        if best is None or est.device_total_bytes < best[1].device_total_bytes:
+            best = (c, est)
+    return best
+
+
+def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: Any) -> DoesNotFitError:
+    """The DoesNotFitError for a search where no candidate fits, with suggestions."""
+    from autofit.memory.analytic import estimate_analytic
+
+    b0 = space.micro_batches[0]
+    configs = [engine.config(c, b0) for c in engine._candidates]
+    smallest_cfg, smallest = _smallest(info, configs, seq_len, dev)
+    budget = engine.budget
+    head = (f"no configuration fits in {format_bytes(budget)} "
+            f"({100 * (1 - engine.margin):.0f}% of {format_bytes(engine.capacity)} on {dev.name}): "
+            f"the smallest, {smallest_cfg.precision}"
+            f"{' + checkpointing' if smallest_cfg.gradient_checkpointing else ''} + "
+            f"{smallest_cfg.optimizer} at micro batch {b0}, needs ~{format_bytes(smallest.device_total_bytes)}")
+    ideas = []
+    if info.peft is None and info.is_transformer:
+        for label, variant in (("LoRA r=16 on all linear layers (lora={'r': 16})", with_lora(info)),
+                               ("QLoRA: 4-bit base + LoRA r=16 (load_in_4bit=True)",
+                                with_lora(info, quantize=True))):
+            cfg = smallest_cfg.replace(gradient_checkpointing=True)
+            need = estimate_analytic(variant, cfg, seq_len, dev).device_total_bytes
+            if need <= budget:
+                ideas.append(f"{label} ~{format_bytes(need)}")
+    # the longest sequence that fits with the smallest configuration
+    if info.is_transformer:
+        lo, hi = 0, seq_len - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if estimate_analytic(info, smallest_cfg, mid, dev).device_total_bytes <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo >= 16:
+            need = estimate_analytic(info, smallest_cfg, lo, dev).device_total_bytes
+            ideas.append(f"max_seq_len={lo} (--max-seq-len {lo}) ~{format_bytes(need)}")
+    tail = ("; would fit: " + "; ".join(ideas)) if ideas else "; try a larger device or a smaller model"
+    return DoesNotFitError(head + tail)

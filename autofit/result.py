@@ -1,0 +1,93 @@
+"""``FitResult``: what ``autofit()`` returns — the choice, its evidence, and how to use it.
+
+    result = autofit(model, dataset, device="cpu:4GiB", target_batch_size=32)
+    result.config               # the TrainConfig chosen
+    result.training_arguments   # transformers.TrainingArguments, ready for Trainer
+    result.save("tuned.yaml")   # loadable by HfArgumentParser(TrainingArguments)
+    print(result.reasons)       # why
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autofit.config import TrainConfig
+from autofit.memory.breakdown import MemoryEstimate
+
+__all__ = ["FitResult"]
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The configuration chosen for a model, a dataset and a device.
+
+    Attributes:
+        config: the chosen ``TrainConfig``.
+        estimate: the ``MemoryEstimate`` of the choice (calibrated by trials when
+            ``confirmed``).
+        trials: every ``TrialResult`` measured on the device, in order.
+        reasons: why each automatic choice was made, one line each.
+        confirmed: True when the choice was measured on the device; False when it
+            was planned from the estimate alone (e.g. for a card not present).
+        candidates: one row per combination considered (estimated / measured
+            peak, throughput, status and reason).
+        training_arguments_kwargs: the ``TrainingArguments`` fields.
+        meta: what ``autofit check`` needs to verify the plan later.
+        from_cache: answered from the study cache, with no trial.
+    """
+
+    config: TrainConfig
+    estimate: MemoryEstimate
+    trials: tuple[Any, ...]
+    reasons: tuple[str, ...]
+    confirmed: bool
+    device: str
+    candidates: tuple[dict[str, Any], ...] = ()
+    training_arguments_kwargs: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    from_cache: bool = False
+
+    @property
+    def training_arguments(self) -> Any:
+        """A ``transformers.TrainingArguments`` with the tuned fields.
+
+        Raises:
+            BadInputError: when they cannot be built on this machine (e.g. bf16 on
+                a machine without a bf16 GPU, for a plan made for another card);
+                the message says to ``save()`` and load the file on the target.
+        """
+        from autofit.emit import build_training_arguments
+
+        return build_training_arguments(dict(self.training_arguments_kwargs))
+
+    @property
+    def ooms(self) -> int:
+        """How many trials ran out of memory."""
+        return sum(1 for t in self.trials if getattr(t, "oom", False))
+
+    def save(self, path: str | Path) -> Path:
+        """Write the TrainingArguments fields as YAML or JSON (by suffix)."""
+        from autofit.emit import write_config
+
+        meta = dict(self.meta)
+        meta["reasons"] = list(self.reasons)
+        meta["confirmed"] = self.confirmed
+        meta["config"] = self.config.to_dict()
+        meta["estimate"] = {
+            k: v for k, v in self.estimate.to_dict().items()
+            if k in ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes",
+                     "capacity_bytes", "breakdown", "method")
+        }
+        return write_config(path, self.training_arguments_kwargs, meta)
+
+    def summary(self) -> str:
+        """The choice and its reasons as plain text."""
+        lines = [f"autofit: {'confirmed' if self.confirmed else 'UNCONFIRMED (estimate only)'} "
+                 f"choice for {self.device}"]
+        lines += [f"  - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()

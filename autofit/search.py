@@ -1,0 +1,505 @@
+"""The search engine: the fastest configuration that fits, estimated then confirmed.
+
+The engine asks two questions and never knows how they are answered:
+
+* the estimator, "how much memory does this configuration take?" (cheap: every
+  candidate), and
+* the trial runner, "does it fit on the device, and how fast is it?" (real
+  micro-steps: the few best candidates).
+
+For every combination of the categorical knobs (precision, gradient
+checkpointing, optimizer) the estimate gives the largest micro batch whose device
+total fits ``capacity * (1 - margin)``; the throughput model (``autofit.speed``)
+ranks the combinations at their limits; trials confirm the best few at their
+predicted limit and bracket the true limit by bisection in a narrow window;
+measured peaks recalibrate the estimate of the rest (a per-combination ratio of
+measured to estimated, and their mean for combinations not tried yet). The final
+choice is the fastest *measured* candidate; within it, the largest micro batch
+that fits with the margin.
+
+Trials are recorded in an optuna study (ask-and-tell with enqueued candidates; an
+out-of-memory trial is a completed trial whose constraint
+``device_total - budget`` is positive, not a failure). With SQLite storage a
+tuning run resumes after a crash (finished trials are not run again) and a
+repeated run with the same cache key answers from the cache with no trials.
+
+Known limitations:
+    NB: the micro batch limit is searched on the allowed sizes only (divisors of
+    the target batch per device when a target is given).
+    NB: combinations are confirmed in predicted order; one whose prediction is far
+    too slow is never tried.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from autofit.config import TrainConfig
+from autofit.errors import BadInputError
+
+__all__ = [
+    "SearchSpace",
+    "Candidate",
+    "SearchOutcome",
+    "build_space",
+    "micro_batch_options",
+    "Engine",
+]
+
+DEFAULT_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What may be chosen. Every tuple is non-empty; micro batches ascend."""
+
+    precisions: tuple[str, ...]
+    gradient_checkpointing: tuple[bool, ...]
+    optimizers: tuple[str, ...]
+    micro_batches: tuple[int, ...]
+    target_batch_size: int | None = None
+    world_size: int = 1
+    optim_args: str | None = None
+
+    def accumulation(self, micro_batch: int) -> int:
+        """Gradient accumulation steps that keep the effective batch."""
+        if self.target_batch_size is None:
+            return 1
+        return max(1, self.target_batch_size // (micro_batch * self.world_size))
+
+    def combos(self) -> list[tuple[str, bool, str]]:
+        return list(itertools.product(self.precisions, self.gradient_checkpointing, self.optimizers))
+
+
+@dataclass
+class Candidate:
+    """One combination of the categorical knobs, and what is known about it."""
+
+    precision: str
+    gradient_checkpointing: bool
+    optimizer: str
+    micro_batch: int | None = None  # the largest allowed micro batch expected to fit
+    estimate_bytes: int | None = None  # device total estimated at micro_batch (calibrated)
+    predicted_tokens_per_s: float | None = None
+    calibration: float | None = None  # measured / estimated device total, once measured
+    confirmed_micro_batch: int | None = None  # largest that fit with the margin in a trial
+    measured_tokens_per_s: float | None = None
+    measured_bytes: int | None = None
+    failed_micro_batch: int | None = None  # smallest that did not fit (OOM or over margin)
+    status: str = "estimated"  # estimated | confirmed | rejected | infeasible | skipped
+    reason: str = ""
+
+    @property
+    def key(self) -> tuple[str, bool, str]:
+        return (self.precision, self.gradient_checkpointing, self.optimizer)
+
+    def label(self) -> str:
+        return f"{self.precision}, {'checkpointing' if self.gradient_checkpointing else 'no checkpointing'}, {self.optimizer}"
+
+
+@dataclass
+class SearchOutcome:
+    """What the engine found: the choice (or None) and everything it looked at."""
+
+    choice: Candidate | None
+    config: TrainConfig | None
+    candidates: list[Candidate]
+    trials: list[Any]  # TrialResult, in the order they ran
+    reasons: list[str]
+    confirmed: bool
+    ooms: int = 0
+    stopped_early: bool = False
+    from_cache: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def micro_batch_options(
+    target_batch_size: int | None, world_size: int, max_micro_batch: int
+) -> tuple[tuple[int, ...], str | None]:
+    """Allowed micro batch sizes, and a note when the target cannot be met exactly.
+
+    With a target, the micro batch must divide ``target / world_size`` so that
+    ``micro * accumulation * world_size == target``.
+    """
+    if max_micro_batch < 1:
+        raise BadInputError(f"max_micro_batch must be at least 1, got {max_micro_batch}")
+    if target_batch_size is None:
+        return tuple(range(1, max_micro_batch + 1)), None
+    if target_batch_size < 1:
+        raise BadInputError(f"target_batch_size must be positive, got {target_batch_size}")
+    note = None
+    per_device = target_batch_size // world_size
+    if per_device * world_size != target_batch_size or per_device == 0:
+        per_device = max(1, round(target_batch_size / world_size))
+        note = (
+            f"target batch {target_batch_size} is not a multiple of {world_size} devices; "
+            f"using {per_device * world_size}, the nearest that is"
+        )
+    options = tuple(d for d in range(1, min(per_device, max_micro_batch) + 1) if per_device % d == 0)
+    return options, note
+
+
+def build_space(
+    device: Any,
+    *,
+    precision: Sequence[str] | str | None = None,
+    optimizer: Sequence[str] | str | None = None,
+    gradient_checkpointing: Sequence[bool] | bool | None = None,
+    max_micro_batch: int = 256,
+    target_batch_size: int | None = None,
+    world_size: int = 1,
+    optim_args: str | None = None,
+    bnb_available: bool = True,
+    reasons: list[str] | None = None,
+) -> SearchSpace:
+    """The space the caller allows on ``device``, with a reason for every default."""
+    from autofit.config import check_optimizer, normalize_precision
+    from autofit.probe.device import check_precision
+
+    reasons = reasons if reasons is not None else []
+    if precision is None:
+        if device.bf16:
+            precs = ["bf16-mixed", "32-true"]
+            reasons.append("precision: bf16-mixed and 32-true searched (device supports bf16; "
+                           "fp16 only when asked)")
+        else:
+            precs = ["16-mixed", "32-true"]
+            reasons.append("precision: 16-mixed and 32-true searched (device has no bf16)")
+    else:
+        precs = [normalize_precision(p) for p in ([precision] if isinstance(precision, str) else precision)]
+        for p in precs:
+            check_precision(device, p)
+    if optimizer is None:
+        opts = ["adamw_torch_fused", "adamw_torch"]
+        if bnb_available:
+            opts.append("adamw_bnb_8bit")
+        reasons.append("optimizer: AdamW variants searched (" + ", ".join(opts) + "); "
+                       "other optimizers change training and are tried only when asked")
+    else:
+        opts = [check_optimizer(o) for o in ([optimizer] if isinstance(optimizer, str) else optimizer)]
+        if not bnb_available:
+            from autofit.config import OPTIMIZERS
+            from autofit.errors import MissingDependencyError
+
+            bad = [o for o in opts if OPTIMIZERS[o].bnb]
+            if bad:
+                raise MissingDependencyError(
+                    f"optimizer {bad[0]} needs bitsandbytes: pip install 'autofit[bnb]'"
+                )
+    if gradient_checkpointing is None:
+        ckpt: tuple[bool, ...] = (False, True)
+    elif isinstance(gradient_checkpointing, bool):
+        ckpt = (gradient_checkpointing,)
+    else:
+        ckpt = tuple(dict.fromkeys(bool(x) for x in gradient_checkpointing))
+    if not precs or not opts or not ckpt:
+        raise BadInputError("the search space is empty: allow at least one precision, "
+                            "optimizer and checkpointing setting")
+    micro, note = micro_batch_options(target_batch_size, world_size, max_micro_batch)
+    if note:
+        reasons.append(note)
+    return SearchSpace(
+        precisions=tuple(dict.fromkeys(precs)),
+        gradient_checkpointing=ckpt,
+        optimizers=tuple(dict.fromkeys(opts)),
+        micro_batches=micro,
+        target_batch_size=target_batch_size,
+        world_size=world_size,
+        optim_args=optim_args,
+    )
+
+
+EstimateFn = Callable[[TrainConfig], int]  # -> estimated device total bytes
+SpeedFn = Callable[[TrainConfig], float]  # -> predicted tokens/s
+TrialFn = Callable[[TrainConfig], Any]  # -> TrialResult
+
+
+class Engine:
+    """Runs the search (see the module docstring). One instance, one search.
+
+    Args:
+        space: what may be chosen.
+        capacity_bytes: what the device offers.
+        estimate: ``config -> estimated device total bytes``.
+        speed: ``config -> predicted tokens/s``.
+        trial: ``config -> TrialResult`` on the device, or None to plan from the
+            estimate alone (no device present).
+        margin: fraction of capacity kept free.
+        confirm_top: how many combinations to confirm with trials.
+        time_budget_s: stop starting trials after this long; return the best so far.
+        recorder: optional ``TrialRecorder`` (optuna study) to log and resume trials.
+        progress: called with a line of text before each trial.
+    """
+
+    def __init__(
+        self,
+        space: SearchSpace,
+        capacity_bytes: int,
+        *,
+        estimate: EstimateFn,
+        speed: SpeedFn,
+        trial: TrialFn | None,
+        seq_len: int,
+        margin: float = DEFAULT_MARGIN,
+        confirm_top: int = 3,
+        max_trials: int = 12,
+        time_budget_s: float | None = None,
+        recorder: Any = None,
+        progress: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 <= margin < 1:
+            raise BadInputError(f"margin must be in [0, 1), got {margin}")
+        self.space = space
+        self.capacity = capacity_bytes
+        self.budget = int(capacity_bytes * (1 - margin))
+        self.margin = margin
+        self._estimate = estimate
+        self._speed = speed
+        self._trial = trial
+        self.seq_len = seq_len
+        self.confirm_top = confirm_top
+        self.max_trials = max_trials
+        self.time_budget_s = time_budget_s
+        self.recorder = recorder
+        self._progress = progress or (lambda _: None)
+        self._clock = clock
+        self._start = clock()
+        self.trials: list[Any] = []
+        self.ooms = 0
+        self._est_cache: dict[tuple, int] = {}
+
+    # -- the estimate side -------------------------------------------------------
+    def config(self, c: Candidate, micro_batch: int) -> TrainConfig:
+        return TrainConfig(
+            micro_batch_size=micro_batch,
+            grad_accum_steps=self.space.accumulation(micro_batch),
+            precision=c.precision,
+            gradient_checkpointing=c.gradient_checkpointing,
+            optimizer=c.optimizer,
+            optim_args=self.space.optim_args,
+            seq_len=self.seq_len,
+            world_size=self.space.world_size,
+        )
+
+    def _raw_estimate(self, c: Candidate, b: int) -> int:
+        key = (*c.key, b)
+        if key not in self._est_cache:
+            self._est_cache[key] = int(self._estimate(self.config(c, b)))
+        return self._est_cache[key]
+
+    def _calibration(self, c: Candidate) -> float:
+        if c.calibration is not None:
+            return c.calibration
+        return self._default_calibration
+
+    @property
+    def _default_calibration(self) -> float:
+        known = [x.calibration for x in self._candidates if x.calibration is not None]
+        return sum(known) / len(known) if known else 1.0
+
+    def estimated(self, c: Candidate, b: int) -> int:
+        """Device total bytes at micro batch ``b``, calibrated by what trials measured."""
+        return int(self._raw_estimate(c, b) * self._calibration(c))
+
+    def _largest_fitting(self, c: Candidate, below: int | None = None) -> int | None:
+        """Largest allowed micro batch (< below) whose calibrated estimate fits the budget."""
+        options = [b for b in self.space.micro_batches if below is None or b < below]
+        lo, hi, best = 0, len(options) - 1, None
+        while lo <= hi:  # the estimate grows with the micro batch: binary search
+            mid = (lo + hi) // 2
+            if self.estimated(c, options[mid]) <= self.budget:
+                best, lo = options[mid], mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    def _refresh(self, c: Candidate) -> None:
+        if c.status in ("confirmed", "rejected"):
+            return
+        upper = c.failed_micro_batch
+        b = self._largest_fitting(c, below=upper)
+        c.micro_batch = b
+        if b is None:
+            c.status, c.estimate_bytes, c.predicted_tokens_per_s = "infeasible", None, None
+            one = self.estimated(c, self.space.micro_batches[0])
+            c.reason = (f"micro batch {self.space.micro_batches[0]} needs ~{_gib(one)} "
+                        f"> budget {_gib(self.budget)}")
+            return
+        c.status = "estimated"
+        c.estimate_bytes = self.estimated(c, b)
+        c.predicted_tokens_per_s = self._speed(self.config(c, b))
+
+    # -- the trial side ----------------------------------------------------------
+    def _out_of_time(self) -> bool:
+        if self.time_budget_s is None:
+            return False
+        return self._clock() - self._start >= self.time_budget_s
+
+    def _run_trial(self, c: Candidate, b: int) -> Any:
+        config = self.config(c, b)
+        cached = self.recorder.lookup(config) if self.recorder is not None else None
+        if cached is not None:
+            self._progress(f"trial {c.label()}, micro batch {b}: from the study (resumed)")
+            result = cached
+        else:
+            self._progress(f"trial {len(self.trials) + 1}: {c.label()}, micro batch {b} "
+                           f"(estimate {_gib(self.estimated(c, b))})")
+            result = self._trial(config)
+            if self.recorder is not None:
+                self.recorder.record(config, result, self._raw_estimate(c, b), self.budget)
+        self.trials.append(result)
+        if result.oom:
+            self.ooms += 1
+        return result
+
+    def _confirm(self, c: Candidate) -> None:
+        """Trials at the predicted limit, then bisection in a narrow window."""
+        best_fit: int | None = None
+        b = c.micro_batch
+        while b is not None and len(self.trials) < self.max_trials and not self._out_of_time():
+            r = self._run_trial(c, b)
+            raw = self._raw_estimate(c, b)
+            if not r.oom and (r.error is not None or r.device_total_bytes is None):
+                # a failure that is not an OOM (a timeout, a crash): do not guess further
+                c.status, c.reason = "rejected", f"trial failed: {r.error}"
+                return
+            if r.oom:
+                # the true need is above the capacity: calibrate to at least that
+                c.calibration = max(self._calibration(c), self.capacity / raw)
+                c.failed_micro_batch = b if c.failed_micro_batch is None else min(c.failed_micro_batch, b)
+            else:
+                measured = int(r.device_total_bytes)
+                c.calibration = measured / raw
+                if measured <= self.budget:
+                    best_fit = b
+                    c.confirmed_micro_batch = b
+                    c.measured_bytes = measured
+                    c.measured_tokens_per_s = r.tokens_per_s
+                else:  # fits the device but not the margin
+                    c.failed_micro_batch = b if c.failed_micro_batch is None else min(c.failed_micro_batch, b)
+            b = self._next_size(c, best_fit)
+        if best_fit is None:
+            if c.failed_micro_batch is not None and self._largest_fitting(c, c.failed_micro_batch) is None:
+                c.status = "rejected"
+                c.reason = f"micro batch {c.failed_micro_batch} did not fit in a trial; nothing smaller is allowed"
+            elif c.status != "rejected":
+                c.status = "skipped"
+                c.reason = "not confirmed (out of time or trials)"
+            return
+        c.status = "confirmed"
+        c.micro_batch = best_fit
+
+    def _next_size(self, c: Candidate, best_fit: int | None) -> int | None:
+        """The next micro batch to try: bracket the limit between best_fit and failed."""
+        upper = c.failed_micro_batch
+        if upper is not None:
+            # below a failure: the largest calibrated fit between best_fit and upper
+            b = self._largest_fitting(c, below=upper)
+            if b is None or (best_fit is not None and b <= best_fit):
+                return None
+            return b
+        # no failure yet: go up only if the calibrated estimate says the next size fits
+        if best_fit is None:
+            return None
+        bigger = [x for x in self.space.micro_batches if x > best_fit]
+        if bigger and self.estimated(c, bigger[0]) <= self.budget:
+            return self._largest_fitting(c)
+        return None
+
+    # -- the search ----------------------------------------------------------------
+    def run(self) -> SearchOutcome:
+        reasons: list[str] = []
+        self._candidates = [Candidate(p, g, o) for p, g, o in self.space.combos()]
+        for c in self._candidates:
+            self._refresh(c)
+        feasible = [c for c in self._candidates if c.status == "estimated"]
+        if not feasible:
+            return SearchOutcome(None, None, self._candidates, self.trials, reasons, False)
+        stopped = False
+        if self._trial is None:
+            best = max(feasible, key=lambda c: c.predicted_tokens_per_s or 0.0)
+            reasons.append("planned from the estimate alone: no trial could run on this device")
+            return self._outcome(best, reasons, confirmed=False)
+        tried: set[tuple] = set()
+        while len([c for c in self._candidates if c.key in tried]) < self.confirm_top:
+            pending = [c for c in self._candidates if c.status == "estimated" and c.key not in tried]
+            if not pending:
+                break
+            if self._out_of_time() or len(self.trials) >= self.max_trials:
+                stopped = True
+                break
+            c = max(pending, key=lambda x: x.predicted_tokens_per_s or 0.0)
+            tried.add(c.key)
+            self._confirm(c)
+            for other in self._candidates:  # measured peaks recalibrate the rest
+                if other.key not in tried:
+                    self._refresh(other)
+        confirmed = [c for c in self._candidates if c.status == "confirmed"]
+        if stopped:
+            reasons.append("time budget or trial limit reached: best confirmed candidate so far")
+        if confirmed:
+            best = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0)
+            return self._outcome(best, reasons, confirmed=True, stopped=stopped)
+        pending = [c for c in self._candidates if c.status == "estimated"]
+        if pending:
+            best = max(pending, key=lambda c: c.predicted_tokens_per_s or 0.0)
+            reasons.append("no candidate could be confirmed; the choice rests on the estimate")
+            return self._outcome(best, reasons, confirmed=False, stopped=stopped)
+        return SearchOutcome(None, None, self._candidates, self.trials, reasons, False,
+                             ooms=self.ooms, stopped_early=stopped)
+
+    def _outcome(self, best: Candidate, reasons: list[str], *, confirmed: bool,
+                 stopped: bool = False) -> SearchOutcome:
+        b = best.confirmed_micro_batch if confirmed else best.micro_batch
+        assert b is not None
+        config = self.config(best, b)
+        speed = best.measured_tokens_per_s if confirmed else best.predicted_tokens_per_s
+        how = "measured" if confirmed else "predicted"
+        reasons.insert(0, f"chosen: {best.label()} at micro batch {b} × accumulation "
+                          f"{config.grad_accum_steps} — fastest {how} ({speed:,.0f} tokens/s)"
+                       if speed else f"chosen: {best.label()} at micro batch {b}")
+        if confirmed:
+            nxt = [x for x in self.space.micro_batches if x > b]
+            if best.failed_micro_batch is not None:
+                reasons.append(f"micro batch {b}: measured {_gib(best.measured_bytes)} ≤ budget "
+                               f"{_gib(self.budget)}; {best.failed_micro_batch} did not fit")
+            elif nxt:
+                reasons.append(f"micro batch {b}: measured {_gib(best.measured_bytes)}; "
+                               f"{nxt[0]} is estimated at "
+                               f"{_gib(self.estimated(best, nxt[0]))} > budget {_gib(self.budget)}")
+            else:
+                reasons.append(f"micro batch {b}: the largest allowed")
+        reasons.append(f"margin: {100 * self.margin:.0f}% of {_gib(self.capacity)} kept free "
+                       f"(budget {_gib(self.budget)})")
+        if self.space.target_batch_size is not None:
+            eff = config.effective_batch_size
+            if eff == self.space.target_batch_size:
+                reasons.append(f"effective batch kept: {b} × {config.grad_accum_steps} × "
+                               f"{self.space.world_size} = {eff}")
+            else:
+                reasons.append(f"effective batch {eff} instead of {self.space.target_batch_size}: "
+                               "the nearest the device count allows")
+        return SearchOutcome(best, config, self._candidates, self.trials, reasons, confirmed,
+                             ooms=self.ooms, stopped_early=stopped)
+
+
+def _gib(n: float | None) -> str:
+    if n is None:
+        return "?"
+    from autofit.probe.device import format_bytes
+
+    return format_bytes(n)
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    """A stable short hash of what determines a search's answer."""
+    import hashlib
+
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
