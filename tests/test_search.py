@@ -1,0 +1,173 @@
+"""The engine with fake estimators and fake trials: the exact sequence of sizes tried."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from autofit.errors import BadInputError, MissingDependencyError, UnsupportedPrecisionError
+from autofit.probe.device import resolve_device
+from autofit.search import Engine, SearchSpace, build_space, micro_batch_options
+
+GiB = 2**30
+
+
+@dataclass
+class FakeTrial:
+    oom: bool
+    device_total_bytes: int | None
+    tokens_per_s: float | None
+    error: str | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+
+
+def true_bytes(c):
+    per_sample = 0.15 if c.gradient_checkpointing else 0.5
+    return int((1 + per_sample * c.micro_batch_size) * GiB)
+
+
+def true_speed(c):
+    ckpt = 0.75 if c.gradient_checkpointing else 1.0
+    return 1000 * ckpt * c.micro_batch_size / (c.micro_batch_size + 4)
+
+
+def make(space, *, capacity=10 * GiB, bias=1.0, speed_bias=None, margin=0.10, **kw):
+    tried = []
+
+    def trial(c):
+        tried.append((c.gradient_checkpointing, c.micro_batch_size))
+        need = true_bytes(c)
+        if need > capacity:
+            return FakeTrial(True, None, None, "CUDA out of memory. Tried to allocate 2.00 GiB")
+        return FakeTrial(False, need, true_speed(c))
+
+    engine = Engine(space, capacity,
+                    estimate=lambda c: int(true_bytes(c) * bias),
+                    speed=speed_bias or true_speed, trial=trial, seq_len=128, margin=margin, **kw)
+    return engine, tried
+
+
+def space(ckpt=(False, True), micro=tuple(range(1, 65)), target=None):
+    return SearchSpace(("bf16-mixed",), ckpt, ("adamw_torch",), micro, target)
+
+
+def test_exact_estimate_confirms_at_the_limit_with_no_oom():
+    engine, tried = make(space(ckpt=(False,)))
+    out = engine.run()
+    # budget 9 GiB: 1 + 0.5 B <= 9 -> B = 16, confirmed in one trial
+    assert tried == [(False, 16)]
+    assert out.config.micro_batch_size == 16 and out.confirmed and out.ooms == 0
+
+
+def test_underestimate_bisects_down_after_one_oom():
+    # the estimate is 20% low: 0.8 * (1 + 0.5 * 20) = 8.8 GiB <= 9 predicts 20, which needs
+    # 11 GiB > 10: OOM. The ratio is then at least 10 / 8.8, which predicts 17: it runs
+    # (9.5 GiB) but breaks the margin; measured, the ratio is exact and 16 is confirmed.
+    engine, tried = make(space(ckpt=(False,)), bias=0.8)
+    out = engine.run()
+    assert tried == [(False, 20), (False, 17), (False, 16)]
+    assert out.ooms == 1 and out.config.micro_batch_size == 16
+
+
+def test_overestimate_goes_up_in_a_narrow_window():
+    engine, tried = make(space(ckpt=(False,)), bias=1.25)
+    out = engine.run()
+    assert tried[0][1] < 16 and tried[-1] == (False, 16)
+    assert out.ooms == 0 and out.config.micro_batch_size == 16
+    assert len(tried) == 2  # recalibrated after the first trial, straight to the limit
+
+
+def test_fastest_measured_combination_wins():
+    engine, tried = make(space())
+    out = engine.run()
+    # no checkpointing: B=16 -> 1000*16/20 = 800; checkpointing: B=53 -> 750*53/57 = 697
+    assert out.config.gradient_checkpointing is False and out.config.micro_batch_size == 16
+    assert {t[0] for t in tried} == {False, True}  # both confirmed
+
+
+def test_measured_speed_overrides_prediction():
+    # predicted: checkpointing looks faster; measured: it is not
+    engine, tried = make(space(), speed_bias=lambda c: 2000.0 if c.gradient_checkpointing else 100.0)
+    out = engine.run()
+    assert tried[0][0] is True  # tried first, as predicted fastest
+    assert out.config.gradient_checkpointing is False
+
+
+def test_target_batch_kept():
+    sp = SearchSpace(("bf16-mixed",), (False,), ("adamw_torch",),
+                     micro_batch_options(48, 1, 256)[0], 48)
+    engine, tried = make(sp)
+    out = engine.run()
+    # divisors of 48 below the limit 16: 16 -> accumulation 3
+    assert out.config.micro_batch_size == 16 and out.config.grad_accum_steps == 3
+    assert out.config.effective_batch_size == 48
+    assert any("effective batch kept" in r for r in out.reasons)
+
+
+def test_nothing_fits_returns_no_choice():
+    engine, tried = make(space(), capacity=GiB)
+    out = engine.run()
+    assert out.config is None and tried == []
+    assert all(c.status == "infeasible" for c in out.candidates)
+
+
+def test_plan_without_device_is_unconfirmed():
+    engine = Engine(space(), 10 * GiB, estimate=lambda c: true_bytes(c), speed=true_speed,
+                    trial=None, seq_len=128)
+    out = engine.run()
+    assert not out.confirmed and out.trials == [] and out.config.micro_batch_size == 16
+    assert any("estimate alone" in r for r in out.reasons)
+
+
+def test_time_budget_returns_best_so_far():
+    t = [0.0]
+
+    def clock():
+        t[0] += 10.0
+        return t[0]
+
+    engine, tried = make(space(), time_budget_s=25.0, clock=clock)
+    out = engine.run()
+    assert len(tried) == 1 and out.confirmed and out.stopped_early
+    assert any("time budget" in r for r in out.reasons)
+
+
+def test_failed_trial_is_rejected_not_guessed():
+    sp = space(ckpt=(False,))
+
+    def trial(c):
+        return FakeTrial(False, None, None, "timeout after 10s")
+
+    out = Engine(sp, 10 * GiB, estimate=true_bytes, speed=true_speed, trial=trial,
+                 seq_len=128).run()
+    assert out.candidates[0].status == "rejected" and "timeout" in out.candidates[0].reason
+    assert not out.confirmed
+
+
+def test_micro_batch_options():
+    assert micro_batch_options(12, 1, 256) == ((1, 2, 3, 4, 6, 12), None)
+    assert micro_batch_options(12, 2, 4) == ((1, 2, 3), None)
+    opts, note = micro_batch_options(10, 4, 256)
+    assert note and "nearest" in note
+    assert micro_batch_options(None, 1, 3) == ((1, 2, 3), None)
+    with pytest.raises(BadInputError):
+        micro_batch_options(0, 1, 8)
+
+
+def test_build_space_defaults_and_constraints():
+    reasons = []
+    sp = build_space(resolve_device("A100-80GB"), reasons=reasons)
+    assert sp.precisions == ("bf16-mixed", "32-true") and "16-mixed" not in sp.precisions
+    assert sp.gradient_checkpointing == (False, True)
+    assert "adamw_torch" in sp.optimizers and reasons
+    t4 = build_space(resolve_device("T4"))
+    assert t4.precisions[0] == "16-mixed"
+    with pytest.raises(UnsupportedPrecisionError):
+        build_space(resolve_device("T4"), precision=["bf16-mixed"])
+    only = build_space(resolve_device("cpu"), precision="bf16-mixed", optimizer=["sgd"],
+                       gradient_checkpointing=False, max_micro_batch=8)
+    assert only.precisions == ("bf16-mixed",) and only.optimizers == ("sgd",)
+    assert only.gradient_checkpointing == (False,) and only.micro_batches[-1] == 8
+    with pytest.raises(MissingDependencyError):
+        build_space(resolve_device("cpu"), optimizer=["adamw_bnb_8bit"], bnb_available=False)
+    assert "adamw_bnb_8bit" not in build_space(resolve_device("cpu"), bnb_available=False).optimizers
