@@ -46,8 +46,8 @@ def main(argv: list[str]) -> int:
         if plan.precision.endswith("-true"):
             model.to(dtype=plan.param_dtype)  # the child owns this copy
         model.to(device)
-        timeout = payload.get("timeout_s")
-        deadline = time.monotonic() + timeout if timeout else None
+        wall = payload.get("deadline_wall")  # the parent's clock: start-up counts too
+        deadline = time.monotonic() + (wall - time.time()) if wall else None
     except Exception as exc:  # noqa: BLE001 - reported to the parent, not raised
         from autofit._oom import is_oom
 

@@ -209,10 +209,19 @@ def working_copy(
         memo[id(b)] = stub
         sources.append((stub, b))
     work = copy.deepcopy(model, memo)
+    real: dict[int, torch.Tensor] = {}  # stub id -> tensor on the device (ties stay tied)
     with torch.no_grad():
         for stub, src in sources:
-            dtype = (
-                param_dtype if (param_dtype is not None and src.is_floating_point()) else src.dtype
+            floating = param_dtype is not None and src.is_floating_point()
+            t = src.detach().to(
+                device=device, dtype=param_dtype if floating else src.dtype, copy=True
             )
-            stub.data = src.detach().to(device=device, dtype=dtype, copy=True)
+            if isinstance(stub, torch.nn.Parameter):
+                t = torch.nn.Parameter(t, requires_grad=stub.requires_grad)
+            real[id(stub)] = t
+    for m in work.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is not None and id(t) in real:
+                    table[name] = real[id(t)]
     return work

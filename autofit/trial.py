@@ -78,7 +78,12 @@ __all__ = ["TrialResult", "measure", "is_oom", "OOM_MESSAGES", "ISOLATIONS"]
 
 ISOLATIONS = ("auto", "in-process", "subprocess")
 DEFAULT_TIMEOUT_S = 600.0
-_KILL_GRACE_S = 5.0  # a child past its deadline gets this long to write its result
+
+
+def _kill_grace_s(timeout_s: float) -> float:
+    """How long a child past its deadline gets to write its (partial) result."""
+    return min(5.0, 0.5 + 0.1 * timeout_s)
+
 
 # Devices where an in-process trial did not give its memory back: device -> reason.
 _FAILED_RECOVERY: dict[str, str] = {}
@@ -285,7 +290,7 @@ def _run_in_process(
         rng.restore()
         work = None
         snapshot = None
-        gc.collect()
+        gc.collect(1)  # the trial's objects are freed by reference counting; cycles are young
         _accel_empty_cache(tdev)
 
 
@@ -343,7 +348,7 @@ def _run_subprocess(
             "cap_bytes": cap,
             "warmup_steps": warmup_steps,
             "measure_steps": measure_steps,
-            "timeout_s": timeout_s,
+            "deadline_wall": None if timeout_s is None else time.time() + float(timeout_s),
         }
         try:
             torch.save(payload, work / "payload.pt")
@@ -361,7 +366,9 @@ def _run_subprocess(
                 stderr=subprocess.STDOUT,
             )
             try:
-                proc.wait(timeout=None if timeout_s is None else timeout_s + _KILL_GRACE_S)
+                proc.wait(
+                    timeout=None if timeout_s is None else timeout_s + _kill_grace_s(timeout_s)
+                )
             except subprocess.TimeoutExpired:
                 proc.kill()  # our own child, by its handle
                 proc.wait()
