@@ -37,7 +37,11 @@ def main(argv: list[str]) -> int:
         payload = torch.load(workdir / "payload.pt", weights_only=False)
         device = torch.device(payload["device"])
         if device.type != "cpu":
-            torch.accelerator.set_device_index(device.index or 0)
+            acc = getattr(torch, "accelerator", None)
+            if acc is not None and hasattr(acc, "set_device_index"):
+                acc.set_device_index(device)
+            else:  # pragma: no cover - torch < 2.6
+                getattr(torch, device.type).set_device(device)
         torch.manual_seed(int(payload.get("seed", 0)))
         plan = payload["plan"]
         model = payload["model"]

@@ -71,17 +71,64 @@ class RawTrial:
         return statistics.median(self.step_times_s) if self.step_times_s else None
 
 
-def _accel(device_type: str) -> Any:
-    """The memory API of an accelerator: torch.accelerator when it has it, else torch.<type>."""
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "max_memory_allocated"):
-        return acc
-    return getattr(torch, device_type)
+class _AccelAPI:
+    """Allocator counters of one accelerator type.
+
+    ``torch.accelerator`` (torch >= 2.8) when it serves this device type, else the
+    per-backend module (``torch.cuda``, ``torch.xpu``) with its older names.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        acc = getattr(torch, "accelerator", None)
+        current = acc.current_accelerator() if acc is not None and acc.is_available() else None
+        self.generic = (
+            acc is not None
+            and current is not None
+            and current.type == device_type
+            and hasattr(acc, "max_memory_allocated")
+        )
+        self.mod = acc if self.generic else getattr(torch, device_type)
+
+    def index(self) -> int:
+        if self.generic:
+            return self.mod.current_device_index()
+        return self.mod.current_device()
+
+    def synchronize(self, idx: int) -> None:
+        self.mod.synchronize(idx)
+
+    def empty_cache(self) -> None:
+        self.mod.empty_cache()
+
+    def allocated(self, idx: int) -> int:
+        return int(self.mod.memory_allocated(idx))
+
+    def max_allocated(self, idx: int) -> int:
+        return int(self.mod.max_memory_allocated(idx))
+
+    def max_reserved(self, idx: int) -> int:
+        return int(self.mod.max_memory_reserved(idx))
+
+    def reset_peak(self, idx: int) -> None:
+        self.mod.reset_peak_memory_stats(idx)
+
+    def mem_info(self, idx: int) -> tuple[int, int]:
+        """(free, total) bytes of the device, every process counted."""
+        if self.generic:
+            free, total = self.mod.get_memory_info(idx)
+        else:
+            free, total = self.mod.mem_get_info(idx)
+        return int(free), int(total)
+
+
+def _accel(device_type: str) -> _AccelAPI:
+    return _AccelAPI(device_type)
 
 
 def _sync(device: torch.device) -> None:
     if device.type != "cpu":
-        _accel(device.type).synchronize()
+        api = _accel(device.type)
+        api.synchronize(device.index if device.index is not None else api.index())
 
 
 class _CpuMeter:
@@ -139,19 +186,15 @@ class _AccelMeter:
     def __init__(self, device: torch.device, excluded: int) -> None:
         self.device = device
         self.api = _accel(device.type)
+        self.idx = device.index if device.index is not None else self.api.index()
         self.excluded = excluded
         self.base: int | None = None
 
-    def _idx(self) -> Any:
-        return (
-            self.device.index if self.device.index is not None else self.api.current_device_index()
-        )
-
     def baseline(self) -> int:
         gc.collect(1)
-        _sync(self.device)
+        self.api.synchronize(self.idx)
         self.api.empty_cache()
-        self.base = int(self.api.memory_allocated(self._idx()))
+        self.base = self.api.allocated(self.idx)
         return self.base
 
     def arm(self) -> None:
@@ -161,19 +204,15 @@ class _AccelMeter:
         pass
 
     def reset_peak(self) -> None:
-        _sync(self.device)
-        self.api.reset_peak_memory_stats(self._idx())
+        self.api.synchronize(self.idx)
+        self.api.reset_peak(self.idx)
 
     def peaks(self) -> tuple[int | None, int | None, int | None]:
-        _sync(self.device)
-        idx = self._idx()
-        alloc = int(self.api.max_memory_allocated(idx)) - self.excluded
-        reserved = int(self.api.max_memory_reserved(idx)) - self.excluded
-        if hasattr(self.api, "get_memory_info"):
-            free, total = self.api.get_memory_info(idx)
-        else:  # pragma: no cover - torch without torch.accelerator memory API
-            free, total = torch.cuda.mem_get_info(idx)
-        used = int(total - free) - self.excluded  # every process on the device, context included
+        self.api.synchronize(self.idx)
+        alloc = self.api.max_allocated(self.idx) - self.excluded
+        reserved = self.api.max_reserved(self.idx) - self.excluded
+        free, total = self.api.mem_info(self.idx)
+        used = total - free - self.excluded  # every process on the device, context included
         return max(0, alloc), max(0, reserved), max(0, used)
 
     def leaked(self) -> int | None:
@@ -181,8 +220,8 @@ class _AccelMeter:
             return None
         for generation in (1, 2):  # a full collection only when memory looks held
             gc.collect(generation)
-            _sync(self.device)
-            now = int(self.api.memory_allocated(self._idx()))
+            self.api.synchronize(self.idx)
+            now = self.api.allocated(self.idx)
             if now - self.base <= self.tolerance:
                 break
         self.api.empty_cache()

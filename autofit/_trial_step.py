@@ -159,12 +159,10 @@ def prepare_model(model: torch.nn.Module, plan: StepPlan) -> None:
         else:
             plan.notes.append(f"{type(model).__name__} has no gradient checkpointing; ran without")
     else:
-        flag = (
-            "is_activation_checkpointing"
-            if hasattr(type(model), "is_activation_checkpointing")
-            else "is_gradient_checkpointing"
-        )
-        if getattr(model, flag, False):
+        on = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x
+        if on is None:
+            on = getattr(model, "is_gradient_checkpointing", False)
+        if on:
             if hasattr(model, "activation_checkpointing_disable"):
                 model.activation_checkpointing_disable()
             else:

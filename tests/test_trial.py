@@ -370,6 +370,84 @@ def test_result_is_frozen_and_serializable():
     assert json.loads(json.dumps(r.to_dict()))["batch_shape"] == [1, 2]
 
 
+def test_unpicklable_module_falls_back_in_process_under_the_cap():
+    class Local(torch.nn.Module):  # defined here: pickle cannot name it
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 16)
+            self.head = torch.nn.Linear(16, 50)
+
+        def forward(self, input_ids, labels=None, attention_mask=None):
+            logits = self.head(self.emb(input_ids))
+            return {
+                "loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            }
+
+    batch = {"input_ids": torch.randint(0, 50, (2, 8)), "labels": torch.randint(0, 50, (2, 8))}
+    r = measure(Local(), TrainConfig(micro_batch_size=2), batch, device="cpu:1GiB")
+    assert r.fits and r.isolation == "in-process" and "pickle" in r.isolation_reason
+    with pytest.raises(BadInputError, match="in-process"):
+        measure(
+            Local(), TrainConfig(micro_batch_size=2), batch, device="cpu", isolation="subprocess"
+        )
+
+
+def test_a_child_that_dies_is_judged_by_its_stderr(tiny_path, tmp_path, monkeypatch):
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\necho \"terminate called after throwing an instance of 'std::bad_alloc'\" >&2\n"
+        "kill -ABRT $$\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(trial_mod.sys, "executable", str(fake))
+    r = measure(tiny_path, TrainConfig(micro_batch_size=1), seq_len=8, device="cpu:1GiB")
+    assert r.oom and "SIGABRT" in r.error and "bad_alloc" in r.error
+
+
+def test_accelerator_meter_on_fake_counters(monkeypatch):
+    from autofit import _trial_run
+
+    class FakeAPI:  # what _AccelAPI offers, with counters the test sets
+        def __init__(self):
+            self.alloc, self.max_alloc, self.max_res, self.emptied = 100 * MiB, 0, 0, 0
+
+        def index(self):
+            return 0
+
+        def synchronize(self, idx):
+            pass
+
+        def empty_cache(self):
+            self.emptied += 1
+
+        def allocated(self, idx):
+            return self.alloc
+
+        def max_allocated(self, idx):
+            return self.max_alloc
+
+        def max_reserved(self, idx):
+            return self.max_res
+
+        def reset_peak(self, idx):
+            self.max_alloc = self.max_res = self.alloc
+
+        def mem_info(self, idx):
+            return 1000 * MiB, 5000 * MiB
+
+    api = FakeAPI()
+    monkeypatch.setattr(_trial_run, "_accel", lambda device_type: api)
+    meter = _trial_run._AccelMeter(torch.device("cuda", 0), excluded=10 * MiB)
+    assert meter.baseline() == 100 * MiB and api.emptied == 1
+    meter.arm()
+    assert api.max_alloc == 100 * MiB
+    api.max_alloc, api.max_res = 700 * MiB, 900 * MiB
+    assert meter.peaks() == (690 * MiB, 890 * MiB, 3990 * MiB)
+    assert meter.leaked() == 0
+    api.alloc += 3 * MiB  # a tensor the trial did not free
+    assert meter.leaked() == 3 * MiB > meter.tolerance
+
+
 # ---------------------------------------------------------------- accelerators
 
 
