@@ -146,13 +146,13 @@ def _restore_bnb_manager(state: dict[str, Any] | None) -> None:
 class RngSnapshot:
     """The torch (CPU and CUDA), numpy and ``random`` generator states."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self.torch = torch.get_rng_state()
-        self.cuda = (
-            torch.cuda.get_rng_state_all()
-            if torch.cuda.is_available() and torch.cuda.is_initialized()
-            else None
+        # a CUDA trial initialises CUDA anyway: take its generators first
+        use_cuda = torch.cuda.is_available() and (
+            torch.cuda.is_initialized() or (device is not None and device.type == "cuda")
         )
+        self.cuda = torch.cuda.get_rng_state_all() if use_cuda else None
         self.python = random.getstate()
         try:
             import numpy as np

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,34 @@ def _restore_environ(before: dict[str, str]) -> None:
             os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _accelerate_state_kept() -> Iterator[None]:
+    """Undo what building a ``TrainingArguments`` does to the process.
+
+    Its ``__post_init__`` initialises accelerate's ``PartialState`` singleton (and
+    resets an ``AcceleratorState`` the user configured) and may call
+    ``torch.cuda.set_device``: the shared state dicts are put back in place (same
+    objects: accelerate's singletons share them) and the current device restored.
+    """
+    try:
+        from accelerate.state import AcceleratorState, PartialState
+    except ImportError:  # pragma: no cover - transformers' Trainer needs accelerate
+        yield
+        return
+    saved = [
+        (cls._shared_state, dict(cls._shared_state)) for cls in (PartialState, AcceleratorState)
+    ]
+    cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        for shared, copy_ in saved:
+            shared.clear()
+            shared.update(copy_)
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+
+
 def plan_step(model: torch.nn.Module, config: TrainConfig, *, use_cpu: bool) -> StepPlan:
     """Resolve the Trainer's optimizer for ``config`` (``model`` may live on meta)."""
     spec = config.optimizer_spec
@@ -97,7 +126,7 @@ def plan_step(model: torch.nn.Module, config: TrainConfig, *, use_cpu: bool) -> 
     from transformers import Trainer, TrainingArguments
 
     before = dict(os.environ)
-    with tempfile.TemporaryDirectory(prefix="autofit-args-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="autofit-args-") as tmp, _accelerate_state_kept():
         try:
             args = TrainingArguments(
                 output_dir=tmp,

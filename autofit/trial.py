@@ -254,7 +254,7 @@ def _run_in_process(
     from autofit._trial_step import storage_bytes
 
     true_dtype = plan.param_dtype if plan.precision.endswith("-true") else None
-    rng = RngSnapshot()
+    rng = RngSnapshot(tdev)
     snapshot = None
     work = None
     try:

@@ -191,12 +191,16 @@ def test_model_and_rng_untouched(config, device, isolation, expect_oom):
     sentinel = torch.ones_like(model.lm_head.weight)
     model.lm_head.weight.grad = sentinel  # the user's own gradient
     before, rng_before = _state_hash(model), _rng_hash()
+    from accelerate.state import PartialState
+
+    accelerate_before = dict(PartialState._shared_state)
     r = measure(
         model, config, seq_len=512 if expect_oom else 32, device=device, isolation=isolation
     )
     assert r.oom is expect_oom and r.isolation == "in-process"
     assert _state_hash(model) == before
     assert _rng_hash() == rng_before
+    assert PartialState._shared_state == accelerate_before  # TrainingArguments' side effect undone
     assert model.lm_head.weight.grad is sentinel
     assert not model.training and model.config.use_cache is True
     assert not model.is_activation_checkpointing
