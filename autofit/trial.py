@@ -42,12 +42,31 @@ Isolation (``isolation=``):
 - ``"in-process"``: this process; on a capped CPU the address-space limit is set
   on this process for the duration of the steps and lifted afterwards.
 
+The model untouched: a subprocess trial works on its own copy. In this process
+the trial runs on the user's module *in place* when it already sits on the device
+in the dtype it trains in (so the device holds one set of weights, as in the real
+run: right for a big model that only just fits), with a host-memory snapshot of
+every parameter and buffer, the flags, module attributes (training mode,
+checkpointing, hooks) and config fields, restored in a ``finally``; otherwise
+(``*-true`` casts, another device) on a copy made tensor by tensor on the device.
+The torch / CUDA / numpy / ``random`` generators are restored either way, and so
+is accelerate's state that building ``TrainingArguments`` touches. See
+``autofit._trial_state``.
+
+Out of memory: ``is_oom`` (``autofit._oom``) decides. The message is kept, the
+exception dropped outside the ``except`` block, everything the trial made freed,
+and memory checked back at the baseline (``recovered``); when it is not, a
+``RuntimeWarning`` says so and later ``auto`` trials on that device run in a
+subprocess.
+
 Timeouts: ``timeout_s`` is a wall-clock limit for the whole trial. A subprocess is
 killed when it is exceeded; in this process no new step starts after it (a step
 already running is not interrupted). Either way ``measure`` returns a result with
 ``timed_out=True`` and ``error="timeout after <timeout_s>s"``; it does not raise.
 
 Known limitations:
+    NB: a capped-CPU child runs single-threaded (steady memory numbers), so its
+    step times are those of one core.
     NB: 8-/4-bit quantized base models are not moved or cast by a trial; give them
     already on the device, with a ``*-mixed`` precision.
     NB: a model on an accelerator that must be cast (``*-true``) is copied beside
