@@ -236,6 +236,29 @@ def _make_batch(
     )
 
 
+def _with_decoder_inputs(batch: dict[str, Any], module: Any) -> dict[str, Any]:
+    """Seq2seq: decoder inputs = labels shifted right, as DataCollatorForSeq2Seq makes them.
+
+    Done here rather than by the model, whose shift needs ``decoder_start_token_id``
+    (absent from some configs).
+    """
+    import torch
+
+    if "decoder_input_ids" in batch or "labels" not in batch or batch["labels"].dim() != 2:
+        return batch
+    cfg = _model_config(module)
+    pad = getattr(cfg, "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    start = getattr(cfg, "decoder_start_token_id", None)
+    start = pad if start is None else int(start)
+    labels = batch["labels"]
+    shifted = torch.full_like(labels, pad)
+    shifted[:, 1:] = labels[:, :-1]
+    shifted[:, 0] = start
+    shifted[shifted == -100] = pad
+    return {**batch, "decoder_input_ids": shifted}
+
+
 # ---------------------------------------------------------------- running
 
 
@@ -520,6 +543,8 @@ def measure(
         tokenizer=tokenizer,
         collator=collator,
     )
+    if task_name == "seq2seq":
+        batch = _with_decoder_inputs(batch, module)
     b, t = (int(s) for s in batch["input_ids"].shape)
     plan = plan_step(module, config, use_cpu=dev.kind == "cpu")
     tdev = _torch_device(dev)

@@ -281,6 +281,61 @@ def test_precisions_and_optimizers_run(tiny_path, config):
     assert r.micro_batches_per_step == min(config.grad_accum_steps, 2)
 
 
+@pytest.mark.parametrize(
+    ("config", "task"),
+    [
+        (
+            {
+                "model_type": "t5",
+                "d_model": 64,
+                "d_ff": 128,
+                "d_kv": 16,
+                "num_heads": 4,
+                "num_layers": 2,
+                "vocab_size": 1000,
+                "is_encoder_decoder": True,
+            },
+            "seq2seq",
+        ),
+        (
+            {
+                "model_type": "bert",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "vocab_size": 1000,
+            },
+            "seq-cls",
+        ),
+        (
+            {
+                "model_type": "bert",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "vocab_size": 1000,
+            },
+            "masked-lm",
+        ),
+    ],
+    ids=["t5-seq2seq", "bert-seq-cls", "bert-masked-lm"],
+)
+def test_other_tasks(tmp_path, config, task):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))  # NB: the T5 config has no decoder_start_token_id
+    r = measure(
+        str(path),
+        TrainConfig(micro_batch_size=2),
+        seq_len=16,
+        device="cpu",
+        task=task,
+        measure_steps=1,
+    )
+    assert r.fits, r.error
+
+
 def test_lora_by_reference(tiny_path):
     from autofit.probe.model import LoraSpec
 
@@ -506,7 +561,18 @@ def test_cli_fits_json(tiny_path, capsys):
 
 def test_cli_oom_exit_3_with_suggestion(tiny_path, capsys):
     code = _cli(
-        ["measure", tiny_path, "--batch-size", "16", "--seq-len", "512", "--device", "cpu:64MiB"]
+        [
+            "measure",
+            tiny_path,
+            "--batch-size",
+            "16",
+            "--seq-len",
+            "512",
+            "--device",
+            "cpu:64MiB",
+            "--isolation",
+            "in-process",
+        ]  # the subprocess OOM path is tested above; this is fast
     )
     out = capsys.readouterr().out
     assert code == 3
