@@ -7,7 +7,8 @@ and the RNGs are left exactly as they were.
 
     >>> from autofit.config import TrainConfig
     >>> from autofit.trial import measure
-    >>> r = measure("tiny-llama", TrainConfig(micro_batch_size=2), seq_len=64, device="cpu:2GiB")
+    >>> r = measure("tiny-llama", TrainConfig(micro_batch_size=2), seq_len=64,
+    ...             device="cpu:2GiB")                        # doctest: +SKIP
     >>> r.oom, r.batch_shape                                 # doctest: +SKIP
     (False, (2, 64))
 
