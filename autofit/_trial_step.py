@@ -299,12 +299,15 @@ class Stepper:
             with self._autocast_ctx():
                 out = self.model(**batch)
                 loss = _loss_of(out)
+                # the Trainer's compute_loss returns the loss only: the outputs (logits,
+                # (B, T, V)) are freed before backward, so they must not live on here
+                del out
             loss = loss / self.plan.grad_accum_steps
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
             else:
                 loss.backward()
-            del out, loss
+            del loss
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
