@@ -54,9 +54,11 @@ Protocol (one configuration per fresh child process, so nothing leaks between ru
 
 The step is the one ``transformers.Trainer`` runs: ``model.train()``; gradient
 checkpointing via ``gradient_checkpointing_enable(use_reentrant=False)`` and
-``config.use_cache = False``; ``loss = model(**batch).loss`` (labels in the batch)
-under ``torch.autocast("cpu", ...)`` for the mixed precisions; ``loss.backward()``
-outside autocast; ``clip_grad_norm_(params, 1.0)``; ``optimizer.step()``;
+``config.use_cache = False``; ``loss = model(**batch).loss`` (labels in the batch),
+for the mixed precisions under ``torch.autocast("cpu", ...)`` with the half outputs
+then copied to fp32 (accelerate's ``convert_outputs_to_fp32``, which the Trainer
+wraps around forward); ``loss.backward()`` outside autocast;
+``clip_grad_norm_(params, 1.0)``; ``optimizer.step()``;
 ``optimizer.zero_grad(set_to_none=True)``. The optimizer and its kwargs come from
 ``Trainer.get_optimizer_cls_and_kwargs`` with the Trainer's two parameter groups
 (decay / no-decay as ``Trainer.get_decay_parameter_names`` splits them; trainable
@@ -65,15 +67,24 @@ parameters only).
 Precisions (Lightning's names): ``32-true`` fp32; ``bf16-mixed`` fp32 weights +
 bf16 autocast; ``16-mixed`` fp32 weights + fp16 autocast + ``GradScaler("cpu")``;
 ``bf16-true`` / ``16-true`` the whole model (LoRA adapters included, cast after
-``get_peft_model``) in bf16 / fp16, no autocast.
+``get_peft_model``) in bf16 / fp16, no autocast. NB: torch runs fp16 autocast and
+``GradScaler("cpu")`` on the CPU, but the Trainer does not (accelerate refuses fp16
+mixed precision on a CPU device), so ``16-mixed`` here is the step the Trainer would
+run on a GPU, executed on the CPU.
 
 Known limitations:
     NB: RSS counts touched pages only; a tensor allocated with ``torch.empty`` and
     never written costs nothing here, although it would on a GPU allocator.
     NB: allocations below 64 KiB come from the glibc heap, which is trimmed only
     at its top, so a few small blocks may stay resident (tens of KiB).
-    NB: one-time caches created by the first full-size step (oneDNN primitives and
-    the like) are counted in the peak, because the baseline precedes that step.
+    NB: one-time caches created by the first full-size step are counted in the peak
+    and in ``steady_rss_after_step_bytes``, because the baseline precedes that step.
+    On this machine they are 11-15 MiB: they grow with the step's size up to about
+    4 x 128 tokens, then stay constant and are never released (kernel scratch and
+    heap residue, not tensors).
+    NB: the Trainer passes ``num_items_in_batch`` to models that accept loss kwargs
+    (sum-reduced loss divided by the token count); this harness uses the model's mean
+    loss. The tensors involved are the same size.
 """
 
 from __future__ import annotations
@@ -88,6 +99,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +328,19 @@ class _PhaseMarks:
             _reset_hwm()
 
 
+def _half_to_fp32(obj):
+    """accelerate's convert_to_fp32: fp16/bf16 tensors in nested dicts/lists/tuples -> fp32."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in (torch.float16, torch.bfloat16) else obj
+    if isinstance(obj, Mapping):
+        return {k: _half_to_fp32(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_half_to_fp32(v) for v in obj)
+    return obj
+
+
 def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None) -> float:
     """One Trainer training step + optimizer step; returns the loss. ``mark(phase)`` hooks."""
     import torch
@@ -328,7 +353,13 @@ def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None) ->
         else contextlib.nullcontext()
     )
     with ctx:
-        loss = model(**batch).loss  # outputs (logits) dropped here, as compute_loss does
+        outputs = model(**batch)
+    if autocast_dtype:
+        # Trainer (accelerate's prepare_model) wraps forward as convert_outputs_to_fp32(
+        # autocast(forward)): half outputs get an fp32 copy, e.g. (B, T, V) fp32 logits.
+        outputs = _half_to_fp32(outputs)
+    loss = outputs["loss"]
+    del outputs  # compute_loss returns the loss only: logits etc. are dropped here
     mark("backward")
     if scaler is not None:
         scaler.scale(loss).backward()
