@@ -163,7 +163,7 @@ CONFIGS: list[dict[str, Any]] = [
     _gpt2("gpt2-b4s256-bf16m-gc", precision="bf16-mixed", gc=True),
     _gpt2("gpt2-b4s256-bf16t-sgd", precision="bf16-true", optimizer="sgd"),
     _gpt2("gpt2-b2s256-fused", batch=2, optimizer="adamw_torch_fused"),
-    _gpt2("gpt2-b2s512-adafactor", batch=2, seq=512, optimizer="adafactor"),
+    _gpt2("gpt2-b1s512-adafactor", batch=1, seq=512, optimizer="adafactor"),
     _gpt2("gpt2-b1s128-bnb8", batch=1, seq=128, optimizer="adamw_bnb_8bit"),
     _gpt2("gpt2-lora-b4s256", lora=LORA_GPT2),
     _gpt2(
