@@ -221,7 +221,9 @@ def _measure(args: argparse.Namespace) -> Any:
     data = None
     tokenizer = None
     if args.dataset:
-        data = load_dataset_file(args.dataset)
+        from autofit._datasets import load_dataset_ref
+
+        data = load_dataset_ref(args.dataset)
         tokenizer = _tokenizer(args, data)
     elif args.seq_len is None:
         raise BadInputError("give --seq-len (random tokens) or --dataset")

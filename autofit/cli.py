@@ -114,6 +114,47 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return EXIT_OK if est.fits else EXIT_DOES_NOT_FIT
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from autofit._datasets import load_dataset_ref
+    from autofit.api import autofit
+    from autofit.report import print_fit
+
+    if not args.output.lower().endswith((".yaml", ".yml", ".json")):
+        from autofit.errors import BadInputError
+
+        raise BadInputError(f"-o {args.output}: use a .yaml or .json file name")
+    data = load_dataset_ref(args.dataset)
+    tokenizer = None
+    if args.tokenizer:
+        from autofit._cli_measure import _tokenizer
+
+        tokenizer = _tokenizer(args, data)
+    kwargs: dict[str, Any] = dict(
+        device=args.device, target_batch_size=args.target_batch_size,
+        max_seq_len=args.max_seq_len, margin=args.margin, time_budget_s=args.time_budget,
+        precision=args.precision, optimizer=args.optim, gradient_checkpointing=args.ckpt,
+        max_micro_batch=args.max_micro_batch, task=args.task, tokenizer=tokenizer,
+        max_trials=args.max_trials, cache=not args.no_cache,
+    )
+    if args.json:
+        result = autofit(args.model, data, **kwargs)
+    else:
+        from autofit.report import TrialProgress
+
+        with TrialProgress(args.max_trials) as progress:
+            result = autofit(args.model, data, progress=progress, **kwargs)
+    path = result.save(args.output)
+    if args.json:
+        print(json.dumps({"config": result.config.to_dict(), "confirmed": result.confirmed,
+                          "from_cache": result.from_cache, "reasons": list(result.reasons),
+                          "trials": [t.to_dict() for t in result.trials],
+                          "candidates": list(result.candidates), "output": str(path),
+                          "estimate": result.estimate.to_dict()}, indent=2, default=str))
+    else:
+        print_fit(result, path)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     from autofit.api import METHODS
 
@@ -129,6 +170,36 @@ def build_parser() -> argparse.ArgumentParser:
     from autofit._cli_measure import add_measure_parser, run_measure
 
     add_measure_parser(sub).set_defaults(func=run_measure)
+
+    t = sub.add_parser("tune", help="find the fastest configuration that fits; write it to a file",
+                       description="Estimate every candidate, confirm the best with real "
+                       "micro-steps on the worst-case batch, write the tuned TrainingArguments. "
+                       "Exit 0 ok, 3 nothing fits, 2 bad input.")
+    t.add_argument("model", help="hub id, local directory, config.json path or bundled name")
+    t.add_argument("--dataset", required=True,
+                   help=".json/.jsonl file, a save_to_disk directory, or a bundled name (tiny-samples)")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--target-batch-size", type=int, default=None,
+                   help="effective batch to keep (micro batch × accumulation × devices)")
+    t.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this length")
+    t.add_argument("--margin", type=float, default=None,
+                   help="fraction of capacity kept free (default 0.10 + measured fragmentation)")
+    t.add_argument("--time-budget", type=float, default=None, help="seconds; best so far after it")
+    t.add_argument("-o", "--output", default="tuned.yaml", help="tuned file (.yaml or .json)")
+    t.add_argument("--precision", nargs="+", default=None, help="precisions allowed")
+    t.add_argument("--optim", nargs="+", default=None, help="optimizers allowed")
+    g = t.add_mutually_exclusive_group()
+    g.add_argument("--gradient-checkpointing", dest="ckpt", action="store_const", const=True,
+                   help="always checkpoint")
+    g.add_argument("--no-gradient-checkpointing", dest="ckpt", action="store_const", const=False,
+                   help="never checkpoint")
+    t.add_argument("--max-micro-batch", type=int, default=256)
+    t.add_argument("--task", default=None)
+    t.add_argument("--tokenizer", default=None, help="tokenizer for a dataset with text")
+    t.add_argument("--max-trials", type=int, default=12)
+    t.add_argument("--no-cache", action="store_true", help="ignore and do not write the cache")
+    t.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    t.set_defaults(func=_cmd_tune)
     return parser
 
 

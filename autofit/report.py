@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autofit.memory.breakdown import COMPONENTS
 from autofit.probe.device import format_bytes
@@ -98,3 +98,105 @@ class _Null:
 
     def flush(self) -> None:
         pass
+
+
+class TrialProgress:
+    """A rich progress bar over trials; call it with a line of text before each trial.
+
+    Used as ``autofit(..., progress=TrialProgress(max_trials))`` inside a ``with``.
+    """
+
+    def __init__(self, total: int, console: Console | None = None) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self._console = console or Console(stderr=True)
+        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                  MofNCompleteColumn(), TimeElapsedColumn(),
+                                  console=self._console, transient=False)
+        self._task = None
+        self._total = total
+        self._started = 0
+
+    def __enter__(self) -> TrialProgress:
+        self._progress.__enter__()
+        self._task = self._progress.add_task("estimating candidates", total=self._total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._progress.update(self._task, total=self._started, completed=self._started,
+                                  description="trials done")
+        self._progress.__exit__(*exc)
+
+    def __call__(self, line: str) -> None:
+        if self._task is None:
+            self._console.print(line)
+            return
+        if self._started:
+            self._progress.advance(self._task)
+        self._started += 1
+        self._progress.update(self._task, description=line)
+
+
+def candidates_renderable(result: Any) -> RenderableType:
+    """Table of the candidates: estimated vs measured peak, throughput, verdict."""
+    from rich.table import Table
+
+    chosen = (result.config.precision, result.config.gradient_checkpointing, result.config.optimizer)
+    t = Table(title="candidates", title_justify="left", header_style="bold")
+    for col, just in (("precision", "left"), ("ckpt", "left"), ("optimizer", "left"),
+                      ("micro", "right"), ("est. peak", "right"), ("measured", "right"),
+                      ("pred. tok/s", "right"), ("meas. tok/s", "right"), ("verdict", "left")):
+        t.add_column(col, justify=just)
+    rows = sorted(result.candidates, key=lambda r: -(r.get("measured_tokens_per_s") or 0.0)
+                  - 1e-9 * (r.get("predicted_tokens_per_s") or 0.0))
+    for r in rows:
+        key = (r["precision"], r["gradient_checkpointing"], r["optimizer"])
+        is_choice = key == chosen
+        verdict = "CHOSEN" if is_choice else r["status"]
+        if r.get("failed_micro_batch"):
+            verdict += f" ({r['failed_micro_batch']} did not fit)"
+        if r.get("reason"):
+            verdict += f": {r['reason']}"
+
+        def fmt(v: Any, kind: str) -> str:
+            if v is None:
+                return "—"
+            return format_bytes(v) if kind == "b" else f"{v:,.0f}"
+
+        t.add_row(r["precision"], "yes" if r["gradient_checkpointing"] else "no", r["optimizer"],
+                  str(r["micro_batch"] or "—"), fmt(r["estimate_bytes"], "b"),
+                  fmt(r["measured_bytes"], "b"), fmt(r["predicted_tokens_per_s"], "t"),
+                  fmt(r["measured_tokens_per_s"], "t"), verdict,
+                  style="bold green" if is_choice else None)
+    return t
+
+
+def print_fit(result: Any, path: Any = None, console: Console | None = None) -> None:
+    """The candidates table, the chosen configuration's breakdown and the reasons."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = console or Console()
+    console.print(candidates_renderable(result))
+    console.print(estimate_renderable(result.estimate))
+    state = "confirmed on the device" if result.confirmed else "UNCONFIRMED: planned from the estimate"
+    if result.from_cache:
+        state = "answered from the cache (no trial)"
+    c = result.config
+    console.print(Text(f"chosen ({state}): micro batch {c.micro_batch_size} × accumulation "
+                       f"{c.grad_accum_steps}, {c.precision}, "
+                       f"{'checkpointing, ' if c.gradient_checkpointing else ''}{c.optimizer}; "
+                       f"{len(result.trials)} trials, {result.ooms} OOM", style="bold"))
+    for r in result.reasons:
+        console.print(f"  • {r}")
+    if path is not None:
+        console.print(f"wrote {path}")
