@@ -193,6 +193,9 @@ def autofit(
         >>> r.config.effective_batch_size, r.confirmed
         (16, False)
     """
+    import time
+
+    started_at = time.monotonic()
     from autofit.memory.analytic import estimate_analytic
     from autofit.probe.data import probe_data
     from autofit.probe.model import build_model, describe
@@ -243,6 +246,7 @@ def autofit(
                                  * int(base_args.get("gradient_accumulation_steps", 1)) * world_size)
             reasons.append(f"target batch {target_batch_size}: from training_args "
                            "(per-device batch × accumulation × devices)")
+    add_fragmentation = margin is None  # the default margin also keeps measured fragmentation
     if margin is None:
         margin = DEFAULT_MARGIN
     max_micro = int(constraints.get("max_micro_batch", 256))
@@ -314,7 +318,8 @@ def autofit(
                     trial=trial_fn, seq_len=seq_len, margin=margin,
                     confirm_top=int(constraints.get("confirm_top", 3)),
                     max_trials=int(constraints.get("max_trials", 12)),
-                    time_budget_s=time_budget_s, recorder=recorder, progress=progress)
+                    time_budget_s=time_budget_s, recorder=recorder, progress=progress,
+                    started_at=started_at, add_fragmentation=add_fragmentation)
     outcome = engine.run()
     if outcome.config is None:
         from autofit._suggest import nothing_fits

@@ -234,6 +234,9 @@ class Engine:
         time_budget_s: stop starting trials after this long; return the best so far.
         recorder: optional ``TrialRecorder`` (optuna study) to log and resume trials.
         progress: called with a line of text before each trial.
+        started_at: ``clock()`` value the time budget counts from (default: now).
+        add_fragmentation: keep, on top of the margin, the allocator fragmentation
+            (reserved - allocated) measured in trials.
     """
 
     def __init__(
@@ -252,13 +255,16 @@ class Engine:
         recorder: Any = None,
         progress: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        started_at: float | None = None,
+        add_fragmentation: bool = False,
     ) -> None:
         if not 0 <= margin < 1:
             raise BadInputError(f"margin must be in [0, 1), got {margin}")
         self.space = space
         self.capacity = capacity_bytes
-        self.budget = int(capacity_bytes * (1 - margin))
         self.margin = margin
+        self.add_fragmentation = add_fragmentation
+        self.fragmentation = 0  # largest reserved - allocated seen in a trial
         self._estimate = estimate
         self._speed = speed
         self._trial = trial
@@ -269,10 +275,16 @@ class Engine:
         self.recorder = recorder
         self._progress = progress or (lambda _: None)
         self._clock = clock
-        self._start = clock()
+        self._start = clock() if started_at is None else started_at
         self.trials: list[Any] = []
         self.ooms = 0
         self._est_cache: dict[tuple, int] = {}
+
+    @property
+    def budget(self) -> int:
+        """Bytes a candidate may take: capacity x (1 - margin) [- measured fragmentation]."""
+        frag = self.fragmentation if self.add_fragmentation else 0
+        return int(self.capacity * (1 - self.margin)) - frag
 
     # -- the estimate side -------------------------------------------------------
     def config(self, c: Candidate, micro_batch: int) -> TrainConfig:
@@ -356,6 +368,9 @@ class Engine:
         self.trials.append(result)
         if result.oom:
             self.ooms += 1
+        alloc, reserved = result.peak_allocated_bytes, result.peak_reserved_bytes
+        if alloc is not None and reserved is not None and reserved > alloc:
+            self.fragmentation = max(self.fragmentation, int(reserved - alloc))
         return result
 
     def _confirm(self, c: Candidate) -> None:
@@ -475,7 +490,9 @@ class Engine:
                                f"{_gib(self.estimated(best, nxt[0]))} > budget {_gib(self.budget)}")
             else:
                 reasons.append(f"micro batch {b}: the largest allowed")
-        reasons.append(f"margin: {100 * self.margin:.0f}% of {_gib(self.capacity)} kept free "
+        frag = (f" + {_gib(self.fragmentation)} allocator fragmentation measured in trials"
+                if self.add_fragmentation and self.fragmentation else "")
+        reasons.append(f"margin: {100 * self.margin:.0f}% of {_gib(self.capacity)} kept free{frag} "
                        f"(budget {_gib(self.budget)})")
         if self.space.target_batch_size is not None:
             eff = config.effective_batch_size

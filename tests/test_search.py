@@ -171,3 +171,20 @@ def test_build_space_defaults_and_constraints():
     with pytest.raises(MissingDependencyError):
         build_space(resolve_device("cpu"), optimizer=["adamw_bnb_8bit"], bnb_available=False)
     assert "adamw_bnb_8bit" not in build_space(resolve_device("cpu"), bnb_available=False).optimizers
+
+
+def test_default_margin_adds_measured_fragmentation():
+    def trial(c):
+        need = true_bytes(c)
+        return FakeTrial(False, need + GiB // 2, true_speed(c), peak_allocated_bytes=need,
+                         peak_reserved_bytes=need + GiB // 2)
+
+    sp = space(ckpt=(False,))
+    plain = Engine(sp, 10 * GiB, estimate=true_bytes, speed=true_speed, trial=trial,
+                   seq_len=128).run()
+    frag = Engine(sp, 10 * GiB, estimate=true_bytes, speed=true_speed, trial=trial, seq_len=128,
+                  add_fragmentation=True)
+    out = frag.run()
+    assert frag.fragmentation == GiB // 2 and frag.budget == int(9 * GiB) - GiB // 2
+    assert out.config.micro_batch_size < plain.config.micro_batch_size
+    assert any("fragmentation" in r for r in out.reasons)

@@ -1,0 +1,180 @@
+"""autofit() end to end on the capped CPU device (real trials in capped subprocesses)."""
+
+import random
+
+import pytest
+
+import autofit.trial as trial_mod
+from autofit import TrainConfig, measure
+from autofit.api import autofit
+from autofit.errors import BadInputError, DoesNotFitError, UnsupportedPrecisionError
+
+CAP = "cpu:160MiB"
+FIXED = dict(precision=["32-true"], optimizer=["adamw_torch"], gradient_checkpointing=False)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = random.Random(0)
+    rows = [{"input_ids": [rng.randrange(1, 512) for _ in range(rng.randint(8, 40))]}
+            for _ in range(48)]
+    rows[5]["input_ids"] = [rng.randrange(1, 512) for _ in range(128)]  # the worst case
+    return rows
+
+
+@pytest.fixture()
+def count_trials(monkeypatch):
+    calls = []
+    real = trial_mod.measure
+
+    def counting(*a, **k):
+        calls.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(trial_mod, "measure", counting)
+    return calls
+
+
+def test_choice_fits_next_does_not_and_batch_is_kept(tiny_llama, data, count_trials):
+    r = autofit(tiny_llama, data, device=CAP, target_batch_size=32, margin=0.0, **FIXED)
+    c = r.config
+    assert r.confirmed and c.effective_batch_size == 32
+    assert c.micro_batch_size * c.grad_accum_steps == 32
+    assert r.estimate.seq_len == 128  # the longest sample, not the average
+    chosen = [t for t in r.trials if t.config["micro_batch_size"] == c.micro_batch_size]
+    assert chosen and chosen[-1].fits
+    # the next allowed micro batch (a divisor of 32) does not fit the cap
+    nxt = 2 * c.micro_batch_size
+    if nxt <= 32:
+        from autofit.probe.data import worst_case_batch
+
+        batch = worst_case_batch(data, nxt, task="causal-lm")
+        over = measure(tiny_llama, c.replace(micro_batch_size=nxt, grad_accum_steps=32 // nxt),
+                       batch, device=CAP)
+        assert over.oom or over.device_total_bytes > r.estimate.capacity_bytes
+    assert r.ooms <= 1 and len(count_trials) <= 4
+    assert any("effective batch kept" in x for x in r.reasons)
+
+
+def test_training_arguments_and_save(tiny_llama, data, tmp_path):
+    from transformers import HfArgumentParser, TrainingArguments
+
+    r = autofit(tiny_llama, data, device=CAP, target_batch_size=16, **FIXED)
+    args = r.training_arguments
+    assert args.per_device_train_batch_size == r.config.micro_batch_size
+    assert args.gradient_accumulation_steps == r.config.grad_accum_steps
+    (loaded,) = HfArgumentParser(TrainingArguments).parse_yaml_file(str(r.save(tmp_path / "t.yaml")))
+    assert loaded.per_device_train_batch_size == r.config.micro_batch_size
+    (loaded,) = HfArgumentParser(TrainingArguments).parse_json_file(str(r.save(tmp_path / "t.json")))
+    assert loaded.gradient_accumulation_steps == r.config.grad_accum_steps
+
+
+def test_user_training_args_only_tuned_fields_change(tiny_llama, data, tmp_path):
+    from transformers import TrainingArguments
+
+    user = TrainingArguments(output_dir=str(tmp_path / "o"), per_device_train_batch_size=4,
+                             gradient_accumulation_steps=4, learning_rate=3e-4, use_cpu=True,
+                             report_to=[], seed=7)
+    r = autofit(tiny_llama, data, device=CAP, training_args=user, **FIXED)
+    a = r.training_arguments
+    assert r.config.effective_batch_size == 16  # the user's 4 x 4
+    assert a.learning_rate == 3e-4 and a.seed == 7 and a.output_dir == str(tmp_path / "o")
+
+
+def test_cache_answers_second_run_without_trials(tiny_llama, data, monkeypatch):
+    first = autofit(tiny_llama, data, device=CAP, target_batch_size=16, **FIXED)
+    assert not first.from_cache and first.trials
+
+    def no_trial(*a, **k):
+        raise AssertionError("the cache should have answered")
+
+    monkeypatch.setattr(trial_mod, "measure", no_trial)
+    second = autofit(tiny_llama, data, device=CAP, target_batch_size=16, **FIXED)
+    assert second.from_cache and second.config == first.config
+    assert len(second.trials) == len(first.trials)
+    # another constraint is another question: not answered from the cache
+    with pytest.raises(AssertionError, match="cache should have answered"):
+        autofit(tiny_llama, data, device=CAP, target_batch_size=8, **FIXED)
+
+
+def test_resume_after_a_killed_run(tiny_llama, data, monkeypatch):
+    real = trial_mod.measure
+    seen = []
+
+    def dies_after_first(*a, **k):
+        if seen:
+            raise KeyboardInterrupt  # the run is killed during its second trial
+        seen.append(a[1])
+        return real(*a, **k)
+
+    space = dict(precision=["32-true"], optimizer=["adamw_torch", "sgd"],
+                 gradient_checkpointing=False)
+    monkeypatch.setattr(trial_mod, "measure", dies_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        autofit(tiny_llama, data, device=CAP, target_batch_size=16, **space)
+    assert len(seen) == 1
+    rerun = []
+
+    def counting(*a, **k):
+        rerun.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(trial_mod, "measure", counting)
+    r = autofit(tiny_llama, data, device=CAP, target_batch_size=16, **space)
+    assert seen[0] not in rerun  # the finished trial was not run again
+    assert len(r.trials) == len(rerun) + 1
+
+
+def test_constraints_respected(tiny_llama, data):
+    r = autofit(tiny_llama, data, device=CAP, target_batch_size=8, precision=["bf16-mixed"],
+                optimizer=["sgd"], gradient_checkpointing=True, max_micro_batch=2, cache=False)
+    c = r.config
+    assert (c.precision, c.optimizer, c.gradient_checkpointing) == ("bf16-mixed", "sgd", True)
+    assert c.micro_batch_size <= 2 and c.effective_batch_size == 8
+    assert all(t.config["precision"] == "bf16-mixed" for t in r.trials)
+
+
+def test_nothing_fits_says_what_would(data):
+    with pytest.raises(DoesNotFitError) as e:
+        autofit("meta-llama/Llama-3.1-8B", data, device="T4", precision=["16-mixed"],
+                optimizer=["adamw_torch"])
+    msg = str(e.value)
+    assert "no configuration fits" in msg and "QLoRA" in msg and "\n" not in msg
+    assert e.value.exit_code == 3
+
+
+def test_planning_for_a_card_not_present(data):
+    r = autofit("meta-llama/Llama-3.2-1B", data, device="H100-80GB", target_batch_size=64)
+    assert not r.confirmed and r.trials == ()
+    assert r.config.effective_batch_size == 64 and r.config.precision == "bf16-mixed"
+    assert any("not present" in x for x in r.reasons)
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(BadInputError, match="parse_yaml_file"):
+            r.training_arguments  # bf16 cannot be built on a CPU-only machine
+    assert r.training_arguments_kwargs["bf16"] is True
+
+
+def test_bad_input(tiny_llama, data):
+    with pytest.raises(BadInputError, match="unknown option"):
+        autofit(tiny_llama, data, device=CAP, batch=3)
+    with pytest.raises(UnsupportedPrecisionError):
+        autofit("tiny-llama", data, device="T4", precision=["bf16-mixed"])
+    from autofit.errors import EmptyDatasetError
+
+    with pytest.raises(EmptyDatasetError):
+        autofit(tiny_llama, [], device=CAP)
+    with pytest.raises(BadInputError):
+        autofit(tiny_llama, data, device=CAP, target_batch_size=0)
+
+
+def test_time_budget_returns_best_so_far(tiny_llama, data):
+    r = autofit(tiny_llama, data, device=CAP, target_batch_size=16, time_budget_s=0.001,
+                cache=False, **FIXED)
+    # the budget is spent before the first trial: the choice rests on the estimate
+    assert not r.confirmed and r.trials == () and any("budget" in x for x in r.reasons)
+    assert isinstance(r.config, TrainConfig)
