@@ -155,7 +155,7 @@ def test_planning_for_a_card_not_present(data):
     assert any("not present" in x for x in r.reasons)
     if not __import__("torch").cuda.is_available():
         with pytest.raises(BadInputError, match="parse_yaml_file"):
-            r.training_arguments  # bf16 cannot be built on a CPU-only machine
+            _ = r.training_arguments  # bf16 cannot be built on a CPU-only machine
     assert r.training_arguments_kwargs["bf16"] is True
 
 
