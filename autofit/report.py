@@ -126,21 +126,21 @@ class TrialProgress:
         self._started = 0
 
     def __enter__(self) -> TrialProgress:
-        self._progress.__enter__()
-        self._task = self._progress.add_task("estimating candidates", total=self._total)
-        return self
+        return self  # the bar appears with the first trial: a plan without trials shows none
 
     def __exit__(self, *exc: object) -> None:
-        if self._task is not None:
+        if self._task is None:
+            return
+        if exc[0] is None:
             self._progress.update(self._task, total=self._started, completed=self._started,
                                   description="trials done")
         self._progress.__exit__(*exc)
 
     def __call__(self, line: str) -> None:
         if self._task is None:
-            self._console.print(line)
-            return
-        if self._started:
+            self._progress.__enter__()
+            self._task = self._progress.add_task(line, total=self._total)
+        elif self._started:
             self._progress.advance(self._task)
         self._started += 1
         self._progress.update(self._task, description=line)
