@@ -1,0 +1,146 @@
+"""A fake-tensor clone of a model, prepared as the Trainer prepares it, and its batch.
+
+`fake_clone` copies a module (meta-built or real) with ``copy.deepcopy`` and a memo
+that maps every parameter, buffer and tensor attribute to a FakeTensor of the same
+shape and requires_grad, so the copy costs no memory, the user's module is never
+touched, and tied weights stay tied. `prepare_for_training` then does what
+``Trainer`` does to the model before the first step, on the clone only.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from autofit.errors import BadInputError
+
+__all__ = ["fake_clone", "prepare_for_training", "make_batch", "unwrap", "trainable_named"]
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PeftModel (or the module itself)."""
+    get_base = getattr(module, "get_base_model", None)
+    if callable(get_base) and hasattr(module, "peft_config"):
+        return get_base()
+    return module
+
+
+def _is_quantized(p: torch.Tensor) -> bool:
+    return type(p).__name__ in {"Params4bit", "Int8Params"}
+
+
+def fake_clone(
+    module: torch.nn.Module,
+    *,
+    float_dtype: torch.dtype | None,
+    quant_hook: Any = None,
+) -> torch.nn.Module:
+    """A deep copy of ``module`` whose tensors are FakeTensors on the CPU.
+
+    Must run inside the FakeTensorMode that will run the step.
+
+    Args:
+        module: the model (meta or real); it is only read.
+        float_dtype: cast floating parameters and buffers to this dtype (what
+            ``model.to(dtype)`` does for the "-true" precisions); None keeps them.
+        quant_hook: ``f(param) -> Parameter`` building the fake stand-in of a
+            bitsandbytes quantized parameter; None rejects quantized models.
+    """
+    memo: dict[int, Any] = {}
+
+    def fake_like(t: torch.Tensor) -> torch.Tensor:
+        dtype = t.dtype
+        if float_dtype is not None and dtype.is_floating_point:
+            dtype = float_dtype
+        return torch.empty(tuple(t.shape), dtype=dtype, device="cpu")
+
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is None or id(p) in memo:
+                continue
+            if _is_quantized(p):
+                if quant_hook is None:
+                    raise BadInputError(
+                        "simulating a bitsandbytes-quantized model needs its fake path; "
+                        "use method='analytic' for this model"
+                    )
+                memo[id(p)] = quant_hook(p)
+            else:
+                memo[id(p)] = torch.nn.Parameter(fake_like(p), requires_grad=p.requires_grad)
+        for b in m._buffers.values():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = fake_like(b)
+        for v in m.__dict__.values():  # plain tensor attributes (e.g. original_inv_freq)
+            if isinstance(v, torch.Tensor) and id(v) not in memo:
+                memo[id(v)] = fake_like(v)
+    return copy.deepcopy(module, memo)
+
+
+def prepare_for_training(model: torch.nn.Module, *, gradient_checkpointing: bool) -> None:
+    """What ``Trainer`` does to the model before training, applied to the clone."""
+    base = unwrap(model)
+    config = getattr(base, "config", None)
+    if config is not None:
+        # Sequence classification with batch > 1 needs a pad token (users set one).
+        if getattr(config, "pad_token_id", None) is None and hasattr(config, "pad_token_id"):
+            config.pad_token_id = 0
+        if getattr(config, "is_encoder_decoder", False) and getattr(
+            config, "decoder_start_token_id", None
+        ) is None:
+            config.decoder_start_token_id = config.pad_token_id or 0
+    if gradient_checkpointing:
+        # Trainer: model.activation_checkpointing_enable() (gradient_checkpointing_enable
+        # before transformers 5), non-reentrant by default; it also calls
+        # enable_input_require_grads() for input_ids models (needed by PEFT).
+        target = model
+        if hasattr(target, "activation_checkpointing_enable"):
+            target.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
+        elif hasattr(target, "gradient_checkpointing_enable"):
+            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "peft_config") and hasattr(model, "enable_input_require_grads"):
+                model.enable_input_require_grads()
+        else:
+            raise BadInputError(
+                f"{type(model).__name__} has no gradient_checkpointing_enable(); "
+                "simulate it with gradient_checkpointing=False"
+            )
+        if config is not None:
+            config.use_cache = False
+    model.train()
+
+
+def trainable_named(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of the trainable parameters, each parameter once."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def make_batch(model: torch.nn.Module, task: str, batch: int, seq_len: int) -> dict[str, Any]:
+    """The tensors a Trainer batch holds (fake; must run inside the fake mode).
+
+    Returns a dict of tensors that live on the device during the step; the key
+    ``"_model_kwargs"`` lists the ones passed to ``model(...)``.
+    NB: the batch has no padding, so transformers drops the all-ones attention mask
+    and uses SDPA's ``is_causal``; the mask is allocated (the batch holds it) but not
+    passed, which takes that same path on fake tensors (transformers cannot read the
+    values of a fake mask and would otherwise build a (B, 1, T, T) mask).
+    """
+    config = getattr(unwrap(model), "config", None)
+    vocab = int(getattr(config, "vocab_size", 2) or 2)
+    out: dict[str, Any] = {}
+    ids = torch.randint(0, vocab, (batch, seq_len), dtype=torch.long)  # (B, T) int64
+    out["input_ids"] = ids
+    out["attention_mask"] = torch.ones((batch, seq_len), dtype=torch.long)  # (B, T), not passed
+    if task in ("causal-lm", "masked-lm"):
+        out["labels"] = ids.clone()  # (B, T): the collator's copy of input_ids
+    elif task == "seq2seq":
+        out["labels"] = torch.zeros((batch, seq_len), dtype=torch.long)  # (B, T) targets
+    elif task == "seq-cls":
+        out["labels"] = torch.zeros((batch,), dtype=torch.long)  # (B,)
+    else:
+        raise BadInputError(f"unknown task {task!r}")
+    out["_model_kwargs"] = ("input_ids", "labels")
+    return out
