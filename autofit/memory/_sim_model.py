@@ -9,6 +9,7 @@ touched, and tied weights stay tied. `prepare_for_training` then does what
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 
 from autofit.errors import BadInputError
 
-__all__ = ["fake_clone", "prepare_for_training", "make_batch", "unwrap", "trainable_named"]
+__all__ = ["fake_clone", "prepare_for_training", "make_batch", "unwrap", "weight_tensors"]
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -31,12 +32,22 @@ def _is_quantized(p: torch.Tensor) -> bool:
     return type(p).__name__ in {"Params4bit", "Int8Params"}
 
 
-def fake_clone(
-    module: torch.nn.Module,
-    *,
-    float_dtype: torch.dtype | None,
-    quant_hook: Any = None,
-) -> torch.nn.Module:
+def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters, buffers and 4-bit quantization states (each storage once)."""
+    from autofit.memory._sim_bnb import quant_tensors
+
+    seen: set[int] = set()
+    out = []
+    for t in [*model.parameters(), *model.buffers()]:
+        for x in [t, *quant_tensors(t)]:
+            key = id(x.untyped_storage())
+            if key not in seen:
+                seen.add(key)
+                out.append(x)
+    return out
+
+
+def fake_clone(module: torch.nn.Module, *, float_dtype: torch.dtype | None) -> torch.nn.Module:
     """A deep copy of ``module`` whose tensors are FakeTensors on the CPU.
 
     Must run inside the FakeTensorMode that will run the step.
@@ -45,8 +56,6 @@ def fake_clone(
         module: the model (meta or real); it is only read.
         float_dtype: cast floating parameters and buffers to this dtype (what
             ``model.to(dtype)`` does for the "-true" precisions); None keeps them.
-        quant_hook: ``f(param) -> Parameter`` building the fake stand-in of a
-            bitsandbytes quantized parameter; None rejects quantized models.
     """
     memo: dict[int, Any] = {}
 
@@ -60,26 +69,44 @@ def fake_clone(
         for p in m._parameters.values():
             if p is None or id(p) in memo:
                 continue
-            if _is_quantized(p):
-                if quant_hook is None:
-                    raise BadInputError(
-                        "simulating a bitsandbytes-quantized model needs its fake path; "
-                        "use method='analytic' for this model"
-                    )
-                memo[id(p)] = quant_hook(p)
+            if type(p).__name__ == "Params4bit":
+                from autofit.memory._sim_bnb import fake_params4bit
+
+                memo[id(p)] = fake_params4bit(p, dtype=float_dtype)
+            elif _is_quantized(p):
+                raise BadInputError(
+                    "simulating an 8-bit (LLM.int8) quantized model is not supported; "
+                    "use method='analytic', or load it in 4 bits (QLoRA)"
+                )
             else:
                 memo[id(p)] = torch.nn.Parameter(fake_like(p), requires_grad=p.requires_grad)
         for b in m._buffers.values():
             if b is not None and id(b) not in memo:
                 memo[id(b)] = fake_like(b)
+        qs = getattr(m, "quant_state", None)  # Linear4bit keeps a reference too
+        if qs is not None and not isinstance(qs, torch.Tensor):
+            memo[id(qs)] = None
         for v in m.__dict__.values():  # plain tensor attributes (e.g. original_inv_freq)
             if isinstance(v, torch.Tensor) and id(v) not in memo:
                 memo[id(v)] = fake_like(v)
     return copy.deepcopy(module, memo)
 
 
-def prepare_for_training(model: torch.nn.Module, *, gradient_checkpointing: bool) -> None:
-    """What ``Trainer`` does to the model before training, applied to the clone."""
+def prepare_for_training(
+    model: torch.nn.Module,
+    *,
+    gradient_checkpointing: bool,
+    recompute_context: Any = None,
+) -> None:
+    """What ``Trainer`` does to the model before training, applied to the clone.
+
+    Args:
+        model: the clone.
+        gradient_checkpointing: enable it as the Trainer does.
+        recompute_context: a factory of a context manager to enter while checkpointed
+            blocks are recomputed in backward (``checkpoint(context_fn=...)``): the
+            simulation's torch-function mode is not active inside ``backward()``.
+    """
     base = unwrap(model)
     config = getattr(base, "config", None)
     if config is not None:
@@ -94,13 +121,13 @@ def prepare_for_training(model: torch.nn.Module, *, gradient_checkpointing: bool
         # Trainer: model.activation_checkpointing_enable() (gradient_checkpointing_enable
         # before transformers 5), non-reentrant by default; it also calls
         # enable_input_require_grads() for input_ids models (needed by PEFT).
-        target = model
-        if hasattr(target, "activation_checkpointing_enable"):
-            target.activation_checkpointing_enable(
-                activation_checkpointing_kwargs={"use_reentrant": False}
-            )
-        elif hasattr(target, "gradient_checkpointing_enable"):
-            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
+        if recompute_context is not None:
+            ckpt_kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_context())
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
             if hasattr(model, "peft_config") and hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()
         else:
@@ -111,11 +138,6 @@ def prepare_for_training(model: torch.nn.Module, *, gradient_checkpointing: bool
         if config is not None:
             config.use_cache = False
     model.train()
-
-
-def trainable_named(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """(name, parameter) of the trainable parameters, each parameter once."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def make_batch(model: torch.nn.Module, task: str, batch: int, seq_len: int) -> dict[str, Any]:

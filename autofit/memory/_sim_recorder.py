@@ -65,6 +65,8 @@ class StorageRecorder(TorchDispatchMode):
         self._log: list[tuple[str, Record, str]] = []  # (kind, record, phase at the event)
         self._next = 0
         self.num_ops = 0
+        # op -> f(args, kwargs) -> bytes a kernel allocates internally while it runs
+        self.workspaces: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ tracking
     def track(self, t: torch.Tensor, category: str | None = None) -> Record | None:
@@ -122,8 +124,17 @@ class StorageRecorder(TorchDispatchMode):
         return list(self._log)
 
     # ------------------------------------------------------------------ dispatch
+    def _workspace(self, size: int) -> Record:
+        rec = Record(self._next, size, self.phase, self.micro, "temporaries")
+        self._next += 1
+        self._log.append(("alloc", rec, self.phase))
+        return rec
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        ws_fn = self.workspaces.get(func) if self.workspaces else None
+        ws = self._workspace(ws_fn(args, kwargs)) if ws_fn is not None else None
+        out = func(*args, **kwargs)
         self.num_ops += 1
         if isinstance(out, torch.Tensor):
             self.track(out)
@@ -137,4 +148,7 @@ class StorageRecorder(TorchDispatchMode):
                             self.track(t)
         # In-place ops and out= variants return their (possibly resized) argument,
         # which the branches above re-check through `track`.
+        if ws is not None:  # the kernel's internal workspace dies with the op
+            ws.alive = False
+            self._log.append(("free", ws, self.phase))
         return out

@@ -15,7 +15,7 @@ import functools
 import inspect
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,14 +157,26 @@ class _FakeGradScaler:
         torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, 2.0, 0.5, 2000)
 
 
-def _autocast(config: TrainConfig, target: StepTarget, cuda_autocast: Callable | None) -> Any:
+def _autocast(config: TrainConfig) -> Any:
+    """CPU autocast on the fake CPU tensors (a CUDA target adds CUDA's extra casts in
+    ``_sim_cuda.CudaSemantics``)."""
     spec = config.precision_spec
     if not spec.autocast:
         return contextlib.nullcontext()
-    dtype = getattr(torch, spec.compute_dtype)
-    if target.kind == "cuda" and cuda_autocast is not None:
-        return cuda_autocast(dtype)
-    return torch.autocast("cpu", dtype=dtype)
+    return torch.autocast("cpu", dtype=getattr(torch, spec.compute_dtype))
+
+
+def _mark_host_steps(optimizer: Any, rec: StorageRecorder) -> None:
+    """torch's non-fused, non-capturable optimizers keep ``state["step"]`` on the host."""
+    defaults = getattr(optimizer, "defaults", {})
+    if defaults.get("fused") or defaults.get("capturable"):
+        return
+    for state in optimizer.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor):
+            r = rec.record_of(step)
+            if r is not None:
+                r.host = True
 
 
 def run_steps(
@@ -177,7 +189,6 @@ def run_steps(
     rec: StorageRecorder,
     target: StepTarget,
     steps: int = 2,
-    cuda_autocast: Callable | None = None,
 ) -> None:
     """Run ``steps`` Trainer steps of ``config`` under ``rec`` (inside the fake mode)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -197,7 +208,7 @@ def run_steps(
                 if isinstance(v, torch.Tensor):
                     rec.track(v, "activations")  # the batch on the device
             kwargs = {k: batch[k] for k in batch["_model_kwargs"]}
-            with _autocast(config, target, cuda_autocast):
+            with _autocast(config):
                 loss = model(**kwargs).loss  # outputs (logits) dropped, as compute_loss does
             del batch, kwargs
             if config.grad_accum_steps > 1:
@@ -227,4 +238,6 @@ def run_steps(
             del found_inf
         optimizer.zero_grad(set_to_none=True)
         rec.mark_live("optimizer_states", phase="optimizer")
+        if target.kind == "cuda":
+            _mark_host_steps(optimizer, rec)
     rec.phase = ""

@@ -75,13 +75,16 @@ Known limitations:
 - NB: a CPU target is replayed through a glibc model (``MALLOC_MMAP_THRESHOLD_``
   protocol); RSS counts only touched pages, which a never-written ``torch.empty``
   does not have.
-- NB: quantized (bitsandbytes 4/8-bit) models are not simulated yet: they raise
-  ``BadInputError`` (use the analytic method).
+- NB: 4-bit (QLoRA) bases are simulated with bitsandbytes' ops as they run on CUDA
+  and on the CPU's default kernel (``gemm_4bit`` dequantizes the weight to a
+  temporary); an optimized CPU kernel (kernels-community) would not. 8-bit
+  (LLM.int8) bases are not simulated (``BadInputError``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -115,33 +118,38 @@ class SimulationResult:
 
 @dataclass(frozen=True)
 class PeakLine:
-    """``bytes = intercept + slope * micro_batch`` for one configuration and seq_len.
+    """``peak_allocated = intercept + slope * micro_batch`` for one configuration.
+
+    Fitted through two simulated batch sizes and checked on a third. Reserved memory
+    is not linear (allocator rounding and caching make it a staircase), so the device
+    total is predicted as the allocated line plus the largest reserved-above-allocated
+    margin seen in the three simulations, plus the device overhead.
 
     Attributes:
-        intercept_bytes / slope_bytes: the line through the first two batches of
-            peak *allocated* bytes.
-        total_intercept_bytes / total_slope_bytes: the same for device_total
-            (reserved + overhead), which is what fits or not.
-        batches: the micro batch sizes simulated (the last one is the check).
+        intercept_bytes: allocated bytes at batch 0 (weights, states, ...).
+        slope_bytes: allocated bytes per sample of micro batch.
+        reserve_margin_bytes: max (reserved - allocated) over the simulations.
+        overhead_bytes: the device's context + workspace.
+        batches: the micro batch sizes simulated (fit, fit, check).
         check_error: (predicted - simulated) / simulated allocated peak at the check.
+        peak_phases: the phase of each simulated peak.
     """
 
     intercept_bytes: float
     slope_bytes: float
-    total_intercept_bytes: float
-    total_slope_bytes: float
+    reserve_margin_bytes: int
+    overhead_bytes: int
     batches: tuple[int, int, int]
     check_error: float
-    total_check_error: float
     peak_phases: tuple[str, ...] = field(default=())
 
     def allocated(self, batch: int) -> int:
-        """Predicted peak allocated bytes at ``batch``."""
+        """Predicted peak allocated bytes at micro batch ``batch``."""
         return int(round(self.intercept_bytes + self.slope_bytes * batch))
 
     def total(self, batch: int) -> int:
-        """Predicted device total bytes at ``batch``."""
-        return int(round(self.total_intercept_bytes + self.total_slope_bytes * batch))
+        """Predicted device total bytes (reserved + overhead) at micro batch ``batch``."""
+        return self.allocated(batch) + self.reserve_margin_bytes + self.overhead_bytes
 
 
 def _fake_mode() -> Any:
@@ -219,7 +227,8 @@ class Simulator:
     def _run(self, config: TrainConfig, seq_len: int) -> SimulationResult:
         import torch
 
-        from autofit.memory._sim_model import fake_clone, prepare_for_training
+        from autofit.memory._sim_bnb import gemm_4bit_workspace, is_fake_4bit
+        from autofit.memory._sim_model import fake_clone, prepare_for_training, weight_tensors
         from autofit.memory._sim_recorder import StorageRecorder
         from autofit.memory._sim_step import StepTarget, build_optimizer, run_steps
 
@@ -231,22 +240,35 @@ class Simulator:
         rec = StorageRecorder()
         with warnings.catch_warnings(), _quiet():
             warnings.simplefilter("ignore")
+            recompute = None
+            if target.kind == "cuda":
+                from autofit.memory._sim_cuda import CudaSemantics
+
+                def recompute() -> CudaSemantics:
+                    return CudaSemantics(self.device)
+
             with fake_mode:
                 model = fake_clone(self.module, float_dtype=float_dtype)
-                prepare_for_training(model, gradient_checkpointing=config.gradient_checkpointing)
-            weights = _storages(model)
+                prepare_for_training(
+                    model,
+                    gradient_checkpointing=config.gradient_checkpointing,
+                    recompute_context=recompute,
+                )
+            weights = weight_tensors(model)
             for t in weights:
                 rec.track(t, "weights")
             num_params, trainable = _count_params(model)
             optimizer = build_optimizer(model, config, target)
-            cuda_autocast = None
             ctx: Any = contextlib.nullcontext()
+            cuda = None
             if target.kind == "cuda":
-                from autofit.memory._sim_cuda import CudaSemantics
-
                 cuda = CudaSemantics(self.device)
                 ctx = cuda
-                rec.workspaces = cuda.workspaces()
+                rec.workspaces.update(cuda.workspaces())
+            if any(is_fake_4bit(p) for p in model.parameters()):
+                import bitsandbytes  # noqa: F401  (registers its ops)
+
+                rec.workspaces[torch.ops.bitsandbytes.gemm_4bit.default] = gemm_4bit_workspace
             with fake_mode, rec, ctx:
                 run_steps(
                     model,
@@ -256,14 +278,17 @@ class Simulator:
                     seq_len=seq_len,
                     rec=rec,
                     target=target,
-                    cuda_autocast=cuda_autocast,
                 )
             num_ops = rec.num_ops
             log = rec.events()
             del model, optimizer, weights
         events = tuple(_to_events(log))
         replay = _replay(events, self.device)
-        est = self._estimate(config, seq_len, replay, num_params, trainable)
+        notes = [f"target allocator: {self.device.allocator}"]
+        if cuda is not None and cuda.backends:
+            used = ", ".join(f"{k} x{v}" for k, v in sorted(cuda.backends.items()))
+            notes.append(f"CUDA SDPA backends (forward calls): {used}")
+        est = self._estimate(config, seq_len, replay, num_params, trainable, notes)
         return SimulationResult(
             estimate=est,
             events=events,
@@ -273,12 +298,17 @@ class Simulator:
         )
 
     def _estimate(
-        self, config: TrainConfig, seq_len: int, r: ReplayResult, num_params: int, trainable: int
+        self,
+        config: TrainConfig,
+        seq_len: int,
+        r: ReplayResult,
+        num_params: int,
+        trainable: int,
+        notes: list[str],
     ) -> MemoryEstimate:
         breakdown = {c: int(r.peak_by_category.get(c, 0)) for c in _CATEGORIES}
         total = int(r.peak_reserved_bytes) + int(self.device.overhead_bytes)
         breakdown["overhead"] = total - int(r.peak_allocated_bytes)
-        notes = [f"target allocator: {self.device.allocator}"]
         if r.oom:
             notes.append("the allocator model ran out of the device's capacity")
         return MemoryEstimate(
@@ -301,39 +331,46 @@ class Simulator:
 
     # ------------------------------------------------------------------ batch line
     def peak_line(
-        self, config: TrainConfig, *, seq_len: int | None = None, batches: tuple[int, int, int] | None = None
+        self,
+        config: TrainConfig,
+        *,
+        seq_len: int | None = None,
+        batches: tuple[int, int, int] | None = None,
     ) -> PeakLine:
-        """Fit ``peak = a + b * micro_batch`` on two batch sizes, check it on a third.
+        """Fit ``peak = a + b * micro_batch`` on two batch sizes and check it on a third.
 
         Args:
             config: the configuration; its ``micro_batch_size`` is the first batch.
             seq_len: sequence length (default ``config.seq_len``).
             batches: (fit, fit, check); default (b, 2b, 4b) with b the config's batch.
+
+        The line holds while the peak stays in the same phase; ``peak_phases`` and
+        ``check_error`` tell whether it did.
         """
         b = config.micro_batch_size
         b1, b2, b3 = batches or (b, 2 * b, 4 * b)
-        if len({b1, b2}) != 2:
-            raise BadInputError("peak_line needs two different batch sizes to fit a line")
-        ests = [self.simulate(config.replace(micro_batch_size=x), seq_len=seq_len) for x in (b1, b2, b3)]
-        a_alloc, b_alloc = _line(b1, ests[0].peak_allocated_bytes, b2, ests[1].peak_allocated_bytes)
-        a_tot, b_tot = _line(b1, ests[0].device_total_bytes, b2, ests[1].device_total_bytes)
-        pred = a_alloc + b_alloc * b3
-        pred_tot = a_tot + b_tot * b3
+        if b1 == b2 or min(b1, b2, b3) <= 0:
+            raise BadInputError("peak_line needs two different positive batch sizes to fit a line")
+        ests = [
+            self.simulate(config.replace(micro_batch_size=x), seq_len=seq_len) for x in (b1, b2, b3)
+        ]
+        y1, y2, y3 = (e.peak_allocated_bytes for e in ests)
+        slope = (y2 - y1) / (b2 - b1)
+        intercept = y1 - slope * b1
         return PeakLine(
-            intercept_bytes=a_alloc,
-            slope_bytes=b_alloc,
-            total_intercept_bytes=a_tot,
-            total_slope_bytes=b_tot,
+            intercept_bytes=intercept,
+            slope_bytes=slope,
+            reserve_margin_bytes=max(e.peak_reserved_bytes - e.peak_allocated_bytes for e in ests),
+            overhead_bytes=int(self.device.overhead_bytes),
             batches=(b1, b2, b3),
-            check_error=(pred - ests[2].peak_allocated_bytes) / ests[2].peak_allocated_bytes,
-            total_check_error=(pred_tot - ests[2].device_total_bytes) / ests[2].device_total_bytes,
+            check_error=(intercept + slope * b3 - y3) / y3,
             peak_phases=tuple(e.peak_phase for e in ests),
         )
 
     def predict_batch(self, config: TrainConfig, batch: int, *, seq_len: int | None = None) -> int:
-        """Device total bytes at micro batch ``batch``, from `peak_line` (no new simulation
-        beyond the three of the line)."""
-        return self.peak_line(config.replace(micro_batch_size=1), seq_len=seq_len).total(batch)
+        """Predicted device total bytes at micro batch ``batch``, from the line of ``config``
+        (three simulations, memoised; none at ``batch`` itself)."""
+        return self.peak_line(config, seq_len=seq_len).total(batch)
 
     def max_micro_batch(
         self, config: TrainConfig, budget_bytes: int, *, seq_len: int | None = None, limit: int = 4096
@@ -347,9 +384,10 @@ class Simulator:
         if self.simulate(one, seq_len=seq_len).device_total_bytes > budget_bytes:
             return 0
         line = self.peak_line(one, seq_len=seq_len)
-        if line.total_slope_bytes <= 0:
-            return limit
-        guess = int((budget_bytes - line.total_intercept_bytes) // line.total_slope_bytes)
+        if line.slope_bytes <= 0:  # the peak does not grow yet (e.g. the optimizer step's)
+            guess = 2
+        else:
+            guess = int((budget_bytes - line.total(0)) // line.slope_bytes)
         guess = max(1, min(limit, guess))
 
         def fits(b: int) -> bool:
@@ -378,11 +416,6 @@ class Simulator:
         return lo
 
 
-def _line(x1: int, y1: float, x2: int, y2: float) -> tuple[float, float]:
-    slope = (y2 - y1) / (x2 - x1)
-    return y1 - slope * x1, slope
-
-
 @contextlib.contextmanager
 def _quiet() -> Any:
     """Silence transformers' logger while simulating (deprecation notes, warnings)."""
@@ -399,22 +432,11 @@ def _quiet() -> Any:
         hf_logging.set_verbosity(level)
 
 
-def _storages(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters and buffers (each storage once), in module order."""
-    seen: set[int] = set()
-    out = []
-    for t in [*model.parameters(), *model.buffers()]:
-        key = id(t.untyped_storage())
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
-
-
 def _count_params(model: torch.nn.Module) -> tuple[int, int]:
     num = trainable = 0
     for p in model.parameters():
-        n = p.numel() * (2 if type(p).__name__ == "Params4bit" else 1)
+        qs = getattr(p, "quant_state", None)
+        n = math.prod(qs.shape) if qs is not None else p.numel()  # 4-bit: unpacked count
         num += n
         if p.requires_grad:
             trainable += n
