@@ -64,9 +64,17 @@ def format_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             if unit == "B":
                 return f"{sign}{int(n)} B"
-            return f"{sign}{n:.3g} {unit}" if n < 100 else f"{sign}{n:.0f} {unit}"
+            return f"{sign}{n:#.3g} {unit}" if n < 100 else f"{sign}{n:.0f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def _compact_size(n: int) -> str:
+    """4294967296 -> '4GiB'; 1536 MiB -> '1536MiB' (exact, for device names)."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
 
 
 @dataclass(frozen=True)
@@ -254,7 +262,7 @@ def resolve_device(device: str | DeviceInfo | None = "auto") -> DeviceInfo:
         return _cpu(None, "cpu")
     if low.startswith("cpu:"):
         cap = parse_bytes(name[4:])
-        return _cpu(cap, f"cpu:{format_bytes(cap).replace(' ', '')}")
+        return _cpu(cap, f"cpu:{_compact_size(cap)}")
     m = re.fullmatch(r"cuda(?::(\d+))?", low)
     if m:
         return _cuda(int(m.group(1)) if m.group(1) else None)

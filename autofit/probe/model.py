@@ -295,7 +295,7 @@ def _quantize_on_meta(model: torch.nn.Module, bits: int) -> None:
         bnb_4bit_compute_dtype=torch.bfloat16,
         bnb_4bit_quant_type="nf4",
     )
-    replace = getattr(hf_bnb, "replace_with_bnb_linear")
+    replace = hf_bnb.replace_with_bnb_linear
     with torch.device("meta"):
         replace(model, modules_to_not_convert=skip, quantization_config=qc)
 
@@ -359,8 +359,11 @@ def build_model(
 
         for p in module.parameters():
             p.requires_grad_(False)
-        with torch.device("meta"):
-            module = get_peft_model(module, _lora_config(lora, t))
+        try:
+            with torch.device("meta"):
+                module = get_peft_model(module, _lora_config(lora, t))
+        except ValueError as e:  # e.g. target modules not found in the model
+            raise BadInputError(f"LoRA: {str(e).splitlines()[0]}") from None
     return module, t
 
 
@@ -568,8 +571,8 @@ def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
     num = trainable = quant = 0
     for g in params:
         n = g.numel * g.count
-        if g.quantized == "4bit":
-            n *= 2  # Params4bit packs two 4-bit values per uint8 element
+        if g.quantized == "4bit" and g.dtype == "uint8":
+            n *= 2  # a quantized Params4bit packs two 4-bit values per uint8 element
         num += n
         if g.trainable:
             trainable += n

@@ -1,0 +1,15 @@
+"""autofit: the fastest training configuration that fits in device memory.
+
+    >>> from autofit import estimate, TrainConfig
+    >>> est = estimate("tiny-llama", TrainConfig(micro_batch_size=4), seq_len=512, device="cpu")
+    >>> est.peak_allocated_bytes > 0
+    True
+"""
+
+from autofit.api import estimate
+from autofit.config import TrainConfig
+from autofit.errors import AutofitError, DoesNotFitError
+from autofit.memory.breakdown import MemoryEstimate
+
+__all__ = ["AutofitError", "DoesNotFitError", "MemoryEstimate", "TrainConfig", "estimate"]
+__version__ = "0.1.0"

@@ -1,0 +1,387 @@
+"""Analytic memory model: a closed form per component, microseconds per candidate.
+
+``estimate_analytic(info, config, seq_len, device)`` is a pure function of a
+``ModelInfo`` (see ``autofit.probe.model``), a ``TrainConfig``, the sequence
+length and a ``DeviceInfo``. It models the steady training step (the second one:
+optimizer states exist, gradients were freed by ``zero_grad(set_to_none=True)``)
+at its three candidate peaks and reports the largest:
+
+* **backward start** — weights + autocast weight copies + optimizer states +
+  every activation saved by the forward + the loss gradients (two fp32
+  ``(B, T, V)`` tensors: d log_softmax and d logits) + the output head's weight
+  gradient;
+* **backward end** — weights + optimizer states + all gradients + the activations
+  still alive (embedding side) + one block's backward temporaries;
+* **optimizer step** — weights + gradients + optimizer states + the step's own
+  temporaries (e.g. ``foreach`` AdamW's full copy of ``sqrt(v)`` on CUDA).
+
+Activations per block come from ``coefficients.json``: bytes per token as a linear
+function of hidden size, KV width, intermediate size, heads and heads × seq,
+fitted per block family, precision, attention implementation and LoRA regime by
+``benchmarks/calibrate_analytic.py`` on real models (saved-tensor hooks). The
+accuracy benchmark checks the resulting estimates against peak RSS of real
+training steps, which shares no code with either.
+
+Known limitations:
+    * NB: dropout masks are calibrated at the architectures' default dropout
+      probabilities (0.1 for GPT-2/BERT/T5); a model trained with dropout 0 keeps
+      ~1 byte/element less per dropout.
+    * NB: block families other than llama-like, GPT-2, BERT and T5 use the
+      coefficients of the closest family (same norm, gated MLP or not); the
+      ``simulate`` method has no such approximation.
+    * NB: CUDA reserved memory is allocated + a fragmentation allowance
+      (``_CUDA_FRAGMENTATION``) + 2 MiB rounding of large tensors; the simulate
+      method replays the real allocation stream instead.
+    * NB: paged optimizers (``paged_*``) keep their states in unified memory that
+      can spill to the host: they are counted on the device, as when resident.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from autofit.config import TrainConfig
+from autofit.errors import BadInputError, NoTrainableParametersError
+from autofit.memory.breakdown import MemoryEstimate
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autofit.probe.device import DeviceInfo
+    from autofit.probe.model import BlockSpec, ModelInfo, ParamGroup
+
+__all__ = ["estimate_analytic", "weights_bytes", "gradients_bytes", "optimizer_state_bytes"]
+
+_DTYPE_BYTES = {
+    "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+    "float64": 8, "uint8": 1, "int8": 1, "float8_e4m3fn": 1,
+}
+MiB = 1 << 20
+# CUDA: reserved above allocated for a training step's mix of sizes (best-fit
+# caching allocator, 20 MiB segments for 1-10 MiB requests). Calibrated against
+# the simulate method's allocator replay.
+_CUDA_FRAGMENTATION = 0.04
+# bitsandbytes: 8-bit states for tensors of at least this many elements, fp32 below.
+_BNB_MIN_8BIT_SIZE = 4096
+_BNB_BLOCK = 256  # blockwise quantization: one fp32 absmax per 256 elements
+_NF4_BLOCK = 64  # 4-bit base weights: one fp32 absmax per 64 elements
+
+
+def _bytes(dtype: str) -> int:
+    return _DTYPE_BYTES.get(dtype, 4)
+
+
+def _param_dtype_bytes(g: ParamGroup, config: TrainConfig) -> int:
+    """Bytes per element of a (non-quantized) parameter during training."""
+    spec = config.precision_spec
+    if spec.param_dtype != "float32":  # *-true: the whole model is cast
+        return _bytes(spec.param_dtype)
+    return max(_bytes(g.dtype), 2) if g.dtype != "float32" and not g.trainable else 4
+
+
+def weights_bytes(info: ModelInfo, config: TrainConfig) -> int:
+    """Bytes of the parameters as they sit on the device during training."""
+    total = 0
+    for g in info.params:
+        n = g.numel * g.count
+        if g.quantized == "4bit":
+            # packed uint8 (two values per byte) + one fp32 absmax per 64 values; on the
+            # meta device Params4bit is not packed yet and still has every element
+            values = 2 * n if g.dtype == "uint8" else n
+            total += values // 2 + math.ceil(values / _NF4_BLOCK) * 4
+        elif g.quantized == "8bit":
+            total += n + g.shape[0] * 4 * g.count  # int8 + per-row fp32 scale
+        else:
+            total += n * _param_dtype_bytes(g, config)
+    return total
+
+
+def gradients_bytes(info: ModelInfo, config: TrainConfig) -> int:
+    """Bytes of ``.grad`` of every trainable parameter (same dtype as the parameter)."""
+    return sum(
+        g.numel * g.count * _param_dtype_bytes(g, config) for g in info.params if g.trainable
+    )
+
+
+def _momentum(config: TrainConfig) -> float:
+    try:
+        return float(config.optim_kwargs.get("momentum", 0.0))
+    except ValueError:
+        raise BadInputError(f"optim_args momentum must be a number: {config.optim_args!r}") from None
+
+
+def _states_per_element(config: TrainConfig) -> int:
+    spec = config.optimizer_spec
+    kw = config.optim_kwargs
+    if spec.family == "sgd":
+        return 1 if _momentum(config) > 0 else 0
+    if spec.family == "rmsprop":
+        return 1 + (_momentum(config) > 0) + (kw.get("centered", "False").lower() == "true")
+    return spec.state_per_param
+
+
+def optimizer_state_bytes(info: ModelInfo, config: TrainConfig) -> int:
+    """Bytes of the optimizer's state after its first step."""
+    spec = config.optimizer_spec
+    total = 0
+    for g in info.params:
+        if not g.trainable:
+            continue
+        n = g.numel
+        if spec.family == "adafactor":
+            # transformers' Adafactor: factored second moment for >= 2-D tensors,
+            # states in fp32 (grads are upcast before the states are created)
+            if len(g.shape) >= 2:
+                rows = n // g.shape[-1]
+                cols = n // g.shape[-2]
+                per = (rows + cols) * 4
+            else:
+                per = n * 4
+            if "beta1" in config.optim_kwargs:
+                per += n * 4  # first moment when beta1 is set
+        elif spec.bnb and spec.state_bits == 8:
+            k = spec.state_per_param
+            per = k * (n + math.ceil(n / _BNB_BLOCK) * 4) if n >= _BNB_MIN_8BIT_SIZE else k * n * 4
+        elif spec.bnb:
+            per = spec.state_per_param * n * 4
+        else:
+            # torch optimizers: zeros_like(param), so states take the param's dtype
+            per = _states_per_element(config) * n * _param_dtype_bytes(g, config)
+        total += per * g.count
+    return total
+
+
+def _largest_trainable(info: ModelInfo) -> int:
+    return max((g.numel for g in info.params if g.trainable), default=0)
+
+
+def _optimizer_step_temporaries(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> int:
+    """Peak bytes the optimizer step allocates beyond states and gradients."""
+    spec = config.optimizer_spec
+    largest = _largest_trainable(info)
+    elem = _bytes(config.precision_spec.param_dtype)
+    trainable_bytes = sum(g.numel * g.count * elem for g in info.params if g.trainable)
+    if spec.family == "adamw" and not spec.bnb:
+        if spec.fused:
+            return 0  # one kernel per tensor list, in place
+        if device.allocator == "cuda":
+            # foreach=True on CUDA: _foreach_sqrt(exp_avg_sq) is one full copy
+            return trainable_bytes
+        # foreach=False on the CPU: sqrt(v) then / bias_correction -> 2 temporaries
+        return 2 * largest * elem
+    if spec.family == "adafactor":
+        # grad**2 + eps, the factored approximation and -update: ~2 full fp32 copies
+        upcast = largest * 4 if elem == 2 else 0
+        return 2 * largest * 4 + upcast
+    if spec.family in ("adagrad", "rmsprop") and not spec.bnb:
+        return 2 * largest * elem
+    return 0  # SGD and bitsandbytes' kernels update in place
+
+
+@cache
+def _coefficients() -> dict[str, dict]:
+    with open(Path(__file__).with_name("coefficients.json")) as f:
+        return json.load(f)
+
+
+_FAMILY_OF = {
+    "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma": "llama",
+    "gemma2": "llama", "phi3": "llama", "olmo": "llama", "olmo2": "llama", "granite": "llama",
+    "gpt2": "gpt2", "gpt_neo": "gpt2", "gptj": "gpt2", "opt": "gpt2", "gpt_bigcode": "gpt2",
+    "bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "electra": "bert",
+    "distilbert": "bert", "deberta": "bert",
+    "t5": "t5", "mt5": "t5", "umt5": "t5",
+}
+
+
+def _family(info: ModelInfo) -> str:
+    fam = _FAMILY_OF.get(info.model_type)
+    if fam:
+        return fam
+    b = info.blocks[0]
+    if info.is_encoder_decoder:
+        return "t5"
+    if b.role == "encoder":
+        return "bert"
+    return "llama" if (b.gated_mlp or b.norm == "rmsnorm") else "gpt2"
+
+
+def _lora_regime(info: ModelInfo) -> str:
+    if info.peft is None:
+        return "none"
+    linears = {lin[0].rsplit(".", 1)[-1] for b in info.blocks for lin in b.linears}
+    targets = set(info.lora_targets)
+    if "all-linear" in targets or linears <= targets:
+        return "all"
+    return "attn"
+
+
+def _coef(info: ModelInfo, config: TrainConfig) -> dict:
+    prec = config.precision
+    prec_key = {"16-mixed": "bf16-mixed", "16-true": "bf16-true"}.get(prec, prec)
+    attn = "eager" if info.attn_implementation == "eager" else "sdpa"
+    key = f"{_family(info)}/{prec_key}/{attn}/{_lora_regime(info)}"
+    table = _coefficients()
+    if key not in table:
+        raise BadInputError(f"no analytic coefficients for {key}; use --method simulate")
+    return table[key]
+
+
+def _layer_bytes_per_token(c: dict, b: BlockSpec, seq_len: int) -> float:
+    kv = b.num_kv_heads * b.head_dim
+    v = (
+        c["h"] * b.hidden_size
+        + c["kv"] * kv
+        + c["i"] * b.intermediate_size
+        + c["H"] * b.num_heads
+        + c["HT"] * b.num_heads * seq_len
+        + c["c0"]
+    )
+    return max(v, 0.0)
+
+
+def _linear_weight_numel(info: ModelInfo) -> int:
+    """Elements of the matmul weights autocast copies (blocks + output head)."""
+    n = 0
+    if info.quantization is None:  # bitsandbytes dequantizes per op and saves the packed weight
+        for b in info.blocks:
+            n += b.count * sum(i * o for _, i, o, _ in b.linears)
+    if info.vocab_size and info.hidden_size and info.task != "seq-cls":
+        n += info.vocab_size * info.hidden_size
+    return n
+
+
+def estimate_analytic(
+    info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo
+) -> MemoryEstimate:
+    """Estimate one training step's memory in closed form (see the module docstring).
+
+    Example:
+        >>> from autofit.probe.model import probe_model
+        >>> from autofit.probe.device import resolve_device
+        >>> est = estimate_analytic(probe_model("tiny-llama"), TrainConfig(micro_batch_size=2),
+        ...                         512, resolve_device("cpu"))
+        >>> est.peak_allocated_bytes > 0
+        True
+    """
+    if seq_len <= 0:
+        raise BadInputError(f"seq_len must be positive, got {seq_len}")
+    if info.trainable_params == 0:
+        raise NoTrainableParametersError(
+            f"{info.name} has no trainable parameter; unfreeze some or add LoRA (--lora-r 8)"
+        )
+    if not info.is_transformer:
+        raise BadInputError(
+            f"{info.name} is not a transformer autofit recognises; use --method simulate"
+        )
+    B, T = config.micro_batch_size, seq_len
+    N = B * T  # tokens in the micro batch
+    spec = config.precision_spec
+    act = _bytes(spec.param_dtype)  # residual-stream element size
+    c = _coef(info, config)
+    layer_c, base_c = c["layer"], c["base"]
+
+    W = weights_bytes(info, config)
+    G = gradients_bytes(info, config)
+    S = optimizer_state_bytes(info, config)
+    lm = info.task != "seq-cls" and info.vocab_size is not None
+    V = info.vocab_size if lm else 0
+    h = info.hidden_size or 0
+
+    # -- activations saved by the forward ------------------------------------
+    layer_costs = []  # (bytes per layer, count)
+    for b in info.blocks:
+        if info.is_encoder_decoder and b.role != "encoder":
+            continue  # T5 coefficients are per encoder+decoder pair (calibration)
+        layer_costs.append((N * _layer_bytes_per_token(layer_c, b, T), b.count))
+    A_layers_full = sum(x * n for x, n in layer_costs)
+    A_layer_max = max((x for x, _ in layer_costs), default=0)
+    num_layers = sum(n for _, n in layer_costs)
+    A_base = N * max(base_c["h"] * h + base_c["V"] * V + base_c["c0"], 0.0)
+
+    # autocast keeps a 16-bit copy of every matmul weight from its forward to its backward
+    copies_all = 2 * _linear_weight_numel(info) if spec.autocast else 0
+    copies_head = 2 * V * h if spec.autocast else 0
+
+    if config.gradient_checkpointing:
+        # each checkpointed block keeps its input; backward recomputes one block at a time
+        A_layers = num_layers * N * h * act
+        A_transient = A_layer_max
+        copies = copies_head + (copies_all - copies_head) // max(num_layers, 1)
+    else:
+        A_layers = A_layers_full
+        A_transient = 0
+        copies = copies_all
+    A = A_layers + A_base
+
+    # -- temporaries ---------------------------------------------------------
+    loss_grads = 2 * N * V * 4  # fp32 d log_softmax and d logits at the loss backward
+    head_grad = V * h * act if lm else 0
+    head_grad_in_G = min(head_grad, G)
+    # one block's backward: grads of its widest activations (e.g. MLP: 2 x (N, i))
+    inter = max((b.intermediate_size for b in info.blocks), default=0)
+    block_bwd_temp = 2 * N * inter * act + 2 * N * h * act
+    opt_temp = _optimizer_step_temporaries(info, config, device)
+
+    phases = {
+        # all activations alive; the loss backward's fp32 (N, V) gradients
+        "backward": (W + copies + S + A + max(loss_grads, head_grad_in_G + N * V * 4),
+                     {"weights": W + copies, "optimizer_states": S, "activations": A,
+                      "gradients": 0, "temporaries": max(loss_grads, head_grad_in_G + N * V * 4)}),
+        # gradients complete, the embedding side's activations and one block's temporaries
+        "backward-end": (W + S + G + A_base // 2 + block_bwd_temp + A_transient,
+                         {"weights": W, "optimizer_states": S, "gradients": G,
+                          "activations": A_base // 2 + A_transient, "temporaries": block_bwd_temp}),
+        "optimizer": (W + S + G + opt_temp,
+                      {"weights": W, "optimizer_states": S, "gradients": G, "activations": 0,
+                       "temporaries": opt_temp}),
+    }
+    if config.gradient_checkpointing:
+        # recomputing a block in backward re-creates its activations and autocast copies
+        fwd = phases["backward"]
+        extra = A_transient + block_bwd_temp
+        phases["backward"] = (fwd[0] + extra, {**fwd[1], "activations": A + A_transient,
+                                               "temporaries": fwd[1]["temporaries"] + block_bwd_temp})
+    phase, (peak_alloc, parts) = max(phases.items(), key=lambda kv: kv[1][0])
+    peak_alloc = int(peak_alloc)
+    parts = {k: int(v) for k, v in parts.items()}
+
+    if device.allocator == "cuda":
+        # 512 B rounding is negligible; large tensors round to 2 MiB, plus fragmentation
+        big_tensors = 4 * num_layers + 8
+        peak_reserved = int(peak_alloc * (1 + _CUDA_FRAGMENTATION) + big_tensors * MiB)
+    else:
+        peak_reserved = peak_alloc
+    total = peak_reserved + device.overhead_bytes
+    breakdown = {
+        "weights": parts["weights"],
+        "gradients": parts["gradients"],
+        "optimizer_states": parts["optimizer_states"],
+        "activations": parts["activations"],
+        "temporaries": parts["temporaries"],
+        "overhead": total - peak_alloc,
+    }
+    notes = []
+    if config.optimizer_spec.paged:
+        notes.append("paged optimizer: states may spill to host memory under pressure")
+    if spec.autocast:
+        notes.append("weights include autocast's 16-bit copies kept from forward to backward")
+    return MemoryEstimate(
+        peak_allocated_bytes=peak_alloc,
+        peak_reserved_bytes=peak_reserved,
+        device_total_bytes=total,
+        capacity_bytes=device.capacity_bytes,
+        fits=total <= device.capacity_bytes,
+        breakdown=breakdown,
+        method="analytic",
+        device=device.name,
+        peak_phase="optimizer" if phase == "optimizer" else "backward",
+        model=info.name,
+        num_params=info.num_params,
+        trainable_params=info.trainable_params,
+        seq_len=seq_len,
+        config=config.to_dict(),
+        notes=tuple(notes),
+    )

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny models built from configs (no hub access)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "llama",
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
+
+
+@pytest.fixture()
+def tiny_llama(tiny_llama_config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_llama_config)

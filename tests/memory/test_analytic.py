@@ -1,0 +1,222 @@
+"""The analytic model's formulas against numbers computed by hand for a tiny llama.
+
+tiny llama (conftest): hidden h=64, intermediate i=160, 2 layers, 4 heads, 2 KV heads
+(KV width 32), vocab V=512, untied head. Parameters:
+  embedding 512*64 = 32768; per layer q 4096 + k 2048 + v 2048 + o 4096 +
+  gate/up/down 3*10240 + 2 norms*64 = 43136; final norm 64; head 32768
+  -> P = 32768 + 2*43136 + 64 + 32768 = 151872.
+"""
+
+import pytest
+
+from autofit import TrainConfig
+from autofit.errors import BadInputError, NoTrainableParametersError
+from autofit.memory.analytic import (
+    _coefficients,
+    estimate_analytic,
+    gradients_bytes,
+    optimizer_state_bytes,
+    weights_bytes,
+)
+from autofit.probe.device import resolve_device
+from autofit.probe.model import describe, probe_model
+
+P = 151872
+
+
+@pytest.fixture()
+def info(tiny_llama):
+    return probe_model(tiny_llama)
+
+
+def test_param_count(info):
+    assert info.num_params == P
+
+
+@pytest.mark.parametrize("precision,bpp", [("32-true", 4), ("bf16-mixed", 4), ("16-mixed", 4),
+                                           ("bf16-true", 2), ("16-true", 2)])
+def test_weights_and_gradients_by_precision(info, precision, bpp):
+    c = TrainConfig(precision=precision)
+    assert weights_bytes(info, c) == bpp * P
+    assert gradients_bytes(info, c) == bpp * P
+
+
+def test_adamw_states(info):
+    assert optimizer_state_bytes(info, TrainConfig(optimizer="adamw_torch")) == 8 * P
+    assert optimizer_state_bytes(info, TrainConfig(optimizer="adamw_torch_fused")) == 8 * P
+    # torch creates states with zeros_like(param): bf16 params -> bf16 states
+    assert optimizer_state_bytes(info, TrainConfig(optimizer="adamw_torch", precision="bf16-true")) == 4 * P
+
+
+def test_sgd_states(info):
+    assert optimizer_state_bytes(info, TrainConfig(optimizer="sgd")) == 0
+    assert optimizer_state_bytes(info, TrainConfig(optimizer="sgd", optim_args="momentum=0.9")) == 4 * P
+
+
+def test_adafactor_states(info):
+    # factored second moment: rows + cols per matrix, full size for vectors, fp32
+    per_layer = (64 + 64) + (32 + 64) * 2 + (64 + 64) + 3 * (160 + 64)
+    matrices = (512 + 64) * 2 + 2 * per_layer  # embedding + head + layers
+    vectors = 64 * 5  # 4 block norms + final norm
+    assert optimizer_state_bytes(info, TrainConfig(optimizer="adafactor")) == 4 * (matrices + vectors)
+
+
+def test_bnb_8bit_states(info):
+    def eight(n):  # two uint8 states + one fp32 absmax per 256-element block each
+        return 2 * (n + -(-n // 256) * 4)
+
+    def full(n):  # tensors under 4096 elements keep fp32 states
+        return 2 * n * 4
+
+    layer = eight(4096) + full(2048) * 2 + eight(4096) + 3 * eight(10240) + 2 * full(64)
+    expected = eight(32768) * 2 + 2 * layer + full(64)
+    for name in ("adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit"):
+        assert optimizer_state_bytes(info, TrainConfig(optimizer=name)) == expected
+
+
+def test_llama_fp32_activation_coefficients_match_hand_derivation():
+    # Per token per layer, fp32, SDPA (what autograd keeps for backward):
+    #   RMSNorm x2: input x, x*rsqrt, weight*(...)        3h each -> 6h
+    #   q after rotary (h), k after rotary (kv), v (kv)   h + 2kv
+    #   SDPA output (h), its logsumexp (H, fp32)          h + H
+    #   MLP: gate out, silu out, up out, silu*up          4i
+    #   rsqrt of the two norms: 2 fp32 scalars            8 bytes
+    # -> 8h + 2kv + 4i elements of 4 bytes + 4H + 8 bytes
+    c = _coefficients()["llama/32-true/sdpa/none"]["layer"]
+    assert c == {"h": 32.0, "kv": 8.0, "i": 16.0, "H": 4.0, "HT": 0.0, "c0": 8.0}
+    # bf16-true halves every element except the fp32 logsumexp and rsqrt
+    c = _coefficients()["llama/bf16-true/sdpa/none"]["layer"]
+    assert c == {"h": 16.0 + 4.0, "kv": 4.0, "i": 8.0, "H": 4.0, "HT": 0.0, "c0": 8.0}
+    # eager attention keeps the (B, H, T, T) fp32 probabilities instead of the logsumexp
+    c = _coefficients()["llama/32-true/eager/none"]["layer"]
+    assert c["HT"] == 4.0
+
+
+def test_activations_against_real_saved_tensors(tiny_llama):
+    """An independent count: the storages autograd saves in a real forward."""
+    import torch
+
+    B, T = 3, 40
+    params = {p.untyped_storage().data_ptr() for p in tiny_llama.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 512, (B, T))
+    tiny_llama.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tiny_llama(input_ids=ids, labels=ids)
+    est = estimate_analytic(probe_model(tiny_llama), TrainConfig(micro_batch_size=B), T,
+                            resolve_device("cpu"))
+    assert est.breakdown["activations"] == pytest.approx(sum(saved.values()), rel=0.02)
+
+
+def test_total_is_sum_of_components_and_fits(info):
+    est = estimate_analytic(info, TrainConfig(micro_batch_size=2), 32, resolve_device("cpu"))
+    assert sum(est.breakdown.values()) == est.device_total_bytes
+    assert est.peak_allocated_bytes == est.device_total_bytes - est.breakdown["overhead"]
+    assert est.peak_reserved_bytes == est.peak_allocated_bytes  # CPU: no caching allocator
+    assert est.fits and est.method == "analytic"
+
+
+def test_peak_components_hand_computed(info):
+    # batch 2 x seq 32 on the CPU, fp32 AdamW: peak at the loss backward with every
+    # activation alive; the loss gradients are two fp32 (N, V) tensors.
+    N = 64
+    est = estimate_analytic(info, TrainConfig(micro_batch_size=2), 32, resolve_device("cpu"))
+    assert est.peak_phase == "backward"
+    assert est.breakdown["weights"] == 4 * P
+    assert est.breakdown["optimizer_states"] == 8 * P
+    assert est.breakdown["temporaries"] == 2 * N * 512 * 4
+    per_layer = N * (32 * 64 + 8 * 32 + 16 * 160 + 4 * 4 + 8)
+    assert est.breakdown["activations"] > 2 * per_layer  # + embedding/final norm/log-softmax
+
+
+def test_optimizer_peak_when_weights_dominate(info):
+    # batch 1 x seq 1: activations are tiny; the optimizer step is the peak
+    est = estimate_analytic(info, TrainConfig(), 1, resolve_device("cpu"))
+    assert est.peak_phase == "optimizer"
+    assert est.breakdown["gradients"] == 4 * P and est.breakdown["optimizer_states"] == 8 * P
+
+
+def test_cuda_foreach_adamw_temporary_and_overhead(info):
+    cpu = estimate_analytic(info, TrainConfig(), 1, resolve_device("cpu"))
+    h100 = estimate_analytic(info, TrainConfig(), 1, resolve_device("H100-80GB"))
+    fused = estimate_analytic(info, TrainConfig(optimizer="adamw_torch_fused"), 1,
+                              resolve_device("H100-80GB"))
+    # foreach AdamW on CUDA: one full fp32 copy (sqrt of the second moment)
+    assert h100.breakdown["temporaries"] == 4 * P
+    assert fused.peak_allocated_bytes < h100.peak_allocated_bytes - 3 * P  # in place, no copy
+    assert cpu.breakdown["temporaries"] == 2 * 32768 * 4  # 2 x the largest param (embedding)
+    assert h100.breakdown["overhead"] >= resolve_device("H100-80GB").overhead_bytes
+    assert h100.peak_reserved_bytes > h100.peak_allocated_bytes
+
+
+def test_checkpointing_lowers_activations(info):
+    dev = resolve_device("cpu")
+    full = estimate_analytic(info, TrainConfig(micro_batch_size=8), 256, dev)
+    ckpt = estimate_analytic(info, TrainConfig(micro_batch_size=8, gradient_checkpointing=True), 256, dev)
+    assert ckpt.breakdown["activations"] < full.breakdown["activations"]
+    assert ckpt.peak_allocated_bytes < full.peak_allocated_bytes
+
+
+def test_mixed_precision_keeps_weight_copies(info):
+    dev = resolve_device("cpu")
+    fp32 = estimate_analytic(info, TrainConfig(micro_batch_size=4), 64, dev)
+    mixed = estimate_analytic(info, TrainConfig(micro_batch_size=4, precision="bf16-mixed"), 64, dev)
+    linear = 2 * (4096 * 2 + 2048 * 2 + 3 * 10240) + 32768  # block matmuls + head
+    assert mixed.breakdown["weights"] == fp32.breakdown["weights"] + 2 * linear
+
+
+def test_eager_attention_grows_quadratically():
+    dev = resolve_device("cpu")
+    eager = probe_model("tiny-llama", attn_implementation="eager")
+    sdpa = probe_model("tiny-llama", attn_implementation="sdpa")
+    c = TrainConfig(micro_batch_size=1)
+    d1 = estimate_analytic(eager, c, 1024, dev).breakdown["activations"] - \
+        estimate_analytic(sdpa, c, 1024, dev).breakdown["activations"]
+    d2 = estimate_analytic(eager, c, 2048, dev).breakdown["activations"] - \
+        estimate_analytic(sdpa, c, 2048, dev).breakdown["activations"]
+    assert d1 > 0 and d2 == pytest.approx(4 * d1, rel=0.05)
+
+
+def test_lora_trains_only_adapters():
+    dev = resolve_device("cpu")
+    info = probe_model("tiny-llama", lora={"r": 8, "target_modules": ["q_proj", "v_proj"]})
+    est = estimate_analytic(info, TrainConfig(micro_batch_size=2), 128, dev)
+    assert info.trainable_params == 4 * (8 * 512 * 2 + 512 * 8 + 256 * 8)
+    assert gradients_bytes(info, TrainConfig()) == 4 * info.trainable_params
+    assert est.breakdown["optimizer_states"] == 8 * info.trainable_params
+
+
+def test_qlora_base_is_4bit():
+    info = probe_model("tiny-llama", load_in_4bit=True, lora={"r": 8})
+    base = 4 * (512 * 512 * 2 + 256 * 512 * 2 + 3 * 512 * 1376)  # quantized block linears
+    w = weights_bytes(info, TrainConfig(precision="bf16-mixed"))
+    fp = 4 * (info.num_params - base)  # embeddings, norms, head, adapters in fp32
+    assert w == fp + base // 2 + base // 64 * 4
+    assert info.quantization == "4bit" and info.trainable_params < info.num_params // 50
+
+
+def test_70b_plan_is_fast_and_doesnt_fit_an_h100():
+    info = probe_model("meta-llama/Llama-3.1-70B")
+    est = estimate_analytic(info, TrainConfig(precision="bf16-mixed"), 4096, resolve_device("H100"))
+    assert not est.fits and est.device_total_bytes > 16 * 70e9  # ~16 B/param for AdamW mixed
+
+
+def test_no_trainable_parameters(tiny_llama):
+    for p in tiny_llama.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(NoTrainableParametersError, match="LoRA"):
+        estimate_analytic(probe_model(tiny_llama), TrainConfig(), 8, resolve_device("cpu"))
+
+
+def test_non_transformer_needs_simulate():
+    import torch
+
+    info = describe(torch.nn.Linear(4, 4), task="causal-lm")
+    with pytest.raises(BadInputError, match="simulate"):
+        estimate_analytic(info, TrainConfig(), 8, resolve_device("cpu"))

@@ -1,0 +1,178 @@
+import json
+import resource
+
+import pytest
+import torch
+
+from autofit.errors import (
+    BadInputError,
+    UnknownModelError,
+    UnknownTaskError,
+)
+from autofit.probe.model import LoraSpec, bundled_models, describe, load_config, probe_model
+
+
+def _numel(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_pretrained_model(tiny_llama):
+    info = probe_model(tiny_llama)
+    assert info.num_params == _numel(tiny_llama)
+    assert info.trainable_params == info.num_params and info.frozen_params == 0
+    assert (info.model_type, info.task, info.num_layers) == ("llama", "causal-lm", 2)
+    assert (info.hidden_size, info.num_heads, info.num_kv_heads, info.head_dim) == (64, 4, 2, 16)
+    assert info.intermediate_size == 160 and info.vocab_size == 512
+    assert info.attn_implementation == "sdpa" and not info.tie_word_embeddings
+    b = info.blocks[0]
+    assert b.gated_mlp and b.norm == "rmsnorm" and b.num_norms == 2
+    names = [n.rsplit(".", 1)[-1] for n, *_ in b.linears]
+    assert names == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    shares = {n.rsplit(".", 1)[-1]: s for n, _, _, s in b.linears}
+    assert shares["k_proj"] and shares["v_proj"] and shares["up_proj"] and not shares["o_proj"]
+
+
+def test_probe_reads_and_never_modifies(tiny_llama):
+    before = {k: v.clone() for k, v in tiny_llama.state_dict().items()}
+    flags = [p.requires_grad for p in tiny_llama.parameters()]
+    tiny_llama.eval()
+    probe_model(tiny_llama)
+    assert not tiny_llama.training
+    assert [p.requires_grad for p in tiny_llama.parameters()] == flags
+    for k, v in tiny_llama.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_plain_module():
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    info = probe_model(m)
+    assert info.num_params == 8 * 16 + 16 + 16 * 2 + 2
+    assert info.model_type == "custom" and not info.is_transformer
+
+
+def test_frozen_params_counted(tiny_llama):
+    for p in tiny_llama.model.embed_tokens.parameters():
+        p.requires_grad_(False)
+    info = probe_model(tiny_llama)
+    assert info.frozen_params == 512 * 64
+    assert info.trainable_params == info.num_params - 512 * 64
+
+
+def test_peft_model(tiny_llama):
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(tiny_llama, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    info = probe_model(pm)
+    # A: (r, in), B: (out, r) per target per layer
+    lora = 2 * (4 * 64 + 64 * 4) + 2 * (4 * 64 + 32 * 4)
+    assert info.trainable_params == lora
+    assert info.peft == "lora" and info.lora_r == 4 and info.lora_targets == ("q_proj", "v_proj")
+    assert info.model_type == "llama" and info.num_layers == 2
+
+
+def test_lora_by_name_on_meta():
+    info = probe_model("tiny-llama", lora=LoraSpec(r=8, target_modules=("q_proj", "v_proj")))
+    # tiny-llama: hidden 512, kv width 256, 4 layers
+    assert info.trainable_params == 4 * (8 * 512 + 512 * 8 + 8 * 512 + 256 * 8)
+    all_linear = probe_model("tiny-llama", lora={"r": 8}).lora_targets  # peft expands all-linear
+    assert set(all_linear) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                               "down_proj"}
+
+
+def test_bundled_names():
+    names = bundled_models()
+    assert {"tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5", "meta-llama/Llama-3.1-8B"} <= set(names)
+
+
+def test_llama_8b_counts():
+    info = probe_model("meta-llama/Llama-3.1-8B")
+    assert info.num_params == 8_030_261_248  # the published parameter count
+
+
+def test_70b_on_meta_takes_no_memory():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    info = probe_model("meta-llama/Llama-3.1-70B")
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert info.num_params == 70_553_706_496
+    assert grown_kib < 512 * 1024  # far below the 282 GB of its fp32 weights
+
+
+@pytest.mark.parametrize("name,task,model_type,cross", [
+    ("tiny-gpt2", "causal-lm", "gpt2", False),
+    ("tiny-bert", "masked-lm", "bert", False),
+    ("tiny-t5", "seq2seq", "t5", True),
+])
+def test_tasks_by_default(name, task, model_type, cross):
+    info = probe_model(name)
+    assert (info.task, info.model_type) == (task, model_type)
+    assert any(b.cross_attention for b in info.blocks) is cross
+
+
+def test_seq_cls_task():
+    info = probe_model("tiny-bert", task="seq-cls")
+    assert info.task == "seq-cls" and info.architecture == "BertForSequenceClassification"
+    assert info.num_labels == 2
+
+
+def test_tied_embeddings_detected():
+    assert probe_model("tiny-gpt2").tie_word_embeddings
+    assert not probe_model("tiny-llama").tie_word_embeddings
+
+
+def test_local_directory_from_save_pretrained(tmp_path, tiny_llama):
+    tiny_llama.save_pretrained(tmp_path / "m")
+    info = probe_model(str(tmp_path / "m"))
+    assert info.num_params == _numel(tiny_llama)
+    # the same directory through transformers' hub-id path (what a user with a network uses)
+    cfg = load_config(tmp_path / "m")
+    assert cfg.hidden_size == 64
+
+
+def test_config_json_path(tmp_path, tiny_llama_config):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(tiny_llama_config.to_dict()))
+    assert probe_model(str(p)).num_layers == 2
+
+
+def test_attn_implementation_option():
+    assert probe_model("tiny-llama", attn_implementation="eager").attn_implementation == "eager"
+    with pytest.raises(BadInputError, match="eager or sdpa"):
+        probe_model("tiny-llama", attn_implementation="flashy")
+
+
+def test_unknown_model_one_line():
+    with pytest.raises(UnknownModelError) as e:
+        probe_model("no-such-org/no-such-model-xyz")
+    assert "\n" not in str(e.value) and "tiny-llama" in str(e.value)
+    with pytest.raises(UnknownModelError):
+        probe_model("missing/config.json")
+    with pytest.raises(UnknownModelError):
+        probe_model(42)
+
+
+def test_bad_model_type_in_config(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"model_type": "not-a-model", "hidden_size": 8}))
+    with pytest.raises(UnknownModelError, match="not known"):
+        probe_model(str(p))
+
+
+def test_unknown_task():
+    with pytest.raises(UnknownTaskError, match="causal-lm"):
+        probe_model("tiny-llama", task="translation")
+    with pytest.raises(UnknownTaskError, match="encoder-decoder"):
+        probe_model("tiny-llama", task="seq2seq")
+
+
+def test_lora_on_a_module_is_refused(tiny_llama):
+    with pytest.raises(BadInputError, match="PeftModel"):
+        probe_model(tiny_llama, lora={"r": 4})
+
+
+def test_describe_meta_module():
+    from autofit.probe.model import build_model
+
+    module, task = build_model("tiny-t5")
+    assert next(module.parameters()).device.type == "meta"
+    info = describe(module, task=task)
+    assert info.is_encoder_decoder and len(info.blocks) == 2

@@ -1,0 +1,114 @@
+"""The command line: exit codes, JSON keys, one-line errors (run in-process and as a script)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autofit.cli import main
+
+JSON_KEYS = {"peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "breakdown",
+             "method", "fits", "capacity_bytes"}
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_estimate_human_output(capsys):
+    code, out, _ = run(capsys, "estimate", "tiny-llama", "--batch-size", "2", "--seq-len", "128",
+                       "--device", "cpu")
+    assert code == 0
+    for word in ("weights", "gradients", "optimizer_states", "activations", "temporaries",
+                 "overhead", "B/param", "fits on cpu", "headroom"):
+        assert word in out
+
+
+def test_estimate_json_keys(capsys):
+    code, out, _ = run(capsys, "estimate", "tiny-gpt2", "--batch-size", "2", "--seq-len", "64",
+                       "--precision", "bf16-mixed", "--device", "A100-80GB", "--json")
+    d = json.loads(out)
+    assert code == 0 and set(d) >= JSON_KEYS
+    assert set(d["breakdown"]) == {"weights", "gradients", "optimizer_states", "activations",
+                                   "temporaries", "overhead"}
+    assert sum(d["breakdown"].values()) == d["device_total_bytes"]
+    assert d["fits"] is True and d["method"] == "analytic"
+
+
+def test_does_not_fit_exits_3(capsys):
+    code, out, _ = run(capsys, "estimate", "meta-llama/Llama-3.1-8B", "--batch-size", "8",
+                       "--seq-len", "4096", "--device", "T4", "--precision", "16-mixed", "--json")
+    assert code == 3 and json.loads(out)["fits"] is False
+
+
+def test_lora_and_checkpointing_options(capsys):
+    code, out, _ = run(capsys, "estimate", "tiny-llama", "--batch-size", "2", "--seq-len", "128",
+                       "--lora-r", "8", "--lora-target-modules", "q_proj", "v_proj",
+                       "--gradient-checkpointing", "--optim", "sgd", "--optim-args",
+                       "momentum=0.9", "--json", "--device", "cpu")
+    d = json.loads(out)
+    assert code == 0 and d["trainable_params"] == 4 * (8 * 512 * 2 + 512 * 8 + 256 * 8)
+    assert d["config"]["gradient_checkpointing"] is True
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["estimate", "no-such/model-xyz", "--batch-size", "1", "--seq-len", "8"], "cannot load model"),
+    (["estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "8", "--task", "nope"], "unknown task"),
+    (["estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "8", "--precision", "bf17"], "unknown precision"),
+    (["estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "8", "--optim", "adam"], "unknown optimizer"),
+    (["estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "8", "--device", "H1000"], "unknown device"),
+    (["estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "8", "--device", "T4",
+      "--precision", "bf16-mixed"], "does not support bf16"),
+    (["estimate", "tiny-llama", "--batch-size", "0", "--seq-len", "8"], "micro_batch_size"),
+    (["estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "0"], "seq_len"),
+    (["estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "-4"], "seq_len"),
+    (["estimate", "tiny-llama", "--seq-len", "8"], "--batch-size"),
+    (["estimate", "tiny-llama", "--batch-size", "x", "--seq-len", "8"], "invalid int"),
+])
+def test_bad_input_exits_2_with_one_line(capsys, argv, needle):
+    with pytest.raises(SystemExit) if "--batch-size" not in argv or "x" in argv else _nullcontext():
+        code, out, err = run(capsys, *argv)
+        assert code == 2
+        assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_no_trainable_parameters_message(tmp_path, capsys):
+    # LoRA targeting a module that does not exist leaves nothing trainable -> peft raises;
+    # the user sees one line, not a traceback
+    code, _, err = run(capsys, "estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "8",
+                       "--lora-target-modules", "nonexistent_proj")
+    assert code == 2 and "not found" in err and err.count("\n") == 1
+
+
+def test_8bit_optimizer_without_bitsandbytes(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    code, _, err = run(capsys, "estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "8",
+                       "--optim", "adamw_bnb_8bit")
+    assert code == 2 and "pip install 'autofit[bnb]'" in err
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "autofit", "estimate", "tiny-bert", "--batch-size",
+                        "2", "--seq-len", "64", "--device", "cpu", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert set(json.loads(r.stdout)) >= JSON_KEYS
+    r = subprocess.run([sys.executable, "-m", "autofit", "estimate", "tiny-bert", "--batch-size",
+                        "2", "--seq-len", "64", "--device", "nope"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
