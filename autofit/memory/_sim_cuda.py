@@ -47,7 +47,17 @@ _FP32 = frozenset(
 _FP32_SET_DTYPE = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "sum", "prod"})
 _LOWER = frozenset({"einsum", "mv", "addmv", "addr", "chain_matmul", "multi_dot"})
 _PROMOTE = frozenset(
-    {"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "index_put", "scatter_add", "tensordot"}
+    {
+        "addcdiv",
+        "addcmul",
+        "atan2",
+        "bilinear",
+        "cross",
+        "dot",
+        "index_put",
+        "scatter_add",
+        "tensordot",
+    }
 )
 
 
@@ -177,7 +187,15 @@ class CudaSemantics(TorchFunctionMode):
                 query, key, value, bias, compute_lse, dropout_p, is_causal, scale=scale
             )[0]
         return torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            None,
+            scale=scale,
+            enable_gqa=enable_gqa,
         )[0]
 
     def _sdpa_backend(

@@ -113,9 +113,10 @@ def prepare_for_training(
         # Sequence classification with batch > 1 needs a pad token (users set one).
         if getattr(config, "pad_token_id", None) is None and hasattr(config, "pad_token_id"):
             config.pad_token_id = 0
-        if getattr(config, "is_encoder_decoder", False) and getattr(
-            config, "decoder_start_token_id", None
-        ) is None:
+        if (
+            getattr(config, "is_encoder_decoder", False)
+            and getattr(config, "decoder_start_token_id", None) is None
+        ):
             config.decoder_start_token_id = config.pad_token_id or 0
     if gradient_checkpointing:
         # Trainer: model.activation_checkpointing_enable() (gradient_checkpointing_enable

@@ -67,6 +67,7 @@ class StorageRecorder(TorchDispatchMode):
         self.num_ops = 0
         # op -> f(args, kwargs) -> bytes a kernel allocates internally while it runs
         self.workspaces: dict[Any, Any] = {}
+        self.keepalive: list[Any] = []  # training state that outlives the recorded steps
 
     # ------------------------------------------------------------------ tracking
     def track(self, t: torch.Tensor, category: str | None = None) -> Record | None:
@@ -116,7 +117,11 @@ class StorageRecorder(TorchDispatchMode):
     def mark_live(self, category: str, *, phase: str, micro: int | None = None) -> None:
         """Give ``category`` to live, uncategorised records created in ``phase``."""
         for rec, _ in self._live.values():
-            if rec.category is None and rec.phase == phase and (micro is None or rec.micro == micro):
+            if (
+                rec.category is None
+                and rec.phase == phase
+                and (micro is None or rec.micro == micro)
+            ):
                 rec.category = category
 
     def events(self) -> list[tuple[str, Record, str]]:

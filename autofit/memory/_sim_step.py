@@ -198,6 +198,7 @@ def run_steps(
     if config.precision_spec.grad_scaler:
         rec.phase = "optimizer"  # created once, kept for the whole run
         scaler = _FakeGradScaler()
+        rec.keepalive.append(scaler)  # the Trainer's scaler outlives the steps
     base = unwrap(model)
     for _ in range(steps):
         for _micro in range(micro_steps):

@@ -373,7 +373,12 @@ class Simulator:
         return self.peak_line(config, seq_len=seq_len).total(batch)
 
     def max_micro_batch(
-        self, config: TrainConfig, budget_bytes: int, *, seq_len: int | None = None, limit: int = 4096
+        self,
+        config: TrainConfig,
+        budget_bytes: int,
+        *,
+        seq_len: int | None = None,
+        limit: int = 4096,
     ) -> int:
         """Largest micro batch whose simulated device total fits ``budget_bytes`` (0: none).
 
