@@ -296,6 +296,94 @@ def test_checkpointed_recompute_keeps_cuda_semantics() -> None:
     assert est.peak_allocated_bytes > 0
 
 
+# ---------------------------------------------------------------------------- fake == real
+
+
+def _tensor_peak(model, config: TrainConfig, *, fake: bool, seq_len: int = 64) -> tuple[int, int]:
+    """Peak and final live tensor bytes of two steps, recorded on fake or real tensors."""
+    import contextlib
+    import copy
+
+    from autofit.memory._sim_bnb import gemm_4bit_workspace
+    from autofit.memory._sim_model import fake_clone, prepare_for_training, weight_tensors
+    from autofit.memory._sim_recorder import StorageRecorder
+    from autofit.memory._sim_step import StepTarget, build_optimizer, run_steps
+    from autofit.memory.simulate import _fake_mode
+
+    mode = _fake_mode() if fake else contextlib.nullcontext()
+    with mode:
+        clone = fake_clone(model, float_dtype=torch.float32) if fake else copy.deepcopy(model)
+    prepare_for_training(clone, gradient_checkpointing=config.gradient_checkpointing)
+    rec = StorageRecorder()
+    for t in weight_tensors(clone):
+        rec.track(t, "weights")
+    if fake and any(hasattr(p, "quant_state") for p in clone.parameters()):
+        rec.workspaces[torch.ops.bitsandbytes.gemm_4bit.default] = gemm_4bit_workspace
+    target = StepTarget("cpu")
+    optimizer = build_optimizer(clone, config, target)
+    with mode, rec:
+        run_steps(
+            clone, optimizer, config, task="causal-lm", seq_len=seq_len, rec=rec, target=target
+        )
+    live = peak = 0
+    for kind, r, _ in rec.events():
+        live += r.size if kind == "alloc" else -r.size
+        peak = max(peak, live)
+    return peak, live
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TrainConfig(micro_batch_size=2),
+        TrainConfig(micro_batch_size=2, precision="bf16-mixed", gradient_checkpointing=True),
+    ],
+)
+def test_fake_step_matches_the_real_step(tiny_llama, config) -> None:
+    """The same recorder on real tensors sees the same storages as on fake ones."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fake = _tensor_peak(tiny_llama, config, fake=True)
+        real = _tensor_peak(tiny_llama, config, fake=False)
+    assert fake[1] == real[1]
+    assert abs(fake[0] - real[0]) <= 64 * 1024  # checkpointing saves a host RNG state
+
+
+@pytest.mark.slow
+def test_fake_4bit_matches_real_4bit(tmp_path, tiny_llama) -> None:
+    """A real QLoRA module (bitsandbytes 4-bit on the CPU, default kernels): the fake
+    packed weights, quantization states and gemm_4bit workspace match the real run."""
+    import warnings
+
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_llama.save_pretrained(tmp_path)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_type="nf4"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=qc, device_map="cpu", dtype=torch.float32
+        )
+        model = get_peft_model(
+            model,
+            LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type=TaskType.CAUSAL_LM),
+        )
+        for config in (
+            TrainConfig(micro_batch_size=2),
+            TrainConfig(micro_batch_size=2, precision="bf16-mixed", gradient_checkpointing=True),
+        ):
+            fake = _tensor_peak(model, config, fake=True)
+            real = _tensor_peak(model, config, fake=False)
+            assert fake[1] == real[1]
+            assert abs(fake[0] - real[0]) <= 128 * 1024
+
+
 # ---------------------------------------------------------------------------- user module
 
 
