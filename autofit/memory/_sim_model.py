@@ -126,16 +126,22 @@ def prepare_for_training(
         if recompute_context is not None:
             ckpt_kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_context())
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
-        elif hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
-            if hasattr(model, "peft_config") and hasattr(model, "enable_input_require_grads"):
-                model.enable_input_require_grads()
+            enable, key = model.activation_checkpointing_enable, "activation_checkpointing_kwargs"
+        elif hasattr(model, "gradient_checkpointing_enable"):  # transformers < 5
+            enable, key = model.gradient_checkpointing_enable, "gradient_checkpointing_kwargs"
         else:
             raise BadInputError(
                 f"{type(model).__name__} has no gradient_checkpointing_enable(); "
                 "simulate it with gradient_checkpointing=False"
             )
+        try:
+            enable(**{key: ckpt_kwargs})
+        except ValueError as e:  # "... does not support activation checkpointing."
+            raise BadInputError(
+                f"{str(e).splitlines()[0]} Simulate it with gradient_checkpointing=False"
+            ) from None
+        if key == "gradient_checkpointing_kwargs" and hasattr(model, "peft_config"):
+            model.enable_input_require_grads()
         if config is not None:
             config.use_cache = False
     model.train()

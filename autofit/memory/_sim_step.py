@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from autofit.config import TrainConfig
-from autofit.errors import MissingDependencyError
+from autofit.errors import BadInputError, MissingDependencyError
 from autofit.memory._sim_model import make_batch, unwrap
 from autofit.memory._sim_recorder import StorageRecorder
 
@@ -210,7 +210,15 @@ def run_steps(
                     rec.track(v, "activations")  # the batch on the device
             kwargs = {k: batch[k] for k in batch["_model_kwargs"]}
             with _autocast(config):
-                loss = model(**kwargs).loss  # outputs (logits) dropped, as compute_loss does
+                out = model(**kwargs)
+                loss = getattr(out, "loss", None)
+                del out  # the outputs (logits) are dropped, as compute_loss does
+            if not isinstance(loss, torch.Tensor):
+                raise BadInputError(
+                    f"{type(model).__name__}(input_ids=..., labels=...) returned no loss; "
+                    "simulate needs a model that computes its loss from labels "
+                    "(a transformers model for the task)"
+                )
             del batch, kwargs
             if config.grad_accum_steps > 1:
                 loss = loss / config.grad_accum_steps

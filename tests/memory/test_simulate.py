@@ -428,6 +428,29 @@ def test_user_module_untouched(tiny_llama) -> None:
     assert all(type(p) is torch.nn.Parameter for p in tiny_llama.parameters())
 
 
+def test_plain_module_without_loss_is_bad_input() -> None:
+    from autofit.errors import BadInputError
+
+    class Plain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+
+        def forward(self, input_ids, labels=None):
+            return self.emb(input_ids)
+
+    with pytest.raises(BadInputError, match="no loss"):
+        simulate(Plain(), TrainConfig(), seq_len=8, device=CPU, task="causal-lm")
+    with pytest.raises(BadInputError, match="gradient_checkpointing=False"):
+        simulate(
+            Plain(),
+            TrainConfig(gradient_checkpointing=True),
+            seq_len=8,
+            device=CPU,
+            task="causal-lm",
+        )
+
+
 # ---------------------------------------------------------------------------- batch line
 
 
