@@ -10,6 +10,16 @@ from autofit.api import estimate
 from autofit.config import TrainConfig
 from autofit.errors import AutofitError, DoesNotFitError
 from autofit.memory.breakdown import MemoryEstimate
+from autofit.trial import TrialResult, is_oom, measure
 
-__all__ = ["AutofitError", "DoesNotFitError", "MemoryEstimate", "TrainConfig", "estimate"]
+__all__ = [
+    "AutofitError",
+    "DoesNotFitError",
+    "MemoryEstimate",
+    "TrainConfig",
+    "TrialResult",
+    "estimate",
+    "is_oom",
+    "measure",
+]
 __version__ = "0.1.0"

@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(p)
     p.add_argument("--method", choices=list(METHODS), default="analytic")
     p.set_defaults(func=_cmd_estimate)
+
+    from autofit._cli_measure import add_measure_parser, run_measure
+
+    add_measure_parser(sub).set_defaults(func=run_measure)
     return parser
 
 

@@ -9,7 +9,8 @@ at its three candidate peaks and reports the largest:
 * **backward start** — weights + autocast weight copies + optimizer states +
   every activation saved by the forward + the loss gradients (two fp32
   ``(B, T, V)`` tensors: d log_softmax and d logits) + the output head's weight
-  gradient;
+  gradient; with gradient accumulation, + the gradients of the earlier micro
+  batches, held through this one;
 * **backward end** — weights + optimizer states + all gradients + the activations
   still alive (embedding side) + one block's backward temporaries;
 * **optimizer step** — weights + gradients + optimizer states + the step's own
@@ -325,11 +326,15 @@ def estimate_analytic(
     block_bwd_temp = 2 * N * inter * act + 2 * N * h * act
     opt_temp = _optimizer_step_temporaries(info, config, device)
 
+    # with accumulation, the gradients of the earlier micro batches are held through
+    # the next forward and backward
+    G_held = G if config.grad_accum_steps > 1 else 0
+    loss_temp = max(loss_grads, (0 if G_held else head_grad_in_G) + N * V * 4)
     phases = {
         # all activations alive; the loss backward's fp32 (N, V) gradients
-        "backward": (W + copies + S + A + max(loss_grads, head_grad_in_G + N * V * 4),
+        "backward": (W + copies + S + A + G_held + loss_temp,
                      {"weights": W + copies, "optimizer_states": S, "activations": A,
-                      "gradients": 0, "temporaries": max(loss_grads, head_grad_in_G + N * V * 4)}),
+                      "gradients": G_held, "temporaries": loss_temp}),
         # gradients complete, the embedding side's activations and one block's temporaries
         "backward-end": (W + S + G + A_base // 2 + block_bwd_temp + A_transient,
                          {"weights": W, "optimizer_states": S, "gradients": G,

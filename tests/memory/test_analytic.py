@@ -220,3 +220,12 @@ def test_non_transformer_needs_simulate():
     info = describe(torch.nn.Linear(4, 4), task="causal-lm")
     with pytest.raises(BadInputError, match="simulate"):
         estimate_analytic(info, TrainConfig(), 8, resolve_device("cpu"))
+
+
+def test_accumulation_holds_gradients_through_the_next_micro_batch(info):
+    dev = resolve_device("cpu")
+    one = estimate_analytic(info, TrainConfig(micro_batch_size=4), 64, dev)
+    acc = estimate_analytic(info, TrainConfig(micro_batch_size=4, grad_accum_steps=4), 64, dev)
+    assert one.peak_phase == acc.peak_phase == "backward"
+    assert acc.breakdown["gradients"] == 4 * P and one.breakdown["gradients"] == 0
+    assert acc.peak_allocated_bytes - one.peak_allocated_bytes == 4 * P

@@ -1,0 +1,242 @@
+"""``autofit measure``: real micro-steps of one configuration, from the command line.
+
+    autofit measure tiny-llama --batch-size 4 --seq-len 256 --device cpu:2GiB
+    autofit measure ./my-model --batch-size 8 --dataset train.jsonl --json
+
+``autofit/cli.py`` wires it in::
+
+    add_measure_parser(subparsers)          # adds the "measure" sub-command
+    sys.exit(run_measure(args))
+
+Exit codes: 0 the configuration fits, 3 it ran out of memory (the numbers
+measured up to the failure are printed, with what to try next), 2 bad input (one
+line on stderr, no traceback), 1 the trial failed otherwise (timeout, a model
+that does not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_measure_parser", "run_measure", "load_dataset_file"]
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_OOM = 0, 1, 2, 3
+
+
+def add_measure_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``measure`` sub-command to an argparse ``subparsers`` object."""
+    p = subparsers.add_parser(
+        "measure",
+        help="run real training micro-steps and measure peak memory and speed",
+        description="Run a few real training steps of one configuration on the device "
+        "and report the peak memory and the speed. Exit 0 fits, 3 out of memory, 2 bad input.",
+    )
+    p.add_argument("model", help="bundled name, hub id, model directory or config.json")
+    p.add_argument("--batch-size", type=int, required=True, help="micro batch size")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sample (random data), or the truncation length with --dataset",
+    )
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument(
+        "--precision",
+        default="32-true",
+        help="32-true | 16-mixed | bf16-mixed | 16-true | bf16-true",
+    )
+    p.add_argument("--optim", default="adamw_torch", help="a TrainingArguments.optim name")
+    p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--attn-implementation", choices=["eager", "sdpa"], default=None)
+    p.add_argument("--lora-r", type=int, default=None, help="train a LoRA adapter of this rank")
+    p.add_argument("--lora-alpha", type=int, default=None)
+    p.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        help="module names, or all-linear (default)",
+    )
+    p.add_argument("--task", default=None, help="causal-lm | masked-lm | seq2seq | seq-cls")
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help=".json / .jsonl file of samples with input_ids (or text + --tokenizer)",
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer for a dataset with text")
+    p.add_argument("--device", default="auto", help="auto | cpu | cpu:4GiB | cuda | cuda:N")
+    p.add_argument("--isolation", choices=["auto", "in-process", "subprocess"], default="auto")
+    p.add_argument("--warmup-steps", type=int, default=1)
+    p.add_argument("--measure-steps", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole trial")
+    p.add_argument("--json", action="store_true", help="print one JSON object (TrialResult)")
+    p.set_defaults(func=run_measure)
+    return p
+
+
+def load_dataset_file(path: str) -> list[Any]:
+    """Samples from a .json (a list, or {"data": [...]}, or columns) or .jsonl file."""
+    from autofit.errors import BadInputError
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise BadInputError(f"--dataset {path}: no such file")
+    try:
+        text = p.read_text(encoding="utf-8")
+        if p.suffix.lower() == ".jsonl":
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInputError(f"--dataset {path}: not readable JSON ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    elif isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+        n = len(next(iter(data.values())))
+        data = [{k: v[i] for k, v in data.items()} for i in range(n)]
+    if not isinstance(data, list):
+        raise BadInputError(
+            f"--dataset {path}: expected a list of samples (dicts with input_ids or text)"
+        )
+    return data
+
+
+def _tokenizer(args: argparse.Namespace, data: list[Any]) -> Any:
+    from autofit.errors import BadInputError
+
+    needs = bool(data) and isinstance(data[0], dict) and "input_ids" not in data[0]
+    if not needs and args.tokenizer is None:
+        return None
+    from transformers import AutoTokenizer
+
+    name = args.tokenizer or args.model
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # noqa: BLE001 - hub / file errors come in many types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BadInputError(
+            f"the dataset has text but no tokenizer could be loaded from {name!r} ({first}); "
+            "pass --tokenizer DIR or give input_ids"
+        ) from None
+
+
+def _suggestion(args: argparse.Namespace) -> str:
+    tries = []
+    if args.batch_size > 1:
+        tries.append(f"--batch-size {max(1, args.batch_size // 2)}")
+    if not args.gradient_checkpointing:
+        tries.append("--gradient-checkpointing")
+    if not tries:
+        tries = ["a shorter --seq-len", "--optim adamw_bnb_8bit", "LoRA (--lora-r 8)"]
+    return "try " + " or ".join(tries)
+
+
+def _fmt(n: int | None) -> str:
+    from autofit.probe.device import format_bytes
+
+    return "n/a" if n is None else format_bytes(n)
+
+
+def _print_human(result: Any, args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    b, t = result.batch_shape
+    cfg = result.config
+    what = (
+        f"{args.model}: batch {b}x{t}, {cfg['precision']}, {cfg['optimizer']}"
+        + (", gradient checkpointing" if cfg["gradient_checkpointing"] else "")
+        + f" on {result.device}"
+    )
+    peak = _fmt(result.peak_reserved_bytes)
+    cap = f" of {_fmt(result.capacity_bytes)}" if result.capacity_bytes else ""
+    if result.fits:
+        console.print(f"[green]fits[/green]  {what}")
+        console.print(f"  peak memory {peak}{cap} (allocated {_fmt(result.peak_allocated_bytes)})")
+        console.print(
+            f"  step {result.step_time_s:.3f} s, {result.tokens_per_s:,.0f} tokens/s, "
+            f"{result.samples_per_s:.2f} samples/s (median of {result.steps} steps)"
+        )
+    elif result.oom:
+        console.print(f"[red]does not fit[/red]  {what}")
+        console.print(f"  out of memory: {result.error}")
+        console.print(f"  peak memory up to the failure {peak}{cap}")
+        console.print(f"  {_suggestion(args)}")
+    else:
+        console.print(f"[yellow]trial failed[/yellow]  {what}")
+        console.print(f"  {result.error}")
+    console.print(f"  [dim]{result.isolation}: {result.isolation_reason}[/dim]")
+    for note in result.notes:
+        console.print(f"  [dim]note: {note}[/dim]")
+
+
+def run_measure(args: argparse.Namespace) -> int:
+    """Run ``autofit measure`` for parsed ``args``; returns the exit code."""
+    from autofit.errors import AutofitError
+
+    try:
+        result = _measure(args)
+    except AutofitError as e:
+        print(f"autofit measure: error: {e}", file=sys.stderr)
+        return e.exit_code
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        _print_human(result, args)
+    if result.fits:
+        return EXIT_OK
+    return EXIT_OOM if result.oom else EXIT_FAILED
+
+
+def _measure(args: argparse.Namespace) -> Any:
+    from autofit.config import TrainConfig
+    from autofit.errors import BadInputError
+    from autofit.probe.model import LoraSpec
+    from autofit.trial import measure
+
+    config = TrainConfig(
+        micro_batch_size=args.batch_size,
+        grad_accum_steps=args.grad_accum,
+        precision=args.precision,
+        gradient_checkpointing=args.gradient_checkpointing,
+        optimizer=args.optim,
+        optim_args=args.optim_args,
+        seq_len=args.seq_len,
+    )
+    lora = None
+    if args.lora_r is not None:
+        targets = args.lora_target_modules or "all-linear"
+        if isinstance(targets, list) and targets == ["all-linear"]:
+            targets = "all-linear"
+        lora = LoraSpec(
+            r=args.lora_r,
+            alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r,
+            target_modules=tuple(targets) if isinstance(targets, list) else targets,
+        )
+    elif args.lora_alpha is not None or args.lora_target_modules:
+        raise BadInputError("--lora-alpha / --lora-target-modules need --lora-r")
+    data = None
+    tokenizer = None
+    if args.dataset:
+        data = load_dataset_file(args.dataset)
+        tokenizer = _tokenizer(args, data)
+    elif args.seq_len is None:
+        raise BadInputError("give --seq-len (random tokens) or --dataset")
+    return measure(
+        args.model,
+        config,
+        data,
+        device=args.device,
+        seq_len=args.seq_len,
+        task=args.task,
+        isolation=args.isolation,
+        warmup_steps=args.warmup_steps,
+        measure_steps=args.measure_steps,
+        timeout_s=args.timeout,
+        tokenizer=tokenizer,
+        attn_implementation=args.attn_implementation,
+        lora=lora,
+    )

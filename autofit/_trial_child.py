@@ -1,0 +1,76 @@
+"""The trial child: ``python -m autofit._trial_child WORKDIR``.
+
+Started by ``autofit.trial`` with glibc's allocator set to measure
+(``_procmem.CHILD_MALLOC_ENV``). Reads ``WORKDIR/payload.pt`` (a ``torch.save``
+of: the pickled module or a ``ModelRef``, the batch, the ``StepPlan``, the device,
+the CPU cap, the step counts), runs ``_trial_run.run_steps`` and writes
+``WORKDIR/result.json`` (the ``RawTrial`` fields). Any failure is written there
+too; a child that dies without a result is judged by its exit status and stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+
+def _write(workdir: Path, data: dict) -> None:
+    tmp = workdir / "result.json.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, workdir / "result.json")
+
+
+def main(argv: list[str]) -> int:
+    workdir = Path(argv[1])
+    import torch
+
+    torch.set_num_threads(1)
+    from autofit._trial_model import ModelRef, materialize
+    from autofit._trial_run import RawTrial, run_steps
+
+    try:
+        payload = torch.load(workdir / "payload.pt", weights_only=False)
+        device = torch.device(payload["device"])
+        if device.type != "cpu":
+            acc = getattr(torch, "accelerator", None)
+            if acc is not None and hasattr(acc, "set_device_index"):
+                acc.set_device_index(device)
+            else:  # pragma: no cover - torch < 2.6
+                getattr(torch, device.type).set_device(device)
+        torch.manual_seed(int(payload.get("seed", 0)))
+        plan = payload["plan"]
+        model = payload["model"]
+        if isinstance(model, ModelRef):
+            model = materialize(model, device)
+        if plan.precision.endswith("-true"):
+            model.to(dtype=plan.param_dtype)  # the child owns this copy
+        model.to(device)
+        wall = payload.get("deadline_wall")  # the parent's clock: start-up counts too
+        deadline = time.monotonic() + (wall - time.time()) if wall else None
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, not raised
+        from autofit._oom import is_oom
+
+        raw = RawTrial(oom=is_oom(exc), error=f"loading the model: {type(exc).__name__}: {exc}")
+        _write(workdir, asdict(raw))
+        return 0
+    raw = run_steps(
+        model,
+        payload["batch"],
+        plan,
+        device,
+        warmup_steps=int(payload["warmup_steps"]),
+        measure_steps=int(payload["measure_steps"]),
+        cap_bytes=payload.get("cap_bytes"),
+        deadline=deadline,
+    )
+    _write(workdir, asdict(raw))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

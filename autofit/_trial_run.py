@@ -1,0 +1,344 @@
+"""Run the steps of one trial in *this* process and measure them.
+
+Shared by the in-process runner (``trial.py``) and the trial child
+(``_trial_child.py``). The protocol (DESIGN.md, "Truth and measurement"):
+
+1. prepare the model as the Trainer does; one set-up step on a tiny batch
+   (1 sample, 8 tokens) and free it: autograd and kernel one-time set-up, lazy
+   imports and first-touch pages happen here, not in the measurement;
+2. baseline: CPU - RSS after ``malloc_trim``; accelerator - ``memory_allocated``;
+3. capped CPU only: ``RLIMIT_AS`` := VmSize + (cap - resident tensors), so the
+   cap bounds weights + buffers + batch + everything the steps allocate;
+4. ``warmup_steps`` steps (optimizer state appears), reset the peak counters
+   (``/proc/self/clear_refs`` or ``reset_peak_memory_stats``), ``measure_steps``
+   timed steps, read the peaks;
+5. free everything the trial made and check memory is back at the baseline.
+
+An exception is turned into a message *outside* the ``except`` block (its frames
+hold the step's tensors), then dropped before the clean-up.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autofit import _procmem
+from autofit._oom import is_oom
+from autofit._trial_step import (
+    Stepper,
+    StepPlan,
+    free_grads,
+    move_batch,
+    prepare_model,
+    storage_bytes,
+    tiny_batch,
+)
+
+__all__ = ["RawTrial", "run_steps", "CPU_LEAK_TOLERANCE", "ACCEL_LEAK_TOLERANCE"]
+
+MiB = 1 << 20
+# Memory left above the baseline after a trial that still counts as "recovered".
+CPU_LEAK_TOLERANCE = 32 * MiB  # RSS: Python/allocator caches move by a few MiB
+ACCEL_LEAK_TOLERANCE = 1 * MiB  # memory_allocated is exact
+
+
+@dataclass
+class RawTrial:
+    """What one run of the steps found (plain data; travels as JSON from a child)."""
+
+    oom: bool = False
+    error: str | None = None
+    timed_out: bool = False
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    device_total_bytes: int | None = None
+    step_times_s: list[float] = field(default_factory=list)
+    warmup_done: int = 0
+    resident_bytes: int | None = None  # weights + buffers + batch, counted on CPU
+    baseline_bytes: int | None = None
+    leaked_bytes: int | None = None
+    recovered: bool | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step_time_s(self) -> float | None:
+        return statistics.median(self.step_times_s) if self.step_times_s else None
+
+
+class _AccelAPI:
+    """Allocator counters of one accelerator type.
+
+    ``torch.accelerator`` (torch >= 2.8) when it serves this device type, else the
+    per-backend module (``torch.cuda``, ``torch.xpu``) with its older names.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        acc = getattr(torch, "accelerator", None)
+        current = acc.current_accelerator() if acc is not None and acc.is_available() else None
+        self.generic = (
+            acc is not None
+            and current is not None
+            and current.type == device_type
+            and hasattr(acc, "max_memory_allocated")
+        )
+        self.mod = acc if self.generic else getattr(torch, device_type)
+
+    def index(self) -> int:
+        if self.generic:
+            return self.mod.current_device_index()
+        return self.mod.current_device()
+
+    def synchronize(self, idx: int) -> None:
+        self.mod.synchronize(idx)
+
+    def empty_cache(self) -> None:
+        self.mod.empty_cache()
+
+    def allocated(self, idx: int) -> int:
+        return int(self.mod.memory_allocated(idx))
+
+    def max_allocated(self, idx: int) -> int:
+        return int(self.mod.max_memory_allocated(idx))
+
+    def max_reserved(self, idx: int) -> int:
+        return int(self.mod.max_memory_reserved(idx))
+
+    def reset_peak(self, idx: int) -> None:
+        self.mod.reset_peak_memory_stats(idx)
+
+    def mem_info(self, idx: int) -> tuple[int, int]:
+        """(free, total) bytes of the device, every process counted."""
+        if self.generic:
+            free, total = self.mod.get_memory_info(idx)
+        else:
+            free, total = self.mod.mem_get_info(idx)
+        return int(free), int(total)
+
+
+def _accel(device_type: str) -> _AccelAPI:
+    return _AccelAPI(device_type)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        api = _accel(device.type)
+        api.synchronize(device.index if device.index is not None else api.index())
+
+
+class _CpuMeter:
+    """Peak resident memory of this process, from /proc (outside the tensor layer)."""
+
+    def __init__(self, resident: int, cap: int | None) -> None:
+        self.resident = resident
+        self.cap = cap
+        self.base: int | None = None
+        self.previous_limit: tuple[int, int] | None = None
+
+    def baseline(self) -> int | None:
+        gc.collect(1)  # the young generations: a full collection costs ~0.3 s here
+        _procmem.malloc_trim()
+        self.base = _procmem.rss_bytes()
+        return self.base
+
+    def arm(self) -> None:
+        if self.cap is not None:
+            self.previous_limit = _procmem.cap_address_space(self.cap - self.resident)
+        _procmem.reset_peak_rss()
+
+    def disarm(self) -> None:
+        if self.previous_limit is not None:
+            _procmem.restore_address_space(self.previous_limit)
+            self.previous_limit = None
+
+    def reset_peak(self) -> None:
+        _procmem.reset_peak_rss()
+
+    def peaks(self) -> tuple[int | None, int | None, int | None]:
+        hwm = _procmem.peak_rss_bytes()
+        if hwm is None or self.base is None:
+            return None, None, None
+        peak = max(0, hwm - self.base) + self.resident
+        return peak, peak, peak
+
+    def leaked(self) -> int | None:
+        if self.base is None:
+            return None
+        for generation in (1, 2):  # a full collection only when memory looks held
+            gc.collect(generation)
+            _procmem.malloc_trim()
+            now = _procmem.rss_bytes()
+            if now is None or now - self.base <= self.tolerance:
+                break
+        return None if now is None else max(0, now - self.base)
+
+    tolerance = CPU_LEAK_TOLERANCE
+
+
+class _AccelMeter:
+    """torch's allocator counters on a CUDA-like device (reset around the measured steps)."""
+
+    def __init__(self, device: torch.device, excluded: int) -> None:
+        self.device = device
+        self.api = _accel(device.type)
+        self.idx = device.index if device.index is not None else self.api.index()
+        self.excluded = excluded
+        self.base: int | None = None
+
+    def baseline(self) -> int:
+        gc.collect(1)
+        self.api.synchronize(self.idx)
+        self.api.empty_cache()
+        self.base = self.api.allocated(self.idx)
+        return self.base
+
+    def arm(self) -> None:
+        self.reset_peak()
+
+    def disarm(self) -> None:
+        pass
+
+    def reset_peak(self) -> None:
+        self.api.synchronize(self.idx)
+        self.api.reset_peak(self.idx)
+
+    def peaks(self) -> tuple[int | None, int | None, int | None]:
+        self.api.synchronize(self.idx)
+        alloc = self.api.max_allocated(self.idx) - self.excluded
+        reserved = self.api.max_reserved(self.idx) - self.excluded
+        free, total = self.api.mem_info(self.idx)
+        used = total - free - self.excluded  # every process on the device, context included
+        return max(0, alloc), max(0, reserved), max(0, used)
+
+    def leaked(self) -> int | None:
+        if self.base is None:
+            return None
+        for generation in (1, 2):  # a full collection only when memory looks held
+            gc.collect(generation)
+            self.api.synchronize(self.idx)
+            now = self.api.allocated(self.idx)
+            if now - self.base <= self.tolerance:
+                break
+        self.api.empty_cache()
+        return max(0, now - self.base)
+
+    tolerance = ACCEL_LEAK_TOLERANCE
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    head = text[0] if text else ""
+    # torch prefixes allocator errors with "[enforce fail at alloc_cpu.cpp:127] err == 0. "
+    if "] " in head and head.startswith("[enforce fail"):
+        head = head.split("] ", 1)[1].removeprefix("err == 0. ")
+    return f"{type(exc).__name__}: {head}"[:500]
+
+
+def run_steps(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    plan: StepPlan,
+    device: torch.device,
+    *,
+    warmup_steps: int,
+    measure_steps: int,
+    cap_bytes: int | None = None,
+    excluded_bytes: int = 0,
+    deadline: float | None = None,
+) -> RawTrial:
+    """Prepare ``model`` (mutated: the caller owns a copy or a snapshot) and measure.
+
+    ``cap_bytes``: a CPU cap (weights + buffers + batch + the steps' memory).
+    ``excluded_bytes``: accelerator bytes that belong to no part of the run (the
+    user's original model when the trial runs on a copy beside it).
+    ``deadline``: ``time.monotonic()`` after which no further step starts.
+    """
+    raw = RawTrial()
+    batch = move_batch(batch, device)
+    stepper: Stepper | None = None
+    meter: Any = None
+    error: str | None = None
+    oom = False
+    phase = "set-up"
+    try:
+        prepare_model(model, plan)
+        raw.notes.extend(plan.notes)
+        # 1. the set-up step on a tiny batch, then free it
+        stepper = Stepper(model, plan, device)
+        stepper.step(tiny_batch(batch))
+        stepper.close()
+        stepper = None
+        # 2. baseline
+        if device.type == "cpu":
+            resident = storage_bytes(model.parameters(), model.buffers(), batch.values())
+            raw.resident_bytes = resident
+            meter = _CpuMeter(resident, cap_bytes)
+            if cap_bytes is not None and resident >= cap_bytes:
+                raw.oom = True
+                raw.error = (
+                    f"the weights, buffers and batch alone ({resident} bytes) exceed the cap "
+                    f"({cap_bytes} bytes)"
+                )
+                raw.peak_allocated_bytes = raw.peak_reserved_bytes = resident
+                raw.device_total_bytes = resident
+                return raw
+        else:
+            meter = _AccelMeter(device, excluded_bytes)
+        raw.baseline_bytes = meter.baseline()
+        stepper = Stepper(model, plan, device)
+        # 3.-4. the steps
+        phase = "warm-up"
+        meter.arm()
+        try:
+            done = 0
+            skipped_extra = 0
+            while done < warmup_steps:
+                ok = stepper.step(batch)
+                if not ok and skipped_extra < 8:
+                    skipped_extra += 1  # fp16 loss scale still settling: no state yet
+                    continue
+                done += 1
+                raw.warmup_done = done
+                if deadline is not None and time.monotonic() > deadline:
+                    raw.timed_out = True
+                    break
+            if stepper.skipped_steps:
+                raw.notes.append(f"GradScaler skipped {stepper.skipped_steps} step(s) (inf grads)")
+            phase = "measured"
+            if not raw.timed_out:
+                meter.reset_peak()
+                for _ in range(measure_steps):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    stepper.step(batch)
+                    _sync(device)
+                    raw.step_times_s.append(time.perf_counter() - t0)
+                    if deadline is not None and time.monotonic() > deadline:
+                        raw.timed_out = len(raw.step_times_s) < measure_steps
+                        break
+        finally:
+            meter.disarm()
+    except Exception as exc:  # noqa: BLE001 - every failure becomes part of the result
+        oom = is_oom(exc)
+        error = f"{phase} step: {_first_line(exc)}"
+        # NB: nothing else here; `exc` and its frames (the step's tensors) go at block end
+    if error is not None:
+        raw.oom = oom
+        raw.error = error
+    if meter is not None and meter.base is not None:
+        raw.peak_allocated_bytes, raw.peak_reserved_bytes, raw.device_total_bytes = meter.peaks()
+    # 5. free what the trial made, then check the baseline
+    if stepper is not None:
+        stepper.close()
+    stepper = None
+    free_grads(model)
+    if meter is not None and meter.base is not None:
+        leaked = meter.leaked()
+        raw.leaked_bytes = leaked
+        raw.recovered = leaked is not None and leaked <= meter.tolerance
+    return raw

@@ -1,0 +1,335 @@
+"""The training step a trial runs: the one ``transformers.Trainer`` would run.
+
+``plan_step`` (in the parent process, it imports ``transformers.Trainer``) turns a
+``TrainConfig`` into a picklable ``StepPlan``: the optimizer class and kwargs from
+``Trainer.get_optimizer_cls_and_kwargs`` and the Trainer's decay / no-decay
+parameter names. ``Stepper`` runs it (in this process or in a trial child, which
+then needs neither ``Trainer`` nor ``TrainingArguments``):
+
+    model.train(); activation checkpointing (use_reentrant=False); config.use_cache=False
+    for each micro batch:  autocast(forward with labels) -> loss / grad_accum -> backward
+    [GradScaler.unscale_] -> clip_grad_norm_(1.0) -> optimizer.step() -> zero_grad(None)
+
+One trial step runs ``min(grad_accum_steps, 2)`` micro batches before the optimizer
+step: with accumulation the gradients stay allocated through the next forward,
+and two micro batches are enough to see that peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autofit.config import TrainConfig
+from autofit.errors import MissingDependencyError
+
+__all__ = [
+    "StepPlan",
+    "plan_step",
+    "prepare_model",
+    "build_optimizer",
+    "Stepper",
+    "tiny_batch",
+    "move_batch",
+    "storage_bytes",
+    "free_grads",
+]
+
+MAX_GRAD_NORM = 1.0  # TrainingArguments.max_grad_norm's default
+
+
+@dataclass
+class StepPlan:
+    """Everything the step needs besides the model and the batch (picklable)."""
+
+    precision: str
+    gradient_checkpointing: bool
+    grad_accum_steps: int
+    optimizer_cls: type
+    optimizer_kwargs: dict[str, Any]
+    decay_names: list[str] | None  # None: every trainable parameter decays
+    weight_decay: float = 0.0
+    bnb_embedding_override: bool = False  # Trainer: 8-bit bnb keeps embeddings in 32 bits
+    max_grad_norm: float = MAX_GRAD_NORM
+    optimizer_name: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return min(self.grad_accum_steps, 2)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        from autofit.config import PRECISIONS
+
+        return getattr(torch, PRECISIONS[self.precision].param_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        from autofit.config import PRECISIONS
+
+        return getattr(torch, PRECISIONS[self.precision].compute_dtype)
+
+
+def _restore_environ(before: dict[str, str]) -> None:
+    for k in set(os.environ) - set(before):
+        del os.environ[k]
+    for k, v in before.items():
+        if os.environ.get(k) != v:
+            os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _accelerate_state_kept() -> Iterator[None]:
+    """Undo what building a ``TrainingArguments`` does to the process.
+
+    Its ``__post_init__`` initialises accelerate's ``PartialState`` singleton (and
+    resets an ``AcceleratorState`` the user configured) and may call
+    ``torch.cuda.set_device``: the shared state dicts are put back in place (same
+    objects: accelerate's singletons share them) and the current device restored.
+    """
+    try:
+        from accelerate.state import AcceleratorState, PartialState
+    except ImportError:  # pragma: no cover - transformers' Trainer needs accelerate
+        yield
+        return
+    saved = [
+        (cls._shared_state, dict(cls._shared_state)) for cls in (PartialState, AcceleratorState)
+    ]
+    cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        for shared, copy_ in saved:
+            shared.clear()
+            shared.update(copy_)
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+
+
+def plan_step(model: torch.nn.Module, config: TrainConfig, *, use_cpu: bool) -> StepPlan:
+    """Resolve the Trainer's optimizer for ``config`` (``model`` may live on meta)."""
+    spec = config.optimizer_spec
+    if spec.bnb:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise MissingDependencyError(
+                f"optimizer {config.optimizer!r} needs bitsandbytes: pip install 'autofit[bnb]'"
+            ) from None
+    from transformers import Trainer, TrainingArguments
+
+    before = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="autofit-args-") as tmp, _accelerate_state_kept():
+        try:
+            args = TrainingArguments(
+                output_dir=tmp,
+                optim=config.optimizer,
+                optim_args=config.optim_args,
+                use_cpu=use_cpu,
+                report_to=[],
+            )
+            cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        finally:
+            _restore_environ(before)  # TrainingArguments may export ACCELERATE_* variables
+    try:
+        decay = list(Trainer.get_decay_parameter_names(None, model))  # uses no `self`
+    except Exception:  # noqa: BLE001 - a later transformers may need `self`; fall back
+        from transformers.trainer_pt_utils import get_parameter_names
+
+        decay = list(
+            get_parameter_names(
+                model,
+                [torch.nn.LayerNorm],
+                [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"],
+            )
+        )
+    return StepPlan(
+        precision=config.precision,
+        gradient_checkpointing=config.gradient_checkpointing,
+        grad_accum_steps=config.grad_accum_steps,
+        optimizer_cls=cls,
+        optimizer_kwargs=dict(kwargs),
+        decay_names=decay,
+        weight_decay=float(args.weight_decay),
+        bnb_embedding_override="bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8,
+        max_grad_norm=float(args.max_grad_norm),
+        optimizer_name=config.optimizer,
+    )
+
+
+def _config_objects(model: torch.nn.Module) -> list[Any]:
+    seen: dict[int, Any] = {}
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        if c is not None and hasattr(c, "to_dict"):
+            seen.setdefault(id(c), c)
+    return list(seen.values())
+
+
+def prepare_model(model: torch.nn.Module, plan: StepPlan) -> None:
+    """What the Trainer does to the model before training (mutates ``model``)."""
+    model.train()
+    for c in _config_objects(model):
+        if hasattr(c, "use_cache"):
+            c.use_cache = False  # Trainer: model.config.use_cache = args.use_cache (False)
+    if plan.gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            plan.notes.append(f"{type(model).__name__} has no gradient checkpointing; ran without")
+    else:
+        on = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x
+        if on is None:
+            on = getattr(model, "is_gradient_checkpointing", False)
+        if on:
+            if hasattr(model, "activation_checkpointing_disable"):
+                model.activation_checkpointing_disable()
+            else:
+                model.gradient_checkpointing_disable()
+
+
+def build_optimizer(model: torch.nn.Module, plan: StepPlan) -> torch.optim.Optimizer:
+    """The Trainer's optimizer: decay / no-decay groups of the trainable parameters."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if plan.decay_names is None:
+        groups = [{"params": [p for _, p in named], "weight_decay": plan.weight_decay}]
+    else:
+        decay = set(plan.decay_names)
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": plan.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+    optimizer = plan.optimizer_cls(groups, **plan.optimizer_kwargs)
+    if plan.bnb_embedding_override:
+        import bitsandbytes
+
+        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer
+
+
+def tiny_batch(batch: dict[str, torch.Tensor], length: int = 8) -> dict[str, torch.Tensor]:
+    """One sample, ``length`` tokens: the set-up step run before the baseline."""
+    out = {}
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = v
+        elif v.dim() >= 2:
+            out[k] = v[:1, :length].contiguous()
+        elif v.dim() == 1:
+            out[k] = v[:1].contiguous()
+        else:
+            out[k] = v
+    return out
+
+
+def move_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def storage_bytes(*tensor_sets: Any) -> int:
+    """Bytes of the distinct storages among tensors (tied weights count once)."""
+    seen: dict[tuple[str, int], int] = {}
+    for tensors in tensor_sets:
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            try:
+                s = t.untyped_storage()
+                key = (str(t.device), s.data_ptr())
+                seen[key] = max(seen.get(key, 0), s.nbytes())
+            except (RuntimeError, NotImplementedError):
+                seen[(str(t.device), id(t))] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def free_grads(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if loss is None and isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            "the model returned no loss: the batch needs labels the model's forward accepts"
+        )
+    return loss
+
+
+class Stepper:
+    """Runs the Trainer's training step on ``model`` (already prepared and placed)."""
+
+    def __init__(self, model: torch.nn.Module, plan: StepPlan, device: torch.device) -> None:
+        self.model = model
+        self.plan = plan
+        self.device = device
+        self.optimizer = build_optimizer(model, plan)
+        spec_autocast = plan.precision.endswith("-mixed")
+        self._autocast = spec_autocast
+        self.scaler = torch.amp.GradScaler(device.type) if plan.precision == "16-mixed" else None
+        self.skipped_steps = 0
+
+    def _autocast_ctx(self) -> Any:
+        if not self._autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.plan.compute_dtype)
+
+    def step(self, batch: dict[str, torch.Tensor]) -> bool:
+        """One optimizer step over ``micro_batches_per_step`` micro batches.
+
+        Returns False when the GradScaler skipped the optimizer step (inf/nan grads).
+        """
+        for _ in range(self.plan.micro_batches_per_step):
+            with self._autocast_ctx():
+                out = self.model(**batch)
+                loss = _loss_of(out)
+                # the Trainer's compute_loss returns the loss only: the outputs (logits,
+                # (B, T, V)) are freed before backward, so they must not live on here
+                del out
+            loss = loss / self.plan.grad_accum_steps
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            del loss
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(params, self.plan.max_grad_norm)
+        stepped = True
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not stepped:
+            self.skipped_steps += 1
+        return stepped
+
+    def close(self) -> None:
+        """Drop the optimizer, its state and every gradient."""
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+            self.optimizer.param_groups.clear()
+        self.optimizer = None
+        self.scaler = None
+        free_grads(self.model)

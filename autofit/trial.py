@@ -1,0 +1,658 @@
+"""Trials: real micro-steps of the exact training step, on the real device.
+
+``measure`` runs a few steps of what ``transformers.Trainer`` would run for a
+``TrainConfig`` (see ``autofit._trial_step``) on the worst-case batch and reports
+the peak memory and the speed, or the out-of-memory error it met. The user's model
+and the RNGs are left exactly as they were.
+
+    >>> from autofit.config import TrainConfig
+    >>> from autofit.trial import measure
+    >>> r = measure("tiny-llama", TrainConfig(micro_batch_size=2), seq_len=64,
+    ...             device="cpu:2GiB")                        # doctest: +SKIP
+    >>> r.oom, r.batch_shape                                 # doctest: +SKIP
+    (False, (2, 64))
+
+Devices and what is measured:
+
+- ``cpu:<size>`` (a capped CPU): the trial runs in a fresh child process whose
+  address space is capped (``RLIMIT_AS``) at its own baseline + (cap - the resident
+  tensors), so the cap bounds the weights, buffers and batch plus everything the
+  steps allocate, and exceeding it is a real allocation failure. The peak is the
+  child's peak resident memory above its baseline (``VmHWM`` after a reset) plus
+  those resident tensors: ``peak_allocated_bytes == peak_reserved_bytes ==
+  device_total_bytes`` = weights + buffers + batch + the steps' peak (gradients,
+  optimizer state, activations, temporaries, allocator slack). The interpreter and
+  libraries (the baseline) are not counted, as a GPU's capacity does not count the
+  host process.
+- ``cpu``: the same measurement in this process (less exact: this process's
+  allocator is not tuned for measuring).
+- ``cuda`` (and other ``torch.accelerator`` devices): ``max_memory_allocated`` /
+  ``max_memory_reserved`` over the measured steps (peak counters reset after the
+  warm-up steps), ``device_total_bytes`` = ``mem_get_info`` total - free after them
+  (every process on the device, CUDA context included).
+
+Isolation (``isolation=``):
+
+- ``"auto"`` (default): a capped CPU runs in a subprocess (the cap must be set on a
+  fresh process); so does every trial on a device where an in-process trial did not
+  give its memory back; everything else runs in this process (fast: no start-up,
+  no model transfer). ``TrialResult.isolation_reason`` says which and why.
+- ``"subprocess"``: a fresh process (fresh allocator, no fragmentation carried over).
+  The model travels by ``torch.save`` (pickle) through a temporary file, or by
+  reference (a name or path is rebuilt in the child); the result comes back as JSON.
+- ``"in-process"``: this process; on a capped CPU the address-space limit is set
+  on this process for the duration of the steps and lifted afterwards.
+
+The model untouched: a subprocess trial works on its own copy. In this process
+the trial runs on the user's module *in place* when it already sits on the device
+in the dtype it trains in (so the device holds one set of weights, as in the real
+run: right for a big model that only just fits), with a host-memory snapshot of
+every parameter and buffer, the flags, module attributes (training mode,
+checkpointing, hooks) and config fields, restored in a ``finally``; otherwise
+(``*-true`` casts, another device) on a copy made tensor by tensor on the device.
+The torch / CUDA / numpy / ``random`` generators are restored either way, and so
+is accelerate's state that building ``TrainingArguments`` touches. See
+``autofit._trial_state``.
+
+Out of memory: ``is_oom`` (``autofit._oom``) decides. The message is kept, the
+exception dropped outside the ``except`` block, everything the trial made freed,
+and memory checked back at the baseline (``recovered``); when it is not, a
+``RuntimeWarning`` says so and later ``auto`` trials on that device run in a
+subprocess.
+
+Timeouts: ``timeout_s`` is a wall-clock limit for the whole trial. A subprocess is
+killed when it is exceeded; in this process no new step starts after it (a step
+already running is not interrupted). Either way ``measure`` returns a result with
+``timed_out=True`` and ``error="timeout after <timeout_s>s"``; it does not raise.
+
+Known limitations:
+    NB: a capped-CPU child runs single-threaded (steady memory numbers), so its
+    step times are those of one core.
+    NB: 8-/4-bit quantized base models are not moved or cast by a trial; give them
+    already on the device, with a ``*-mixed`` precision.
+    NB: a model on an accelerator that must be cast (``*-true``) is copied beside
+    the original; the original's bytes are subtracted from the reported peaks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from autofit._oom import OOM_MESSAGES, is_oom
+from autofit.config import TrainConfig
+from autofit.errors import BadInputError, InvalidConfigError, UnknownDeviceError
+
+__all__ = ["TrialResult", "measure", "is_oom", "OOM_MESSAGES", "ISOLATIONS"]
+
+ISOLATIONS = ("auto", "in-process", "subprocess")
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def _kill_grace_s(timeout_s: float) -> float:
+    """How long a child past its deadline gets to write its (partial) result."""
+    return min(5.0, 0.5 + 0.1 * timeout_s)
+
+
+# Devices where an in-process trial did not give its memory back: device -> reason.
+_FAILED_RECOVERY: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What one trial measured. Sizes in bytes, times in seconds; ``None`` = not measured.
+
+    ``oom`` is True when the step ran out of memory: a completed trial whose memory
+    constraint is violated, not a failure. ``error`` is set for an OOM (its message)
+    and for any other failure (then ``oom`` is False). On a CPU the three memory
+    fields are equal and include weights, buffers and batch (see the module
+    docstring); on an accelerator they are the allocator's peaks.
+    """
+
+    oom: bool
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    device_total_bytes: int | None
+    step_time_s: float | None  # median of the measured steps (one optimizer step each)
+    tokens_per_s: float | None
+    samples_per_s: float | None
+    error: str | None
+    config: dict[str, Any]  # TrainConfig.to_dict() of what ran (seq_len = T of the batch)
+    device: str
+    batch_shape: tuple[int, int]  # (B, T) of one micro batch
+    isolation: str  # "in-process" | "subprocess"
+    isolation_reason: str
+    steps: int  # measured steps completed
+    warmup_steps: int = 0  # warm-up steps completed
+    micro_batches_per_step: int = 1  # min(grad_accum_steps, 2): see autofit._trial_step
+    capacity_bytes: int | None = None  # what the device offers (the cap on a capped CPU)
+    resident_bytes: int | None = None  # CPU: weights + buffers + batch inside the peak
+    timed_out: bool = False
+    recovered: bool | None = None  # in-process: memory back at the baseline afterwards
+    leaked_bytes: int | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        """The steps ran to the end without running out of memory or failing."""
+        return not self.oom and self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["batch_shape"] = list(self.batch_shape)
+        d["notes"] = list(self.notes)
+        return d
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def _check_counts(warmup_steps: int, measure_steps: int, timeout_s: float | None) -> None:
+    problems = []
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        problems.append(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    if isinstance(measure_steps, bool) or not isinstance(measure_steps, int) or measure_steps < 1:
+        problems.append(f"measure_steps must be an integer >= 1, got {measure_steps!r}")
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        problems.append(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if problems:
+        raise BadInputError("; ".join(problems))
+
+
+def _fit_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
+    """Repeat or cut a batch's rows to ``rows`` samples."""
+    import torch
+
+    out = {}
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            try:
+                v = torch.as_tensor(v)
+            except (TypeError, ValueError, RuntimeError):
+                raise BadInputError(f"batch[{k!r}] is not a tensor or a list of numbers") from None
+        out[k] = v
+    ids = out.get("input_ids")
+    if ids is None or ids.dim() != 2:
+        raise BadInputError("a batch needs 'input_ids' of shape (batch, seq_len)")
+    b0 = ids.shape[0]
+    if b0 == 0 or ids.shape[1] == 0:
+        raise BadInputError(f"the batch is empty (input_ids of shape {tuple(ids.shape)})")
+    if b0 == rows:
+        return out
+    index = torch.tensor([i % b0 for i in range(rows)])
+    return {
+        k: (v.index_select(0, index) if v.dim() >= 1 and v.shape[0] == b0 else v)
+        for k, v in out.items()
+    }
+
+
+def _model_config(module: Any) -> Any:
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return getattr(base, "config", None)
+
+
+def _make_batch(
+    data: Any,
+    config: TrainConfig,
+    module: Any,
+    task: str,
+    *,
+    seq_len: int | None,
+    tokenizer: Any,
+    collator: Any,
+) -> dict[str, Any]:
+    from autofit.probe.data import random_batch, worst_case_batch
+
+    rows = config.micro_batch_size
+    length = seq_len if seq_len is not None else config.seq_len
+    if data is None:
+        if length is None:
+            raise BadInputError("give a dataset, a batch or seq_len (tokens per sample)")
+        cfg = _model_config(module)
+        vocab = getattr(cfg, "vocab_size", None)
+        if not vocab:
+            raise BadInputError("the model has no config.vocab_size; pass a batch instead")
+        return random_batch(
+            rows,
+            int(length),
+            vocab_size=int(vocab),
+            task=task,
+            num_labels=int(getattr(cfg, "num_labels", 2) or 2),
+        )
+    if isinstance(data, dict):
+        return _fit_rows(data, rows)
+    return worst_case_batch(
+        data, rows, max_seq_len=length, tokenizer=tokenizer, collator=collator, task=task
+    )
+
+
+def _with_decoder_inputs(batch: dict[str, Any], module: Any) -> dict[str, Any]:
+    """Seq2seq: decoder inputs = labels shifted right, as DataCollatorForSeq2Seq makes them.
+
+    Done here rather than by the model, whose shift needs ``decoder_start_token_id``
+    (absent from some configs).
+    """
+    import torch
+
+    if "decoder_input_ids" in batch or "labels" not in batch or batch["labels"].dim() != 2:
+        return batch
+    cfg = _model_config(module)
+    pad = getattr(cfg, "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    start = getattr(cfg, "decoder_start_token_id", None)
+    start = pad if start is None else int(start)
+    labels = batch["labels"]
+    shifted = torch.full_like(labels, pad)
+    shifted[:, 1:] = labels[:, :-1]
+    shifted[:, 0] = start
+    shifted[shifted == -100] = pad
+    return {**batch, "decoder_input_ids": shifted}
+
+
+# ---------------------------------------------------------------- running
+
+
+def _torch_device(dev: Any) -> Any:
+    import torch
+
+    if dev.kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(dev.kind, dev.index if dev.index is not None else 0)
+
+
+def _accel_empty_cache(tdev: Any) -> None:
+    if tdev.type == "cpu":
+        return
+    from autofit._trial_run import _accel
+
+    with contextlib.suppress(RuntimeError, AttributeError):
+        _accel(tdev.type).empty_cache()
+
+
+def _run_in_process(
+    model: Any,
+    batch: dict[str, Any],
+    plan: Any,
+    tdev: Any,
+    *,
+    cap: int | None,
+    warmup_steps: int,
+    measure_steps: int,
+    deadline: float | None,
+) -> Any:
+    from autofit._trial_model import ModelRef, materialize
+    from autofit._trial_run import run_steps
+    from autofit._trial_state import ModelSnapshot, RngSnapshot, needs_copy, working_copy
+    from autofit._trial_step import storage_bytes
+
+    true_dtype = plan.param_dtype if plan.precision.endswith("-true") else None
+    rng = RngSnapshot(tdev)
+    snapshot = None
+    work = None
+    try:
+        excluded = 0
+        if isinstance(model, ModelRef):
+            work = materialize(model, tdev)
+            if true_dtype is not None:
+                work.to(dtype=true_dtype)
+        elif needs_copy(model, tdev, true_dtype):
+            work = working_copy(model, tdev, true_dtype)
+            if tdev.type != "cpu":
+                same = [
+                    t for t in list(model.parameters()) + list(model.buffers()) if t.device == tdev
+                ]
+                excluded = storage_bytes(same)
+        else:
+            snapshot = ModelSnapshot(model)
+            work = model
+        return run_steps(
+            work,
+            batch,
+            plan,
+            tdev,
+            warmup_steps=warmup_steps,
+            measure_steps=measure_steps,
+            cap_bytes=cap,
+            excluded_bytes=excluded,
+            deadline=deadline,
+        )
+    finally:
+        if snapshot is not None:
+            snapshot.restore()
+        rng.restore()
+        work = None
+        snapshot = None
+        gc.collect(1)  # the trial's objects are freed by reference counting; cycles are young
+        _accel_empty_cache(tdev)
+
+
+def _child_env() -> dict[str, str]:
+    from autofit import _procmem
+
+    env = dict(os.environ)
+    env.update(_procmem.CHILD_MALLOC_ENV)
+    package_root = str(Path(__file__).resolve().parent.parent)
+    paths = [package_root] + [p if p else os.getcwd() for p in sys.path if isinstance(p, str)]
+    seen: list[str] = []
+    for p in paths:
+        if p not in seen and os.path.isdir(p):
+            seen.append(p)
+    env["PYTHONPATH"] = os.pathsep.join(seen)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+class _Unpicklable(Exception):
+    """The model cannot be sent to a child process."""
+
+
+def _run_subprocess(
+    model: Any,
+    batch: dict[str, Any],
+    plan: Any,
+    tdev: Any,
+    *,
+    cap: int | None,
+    warmup_steps: int,
+    measure_steps: int,
+    timeout_s: float | None,
+) -> Any:
+    import torch
+
+    from autofit._trial_run import RawTrial
+
+    with tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
+        work = Path(tmp)
+        payload = {
+            "model": model,
+            "batch": {k: v.detach().cpu() for k, v in batch.items()},
+            "plan": plan,
+            "device": str(tdev),
+            "cap_bytes": cap,
+            "warmup_steps": warmup_steps,
+            "measure_steps": measure_steps,
+            "deadline_wall": None if timeout_s is None else time.time() + float(timeout_s),
+        }
+        try:
+            torch.save(payload, work / "payload.pt")
+        except Exception as e:  # noqa: BLE001 - pickle raises many types
+            raise _Unpicklable(
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from None
+        log = open(work / "child.log", "wb")  # noqa: SIM115 - closed below
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "autofit._trial_child", str(work)],
+                env=_child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                proc.wait(
+                    timeout=None if timeout_s is None else timeout_s + _kill_grace_s(timeout_s)
+                )
+            except subprocess.TimeoutExpired:
+                proc.kill()  # our own child, by its handle
+                proc.wait()
+                return RawTrial(timed_out=True, error=f"timeout after {timeout_s:g}s")
+        finally:
+            log.close()
+        result = work / "result.json"
+        if result.is_file():
+            with open(result) as f:
+                data = json.load(f)
+            return RawTrial(**data)
+        tail = (work / "child.log").read_bytes()[-4000:].decode("utf-8", "replace").strip()
+        last = tail.splitlines()[-1] if tail else ""
+        # a child that dies without a result: bad_alloc/abort under the cap, or the
+        # kernel's OOM killer (SIGKILL we did not send)
+        oom = is_oom(RuntimeError(tail)) or proc.returncode == -signal.SIGKILL
+        return RawTrial(
+            oom=oom,
+            error=f"trial process died ({_describe_exit(proc.returncode)}): {last}"[:500],
+        )
+
+
+# ---------------------------------------------------------------- the API
+
+
+def measure(
+    model: Any,
+    config: TrainConfig,
+    dataset_or_batch: Any = None,
+    *,
+    device: Any = "cpu:4GiB",
+    seq_len: int | None = None,
+    task: str | None = None,
+    isolation: str = "auto",
+    warmup_steps: int = 1,
+    measure_steps: int = 2,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    tokenizer: Any = None,
+    collator: Any = None,
+    attn_implementation: str | None = None,
+    lora: Any = None,
+) -> TrialResult:
+    """Run ``warmup_steps`` + ``measure_steps`` real training steps and measure them.
+
+    Args:
+        model: an ``nn.Module`` / ``PreTrainedModel`` / ``PeftModel`` (never modified),
+            or a bundled name, hub id, model directory or config.json path (built
+            with random weights directly on the device).
+        config: the ``TrainConfig`` to try (micro batch, precision, checkpointing,
+            optimizer, ...).
+        dataset_or_batch: a dataset (its worst-case batch is used, see
+            ``autofit.probe.data.worst_case_batch``), a dict batch (rows repeated or
+            cut to ``micro_batch_size``), or None with ``seq_len`` (random tokens).
+        device: ``"cpu:4GiB"`` (capped CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+        seq_len: tokens per sample (random batch) or truncation length (dataset);
+            defaults to ``config.seq_len``.
+        task: ``causal-lm`` | ``masked-lm`` | ``seq2seq`` | ``seq-cls`` (default: the model's).
+        isolation: ``"auto"`` | ``"in-process"`` | ``"subprocess"`` (module docstring).
+        warmup_steps: unmeasured steps first (the optimizer state appears).
+        measure_steps: timed steps whose peak is reported.
+        timeout_s: wall-clock limit; see the module docstring (no exception).
+        tokenizer: for a dataset with a text column.
+        collator: replaces the default pad-to-longest collation.
+        attn_implementation: ``eager`` | ``sdpa`` for a model given by reference.
+        lora: a ``LoraSpec`` (or dict) to put on a model given by reference.
+
+    Returns:
+        A ``TrialResult``; an out-of-memory step gives ``oom=True`` (not an exception).
+
+    Raises:
+        UnknownDeviceError: unknown device, or a catalog card that is not present.
+        EmptyDatasetError: the dataset has no samples.
+        BadInputError: any other input that cannot be trained on (empty batch, ...).
+
+    Example:
+        >>> from autofit.config import TrainConfig
+        >>> r = measure("tiny-gpt2", TrainConfig(micro_batch_size=1), seq_len=32,
+        ...             device="cpu", measure_steps=1)          # doctest: +SKIP
+        >>> r.fits, r.peak_allocated_bytes > 0                  # doctest: +SKIP
+        (True, True)
+    """
+    import torch
+
+    from autofit._trial_model import ModelRef
+    from autofit._trial_step import plan_step
+    from autofit.probe.device import check_precision, resolve_device
+    from autofit.probe.model import build_model
+
+    if not isinstance(config, TrainConfig):
+        raise InvalidConfigError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if isolation not in ISOLATIONS:
+        raise BadInputError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+    _check_counts(warmup_steps, measure_steps, timeout_s)
+    dev = resolve_device(device)
+    if not dev.present:
+        raise UnknownDeviceError(
+            f"{dev.name} is not present on this machine: a trial needs the real device "
+            "(plan for it with `autofit estimate --device ...` instead)"
+        )
+    check_precision(dev, config.precision)
+
+    if isinstance(model, torch.nn.Module):
+        module, task_name = build_model(model, task=task)  # checks, never modifies
+        ref = None
+        if attn_implementation is not None:
+            raise BadInputError(
+                "attn_implementation applies to a model given by name; "
+                "for a module, build it with the implementation you want"
+            )
+    else:
+        ref = ModelRef(
+            os.fspath(model) if isinstance(model, os.PathLike) else str(model),
+            task=task,
+            attn_implementation=attn_implementation,
+            lora=lora,
+        )
+        module, task_name = ref.build_meta()  # meta device: cheap; validates the reference
+        ref = ModelRef(ref.ref, task_name, attn_implementation, lora)
+    if not any(p.requires_grad for p in module.parameters()):
+        from autofit.errors import NoTrainableParametersError
+
+        raise NoTrainableParametersError("the model has no trainable parameter (requires_grad)")
+
+    batch = _make_batch(
+        dataset_or_batch,
+        config,
+        module,
+        task_name,
+        seq_len=seq_len,
+        tokenizer=tokenizer,
+        collator=collator,
+    )
+    if task_name == "seq2seq":
+        batch = _with_decoder_inputs(batch, module)
+    b, t = (int(s) for s in batch["input_ids"].shape)
+    plan = plan_step(module, config, use_cpu=dev.kind == "cpu")
+    tdev = _torch_device(dev)
+    cap = dev.capacity_bytes if dev.capped else None
+
+    mode, reason = _choose_isolation(isolation, dev)
+    raw = None
+    if mode == "subprocess":
+        try:
+            raw = _run_subprocess(
+                ref if ref is not None else model,
+                batch,
+                plan,
+                tdev,
+                cap=cap,
+                warmup_steps=warmup_steps,
+                measure_steps=measure_steps,
+                timeout_s=timeout_s,
+            )
+        except _Unpicklable as e:
+            if isolation != "auto":
+                raise BadInputError(
+                    f"cannot send the model to a trial process ({e}); pass isolation='in-process'"
+                ) from None
+            mode = "in-process"
+            reason = f"the model cannot be pickled ({e}); ran in this process" + (
+                " under a temporary address-space limit" if cap else ""
+            )
+        else:
+            if (
+                isolation == "auto"
+                and raw.error is not None
+                and raw.error.startswith("loading the model")
+                and not raw.oom
+            ):
+                reason = (
+                    f"the trial process could not load the model ({raw.error}); ran in this process"
+                )
+                mode, raw = "in-process", None
+    if raw is None:
+        raw = _run_in_process(
+            ref if ref is not None else model,
+            batch,
+            plan,
+            tdev,
+            cap=cap,
+            warmup_steps=warmup_steps,
+            measure_steps=measure_steps,
+            deadline=None if timeout_s is None else time.monotonic() + float(timeout_s),
+        )
+    notes = list(raw.notes)
+    if mode == "in-process" and raw.recovered is False:
+        msg = (
+            f"memory did not return to its baseline after a trial on {dev.name} "
+            f"({raw.leaked_bytes} bytes left); later trials there run in a subprocess"
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        notes.append(msg)
+        _FAILED_RECOVERY[dev.name] = msg
+    error = raw.error
+    if raw.timed_out:
+        error = f"timeout after {timeout_s:g}s"
+    step = raw.step_time_s
+    micro = plan.micro_batches_per_step
+    return TrialResult(
+        oom=bool(raw.oom),
+        peak_allocated_bytes=raw.peak_allocated_bytes,
+        peak_reserved_bytes=raw.peak_reserved_bytes,
+        device_total_bytes=raw.device_total_bytes,
+        step_time_s=step,
+        tokens_per_s=(micro * b * t / step) if step else None,
+        samples_per_s=(micro * b / step) if step else None,
+        error=error,
+        config=config.replace(seq_len=t).to_dict(),
+        device=dev.name,
+        batch_shape=(b, t),
+        isolation=mode,
+        isolation_reason=reason,
+        steps=len(raw.step_times_s),
+        warmup_steps=raw.warmup_done,
+        micro_batches_per_step=micro,
+        capacity_bytes=dev.capacity_bytes,
+        resident_bytes=raw.resident_bytes,
+        timed_out=raw.timed_out,
+        recovered=raw.recovered if mode == "in-process" else None,
+        leaked_bytes=raw.leaked_bytes if mode == "in-process" else None,
+        notes=tuple(notes),
+    )
+
+
+def _choose_isolation(isolation: str, dev: Any) -> tuple[str, str]:
+    if isolation == "in-process":
+        return "in-process", "asked for (isolation='in-process')" + (
+            f"; the {dev.name} cap is set on this process during the steps" if dev.capped else ""
+        )
+    if isolation == "subprocess":
+        return "subprocess", "asked for (isolation='subprocess')"
+    if dev.capped:
+        return "subprocess", (
+            f"{dev.name} is a capped CPU: the cap is an address-space limit on a fresh process"
+        )
+    if dev.name in _FAILED_RECOVERY:
+        return (
+            "subprocess",
+            f"an earlier in-process trial failed to recover: {_FAILED_RECOVERY[dev.name]}",
+        )
+    return "in-process", (
+        f"{dev.name} is not capped: in-process is fastest, and memory is checked back at "
+        "its baseline after each trial"
+    )

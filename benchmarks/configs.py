@@ -1,0 +1,212 @@
+"""The training configurations whose CPU peak memory is measured as ground truth.
+
+Each entry is a spec in the project-wide format read by ``measure_cpu.measure``:
+a small model built from its config (no weights downloaded), a task, a batch shape
+and the training knobs. They are sized so that each peak (above the weights) is
+50-1500 MiB and each measuring child finishes in under ~30 s on one CPU thread.
+
+    python benchmarks/measure_cpu.py --all --out benchmarks/results/measured.json
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Model dimensions (AutoConfig.for_model kwargs).
+LLAMA = {  # ~56 M params, untied embeddings
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 1376,
+    "vocab_size": 32000,
+}
+LLAMA_SMALL = {  # ~7 M params, for the long batches (8 x 512)
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 688,
+    "vocab_size": 8000,
+}
+QWEN2 = {  # llama-like with q/k/v biases, ~56 M params
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 1376,
+    "vocab_size": 32000,
+    "max_window_layers": 8,
+}
+GPT2 = {  # ~51 M params, tied embeddings, dropout 0.1 (the default) kept
+    "n_embd": 512,
+    "n_layer": 8,
+    "n_head": 8,
+    "n_positions": 1024,
+    "vocab_size": 50257,
+}
+BERT = {  # ~41 M params
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "intermediate_size": 2048,
+    "vocab_size": 30522,
+}
+T5 = {  # ~20 M params, encoder-decoder
+    "d_model": 256,
+    "d_ff": 1024,
+    "d_kv": 64,
+    "num_layers": 4,
+    "num_decoder_layers": 4,
+    "num_heads": 4,
+    "vocab_size": 32128,
+    "decoder_start_token_id": 0,  # as in the t5-small checkpoint; labels are shifted with it
+}
+
+LORA_QV = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
+LORA_ALL = {
+    "r": 16,
+    "alpha": 32,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "dropout": 0.05,
+}
+LORA_GPT2 = {"r": 8, "alpha": 16, "target_modules": ["c_attn"], "dropout": 0.0}
+
+
+def spec(
+    name: str,
+    model_type: str,
+    config: dict[str, Any],
+    task: str,
+    batch: int,
+    seq: int,
+    precision: str = "32-true",
+    gc: bool = False,
+    optimizer: str = "adamw_torch",
+    optim_args: str | None = None,
+    attn: str = "sdpa",
+    lora: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One spec dict with exactly the project-wide keys."""
+    return {
+        "name": name,
+        "model_type": model_type,
+        "config": dict(config),
+        "task": task,
+        "batch": batch,
+        "seq": seq,
+        "precision": precision,
+        "gradient_checkpointing": gc,
+        "optimizer": optimizer,
+        "optim_args": optim_args,
+        "attn_implementation": attn,
+        "lora": None if lora is None else dict(lora),
+    }
+
+
+def _llama(name: str, batch: int = 4, seq: int = 256, **kw: Any) -> dict[str, Any]:
+    return spec(name, "llama", LLAMA, "causal-lm", batch, seq, **kw)
+
+
+def _gpt2(name: str, batch: int = 4, seq: int = 256, **kw: Any) -> dict[str, Any]:
+    return spec(name, "gpt2", GPT2, "causal-lm", batch, seq, **kw)
+
+
+CONFIGS: list[dict[str, Any]] = [
+    # llama, 4 x 256: precision, checkpointing, attention, optimizer
+    _llama("llama-b4s256"),
+    _llama("llama-b4s256-eager", attn="eager"),
+    _llama("llama-b4s256-gc", gc=True),
+    _llama("llama-b4s256-bf16m", precision="bf16-mixed"),
+    _llama("llama-b4s256-bf16m-gc", precision="bf16-mixed", gc=True),
+    _llama("llama-b4s256-bf16t", precision="bf16-true"),
+    _llama("llama-b4s256-fp16m", precision="16-mixed"),
+    _llama("llama-b4s256-fused", optimizer="adamw_torch_fused"),
+    _llama("llama-b4s256-sgd", optimizer="sgd"),
+    _llama("llama-b4s256-sgdm", optimizer="sgd", optim_args="momentum=0.9"),
+    _llama("llama-b4s256-adafactor", optimizer="adafactor"),
+    _llama("llama-b4s256-bnb8", optimizer="adamw_bnb_8bit"),
+    # llama, other shapes
+    _llama("llama-b1s128", batch=1, seq=128),
+    _llama("llama-b2s512", batch=2, seq=512),
+    _llama("llama-b2s512-eager-gc", batch=2, seq=512, attn="eager", gc=True),
+    _llama("llama-b2s512-bf16t-sgd", batch=2, seq=512, precision="bf16-true", optimizer="sgd"),
+    # llama + LoRA
+    _llama("llama-lora-b4s256", lora=LORA_QV),
+    _llama("llama-lora-b4s256-bf16m-gc", precision="bf16-mixed", gc=True, lora=LORA_QV),
+    _llama("llama-lora-b4s256-bf16t", precision="bf16-true", lora=LORA_QV),
+    _llama("llama-lora-all-b2s512-eager", batch=2, seq=512, attn="eager", lora=LORA_ALL),
+    # small llama, long batches
+    spec("llamas-b8s512", "llama", LLAMA_SMALL, "causal-lm", 8, 512),
+    spec("llamas-b8s512-eager", "llama", LLAMA_SMALL, "causal-lm", 8, 512, attn="eager"),
+    spec(
+        "llamas-b8s512-bf16m-gc", "llama", LLAMA_SMALL, "causal-lm", 8, 512, "bf16-mixed", gc=True
+    ),
+    spec("llama-cls-b4s256", "llama", LLAMA, "seq-cls", 4, 256),
+    # qwen2
+    spec("qwen2-b4s256", "qwen2", QWEN2, "causal-lm", 4, 256),
+    spec(
+        "qwen2-b4s256-bf16m-gc-sgdm",
+        "qwen2",
+        QWEN2,
+        "causal-lm",
+        4,
+        256,
+        "bf16-mixed",
+        gc=True,
+        optimizer="sgd",
+        optim_args="momentum=0.9",
+    ),
+    # gpt2 (dropout 0.1 on)
+    _gpt2("gpt2-b2s256", batch=2),
+    _gpt2("gpt2-b2s256-eager", batch=2, attn="eager"),
+    _gpt2("gpt2-b4s256-bf16m-gc", precision="bf16-mixed", gc=True),
+    _gpt2("gpt2-b4s256-bf16t-sgd", precision="bf16-true", optimizer="sgd"),
+    _gpt2("gpt2-b2s256-fused", batch=2, optimizer="adamw_torch_fused"),
+    _gpt2("gpt2-b1s512-adafactor", batch=1, seq=512, optimizer="adafactor"),
+    _gpt2("gpt2-b1s128-bnb8", batch=1, seq=128, optimizer="adamw_bnb_8bit"),
+    _gpt2("gpt2-lora-b4s256", lora=LORA_GPT2),
+    _gpt2(
+        "gpt2-lora-b8s128-bf16m-gc",
+        batch=8,
+        seq=128,
+        precision="bf16-mixed",
+        gc=True,
+        lora=LORA_GPT2,
+    ),
+    # bert: masked-lm and sequence classification
+    spec("bert-mlm-b4s256", "bert", BERT, "masked-lm", 4, 256),
+    spec(
+        "bert-mlm-b4s256-eager-bf16m", "bert", BERT, "masked-lm", 4, 256, "bf16-mixed", attn="eager"
+    ),
+    spec(
+        "bert-mlm-b8s128-gc-adafactor",
+        "bert",
+        BERT,
+        "masked-lm",
+        8,
+        128,
+        gc=True,
+        optimizer="adafactor",
+    ),
+    spec("bert-cls-b8s256", "bert", BERT, "seq-cls", 8, 256),
+    spec(
+        "bert-cls-b4s128-bf16t-sgdm",
+        "bert",
+        BERT,
+        "seq-cls",
+        4,
+        128,
+        "bf16-true",
+        optimizer="sgd",
+        optim_args="momentum=0.9",
+    ),
+    # t5: seq2seq
+    spec("t5-b4s256", "t5", T5, "seq2seq", 4, 256),
+    spec("t5-b4s256-eager", "t5", T5, "seq2seq", 4, 256, attn="eager"),
+    spec("t5-b4s256-bf16m-gc", "t5", T5, "seq2seq", 4, 256, "bf16-mixed", gc=True, attn="eager"),
+    spec("t5-b8s128-adafactor", "t5", T5, "seq2seq", 8, 128, optimizer="adafactor", attn="eager"),
+]
+
+_names = [c["name"] for c in CONFIGS]
+assert len(_names) == len(set(_names)), "spec names must be unique"

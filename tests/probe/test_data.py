@@ -1,0 +1,160 @@
+"""Worst-case batches: the longest samples after the collator, with labels."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from autofit.errors import BadInputError, EmptyDatasetError
+from autofit.probe.data import DataInfo, probe_data, random_batch, worst_case_batch
+
+
+def skewed_lengths(n: int = 200, seed: int = 0) -> list[int]:
+    """Mostly short samples (5-20 tokens) and a few long ones (100-300)."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(5, 20) for _ in range(n)]
+    for i, length in zip(rng.sample(range(n), 5), (300, 250, 180, 120, 100), strict=True):
+        lengths[i] = length
+    return lengths
+
+
+def samples(lengths: list[int]) -> list[dict[str, list[int]]]:
+    return [{"input_ids": [(i * 7 + j) % 97 + 3 for j in range(n)]} for i, n in enumerate(lengths)]
+
+
+def test_skewed_lengths_pick_the_longest_and_truncate():
+    lengths = skewed_lengths()
+    data = samples(lengths)
+    batch = worst_case_batch(data, 4, max_seq_len=128)
+    assert batch["input_ids"].shape == (4, 128)
+    # the four longest: 300, 250, 180 truncated to 128, and 120 (8 pads)
+    assert batch["attention_mask"].sum(dim=1).tolist() == [128, 128, 128, 120]
+    real = batch["attention_mask"] == 1
+    assert torch.equal(batch["labels"][real], batch["input_ids"][real])
+    assert (batch["labels"][~real] == -100).all()
+    # no later batch of 4 can be larger
+    longest4 = sorted((min(n, 128) for n in lengths), reverse=True)[:4]
+    assert int(batch["attention_mask"].sum()) == sum(longest4)
+
+
+def test_padding_to_longest_in_batch_with_ignored_labels():
+    lengths = skewed_lengths()
+    batch = worst_case_batch(samples(lengths), 6)  # no truncation: 300, 250, 180, 120, 100, 20
+    assert batch["input_ids"].shape == (6, 300)
+    rows = batch["attention_mask"].sum(dim=1).tolist()
+    assert rows == [300, 250, 180, 120, 100, max(n for n in lengths if n <= 20)]
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    assert (batch["labels"][batch["attention_mask"] == 1] >= 0).all()
+
+
+def test_data_info_percentiles():
+    lengths = skewed_lengths()
+    info = probe_data(samples(lengths), 8, max_seq_len=128)
+    assert isinstance(info, DataInfo)
+    assert info.num_samples == 200
+    assert info.length_max == 128 and info.untruncated_max == 300
+    assert info.num_truncated == 2 + 1  # 300, 250, 180 are over 128
+    assert info.length_p50 <= 20 and info.length_p90 <= 20
+    assert info.worst_case_batch_shape == (8, 128)
+    assert info.batch_shape(2) == (2, 128)
+    assert info.columns == ("input_ids",)
+
+
+def test_hf_dataset_tokenized():
+    datasets = pytest.importorskip("datasets")
+    lengths = skewed_lengths(60)
+    ds = datasets.Dataset.from_list(samples(lengths))
+    batch = worst_case_batch(ds, 3, max_seq_len=200)
+    assert batch["input_ids"].shape == (3, 200)
+    assert (
+        batch["attention_mask"].sum(dim=1).tolist()
+        == sorted((min(n, 200) for n in lengths), reverse=True)[:3]
+    )
+    assert probe_data(ds).length_max == max(lengths)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1}
+    for i in range(50):
+        vocab[f"w{i}"] = i + 2
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def test_hf_dataset_text_column_with_tokenizer():
+    datasets = pytest.importorskip("datasets")
+    texts = [" ".join(f"w{j % 50}" for j in range(n)) for n in skewed_lengths(40)]
+    ds = datasets.Dataset.from_dict({"text": texts, "label": [i % 2 for i in range(40)]})
+    tok = _tokenizer()
+    batch = worst_case_batch(ds, 2, max_seq_len=64, tokenizer=tok)
+    assert batch["input_ids"].shape == (2, 64)
+    info = probe_data(ds, tokenizer=tok, max_seq_len=64)
+    assert info.text_column == "text" and info.length_max == 64
+    cls = worst_case_batch(ds, 2, tokenizer=tok, task="seq-cls")
+    assert cls["labels"].shape == (2,)
+    with pytest.raises(BadInputError, match="tokenizer"):
+        worst_case_batch(ds, 2)
+
+
+def test_torch_dataset_and_plain_lists():
+    lengths = [3, 9, 4, 7]
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(lengths)
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.arange(lengths[i]) + 5, "labels": torch.arange(lengths[i])}
+
+    batch = worst_case_batch(Tokens(), 2)
+    assert batch["input_ids"].shape == (2, 9)
+    assert batch["labels"][1, 7:].tolist() == [-100, -100]  # the sample's own labels, padded
+    plain = worst_case_batch([[1, 2, 3], [4, 5, 6, 7, 8]], 1)  # lists of token ids
+    assert plain["input_ids"].tolist() == [[4, 5, 6, 7, 8]]
+
+
+def test_fewer_samples_than_the_batch_repeat_the_longest():
+    batch = worst_case_batch(samples([2, 5]), 4)
+    assert batch["input_ids"].shape == (4, 5)
+    assert batch["attention_mask"].sum(dim=1).tolist() == [5, 2, 5, 2]
+
+
+def test_custom_collator_gets_labels():
+    def collate(features):
+        width = max(len(f["input_ids"]) for f in features)
+        ids = [f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in features]
+        mask = [[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features]
+        return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+
+    batch = worst_case_batch(samples([4, 10, 6]), 2, collator=collate)
+    assert batch["input_ids"].shape == (2, 10)
+    assert (batch["labels"][1, 6:] == -100).all()
+
+
+def test_bad_input():
+    with pytest.raises(EmptyDatasetError):
+        worst_case_batch([], 2)
+    datasets = pytest.importorskip("datasets")
+    with pytest.raises(EmptyDatasetError):
+        probe_data(datasets.Dataset.from_dict({"input_ids": []}))
+    with pytest.raises(BadInputError):
+        worst_case_batch(samples([3]), 0)
+    with pytest.raises(BadInputError):
+        worst_case_batch([{"foo": 1}], 1)
+    with pytest.raises(BadInputError):
+        worst_case_batch(samples([3]), 1, task="nonsense")
+
+
+def test_random_batch_is_reproducible_and_leaves_the_global_rng():
+    state = torch.get_rng_state()
+    a = random_batch(2, 16, vocab_size=100, task="causal-lm")
+    b = random_batch(2, 16, vocab_size=100, task="causal-lm")
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], a["input_ids"])
+    assert torch.equal(state, torch.get_rng_state())
+    assert random_batch(3, 8, vocab_size=100, task="seq-cls")["labels"].shape == (3,)
