@@ -68,6 +68,10 @@ class StorageRecorder(TorchDispatchMode):
         # op -> f(args, kwargs) -> bytes a kernel allocates internally while it runs
         self.workspaces: dict[Any, Any] = {}
         self.keepalive: list[Any] = []  # training state that outlives the recorded steps
+        # op -> Python implementation to run instead of the op's fake kernel, under this
+        # mode, so that the tensors it creates are seen (e.g. bitsandbytes' CPU kernels)
+        self.decompositions: dict[Any, Any] = {}
+        self._decomposing = False
 
     # ------------------------------------------------------------------ tracking
     def track(self, t: torch.Tensor, category: str | None = None) -> Record | None:
@@ -137,6 +141,14 @@ class StorageRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        impl = self.decompositions.get(func) if self.decompositions else None
+        if impl is not None and not self._decomposing:
+            self._decomposing = True
+            try:
+                with self:  # re-enter: the implementation's own ops are recorded
+                    return impl(*args, **kwargs)
+            finally:
+                self._decomposing = False
         ws_fn = self.workspaces.get(func) if self.workspaces else None
         ws = self._workspace(ws_fn(args, kwargs)) if ws_fn is not None else None
         out = func(*args, **kwargs)

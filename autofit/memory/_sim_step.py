@@ -15,7 +15,6 @@ import functools
 import inspect
 import tempfile
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +25,13 @@ from autofit.errors import BadInputError, MissingDependencyError
 from autofit.memory._sim_model import make_batch, unwrap
 from autofit.memory._sim_recorder import StorageRecorder
 
-__all__ = ["StepTarget", "optimizer_cls_and_kwargs", "build_optimizer", "run_steps"]
+__all__ = [
+    "StepTarget",
+    "optimizer_cls_and_kwargs",
+    "build_optimizer",
+    "bnb_cpu_kernels",
+    "run_steps",
+]
 
 
 @dataclass(frozen=True)
@@ -107,25 +112,22 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, target: StepTar
     return opt
 
 
-@contextlib.contextmanager
-def _bnb_kernels(cls: type, target: StepTarget) -> Iterator[None]:
-    """On a CPU target run bitsandbytes' CPU update kernels as torch ops (their temporaries).
+def bnb_cpu_kernels() -> dict[Any, Any]:
+    """bitsandbytes optimizer ops -> their CPU kernels (Python over torch ops).
 
-    On CUDA the updates are fused kernels that allocate nothing: the ops' fake
-    implementations (no outputs) are exactly that.
+    On a CPU target these run instead of the ops' fake implementations so that their
+    temporaries (dequantized fp32 states, fp32 copies of grads and params) are seen.
+    On CUDA the updates are fused kernels that allocate nothing, which is what the
+    fake implementations (no outputs) already are.
     """
-    if not _is_bnb(cls) or target.kind != "cpu":
-        yield
-        return
-    import bitsandbytes.functional as F
+    import bitsandbytes  # noqa: F401  (registers the ops)
     from bitsandbytes.backends.cpu import ops as cpu_ops
 
-    orig8 = F.optimizer_update_8bit_blockwise
-    F.optimizer_update_8bit_blockwise = cpu_ops._optimizer_update_8bit_blockwise_cpu
-    try:
-        yield
-    finally:
-        F.optimizer_update_8bit_blockwise = orig8
+    ops = torch.ops.bitsandbytes
+    return {
+        ops.optimizer_update_8bit_blockwise.default: cpu_ops._optimizer_update_8bit_blockwise_cpu,
+        ops.optimizer_update_32bit.default: cpu_ops._optimizer_update_32bit_cpu,
+    }
 
 
 class _FakeGradScaler:
@@ -193,6 +195,8 @@ def run_steps(
     """Run ``steps`` Trainer steps of ``config`` under ``rec`` (inside the fake mode)."""
     params = [p for p in model.parameters() if p.requires_grad]
     _, _, _, max_grad_norm = optimizer_cls_and_kwargs(config.optimizer, config.optim_args)
+    if _is_bnb(type(optimizer)) and target.kind == "cpu":
+        rec.decompositions.update(bnb_cpu_kernels())
     micro_steps = min(config.grad_accum_steps, 2)
     scaler = None
     if config.precision_spec.grad_scaler:
@@ -239,7 +243,7 @@ def run_steps(
         if max_grad_norm > 0:
             # Trainer -> accelerate -> clip_grad_norm_; foreach on real CUDA and CPU tensors.
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
-        with _bnb_kernels(type(optimizer), target), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             optimizer.step()
         if scaler is not None:

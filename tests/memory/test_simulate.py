@@ -221,6 +221,25 @@ def test_adamw_8bit_states(llama_sim) -> None:
     assert 2.0 <= big8 / small < 2.2  # ~2 bytes per parameter
 
 
+def test_bnb_update_temporaries_follow_the_target(llama) -> None:
+    """CPU: bitsandbytes' CPU kernels dequantize the states to fp32 temporaries (32-bit
+    path: fp32 copies of grad and param); CUDA: fused kernels, no temporaries."""
+    module, task = llama
+    cfg = TrainConfig(micro_batch_size=1, optimizer="adamw_bnb_8bit")
+    biggest = max(p.numel() for p in module.parameters())
+
+    def largest_optimizer_temporary(device) -> int:
+        events = Simulator(module, task=task, device=device).events(cfg, seq_len=16)
+        return max(
+            e.size
+            for e in events
+            if e.kind == "alloc" and e.phase == "optimizer" and e.category == "temporaries"
+        )
+
+    assert largest_optimizer_temporary(CPU) >= 4 * biggest
+    assert largest_optimizer_temporary(H100) < 1024
+
+
 def test_qlora_4bit_base() -> None:
     module, task = build_model("tiny-llama", load_in_4bit=True, lora={"r": 8})
     est = Simulator(module, task=task, device=H100).simulate(
