@@ -182,7 +182,7 @@ class Simulator:
         module: a model built on the meta device (``probe.model.build_model``) or a
             real module; it is only read.
         task: ``"causal-lm"``, ``"masked-lm"``, ``"seq2seq"`` or ``"seq-cls"``.
-        device: the target device (``probe.device.resolve_device``).
+        device: the target device: a DeviceInfo or a name (``"cpu"``, ``"H100-80GB"``).
         model_name: shown in the estimates.
 
     Example:
@@ -200,10 +200,12 @@ class Simulator:
         module: torch.nn.Module,
         *,
         task: str,
-        device: DeviceInfo,
+        device: DeviceInfo | str,
         model_name: str = "",
     ) -> None:
         import torch
+
+        from autofit.probe.device import resolve_device
 
         if not isinstance(module, torch.nn.Module):
             raise BadInputError(
@@ -211,7 +213,7 @@ class Simulator:
             )
         self.module = module
         self.task = task
-        self.device = device
+        self.device = resolve_device(device)
         self.model_name = model_name or type(module).__name__
         self._cache: dict[tuple[TrainConfig, int], SimulationResult] = {}
 
