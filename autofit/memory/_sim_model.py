@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from autofit.errors import BadInputError
 
-__all__ = ["fake_clone", "prepare_for_training", "make_batch", "unwrap", "weight_tensors"]
+__all__ = [
+    "fake_clone",
+    "prepare_for_training",
+    "make_batch",
+    "unpacked_batches",
+    "unwrap",
+    "weight_tensors",
+]
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -145,6 +153,32 @@ def prepare_for_training(
         if config is not None:
             config.use_cache = False
     model.train()
+
+
+@contextlib.contextmanager
+def unpacked_batches() -> Iterator[None]:
+    """Tell transformers the batch is not packed, as it finds on real tensors.
+
+    With no attention mask and no cache (``use_cache=False``, e.g. with gradient
+    checkpointing) transformers looks for packed sequences in ``position_ids``;
+    it cannot read fake values, so it would assume packing and build a (B, 1, T, T)
+    mask (and, on CUDA, repeat the KV heads and leave flash attention). The batch
+    simulated is one sequence per row, for which the real check returns None.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    orig = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if orig is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = orig
 
 
 def make_batch(model: torch.nn.Module, task: str, batch: int, seq_len: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import torch
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, MissingDependencyError
-from autofit.memory._sim_model import make_batch, unwrap
+from autofit.memory._sim_model import make_batch, unpacked_batches, unwrap
 from autofit.memory._sim_recorder import StorageRecorder
 
 __all__ = [
@@ -213,7 +213,7 @@ def run_steps(
                 if isinstance(v, torch.Tensor):
                     rec.track(v, "activations")  # the batch on the device
             kwargs = {k: batch[k] for k in batch["_model_kwargs"]}
-            with _autocast(config):
+            with _autocast(config), unpacked_batches():
                 out = model(**kwargs)
                 loss = getattr(out, "loss", None)
                 del out  # the outputs (logits) are dropped, as compute_loss does

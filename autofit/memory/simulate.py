@@ -69,8 +69,10 @@ Known limitations:
   the CPU's per-thread attention buffers) are not.
 - NB: the attention mask of a batch without padding is not passed to the model
   (transformers would drop it on real tensors and use SDPA's ``is_causal``, but it
-  cannot read a fake mask's values); the mask tensor itself is counted. Padded
-  batches (a 4-D mask, no flash attention) are not simulated.
+  cannot read a fake mask's values); the mask tensor itself is counted. For the
+  same reason transformers' packed-sequence check is answered "not packed", as it
+  is on real one-sequence-per-row batches. Padded or packed batches (a 4-D mask, no
+  flash attention) are not simulated.
 - NB: a CUDA target is simulated on CPU fake tensors (autograd on fake ``cuda``
   tensors aborts a CPU-only build). The CUDA autocast lists are applied on top of
   CPU autocast at the torch-function level: ops reached only through a composite
