@@ -178,7 +178,12 @@ def _optimizer_step_temporaries(info: ModelInfo, config: TrainConfig, device: De
         return 2 * largest * 4 + upcast
     if spec.family in ("adagrad", "rmsprop") and not spec.bnb:
         return 2 * largest * elem
-    return 0  # SGD and bitsandbytes' kernels update in place
+    if spec.bnb and device.allocator == "cpu":
+        # NB: bitsandbytes' CPU path dequantizes the 8-bit states and works in fp32:
+        # ~5 fp32 copies of the largest tensor (measured: 5.2x and 4.8x, see
+        # benchmarks/results/accuracy.md); its CUDA kernels update in place
+        return 5 * largest * 4
+    return 0  # SGD and bitsandbytes' CUDA kernels update in place
 
 
 @cache
@@ -344,11 +349,14 @@ def estimate_analytic(
                        "temporaries": opt_temp}),
     }
     if config.gradient_checkpointing:
-        # recomputing a block in backward re-creates its activations and autocast copies
-        fwd = phases["backward"]
-        extra = A_transient + block_bwd_temp
-        phases["backward"] = (fwd[0] + extra, {**fwd[1], "activations": A + A_transient,
-                                               "temporaries": fwd[1]["temporaries"] + block_bwd_temp})
+        # after the loss and head backward, each block is recomputed in turn: its full
+        # activations and autocast copies exist again while the gradients accumulate
+        # (at the last block recomputed, about all of them)
+        copies_layer = copies - copies_head
+        phases["recompute"] = (
+            W + copies_layer + S + G + A_layers + A_transient + block_bwd_temp,
+            {"weights": W + copies_layer, "optimizer_states": S, "gradients": G,
+             "activations": A_layers + A_transient, "temporaries": block_bwd_temp})
     phase, (peak_alloc, parts) = max(phases.items(), key=lambda kv: kv[1][0])
     peak_alloc = int(peak_alloc)
     parts = {k: int(v) for k, v in parts.items()}
