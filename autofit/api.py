@@ -18,7 +18,7 @@ from autofit.probe.device import DeviceInfo, check_precision, resolve_device
 
 __all__ = ["estimate", "METHODS"]
 
-METHODS = ("analytic",)  # "simulate" joins when autofit.memory.simulate lands
+METHODS = ("analytic", "simulate")
 
 
 def _check_dependencies(config: TrainConfig) -> None:

@@ -1,0 +1,209 @@
+"""A fake-tensor clone of a model, prepared as the Trainer prepares it, and its batch.
+
+`fake_clone` copies a module (meta-built or real) with ``copy.deepcopy`` and a memo
+that maps every parameter, buffer and tensor attribute to a FakeTensor of the same
+shape and requires_grad, so the copy costs no memory, the user's module is never
+touched, and tied weights stay tied. `prepare_for_training` then does what
+``Trainer`` does to the model before the first step, on the clone only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from autofit.errors import BadInputError
+
+__all__ = [
+    "fake_clone",
+    "prepare_for_training",
+    "make_batch",
+    "unpacked_batches",
+    "unwrap",
+    "weight_tensors",
+]
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PeftModel (or the module itself)."""
+    get_base = getattr(module, "get_base_model", None)
+    if callable(get_base) and hasattr(module, "peft_config"):
+        return get_base()
+    return module
+
+
+def _is_quantized(p: torch.Tensor) -> bool:
+    return type(p).__name__ in {"Params4bit", "Int8Params"}
+
+
+def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters, buffers and 4-bit quantization states (each storage once)."""
+    from autofit.memory._sim_bnb import quant_tensors
+
+    seen: set[int] = set()
+    out = []
+    for t in [*model.parameters(), *model.buffers()]:
+        for x in [t, *quant_tensors(t)]:
+            key = id(x.untyped_storage())
+            if key not in seen:
+                seen.add(key)
+                out.append(x)
+    return out
+
+
+def fake_clone(module: torch.nn.Module, *, float_dtype: torch.dtype | None) -> torch.nn.Module:
+    """A deep copy of ``module`` whose tensors are FakeTensors on the CPU.
+
+    Must run inside the FakeTensorMode that will run the step.
+
+    Args:
+        module: the model (meta or real); it is only read.
+        float_dtype: cast floating parameters and buffers to this dtype (what
+            ``model.to(dtype)`` does for the "-true" precisions); None keeps them.
+    """
+    memo: dict[int, Any] = {}
+
+    def fake_like(t: torch.Tensor) -> torch.Tensor:
+        dtype = t.dtype
+        if float_dtype is not None and dtype.is_floating_point:
+            dtype = float_dtype
+        return torch.empty(tuple(t.shape), dtype=dtype, device="cpu")
+
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is None or id(p) in memo:
+                continue
+            if type(p).__name__ == "Params4bit":
+                from autofit.memory._sim_bnb import fake_params4bit
+
+                memo[id(p)] = fake_params4bit(p, dtype=float_dtype)
+            elif _is_quantized(p):
+                raise BadInputError(
+                    "simulating an 8-bit (LLM.int8) quantized model is not supported; "
+                    "use method='analytic', or load it in 4 bits (QLoRA)"
+                )
+            else:
+                memo[id(p)] = torch.nn.Parameter(fake_like(p), requires_grad=p.requires_grad)
+        for b in m._buffers.values():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = fake_like(b)
+        qs = getattr(m, "quant_state", None)  # Linear4bit keeps a reference too
+        if qs is not None and not isinstance(qs, torch.Tensor):
+            memo[id(qs)] = None
+        for v in m.__dict__.values():  # plain tensor attributes (e.g. original_inv_freq)
+            if isinstance(v, torch.Tensor) and id(v) not in memo:
+                memo[id(v)] = fake_like(v)
+    return copy.deepcopy(module, memo)
+
+
+def prepare_for_training(
+    model: torch.nn.Module,
+    *,
+    gradient_checkpointing: bool,
+    recompute_context: Any = None,
+) -> None:
+    """What ``Trainer`` does to the model before training, applied to the clone.
+
+    Args:
+        model: the clone.
+        gradient_checkpointing: enable it as the Trainer does.
+        recompute_context: a factory of a context manager to enter while checkpointed
+            blocks are recomputed in backward (``checkpoint(context_fn=...)``): the
+            simulation's torch-function mode is not active inside ``backward()``.
+    """
+    base = unwrap(model)
+    config = getattr(base, "config", None)
+    if config is not None:
+        # Sequence classification with batch > 1 needs a pad token (users set one).
+        if getattr(config, "pad_token_id", None) is None and hasattr(config, "pad_token_id"):
+            config.pad_token_id = 0
+        if (
+            getattr(config, "is_encoder_decoder", False)
+            and getattr(config, "decoder_start_token_id", None) is None
+        ):
+            config.decoder_start_token_id = config.pad_token_id or 0
+    if gradient_checkpointing:
+        # Trainer: model.activation_checkpointing_enable() (gradient_checkpointing_enable
+        # before transformers 5), non-reentrant by default; it also calls
+        # enable_input_require_grads() for input_ids models (needed by PEFT).
+        ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
+        if recompute_context is not None:
+            ckpt_kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_context())
+        if hasattr(model, "activation_checkpointing_enable"):
+            enable, key = model.activation_checkpointing_enable, "activation_checkpointing_kwargs"
+        elif hasattr(model, "gradient_checkpointing_enable"):  # transformers < 5
+            enable, key = model.gradient_checkpointing_enable, "gradient_checkpointing_kwargs"
+        else:
+            raise BadInputError(
+                f"{type(model).__name__} has no gradient_checkpointing_enable(); "
+                "simulate it with gradient_checkpointing=False"
+            )
+        try:
+            enable(**{key: ckpt_kwargs})
+        except ValueError as e:  # "... does not support activation checkpointing."
+            raise BadInputError(
+                f"{str(e).splitlines()[0]} Simulate it with gradient_checkpointing=False"
+            ) from None
+        if key == "gradient_checkpointing_kwargs" and hasattr(model, "peft_config"):
+            model.enable_input_require_grads()
+        if config is not None:
+            config.use_cache = False
+    model.train()
+
+
+@contextlib.contextmanager
+def unpacked_batches() -> Iterator[None]:
+    """Tell transformers the batch is not packed, as it finds on real tensors.
+
+    With no attention mask and no cache (``use_cache=False``, e.g. with gradient
+    checkpointing) transformers looks for packed sequences in ``position_ids``;
+    it cannot read fake values, so it would assume packing and build a (B, 1, T, T)
+    mask (and, on CUDA, repeat the KV heads and leave flash attention). The batch
+    simulated is one sequence per row, for which the real check returns None.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    orig = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if orig is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = orig
+
+
+def make_batch(model: torch.nn.Module, task: str, batch: int, seq_len: int) -> dict[str, Any]:
+    """The tensors a Trainer batch holds (fake; must run inside the fake mode).
+
+    Returns a dict of tensors that live on the device during the step; the key
+    ``"_model_kwargs"`` lists the ones passed to ``model(...)``.
+    NB: the batch has no padding, so transformers drops the all-ones attention mask
+    and uses SDPA's ``is_causal``; the mask is allocated (the batch holds it) but not
+    passed, which takes that same path on fake tensors (transformers cannot read the
+    values of a fake mask and would otherwise build a (B, 1, T, T) mask).
+    """
+    config = getattr(unwrap(model), "config", None)
+    vocab = int(getattr(config, "vocab_size", 2) or 2)
+    out: dict[str, Any] = {}
+    ids = torch.randint(0, vocab, (batch, seq_len), dtype=torch.long)  # (B, T) int64
+    out["input_ids"] = ids
+    out["attention_mask"] = torch.ones((batch, seq_len), dtype=torch.long)  # (B, T), not passed
+    if task in ("causal-lm", "masked-lm"):
+        out["labels"] = ids.clone()  # (B, T): the collator's copy of input_ids
+    elif task == "seq2seq":
+        out["labels"] = torch.zeros((batch, seq_len), dtype=torch.long)  # (B, T) targets
+    elif task == "seq-cls":
+        out["labels"] = torch.zeros((batch,), dtype=torch.long)  # (B,)
+    else:
+        raise BadInputError(f"unknown task {task!r}")
+    out["_model_kwargs"] = ("input_ids", "labels")
+    return out

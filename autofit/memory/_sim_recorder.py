@@ -1,0 +1,171 @@
+"""The allocation stream of a simulated training step, recorded at the dispatch level.
+
+`StorageRecorder` is a ``TorchDispatchMode`` that sees every ATen op the step runs
+(forward, autograd's backward, the optimizer) and the tensors each op returns. A
+storage it has not seen before is an allocation; a ``weakref`` to the storage's
+Python object (which torch keeps alive exactly as long as the C++ ``StorageImpl``)
+fires when the last tensor or autograd node holding it dies: that is the free. This
+is how torch's own ``MemTracker`` (torch/distributed/_tools/mem_tracker.py) sees
+storages; it works the same on FakeTensors, whose storages are meta storages with
+the real ``nbytes``.
+
+Each allocation gets a category once the step is over, as the analytic breakdown
+defines them: parameters and buffers are ``weights``; a storage that became a
+parameter's ``.grad`` is ``gradients``; one created in the optimizer phase that
+outlives it is ``optimizer_states``; one created in forward and still alive at the
+end of forward is ``activations``; everything else is ``temporaries``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["StorageRecorder", "Record"]
+
+
+class Record:
+    """One storage: its allocation, size, phase and (once known) category."""
+
+    __slots__ = ("id", "size", "phase", "micro", "category", "alive", "host", "__weakref__")
+
+    def __init__(self, rid: int, size: int, phase: str, micro: int, category: str | None) -> None:
+        self.id = rid
+        self.size = size  # bytes, the storage's nbytes
+        self.phase = phase
+        self.micro = micro  # micro-step index (gradient accumulation) it was created in
+        self.category = category
+        self.alive = True
+        self.host = False  # lives in host memory on the target (e.g. optimizer step counters)
+
+
+class StorageRecorder(TorchDispatchMode):
+    """Records every storage created and freed while active (see the module docstring).
+
+    Usage::
+
+        rec = StorageRecorder()
+        rec.track(param, "weights")          # storages made before recording
+        with fake_mode, rec:
+            rec.phase = "forward"
+            ...
+        events = rec.events()                # [(kind, Record, phase_at_event)]
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = ""
+        self.micro = 0
+        self._live: dict[int, tuple[Record, Any]] = {}  # id(storage) -> (record, weakref)
+        self._log: list[tuple[str, Record, str]] = []  # (kind, record, phase at the event)
+        self._next = 0
+        self.num_ops = 0
+        # op -> f(args, kwargs) -> bytes a kernel allocates internally while it runs
+        self.workspaces: dict[Any, Any] = {}
+        self.keepalive: list[Any] = []  # training state that outlives the recorded steps
+        # op -> Python implementation to run instead of the op's fake kernel, under this
+        # mode, so that the tensors it creates are seen (e.g. bitsandbytes' CPU kernels)
+        self.decompositions: dict[Any, Any] = {}
+        self._decomposing = False
+
+    # ------------------------------------------------------------------ tracking
+    def track(self, t: torch.Tensor, category: str | None = None) -> Record | None:
+        """Record ``t``'s storage as allocated now (no-op if already seen or empty)."""
+        st = t.untyped_storage()
+        key = id(st)
+        hit = self._live.get(key)
+        if hit is not None:
+            rec = hit[0]
+            size = st.nbytes()
+            if size != rec.size:  # resized in place (out= ops, resize_): free + alloc
+                self._free(key)
+            else:
+                if category is not None and rec.category is None:
+                    rec.category = category
+                return rec
+        size = st.nbytes()
+        if size == 0:
+            return None
+        rec = Record(self._next, size, self.phase, self.micro, category)
+        self._next += 1
+        # NB: the callback runs while the StorageImpl is destroyed, before its id can be
+        # reused, so `key` cannot name a newer storage yet.
+        ref = weakref.ref(st, lambda _r, key=key: self._free(key))
+        self._live[key] = (rec, ref)
+        self._log.append(("alloc", rec, self.phase))
+        return rec
+
+    def record_of(self, t: torch.Tensor) -> Record | None:
+        """The live record of ``t``'s storage, if it was tracked."""
+        hit = self._live.get(id(t.untyped_storage()))
+        return hit[0] if hit is not None else None
+
+    def _free(self, key: int) -> None:
+        hit = self._live.pop(key, None)
+        if hit is None:
+            return
+        rec = hit[0]
+        rec.alive = False
+        self._log.append(("free", rec, self.phase))
+
+    def live_records(self) -> Iterable[Record]:
+        """Records alive now."""
+        return [r for r, _ in self._live.values()]
+
+    # ------------------------------------------------------------------ categories
+    def mark_live(self, category: str, *, phase: str, micro: int | None = None) -> None:
+        """Give ``category`` to live, uncategorised records created in ``phase``."""
+        for rec, _ in self._live.values():
+            if (
+                rec.category is None
+                and rec.phase == phase
+                and (micro is None or rec.micro == micro)
+            ):
+                rec.category = category
+
+    def events(self) -> list[tuple[str, Record, str]]:
+        """The log so far: (``"alloc"`` | ``"free"``, record, phase at the event)."""
+        return list(self._log)
+
+    # ------------------------------------------------------------------ dispatch
+    def _workspace(self, size: int) -> Record:
+        rec = Record(self._next, size, self.phase, self.micro, "temporaries")
+        self._next += 1
+        self._log.append(("alloc", rec, self.phase))
+        return rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        impl = self.decompositions.get(func) if self.decompositions else None
+        if impl is not None and not self._decomposing:
+            self._decomposing = True
+            try:
+                with self:  # re-enter: the implementation's own ops are recorded
+                    return impl(*args, **kwargs)
+            finally:
+                self._decomposing = False
+        ws_fn = self.workspaces.get(func) if self.workspaces else None
+        ws = self._workspace(ws_fn(args, kwargs)) if ws_fn is not None else None
+        out = func(*args, **kwargs)
+        self.num_ops += 1
+        if isinstance(out, torch.Tensor):
+            self.track(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self.track(o)
+                elif isinstance(o, (tuple, list)):
+                    for t in tree_flatten(o)[0]:
+                        if isinstance(t, torch.Tensor):
+                            self.track(t)
+        # In-place ops and out= variants return their (possibly resized) argument,
+        # which the branches above re-check through `track`.
+        if ws is not None:  # the kernel's internal workspace dies with the op
+            ws.alive = False
+            self._log.append(("free", ws, self.phase))
+        return out

@@ -1,0 +1,256 @@
+"""The Trainer's training step, run on a fake-tensor clone under the recorder.
+
+One *step* is what ``Trainer`` does between two ``optimizer.step()`` calls:
+``grad_accum_steps`` micro steps (forward with labels, ``loss.backward()``), then
+``clip_grad_norm_(params, 1.0)``, ``optimizer.step()`` and
+``optimizer.zero_grad(set_to_none=True)``. Micro steps after the second behave like
+the second (gradients already exist and are accumulated in place), so at most two
+are run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import tempfile
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autofit.config import TrainConfig
+from autofit.errors import BadInputError, MissingDependencyError
+from autofit.memory._sim_model import make_batch, unpacked_batches, unwrap
+from autofit.memory._sim_recorder import StorageRecorder
+
+__all__ = [
+    "StepTarget",
+    "optimizer_cls_and_kwargs",
+    "build_optimizer",
+    "bnb_cpu_kernels",
+    "run_steps",
+]
+
+
+@dataclass(frozen=True)
+class StepTarget:
+    """What differs between the device planned for and this host."""
+
+    kind: str  # "cuda" | "cpu"
+
+    @property
+    def foreach(self) -> bool:
+        # torch's optimizers default to foreach (multi-tensor) on CUDA, to the
+        # per-parameter loop on the CPU (_default_to_fused_or_foreach).
+        return self.kind == "cuda"
+
+
+@functools.cache
+def optimizer_cls_and_kwargs(optim: str, optim_args: str | None) -> tuple[type, dict, float, float]:
+    """(class, kwargs, weight_decay, max_grad_norm) exactly as the Trainer resolves ``optim``."""
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = TrainingArguments(
+            output_dir=tmp, optim=optim, optim_args=optim_args, use_cpu=True, report_to=[]
+        )
+        try:
+            cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+        except ImportError as e:
+            raise MissingDependencyError(
+                f"optimizer {optim!r} needs a package that is not installed: {e}"
+            ) from None
+    return cls, dict(kwargs), float(args.weight_decay), float(args.max_grad_norm or 0.0)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The Trainer's two groups: decay / no-decay, trainable parameters only."""
+    from transformers import Trainer
+
+    # get_decay_parameter_names does not use `self`.
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+
+
+def _is_bnb(cls: type) -> bool:
+    return "bitsandbytes" in getattr(cls, "__module__", "")
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig, target: StepTarget) -> Any:
+    """The Trainer's optimizer over the clone's parameters, with the target's defaults.
+
+    Built outside the fake mode (bitsandbytes computes its quantization maps with
+    real tensors at construction); its states appear at the first ``step()``.
+    """
+    cls, kwargs, wd, _ = optimizer_cls_and_kwargs(config.optimizer, config.optim_args)
+    kwargs = dict(kwargs)
+    sig = inspect.signature(cls.__init__).parameters
+    if "foreach" in sig and not kwargs.get("fused"):
+        kwargs["foreach"] = target.foreach  # fake tensors would resolve the default to False
+    groups = [g for g in _param_groups(model, wd) if g["params"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = cls(groups, **kwargs)
+    if _is_bnb(cls) and kwargs.get("optim_bits") == 8:
+        # Trainer.create_optimizer: embeddings are optimized in 32 bits. Registered on a
+        # private manager so that bitsandbytes' global singleton is left alone.
+        from bitsandbytes.optim import GlobalOptimManager
+
+        mng = GlobalOptimManager.__new__(GlobalOptimManager)
+        mng.initialize()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                mng.register_module_override(module, "weight", {"optim_bits": 32})
+        opt.mng = mng
+    return opt
+
+
+def bnb_cpu_kernels() -> dict[Any, Any]:
+    """bitsandbytes optimizer ops -> their CPU kernels (Python over torch ops).
+
+    On a CPU target these run instead of the ops' fake implementations so that their
+    temporaries (dequantized fp32 states, fp32 copies of grads and params) are seen.
+    On CUDA the updates are fused kernels that allocate nothing, which is what the
+    fake implementations (no outputs) already are.
+    """
+    import bitsandbytes  # noqa: F401  (registers the ops)
+    from bitsandbytes.backends.cpu import ops as cpu_ops
+
+    ops = torch.ops.bitsandbytes
+    return {
+        ops.optimizer_update_8bit_blockwise.default: cpu_ops._optimizer_update_8bit_blockwise_cpu,
+        ops.optimizer_update_32bit.default: cpu_ops._optimizer_update_32bit_cpu,
+    }
+
+
+class _FakeGradScaler:
+    """``torch.amp.GradScaler`` on fake tensors (its ``step`` reads a value with ``.item()``).
+
+    Same tensors and in-place ops: a persistent scale and growth tracker, the scaled
+    loss, ``inv_scale`` and ``found_inf`` per unscale, grads unscaled in place.
+    """
+
+    def __init__(self) -> None:
+        self.scale = torch.full((), 2.0**16, dtype=torch.float32)  # (,) fp32
+        self.growth_tracker = torch.full((), 0, dtype=torch.int32)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    def unscale_(self, params: list[torch.Tensor]) -> torch.Tensor:
+        inv_scale = self.scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32)
+        grads = [p.grad for p in params if p.grad is not None]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found_inf, inv_scale)
+        return found_inf
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, 2.0, 0.5, 2000)
+
+
+def _autocast(config: TrainConfig) -> Any:
+    """CPU autocast on the fake CPU tensors (a CUDA target adds CUDA's extra casts in
+    ``_sim_cuda.CudaSemantics``)."""
+    spec = config.precision_spec
+    if not spec.autocast:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=getattr(torch, spec.compute_dtype))
+
+
+def _mark_host_steps(optimizer: Any, rec: StorageRecorder) -> None:
+    """torch's non-fused, non-capturable optimizers keep ``state["step"]`` on the host."""
+    defaults = getattr(optimizer, "defaults", {})
+    if defaults.get("fused") or defaults.get("capturable"):
+        return
+    for state in optimizer.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor):
+            r = rec.record_of(step)
+            if r is not None:
+                r.host = True
+
+
+def run_steps(
+    model: torch.nn.Module,
+    optimizer: Any,
+    config: TrainConfig,
+    *,
+    task: str,
+    seq_len: int,
+    rec: StorageRecorder,
+    target: StepTarget,
+    steps: int = 2,
+) -> None:
+    """Run ``steps`` Trainer steps of ``config`` under ``rec`` (inside the fake mode)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    _, _, _, max_grad_norm = optimizer_cls_and_kwargs(config.optimizer, config.optim_args)
+    if _is_bnb(type(optimizer)) and target.kind == "cpu":
+        rec.decompositions.update(bnb_cpu_kernels())
+    micro_steps = min(config.grad_accum_steps, 2)
+    scaler = None
+    if config.precision_spec.grad_scaler:
+        rec.phase = "optimizer"  # created once, kept for the whole run
+        scaler = _FakeGradScaler()
+        rec.keepalive.append(scaler)  # the Trainer's scaler outlives the steps
+    base = unwrap(model)
+    for _ in range(steps):
+        for _micro in range(micro_steps):
+            rec.micro += 1
+            rec.phase = "forward"
+            batch = make_batch(base, task, config.micro_batch_size, seq_len)
+            for v in batch.values():
+                if isinstance(v, torch.Tensor):
+                    rec.track(v, "activations")  # the batch on the device
+            kwargs = {k: batch[k] for k in batch["_model_kwargs"]}
+            with _autocast(config), unpacked_batches():
+                out = model(**kwargs)
+                loss = getattr(out, "loss", None)
+                del out  # the outputs (logits) are dropped, as compute_loss does
+            if not isinstance(loss, torch.Tensor):
+                raise BadInputError(
+                    f"{type(model).__name__}(input_ids=..., labels=...) returned no loss; "
+                    "simulate needs a model that computes its loss from labels "
+                    "(a transformers model for the task)"
+                )
+            del batch, kwargs
+            if config.grad_accum_steps > 1:
+                loss = loss / config.grad_accum_steps
+            rec.mark_live("activations", phase="forward", micro=rec.micro)
+            rec.phase = "backward"
+            if scaler is not None:
+                scaler.scale_loss(loss).backward()
+            else:
+                loss.backward()
+            del loss
+            for p in params:
+                if p.grad is not None:
+                    r = rec.record_of(p.grad)
+                    if r is not None:
+                        r.category = "gradients"
+        rec.phase = "optimizer"
+        found_inf = scaler.unscale_(params) if scaler is not None else None
+        if max_grad_norm > 0:
+            # Trainer -> accelerate -> clip_grad_norm_; foreach on real CUDA and CPU tensors.
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizer.step()
+        if scaler is not None:
+            scaler.update(found_inf)
+            del found_inf
+        optimizer.zero_grad(set_to_none=True)
+        rec.mark_live("optimizer_states", phase="optimizer")
+        if target.kind == "cuda":
+            _mark_host_steps(optimizer, rec)
+    rec.phase = ""
