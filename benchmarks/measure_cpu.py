@@ -306,7 +306,17 @@ def _make_optimizer(model, opt_cls, opt_kwargs: dict[str, Any], weight_decay: fl
         {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
-    return opt_cls(groups, **opt_kwargs)
+    optimizer = opt_cls(groups, **opt_kwargs)
+    if "bitsandbytes" in opt_cls.__module__ and opt_kwargs.get("optim_bits") == 8:
+        # Trainer.create_optimizer keeps embeddings in 32-bit optimizer states
+        import bitsandbytes
+        import torch
+
+        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer
 
 
 class _PhaseMarks:

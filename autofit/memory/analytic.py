@@ -123,6 +123,17 @@ def _states_per_element(config: TrainConfig) -> int:
     return spec.state_per_param
 
 
+def _bnb_8bit_states(g: ParamGroup, config: TrainConfig) -> bool:
+    """Whether bitsandbytes keeps 8-bit states for this parameter (else fp32 states)."""
+    spec = config.optimizer_spec
+    return (
+        spec.bnb
+        and spec.state_bits == 8
+        and g.numel >= _BNB_MIN_8BIT_SIZE
+        and g.role != "embedding"  # Trainer.create_optimizer: embeddings in 32-bit states
+    )
+
+
 def optimizer_state_bytes(info: ModelInfo, config: TrainConfig) -> int:
     """Bytes of the optimizer's state after its first step."""
     spec = config.optimizer_spec
@@ -142,9 +153,9 @@ def optimizer_state_bytes(info: ModelInfo, config: TrainConfig) -> int:
                 per = n * 4
             if "beta1" in config.optim_kwargs:
                 per += n * 4  # first moment when beta1 is set
-        elif spec.bnb and spec.state_bits == 8:
+        elif _bnb_8bit_states(g, config):
             k = spec.state_per_param
-            per = k * (n + math.ceil(n / _BNB_BLOCK) * 4) if n >= _BNB_MIN_8BIT_SIZE else k * n * 4
+            per = k * (n + math.ceil(n / _BNB_BLOCK) * 4)
         elif spec.bnb:
             per = spec.state_per_param * n * 4
         else:
@@ -179,10 +190,19 @@ def _optimizer_step_temporaries(info: ModelInfo, config: TrainConfig, device: De
     if spec.family in ("adagrad", "rmsprop") and not spec.bnb:
         return 2 * largest * elem
     if spec.bnb and device.allocator == "cpu":
-        # NB: bitsandbytes' CPU path dequantizes the 8-bit states and works in fp32:
-        # ~5 fp32 copies of the largest tensor (measured: 5.2x and 4.8x, see
-        # benchmarks/results/accuracy.md); its CUDA kernels update in place
-        return 5 * largest * 4
+        # NB: bitsandbytes' CPU path works in fp32 temporaries: ~5 fp32 copies of the
+        # largest tensor with 8-bit states (it dequantizes them) and ~3 of the largest
+        # with 32-bit states (embeddings, small tensors) — measured 5.2x and 3.0x on
+        # llama-b4s256-bnb8 and gpt2-b1s128-bnb8; its CUDA kernels update in place
+        eight = thirty_two = 0
+        for g in info.params:
+            if not g.trainable:
+                continue
+            if _bnb_8bit_states(g, config):
+                eight = max(eight, g.numel)
+            else:
+                thirty_two = max(thirty_two, g.numel)
+        return max(5 * eight, 3 * thirty_two) * 4
     return 0  # SGD and bitsandbytes' CUDA kernels update in place
 
 
