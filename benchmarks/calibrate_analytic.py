@@ -12,7 +12,14 @@ by least squares. It writes ``autofit/memory/coefficients.json``. The accuracy
 benchmark (benchmarks/accuracy.py) checks the resulting estimates against
 peak-RSS measurements of real training steps, which share no code with this.
 
-    python benchmarks/calibrate_analytic.py
+    python benchmarks/calibrate_analytic.py                 # CPU kernels: real tensors
+    python benchmarks/calibrate_analytic.py --target cuda   # CUDA kernels: the simulator
+
+A CUDA target saves different tensors than the CPU for the same model (SDPA's
+flash / memory-efficient kernels handle dropout and keep no (T, T) probabilities;
+fused dropout keeps a bool mask), so it has its own coefficients (keys ending in
+``/cuda``), fitted from autofit's simulator with CUDA semantics — there is no GPU
+here; benchmarks/gpu_check.py checks them on one.
 """
 
 from __future__ import annotations
@@ -124,15 +131,59 @@ def saved_bytes(family, dims, layers, precision, attn, lora="none") -> int:
     return sum(seen.values())
 
 
-def fit(family, precision, attn, lora="none"):
+def _linear_weight_numel(model) -> int:
+    """Elements of the matmul weights autocast copies (nn.Linear / GPT-2's Conv1D)."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D":
+            n += m.weight.numel()
+    return n
+
+
+def saved_bytes_cuda(family, dims, layers, precision, attn, lora="none") -> int:
+    """Bytes the forward keeps for backward on a CUDA target, from autofit's simulator.
+
+    The simulator runs the real model on fake tensors with CUDA's kernel semantics
+    (SDPA backends, fused dropout, autocast lists); what the forward allocates and
+    is still alive when backward starts is what it saved. Autocast's weight copies
+    are modelled apart (2 B per matmul weight element) and taken out here.
+    """
+    from autofit.config import TrainConfig
+    from autofit.memory.simulate import Simulator
+
+    h, H, kvh, i, V, T = dims
+    with torch.device("meta"):
+        m = _build(family, h, H, kvh, i, V, layers, attn)
+    if lora != "none":
+        from peft import LoraConfig, get_peft_model
+
+        targets = LORA_TARGETS[family] if lora == "attn" else "all-linear"
+        with torch.device("meta"):
+            m = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    task = "seq2seq" if family == "t5" else "masked-lm" if family == "bert" else "causal-lm"
+    res = Simulator(m, task=task, device="H100-80GB").run(
+        TrainConfig(micro_batch_size=B, precision=precision), seq_len=T)
+    total = 0
+    for ev in res.events:
+        if ev.phase == "backward":
+            break
+        if ev.kind == "alloc" and ev.category == "activations":
+            total += ev.size
+    if precision == "bf16-mixed":
+        total -= 2 * _linear_weight_numel(m)
+    return total
+
+
+def fit(family, precision, attn, lora="none", target="cpu"):
     rows_l, ys_l, rows_b, ys_b = [], [], [], []
     for dims in VARIANTS:
         h, H, kvh, i, V, T = dims
         if family in ("gpt2", "bert", "t5"):
             kvh = H
         kv = kvh * (h // H)
-        s1 = saved_bytes(family, (h, H, kvh, i, V, T), 1, precision, attn, lora)
-        s2 = saved_bytes(family, (h, H, kvh, i, V, T), 2, precision, attn, lora)
+        count = saved_bytes_cuda if target == "cuda" else saved_bytes
+        s1 = count(family, (h, H, kvh, i, V, T), 1, precision, attn, lora)
+        s2 = count(family, (h, H, kvh, i, V, T), 2, precision, attn, lora)
         per_layer = (s2 - s1) / (B * T)
         base = (s1 - (s2 - s1)) / (B * T)
         rows_l.append([h, kv, i, H, H * T, 1.0])
@@ -153,15 +204,19 @@ def fit(family, precision, attn, lora="none"):
 
 def main() -> None:
     torch.set_num_threads(1)
-    families = sys.argv[1:] or FAMILIES
+    args = sys.argv[1:]
+    target = "cpu"
+    if args[:2] == ["--target", "cuda"] or args[:1] == ["--target=cuda"]:
+        target = "cuda"
+        args = args[2:] if args[0] == "--target" else args[1:]
+    families = args or FAMILIES
     table = json.loads(OUT.read_text()) if OUT.exists() else {}
-    table = {k: v for k, v in table.items() if k.count('/') == 3}
     for fam in families:
         for prec in PRECISIONS:
             for attn in ATTNS:
                 for lora in LORAS:
-                    key = f"{fam}/{prec}/{attn}/{lora}"
-                    table[key] = fit(fam, prec, attn, lora)
+                    key = f"{fam}/{prec}/{attn}/{lora}" + ("/cuda" if target == "cuda" else "")
+                    table[key] = fit(fam, prec, attn, lora, target)
                     print(key, table[key], flush=True)
     OUT.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
