@@ -75,7 +75,7 @@ class _Checker:
                  generate_max_new_tokens: int | None, max_seq_len: int | None,
                  tokenizer: Any, collator: Any, isolation: str, timeout_s: float | None,
                  progress: Any) -> None:
-        from autofit._preflight_cache import model_identity
+        from autofit._preflight_cache import _task_of, model_identity
         from autofit.api import _library_versions
 
         self.model = model
@@ -98,6 +98,9 @@ class _Checker:
         self.progress = progress or (lambda _: None)
         self.versions = _library_versions()
         self.model_id = model_identity(model)
+        # the task as the key knows it: fixed now (building the model later may resolve it)
+        self.task_key = (task if task is not None or not hasattr(model, "parameters")
+                         else _task_of(model))
         self._info = None
         self.trials_run = 0
 
@@ -120,7 +123,8 @@ class _Checker:
     def key(self, config: TrainConfig) -> str:
         from autofit._preflight_cache import check_key
 
-        return check_key(self.model_id, self.task, config, self.seq_len, self.dev, self.versions,
+        return check_key(self.model_id, self.task_key, config, self.seq_len, self.dev,
+                         self.versions,
                          {"eval_batch_size": self.eval_batch_size, "eval_seq_len": self.eval_seq_len,
                           "generate_max_new_tokens": self.generate})
 

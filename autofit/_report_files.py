@@ -188,9 +188,12 @@ def _draw(data: ReportData) -> bytes:
     measured = [t for t in data.trials if _combo(t) == chosen
                 and t.get("micro_batch") == data.config.get("micro_batch_size")
                 and not t.get("oom") and t.get("device_total_bytes")]
+    ax.text(0, bottom, format_bytes(est.device_total_bytes), ha="center", va="bottom",
+            fontsize=9)
     if measured:
-        ax.bar(["measured"], [measured[-1]["device_total_bytes"] / _GiB], color="dimgray",
-               label="measured peak")
+        m = measured[-1]["device_total_bytes"]
+        ax.bar(["measured"], [m / _GiB], color="dimgray", label="measured peak")
+        ax.text(1, m / _GiB, format_bytes(m), ha="center", va="bottom", fontsize=9)
     if cap > 0:
         ax.axhline(cap, color="tab:red", linestyle="--", linewidth=1.5,
                    label=f"capacity {format_bytes(est.capacity_bytes)}")
@@ -238,14 +241,21 @@ def _draw(data: ReportData) -> bytes:
                            linewidths=2.5, zorder=5)
         if any(t.get("oom") for t in data.trials):
             ax.scatter([], [], marker="x", color="tab:red", s=90, linewidths=2.5,
-                       label="out of memory")
+                       label="out of memory" + (" (needs > capacity)" if what == "peak" else ""))
         ax.scatter([], [], facecolors="none", edgecolors="black", s=70, label="estimate")
         if what == "peak" and cap > 0:
             ax.axhline(cap, color="tab:red", linestyle="--", linewidth=1.2)
             if data.margin:
                 ax.axhline(cap * (1 - data.margin), color="tab:orange", linestyle=":",
                            linewidth=1.2)
-        ax.set_xscale("log", base=2)
+        ticks = sorted({int(r["micro_batch"]) for r in (*data.candidates, *data.trials)
+                        if r.get("micro_batch")})
+        if ticks:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.set_xlim(ticks[0] / 1.5, ticks[-1] * 1.5)
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("micro batch")
         ax.set_ylabel("GiB (device total)" if what == "peak" else "tokens / s")
         ax.set_title("candidates: micro batch vs " + ("peak memory" if what == "peak"

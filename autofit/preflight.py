@@ -397,7 +397,6 @@ def _callback_class() -> type:
                     "stopped before training; to shrink the micro batch while keeping the "
                     "effective batch, call autofit.preflight(trainer, fix=True) before "
                     "trainer.train()"))
-            logger.info("autofit pre-flight: %s", report.reasons[-1] if report.reasons else "fits")
             return control
 
     AutofitCallback.__module__ = __name__
