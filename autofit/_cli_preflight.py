@@ -120,6 +120,9 @@ def run_check_command(args: argparse.Namespace) -> int:
         device, why = _default_device(meta)
     config = config_of(fields)
     eval_batch = fields.get("per_device_eval_batch_size")
+    # an eval batch that does not fit stops the job only when the file evaluates
+    evaluates = (str(fields.get("eval_strategy") or "no") != "no" or bool(fields.get("do_eval"))
+                 or bool(fields.get("do_predict")))
     progress = None
     if not args.json:
         from rich.console import Console
@@ -130,7 +133,8 @@ def run_check_command(args: argparse.Namespace) -> int:
         model, config, seq_len=seq_len, dataset=dataset, device=device,
         task=args.task or meta.get("task"), margin=args.margin, trial=not args.no_trial,
         cache=not args.no_cache, tune_meta=meta,
-        eval_batch_size=int(eval_batch) if eval_batch else None,
+        eval_batch_size=int(eval_batch) if eval_batch else None, eval_required=evaluates,
+        seq_len_source=("as given" if args.seq_len is not None else "the file's"),
         max_seq_len=args.max_seq_len or meta.get("max_seq_len"), progress=progress,
     )
     from dataclasses import replace

@@ -114,6 +114,9 @@ def _same_config(recorded: dict[str, Any], config: TrainConfig, seq_len: int) ->
     return all(recorded.get(k) == v for k, v in want.items())
 
 
+_STORAGES: dict[str, Any] = {}
+
+
 class CheckCache:
     """Check entries (and tuning trials) in the optuna storage.
 
@@ -139,7 +142,10 @@ class CheckCache:
             from optuna.storages import RDBStorage
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
-            self._storage = RDBStorage(self.url) if self.url.startswith("sqlite") else self.url
+            if self.url not in _STORAGES:  # opening one checks the schema: once per process
+                _STORAGES[self.url] = (RDBStorage(self.url) if self.url.startswith("sqlite")
+                                       else self.url)
+            self._storage = _STORAGES[self.url]
         return self._storage
 
     def _load(self, name: str) -> Any:

@@ -341,6 +341,8 @@ def run_check(
     eval_seq_len: int | None = None,
     generate_max_new_tokens: int | None = None,
     fix: bool = False,
+    eval_required: bool = True,
+    seq_len_source: str = "as given",
     max_seq_len: int | None = None,
     tokenizer: Any = None,
     collator: Any = None,
@@ -349,6 +351,10 @@ def run_check(
     progress: Any = None,
 ) -> Any:
     """Check one configuration (see the module docstring); returns a ``PreflightReport``.
+
+    ``eval_required=False`` reports an eval batch that would not fit as a reason
+    (a warning), not a problem: the run may never evaluate. ``seq_len_source`` says
+    where ``seq_len`` came from, for the reasons.
 
     Raises:
         AutofitError: bad input (unknown model or device, no sequence length ...).
@@ -373,7 +379,8 @@ def run_check(
     elif seq_len is None:
         raise BadInputError("give a dataset or seq_len (tokens of the longest sample)")
     else:
-        reasons.append(f"sequence length {seq_len}: as given (no dataset)")
+        reasons.append(f"sequence length {seq_len}: {seq_len_source} (no dataset: the trial "
+                       "batch is random tokens of that length)")
     store = None
     if cache:
         from autofit._preflight_cache import CheckCache
@@ -423,8 +430,10 @@ def run_check(
             changes["per_device_eval_batch_size"] = (eval_batch_size, eval_batch)
             reasons.append(f"fixed: {ev}; per_device_eval_batch_size {eval_batch} fits "
                            "(the training batch is untouched)")
-    elif ev:
+    elif ev and eval_required:
         problems.append(ev)
+    elif ev:
+        reasons.append(f"warning, if the run evaluates: {ev}")
     reasons += first.notes + (final.notes if final is not first else []) + fix_notes
     need, source = checker.need(final)
     if need is not None and not problems:
