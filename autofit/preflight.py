@@ -319,10 +319,10 @@ def preflight(
         _apply(args, trainer, report.changes)
         what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in report.changes.items())
         why = "; ".join(r for r in report.reasons if r.startswith("fixed:"))
-        logger.warning("autofit pre-flight changed %s (effective batch %d kept): %s", what,
+        logger.warning("pre-flight changed %s (effective batch %d kept): %s", what,
                        report.config.effective_batch_size, why)
     if report.fits:
-        logger.info("autofit pre-flight: %s", report.reasons[-1] if report.reasons else "fits")
+        logger.info("pre-flight: %s", report.reasons[-1] if report.reasons else "fits")
     elif raise_on_failure:
         raise PreflightError(report)
     return report

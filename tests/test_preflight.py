@@ -252,7 +252,7 @@ def test_fix_shrinks_the_micro_batch_keeps_the_effective_batch_and_trains(tmp_pa
     assert args.per_device_train_batch_size < 8
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 8
     assert trainer._train_batch_size == args.per_device_train_batch_size
-    assert "effective batch 8 kept" in caplog.text
+    assert "effective batch 8 kept" in caplog.text and "pre-flight changed" in caplog.text
     trainer.train()  # the callback confirms from the cache
     assert trainer.state.global_step == 1
     assert cb.report.fits and cb.report.from_cache and cb.report.trials_run == 0
