@@ -62,6 +62,13 @@ def _estimate_from_dict(d: dict[str, Any] | None) -> MemoryEstimate | None:
     return MemoryEstimate(**kw)
 
 
+def _learned_positions(info: Any) -> bool:
+    """A learned (max_positions, hidden) position table (GPT-2, BERT), not rotary/relative."""
+    pos, vocab = info.max_position_embeddings, info.vocab_size
+    return any(g.role == "embedding" and len(g.shape) == 2 and g.shape[0] == pos
+               and g.shape[0] != vocab for g in info.params)
+
+
 def _divisors_below(n: int, below: int) -> list[int]:
     return [d for d in range(below - 1, 0, -1) if n % d == 0]
 
@@ -143,13 +150,24 @@ class _Checker:
                        "pip install bitsandbytes (or use adamw_torch)")
         info = self.info
         pos = info.max_position_embeddings
-        if pos and self.seq_len > pos and info.model_type not in ("t5", "mt5", "umt5"):
+        if pos and self.seq_len > pos and _learned_positions(info):
             out.append(f"the longest sample has {self.seq_len} tokens, more than the model's "
-                       f"{pos} positions: truncate to max_seq_len={pos} (SFTConfig.max_length)")
+                       f"{pos} learned positions (an index error at the first long batch): "
+                       f"truncate to max_seq_len={pos} (SFTConfig.max_length)")
         if config.gradient_checkpointing and not info.supports_gradient_checkpointing:
             out.append(f"gradient_checkpointing requested, but {info.architecture} does not "
                        "support it: turn it off")
         return out
+
+    def warnings(self) -> list[str]:
+        """What may go wrong without stopping the run (needs the model: slow path only)."""
+        info = self.info
+        pos = info.max_position_embeddings
+        if pos and self.seq_len > pos and not _learned_positions(info) and info.blocks:
+            return [f"warning: the longest sample has {self.seq_len} tokens, more than the "
+                    f"model's max_position_embeddings {pos} (rotary/relative positions run, "
+                    "but past what the model was trained on)"]
+        return []
 
     # -- one configuration ---------------------------------------------------------------
     def assess(self, config: TrainConfig) -> _Assessment:
@@ -168,7 +186,7 @@ class _Checker:
         static = self.static_problems(config)
         est = self._estimate(config)
         eval_est = self._eval_estimate(config)
-        notes: list[str] = []
+        notes: list[str] = self.warnings()
         trial = None
         from_cache = False
         if self.cache is not None and self.tune_meta.get("cache_key"):

@@ -23,6 +23,8 @@ from autofit.errors import BadInputError
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 512, "max_position_embeddings": 256}
+TINY_GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512,
+             "n_positions": 256}
 # vocab 8000: micro batch 8 x 256 needs ~260 MiB, micro batch 2 ~85 MiB
 SMALL = {**TINY, "hidden_size": 128, "intermediate_size": 344, "vocab_size": 8000,
          "max_position_embeddings": 512}
@@ -204,8 +206,9 @@ def test_callback_lets_a_fitting_run_train(tmp_path):
 def test_callback_stops_a_run_that_cannot_fit_listing_every_problem(tmp_path, monkeypatch):
     _no_trials(monkeypatch)
     cb = autofit.AutofitCallback(device="cpu:16MiB")
-    # 300-token samples > 256 positions; micro batch 16 far over 16 MiB; eval batch 512 too
-    trainer = _trainer(_module(TINY), _data(8, 300, 512), tmp_path, [cb],
+    # 300-token samples > GPT-2's 256 learned positions; micro batch 16 far over 16 MiB;
+    # eval batch 512 too
+    trainer = _trainer(_module(TINY_GPT2), _data(8, 300, 512), tmp_path, [cb],
                        eval_dataset=_data(4, 64, 512), per_device_train_batch_size=16,
                        per_device_eval_batch_size=512, eval_strategy="steps", eval_steps=1,
                        optim="adamw_torch")
@@ -215,7 +218,7 @@ def test_callback_stops_a_run_that_cannot_fit_listing_every_problem(tmp_path, mo
     problems = e.value.problems
     assert len(problems) == 3, problems
     text = str(e.value)
-    assert "256 positions" in text and "does not fit by" in text and "evaluation" in text
+    assert "256 learned positions" in text and "does not fit by" in text and "evaluation" in text
     assert "preflight(trainer, fix=True)" in text
     assert isinstance(e.value, autofit.DoesNotFitError) and e.value.exit_code == 3
 
