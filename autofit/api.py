@@ -341,7 +341,7 @@ def autofit(
     meta = {"model": model if isinstance(model, str) else info.name, "task": task,
             "seq_len": seq_len, "device": dev.name, "margin": margin, "cache_key": key,
             "target_batch_size": space.target_batch_size, "max_seq_len": max_seq_len,
-            "model_id": model_identity(model if isinstance(model, str) else module),
+            "model_id": model_identity(module if hasattr(model, "parameters") else model),
             "versions": _library_versions()}
     result = FitResult(config=config, estimate=est, trials=tuple(outcome.trials),
                        reasons=tuple(reasons), confirmed=outcome.confirmed, device=dev.name,
