@@ -6,20 +6,37 @@
     True
 """
 
-from autofit.api import estimate
+from autofit.api import autofit, estimate
 from autofit.config import TrainConfig
 from autofit.errors import AutofitError, DoesNotFitError
 from autofit.memory.breakdown import MemoryEstimate
+from autofit.preflight import PreflightError, PreflightReport, preflight
+from autofit.result import FitResult
 from autofit.trial import TrialResult, is_oom, measure
 
 __all__ = [
+    "AutofitCallback",
     "AutofitError",
     "DoesNotFitError",
+    "FitResult",
     "MemoryEstimate",
+    "PreflightError",
+    "PreflightReport",
     "TrainConfig",
     "TrialResult",
+    "autofit",
     "estimate",
     "is_oom",
     "measure",
+    "preflight",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # AutofitCallback subclasses transformers.TrainerCallback: imported on first use
+    if name == "AutofitCallback":
+        import sys
+
+        return getattr(sys.modules["autofit.preflight"], name)
+    raise AttributeError(f"module 'autofit' has no attribute {name!r}")

@@ -110,7 +110,7 @@ _CONSTRAINTS = {
     "precision", "optimizer", "gradient_checkpointing", "max_micro_batch", "training_args",
     "method", "task", "tokenizer", "collator", "text_column", "cache", "confirm_top",
     "max_trials", "progress", "isolation", "trial_timeout_s", "attn_implementation", "lora",
-    "load_in_4bit", "optim_args", "world_size",
+    "load_in_4bit", "optim_args", "world_size", "generate_max_new_tokens",
 }
 
 
@@ -176,7 +176,9 @@ def autofit(
             ``training_args=`` (a ``TrainingArguments``, only the tuned fields
             change), ``method=`` (``analytic``), ``tokenizer=``, ``collator=``,
             ``task=``, ``cache=`` (False, True or a storage URL), ``confirm_top=``,
-            ``max_trials=``, ``progress=``, ``isolation=``, ``trial_timeout_s=``.
+            ``max_trials=``, ``progress=``, ``isolation=``, ``trial_timeout_s=``,
+            ``generate_max_new_tokens=`` (eval by generation: sizes the eval batch's
+            KV cache).
 
     Returns:
         A ``FitResult``.
@@ -334,17 +336,48 @@ def autofit(
     if config.precision in ("bf16-true", "16-true"):
         reasons.append(f"{config.precision}: load the model in that dtype "
                        "(torch_dtype=torch.bfloat16 / float16); TrainingArguments has no flag for it")
+    eval_micro = _eval_micro_batch(info, config, seq_len, dev, margin, max_micro,
+                                   constraints.get("generate_max_new_tokens"), reasons)
+    if eval_micro is not None:
+        kwargs["per_device_eval_batch_size"] = eval_micro
     rows = tuple(_candidate_row(c) for c in outcome.candidates)
+    from autofit._preflight_cache import model_identity
+
     meta = {"model": model if isinstance(model, str) else info.name, "task": task,
             "seq_len": seq_len, "device": dev.name, "margin": margin, "cache_key": key,
-            "target_batch_size": space.target_batch_size}
+            "target_batch_size": space.target_batch_size, "max_seq_len": max_seq_len,
+            "model_id": model_identity(module if hasattr(model, "parameters") else model),
+            "versions": _library_versions()}
     result = FitResult(config=config, estimate=est, trials=tuple(outcome.trials),
                        reasons=tuple(reasons), confirmed=outcome.confirmed, device=dev.name,
-                       candidates=rows, training_arguments_kwargs=kwargs, meta=meta)
+                       candidates=rows, training_arguments_kwargs=kwargs, meta=meta,
+                       eval_micro_batch=eval_micro)
     if recorder is not None and outcome.confirmed and not outcome.stopped_early:
         recorder.store_result({"config": config.to_dict(), "reasons": list(reasons),
-                               "candidates": list(rows), "meta": meta})
+                               "candidates": list(rows), "meta": meta,
+                               "eval_micro_batch": eval_micro})
     return result
+
+
+def _eval_micro_batch(info: Any, config: TrainConfig, seq_len: int, dev: DeviceInfo,
+                      margin: float, max_micro: int, generate_max_new_tokens: int | None,
+                      reasons: list[str]) -> int | None:
+    """per_device_eval_batch_size: tuned apart from training, so an eval OOM never shrinks it."""
+    from autofit.errors import DoesNotFitError
+    from autofit.memory.eval import tune_eval_batch
+
+    try:
+        b = tune_eval_batch(info, seq_len, dev, margin, precision=config.precision,
+                            max_micro_batch=max_micro,
+                            generate_max_new_tokens=generate_max_new_tokens)
+    except (DoesNotFitError, BadInputError) as e:
+        reasons.append(f"eval batch not tuned: {e}")
+        return None
+    reasons.append(f"eval micro batch {b}: the largest whose evaluation step (no gradients, "
+                   "optimizer states or saved activations) is estimated to fit the same budget"
+                   + (f", generating {generate_max_new_tokens} tokens"
+                      if generate_max_new_tokens else ""))
+    return b
 
 
 def _candidate_row(c: Any) -> dict[str, Any]:
@@ -367,6 +400,10 @@ def _from_cache(cached: dict, recorder: Any, info: Any, seq_len: int, dev: Devic
     config = TrainConfig(**cached["config"])
     reasons = ["answered from the cache: same model, data shape, device, library versions "
                "and constraints; no trial run"] + list(cached["reasons"])
+    kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
+    eval_micro = cached.get("eval_micro_batch")
+    if eval_micro is not None:
+        kwargs["per_device_eval_batch_size"] = eval_micro
     return FitResult(
         config=config,
         estimate=estimate_analytic(info, config, seq_len, dev),
@@ -375,10 +412,10 @@ def _from_cache(cached: dict, recorder: Any, info: Any, seq_len: int, dev: Devic
         confirmed=True,
         device=dev.name,
         candidates=tuple(cached["candidates"]),
-        training_arguments_kwargs=training_arguments_dict(config, base=base_args,
-                                                          use_cpu=dev.kind == "cpu"),
+        training_arguments_kwargs=kwargs,
         meta=cached["meta"],
         from_cache=True,
+        eval_micro_batch=eval_micro,
     )
 
 

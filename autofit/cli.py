@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     from autofit._cli_measure import add_measure_parser, run_measure
 
     add_measure_parser(sub).set_defaults(func=run_measure)
+    from autofit._cli_preflight import add_check_parser, add_report_parser
+
+    add_check_parser(sub)
+    add_report_parser(sub)
 
     t = sub.add_parser("tune", help="find the fastest configuration that fits; write it to a file",
                        description="Estimate every candidate, confirm the best with real "

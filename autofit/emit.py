@@ -40,6 +40,7 @@ TUNED_FIELDS = (
     "optim",
     "optim_args",
     "use_cpu",
+    "per_device_eval_batch_size",
 )
 _META_PREFIX = "# autofit: "
 
@@ -158,7 +159,8 @@ def config_from_arguments(args: dict[str, Any], seq_len: int | None = None) -> T
         micro_batch_size=int(args.get("per_device_train_batch_size", 8)),
         grad_accum_steps=int(args.get("gradient_accumulation_steps", 1)),
         precision=precision,
-        gradient_checkpointing=bool(args.get("gradient_checkpointing", False)),
+        gradient_checkpointing=bool(args.get("gradient_checkpointing")
+                                    or args.get("activation_checkpointing")),
         optimizer=str(optim),
         optim_args=args.get("optim_args") or None,
         seq_len=seq_len,

@@ -36,6 +36,8 @@ class FitResult:
         training_arguments_kwargs: the ``TrainingArguments`` fields.
         meta: what ``autofit check`` needs to verify the plan later.
         from_cache: answered from the study cache, with no trial.
+        eval_micro_batch: ``per_device_eval_batch_size``, tuned apart from training
+            (``autofit.memory.eval.tune_eval_batch``); None when not tuned.
     """
 
     config: TrainConfig
@@ -48,6 +50,7 @@ class FitResult:
     training_arguments_kwargs: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     from_cache: bool = False
+    eval_micro_batch: int | None = None
 
     @property
     def training_arguments(self) -> Any:
@@ -75,12 +78,27 @@ class FitResult:
         meta["reasons"] = list(self.reasons)
         meta["confirmed"] = self.confirmed
         meta["config"] = self.config.to_dict()
-        meta["estimate"] = {
-            k: v for k, v in self.estimate.to_dict().items()
-            if k in ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes",
-                     "capacity_bytes", "breakdown", "method")
-        }
+        meta["estimate"] = {k: v for k, v in self.estimate.to_dict().items()
+                            if k != "headroom_bytes"}
+        # what `autofit report` draws from the file alone
+        from autofit._report_files import trial_summary
+
+        meta["candidates"] = list(self.candidates)
+        meta["trials"] = [trial_summary(t) for t in self.trials]
+        meta["eval_micro_batch"] = self.eval_micro_batch
         return write_config(path, self.training_arguments_kwargs, meta)
+
+    def report(self, path: str | Path | None = None) -> tuple[Path, Path]:
+        """Draw the memory breakdown and the candidates as ``<stem>.png`` + ``<stem>.html``.
+
+        ``path`` names the files by its stem (``"tuned.yaml"`` -> ``tuned.png``,
+        ``tuned.html`` beside it; default ``autofit-report`` in the working
+        directory). The HTML page is self-contained (the PNG inlined).
+        """
+        from autofit._report_files import report_data_from_result, write_report
+
+        return write_report(report_data_from_result(self),
+                            Path(path) if path is not None else Path("autofit-report"))
 
     def summary(self) -> str:
         """The choice and its reasons as plain text."""

@@ -1,0 +1,217 @@
+"""The pre-flight cache: one measured trial per exact configuration, in the optuna storage.
+
+A check is keyed by everything that decides a step's memory: the model (its
+config file's hash for a reference, the shapes of its parameters for a module),
+the task, the exact ``TrainConfig`` (micro batch, accumulation, precision,
+checkpointing, optimizer and its arguments, world size) at the worst-case
+sequence length, the eval settings, the device (name, product, physical memory;
+for a capped CPU the cap is in the name) and the library versions. The entry is
+an optuna study ``autofit-check-<key>`` in the same storage as the tuning studies
+(``autofit._study.default_storage``), holding the trial, the estimate and the
+model-level problems as user attributes, so a hit needs neither torch nor the model
+(with the default SQLite storage, a JSON copy per entry answers without opening the
+storage: see ``CheckCache``).
+
+A tuning run's trials count too: ``lookup_tune`` searches the study a tuned file
+names (``cache_key`` in its metadata) for a trial of exactly this configuration on
+this device, when the file's ``model_id`` and ``versions`` are those of now.
+
+What the device offers is not in the key (free memory on a GPU moves a little from
+run to run): a cached measured need is compared with the capacity of now, and a
+cached out-of-memory trial is reused only when the capacity is not larger than
+the one it failed at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from autofit.config import TrainConfig
+
+__all__ = ["model_identity", "check_key", "CheckCache", "reusable"]
+
+
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def model_identity(model: Any) -> str:
+    """A short hash of what a model's memory depends on, cheap for a reference.
+
+    A bundled name, a config.json or a model directory hashes its config file
+    (no torch import); a hub id is its name; a module hashes its parameter shapes,
+    dtypes and trainability (``autofit.api._fingerprint``).
+    """
+    if isinstance(model, (str, os.PathLike)):
+        from autofit.probe.model import _bundled_path
+
+        ref = os.fspath(model)
+        p = Path(ref).expanduser()
+        if p.is_dir() and (p / "config.json").is_file():
+            digest = _file_hash(p / "config.json")
+        elif p.is_file():
+            digest = _file_hash(p)
+        else:
+            bundled = _bundled_path(ref)
+            digest = _file_hash(bundled) if bundled is not None else "hub"
+        blob = json.dumps({"ref": ref, "config": digest})
+    else:
+        from autofit.api import _fingerprint
+        from autofit.probe.model import describe
+
+        info = describe(model, task=_task_of(model))
+        blob = json.dumps(_fingerprint(info), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _task_of(module: Any) -> str:
+    from autofit.probe.model import default_task
+
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    config = getattr(base, "config", None)
+    return default_task(config) if config is not None else "causal-lm"
+
+
+def check_key(
+    model_id: str,
+    task: str | None,
+    config: TrainConfig,
+    seq_len: int,
+    device: Any,
+    versions: dict[str, str],
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """The key of one exact check (see the module docstring)."""
+    from autofit.search import cache_key
+
+    return cache_key({
+        "kind": "preflight",
+        "model": model_id,
+        "task": task,
+        "config": config.replace(seq_len=seq_len).to_dict(),
+        "device": [device.name, device.product, device.total_bytes],
+        "versions": versions,
+        "extra": extra or {},
+    })
+
+
+def reusable(trial: Any, device: Any) -> bool:
+    """Whether a recorded trial answers for ``device`` as it is now."""
+    if trial is None:
+        return False
+    if trial.oom:
+        cap = trial.capacity_bytes
+        return cap is not None and device.capacity_bytes <= cap
+    return trial.error is None and trial.device_total_bytes is not None
+
+
+def _same_config(recorded: dict[str, Any], config: TrainConfig, seq_len: int) -> bool:
+    want = config.replace(seq_len=seq_len).to_dict()
+    return all(recorded.get(k) == v for k, v in want.items())
+
+
+_STORAGES: dict[str, Any] = {}
+
+
+class CheckCache:
+    """Check entries (and tuning trials) in the optuna storage.
+
+    With the default SQLite storage every entry is also written as
+    ``<cache dir>/checks/<key>.json``, read first: opening the optuna storage
+    (sqlalchemy + alembic imports, schema check) takes about a second, more than a
+    cache hit may; the study stays the record.
+    """
+
+    def __init__(self, storage: str | None = None) -> None:
+        from autofit._study import default_storage
+
+        self.url = storage or default_storage()
+        self._storage: Any = None
+        prefix = "sqlite:///"
+        self.index = (Path(self.url[len(prefix):]).parent / "checks"
+                      if self.url.startswith(prefix) else None)
+
+    @property
+    def storage(self) -> Any:
+        if self._storage is None:
+            import optuna
+            from optuna.storages import RDBStorage
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            if self.url not in _STORAGES:  # opening one checks the schema: once per process
+                _STORAGES[self.url] = (RDBStorage(self.url) if self.url.startswith("sqlite")
+                                       else self.url)
+            self._storage = _STORAGES[self.url]
+        return self._storage
+
+    def _load(self, name: str) -> Any:
+        import optuna
+
+        try:
+            return optuna.load_study(study_name=name, storage=self.storage)
+        except KeyError:
+            return None
+
+    def lookup(self, key: str) -> dict[str, Any] | None:
+        """The entry of ``key`` with its ``trial`` as a ``TrialResult``, or None."""
+        from autofit._study import _trial_from_dict
+
+        raw = None
+        side = self.index / f"{key}.json" if self.index is not None else None
+        if side is not None and side.is_file():
+            raw = side.read_text()
+        else:
+            study = self._load(f"autofit-check-{key}")
+            if study is not None:
+                raw = study.user_attrs.get("entry")
+                if raw and side is not None:
+                    self._write_index(key, raw)
+        if not raw:
+            return None
+        entry = json.loads(raw)
+        entry["trial"] = _trial_from_dict(entry["trial"]) if entry.get("trial") else None
+        return entry
+
+    def store(self, key: str, entry: dict[str, Any]) -> None:
+        """Record ``entry`` (trial as a ``TrialResult``, estimates as dicts) under ``key``."""
+        import optuna
+
+        data = dict(entry)
+        if data.get("trial") is not None and hasattr(data["trial"], "to_dict"):
+            data["trial"] = data["trial"].to_dict()
+        raw = json.dumps(data, default=str)
+        study = optuna.create_study(study_name=f"autofit-check-{key}", storage=self.storage,
+                                    load_if_exists=True)
+        study.set_user_attr("entry", raw)
+        if self.index is not None:
+            self._write_index(key, raw)
+
+    def _write_index(self, key: str, raw: str) -> None:
+        assert self.index is not None
+        self.index.mkdir(parents=True, exist_ok=True)
+        tmp = self.index / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(raw)
+        tmp.replace(self.index / f"{key}.json")  # atomic: a reader sees all or nothing
+
+    def lookup_tune(self, tune_key: str, config: TrainConfig, seq_len: int, device: Any) -> Any:
+        """A tuning trial of exactly ``config`` on ``device`` in study ``autofit-<tune_key>``."""
+        import optuna
+
+        from autofit._study import _trial_from_dict
+
+        study = self._load(f"autofit-{tune_key}")
+        if study is None:
+            return None
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            d = t.user_attrs.get("trial")
+            if not d or d.get("device") != device.name:
+                continue
+            if _same_config(d.get("config") or {}, config, seq_len):
+                trial = _trial_from_dict(d)
+                if reusable(trial, device):
+                    return trial
+        return None

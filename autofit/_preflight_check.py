@@ -1,0 +1,480 @@
+"""The pre-flight check itself: estimate, one confirming trial (or the cache), the verdict.
+
+``run_check`` is what ``autofit check``, ``autofit.preflight`` and
+``AutofitCallback`` share. For one exact configuration it
+
+1. looks the configuration up in the check cache (``autofit._preflight_cache``) —
+   a hit answers with no torch import, no model and no trial;
+2. otherwise builds the model's description, estimates the step (and the eval step
+   when an eval batch is given), lists what can never run (bf16 on a device
+   without it, a missing bitsandbytes, sequences longer than the model's
+   positions, checkpointing on a model without it), finds a tuning run's trial of
+   exactly this configuration, or runs one trial on the worst-case batch — unless
+   the estimate is so far over the capacity that no estimator error could
+   rescue it (``CERTAIN_OVER``);
+3. compares the measured (else estimated) need with ``capacity x (1 - margin)``;
+4. with ``fix=True``, when only memory is the problem, tries smaller micro batches
+   that divide ``micro x accumulation`` (so the effective batch is kept), largest
+   first, each estimated (calibrated by the failed trial) and then confirmed by a
+   trial; and a smaller eval batch by ``tune_eval_batch``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any
+
+from autofit.config import TrainConfig
+from autofit.errors import BadInputError
+from autofit.memory.breakdown import MemoryEstimate
+from autofit.probe.device import format_bytes
+
+__all__ = ["run_check", "CERTAIN_OVER", "FIX_MARGIN", "MAX_FIX_TRIALS"]
+
+# Estimated need / capacity above which no trial is run: the analytic estimate's
+# largest error against measurement is 16% (benchmarks/results/accuracy.md).
+CERTAIN_OVER = 1.25
+FIX_MARGIN = 0.10  # what a fix keeps free, as `autofit tune` does
+MAX_FIX_TRIALS = 3
+TIGHT = 0.05  # headroom below this share of the capacity earns a warning
+
+
+@dataclass
+class _Assessment:
+    config: TrainConfig
+    estimate: MemoryEstimate | None
+    trial: Any
+    from_cache: bool
+    static_problems: list[str]
+    eval_estimate: MemoryEstimate | None
+    notes: list[str] = field(default_factory=list)
+
+
+def _estimate_from_dict(d: dict[str, Any] | None) -> MemoryEstimate | None:
+    if not d:
+        return None
+    from dataclasses import fields
+
+    names = {f.name for f in fields(MemoryEstimate)}
+    kw = {k: v for k, v in d.items() if k in names}
+    kw["notes"] = tuple(kw.get("notes", ()))
+    return MemoryEstimate(**kw)
+
+
+def _learned_positions(info: Any) -> bool:
+    """A learned (max_positions, hidden) position table (GPT-2, BERT), not rotary/relative."""
+    pos, vocab = info.max_position_embeddings, info.vocab_size
+    return any(g.role == "embedding" and len(g.shape) == 2 and g.shape[0] == pos
+               and g.shape[0] != vocab for g in info.params)
+
+
+def _divisors_below(n: int, below: int) -> list[int]:
+    return [d for d in range(below - 1, 0, -1) if n % d == 0]
+
+
+class _Checker:
+    """One check's context: the model (described lazily), the device, the data and the cache."""
+
+    def __init__(self, model: Any, *, device: Any, seq_len: int, dataset: Any, task: str | None,
+                 margin: float, trial: bool, cache: Any, tune_meta: dict[str, Any] | None,
+                 eval_batch_size: int | None, eval_seq_len: int | None,
+                 generate_max_new_tokens: int | None, max_seq_len: int | None,
+                 tokenizer: Any, collator: Any, isolation: str, timeout_s: float | None,
+                 progress: Any) -> None:
+        from autofit._preflight_cache import _task_of, model_identity
+        from autofit.api import _library_versions
+
+        self.model = model
+        self.dev = device
+        self.seq_len = seq_len
+        self.dataset = dataset
+        self.task = task
+        self.margin = margin
+        self.run_trials = trial
+        self.cache = cache
+        self.tune_meta = tune_meta or {}
+        self.eval_batch_size = eval_batch_size
+        self.eval_seq_len = eval_seq_len or seq_len
+        self.generate = generate_max_new_tokens
+        self.max_seq_len = max_seq_len
+        self.tokenizer = tokenizer
+        self.collator = collator
+        self.isolation = isolation
+        self.timeout_s = timeout_s
+        self.progress = progress or (lambda _: None)
+        self.versions = _library_versions()
+        self.model_id = model_identity(model)
+        # the task as the key knows it: fixed now (building the model later may resolve it)
+        self.task_key = (task if task is not None or not hasattr(model, "parameters")
+                         else _task_of(model))
+        self._info = None
+        self.trials_run = 0
+
+    # -- the model, lazily (a cache hit never builds it) ------------------------------
+    @property
+    def info(self) -> Any:
+        if self._info is None:
+            from autofit.probe.model import build_model, describe
+
+            module, task = build_model(self.model, task=self.task)
+            self.task = task
+            name = self.model if isinstance(self.model, str) else None
+            self._info = describe(module, task=task, name=name)
+        return self._info
+
+    @property
+    def budget(self) -> int:
+        return int(self.dev.capacity_bytes * (1 - self.margin))
+
+    def key(self, config: TrainConfig) -> str:
+        from autofit._preflight_cache import check_key
+
+        return check_key(self.model_id, self.task_key, config, self.seq_len, self.dev,
+                         self.versions,
+                         {"eval_batch_size": self.eval_batch_size, "eval_seq_len": self.eval_seq_len,
+                          "generate_max_new_tokens": self.generate})
+
+    # -- what never runs, whatever the memory -------------------------------------------
+    def static_problems(self, config: TrainConfig) -> list[str]:
+        from autofit.errors import UnsupportedPrecisionError
+        from autofit.probe.device import check_precision
+
+        out = []
+        try:
+            check_precision(self.dev, config.precision)
+        except UnsupportedPrecisionError as e:
+            out.append(f"{config.precision} requested: {e}")
+        if config.optimizer_spec.bnb and importlib.util.find_spec("bitsandbytes") is None:
+            out.append(f"optim {config.optimizer} needs bitsandbytes, which is not installed: "
+                       "pip install bitsandbytes (or use adamw_torch)")
+        info = self.info
+        pos = info.max_position_embeddings
+        if pos and self.seq_len > pos and _learned_positions(info):
+            out.append(f"the longest sample has {self.seq_len} tokens, more than the model's "
+                       f"{pos} learned positions (an index error at the first long batch): "
+                       f"truncate to max_seq_len={pos} (SFTConfig.max_length)")
+        if config.gradient_checkpointing and not info.supports_gradient_checkpointing:
+            out.append(f"gradient_checkpointing requested, but {info.architecture} does not "
+                       "support it: turn it off")
+        return out
+
+    def warnings(self) -> list[str]:
+        """What may go wrong without stopping the run (needs the model: slow path only)."""
+        info = self.info
+        pos = info.max_position_embeddings
+        if pos and self.seq_len > pos and not _learned_positions(info) and info.blocks:
+            return [f"warning: the longest sample has {self.seq_len} tokens, more than the "
+                    f"model's max_position_embeddings {pos} (rotary/relative positions run, "
+                    "but past what the model was trained on)"]
+        return []
+
+    # -- one configuration ---------------------------------------------------------------
+    def assess(self, config: TrainConfig) -> _Assessment:
+        key = self.key(config)
+        if self.cache is not None:
+            entry = self.cache.lookup(key)
+            from autofit._preflight_cache import reusable
+
+            if entry is not None and reusable(entry["trial"], self.dev):
+                return _Assessment(config, _estimate_from_dict(entry.get("estimate")),
+                                   entry["trial"], True, list(entry.get("static_problems", [])),
+                                   _estimate_from_dict(entry.get("eval_estimate")),
+                                   ["answered from the check cache: a trial of exactly this "
+                                    "configuration, model, data shape, device and library "
+                                    "versions; no trial run"])
+        static = self.static_problems(config)
+        est = self._estimate(config)
+        eval_est = self._eval_estimate(config)
+        notes: list[str] = self.warnings()
+        trial = None
+        from_cache = False
+        if self.cache is not None and self.tune_meta.get("cache_key"):
+            trial = self._tune_trial(config)
+            if trial is not None:
+                from_cache = True
+                notes.append("answered from the tuning run's study: a trial of exactly this "
+                             "configuration on this device; no trial run")
+        if trial is None:
+            trial, why = self._maybe_trial(config, est, static)
+            if why:
+                notes.append(why)
+        if trial is not None and self.cache is not None and (trial.oom or trial.error is None):
+            # a tuning trial is copied too, so that the next check needs no model at all
+            self.cache.store(key, {"trial": trial, "estimate": est.to_dict() if est else None,
+                                   "eval_estimate": eval_est.to_dict() if eval_est else None,
+                                   "static_problems": static})
+        return _Assessment(config, est, trial, from_cache, static, eval_est, notes)
+
+    def _estimate(self, config: TrainConfig) -> MemoryEstimate | None:
+        from autofit.memory.analytic import estimate_analytic
+
+        try:
+            return estimate_analytic(self.info, config, self.seq_len, self.dev)
+        except BadInputError:
+            return None  # not a transformer autofit recognises: the trial decides
+
+    def _eval_estimate(self, config: TrainConfig) -> MemoryEstimate | None:
+        if not self.eval_batch_size:
+            return None
+        from autofit.memory.eval import estimate_eval
+
+        try:
+            return estimate_eval(self.info, self.eval_batch_size, self.eval_seq_len, self.dev,
+                                 precision=config.precision,
+                                 generate_max_new_tokens=self.generate)
+        except BadInputError:
+            return None
+
+    def _tune_trial(self, config: TrainConfig) -> Any:
+        meta = self.tune_meta
+        if meta.get("model_id") != self.model_id or meta.get("versions") != self.versions:
+            return None
+        return self.cache.lookup_tune(meta["cache_key"], config, self.seq_len, self.dev)
+
+    def _maybe_trial(self, config: TrainConfig, est: MemoryEstimate | None,
+                     static: list[str]) -> tuple[Any, str | None]:
+        if not self.run_trials:
+            return None, "no trial (trial=False): the verdict is the estimate's"
+        if not self.dev.present:
+            return None, (f"{self.dev.name} is not present here: the verdict is the estimate's "
+                          "(run the check on the target to confirm)")
+        if static:
+            return None, "no trial: the configuration cannot run here as it is"
+        if est is not None and est.device_total_bytes > CERTAIN_OVER * self.dev.capacity_bytes:
+            over = est.device_total_bytes / self.dev.capacity_bytes - 1
+            return None, (f"no trial: the estimate is {over:.0%} over the capacity, beyond the "
+                          f"estimator's error ({CERTAIN_OVER - 1:.0%} allowed)")
+        from autofit.trial import measure
+
+        self.progress(f"trial: micro batch {config.micro_batch_size} x {self.seq_len} tokens on "
+                      f"{self.dev.name}")
+        self.trials_run += 1
+        result = measure(self.model, config, self.dataset, device=self.dev, task=self.task,
+                         seq_len=self.max_seq_len if self.dataset is not None else self.seq_len,
+                         isolation=self.isolation, timeout_s=self.timeout_s,
+                         tokenizer=self.tokenizer, collator=self.collator)
+        return result, None
+
+    # -- the verdict ---------------------------------------------------------------------
+    def need(self, a: _Assessment) -> tuple[int | None, str]:
+        """(bytes needed, where the number comes from)."""
+        if a.trial is not None and a.trial.fits and a.trial.device_total_bytes is not None:
+            return int(a.trial.device_total_bytes), "measured"
+        if a.trial is not None and a.trial.oom:
+            return None, "out of memory in a trial"
+        if a.estimate is not None:
+            return a.estimate.device_total_bytes, "estimated"
+        return None, "unknown"
+
+    def memory_problem(self, a: _Assessment) -> str | None:
+        c = a.config
+        where = f"micro batch {c.micro_batch_size} x {self.seq_len} tokens"
+        if a.trial is not None and a.trial.oom:
+            est = (f" (estimate {format_bytes(a.estimate.device_total_bytes)})"
+                   if a.estimate else "")
+            return (f"does not fit: {where} ran out of memory in a trial on {self.dev.name} "
+                    f"({format_bytes(self.dev.capacity_bytes)}){est}")
+        if a.trial is not None and not a.trial.fits:
+            return f"the trial failed ({a.trial.error}); the configuration is not confirmed"
+        need, source = self.need(a)
+        if need is None:
+            return "cannot tell: no estimate for this model and no trial"
+        if need > self.budget:
+            kept = f" less a {self.margin:.0%} margin" if self.margin else ""
+            return (f"does not fit by {format_bytes(need - self.budget)} at {where}: {source} "
+                    f"{format_bytes(need)} > {format_bytes(self.budget)} ({self.dev.name}{kept})")
+        return None
+
+    def eval_problem(self, a: _Assessment) -> str | None:
+        e = a.eval_estimate
+        if e is None or e.device_total_bytes <= self.budget:
+            return None
+        return (f"evaluation does not fit: per_device_eval_batch_size {self.eval_batch_size} x "
+                f"{self.eval_seq_len} tokens needs ~{format_bytes(e.device_total_bytes)} > "
+                f"{format_bytes(self.budget)} (estimate)")
+
+    def calibration(self, a: _Assessment) -> float:
+        if a.estimate is None:
+            return 1.0
+        raw = a.estimate.device_total_bytes
+        if a.trial is not None and a.trial.fits and a.trial.device_total_bytes:
+            return a.trial.device_total_bytes / raw
+        if a.trial is not None and a.trial.oom:
+            return max(1.0, self.dev.capacity_bytes / raw)
+        return 1.0
+
+    # -- the fix -------------------------------------------------------------------------
+    def fix(self, first: _Assessment) -> tuple[_Assessment | None, list[str]]:
+        """The largest smaller micro batch (same effective batch) that fits, or None."""
+        c = first.config
+        product = c.micro_batch_size * c.grad_accum_steps
+        ratio = self.calibration(first)
+        budget = int(self.dev.capacity_bytes * (1 - max(self.margin, FIX_MARGIN)))
+        notes: list[str] = []
+        tried = 0
+        for m in _divisors_below(product, c.micro_batch_size):
+            candidate = c.replace(micro_batch_size=m, grad_accum_steps=product // m)
+            est = self._estimate(candidate)
+            if est is not None and est.device_total_bytes * ratio > budget:
+                continue
+            if tried >= MAX_FIX_TRIALS:
+                notes.append(f"stopped after {MAX_FIX_TRIALS} fix trials")
+                break
+            tried += 1
+            a = self.assess(candidate)
+            if a.trial is not None and a.trial.fits:
+                ratio = max(ratio, self.calibration(a))
+            if self.memory_problem(a) is None:
+                return a, notes
+        return None, notes
+
+    def suggestion(self, first: _Assessment) -> str | None:
+        """Estimate-only: the micro batch a fix would try first (for the error message)."""
+        c = first.config
+        product = c.micro_batch_size * c.grad_accum_steps
+        ratio = self.calibration(first)
+        budget = int(self.dev.capacity_bytes * (1 - max(self.margin, FIX_MARGIN)))
+        for m in _divisors_below(product, c.micro_batch_size):
+            est = self._estimate(c.replace(micro_batch_size=m, grad_accum_steps=product // m))
+            if est is not None and est.device_total_bytes * ratio <= budget:
+                return (f"micro batch {m} x accumulation {product // m} keeps the effective batch "
+                        f"{c.effective_batch_size} and is estimated to fit: pass fix=True")
+        return None
+
+
+def run_check(
+    model: Any,
+    config: TrainConfig,
+    *,
+    seq_len: int | None = None,
+    dataset: Any = None,
+    device: Any = "auto",
+    task: str | None = None,
+    margin: float = 0.0,
+    trial: bool = True,
+    cache: bool | str = True,
+    tune_meta: dict[str, Any] | None = None,
+    eval_batch_size: int | None = None,
+    eval_seq_len: int | None = None,
+    generate_max_new_tokens: int | None = None,
+    fix: bool = False,
+    eval_required: bool = True,
+    seq_len_source: str = "as given",
+    max_seq_len: int | None = None,
+    tokenizer: Any = None,
+    collator: Any = None,
+    isolation: str = "auto",
+    timeout_s: float | None = 600.0,
+    progress: Any = None,
+) -> Any:
+    """Check one configuration (see the module docstring); returns a ``PreflightReport``.
+
+    ``eval_required=False`` reports an eval batch that would not fit as a reason
+    (a warning), not a problem: the run may never evaluate. ``seq_len_source`` says
+    where ``seq_len`` came from, for the reasons.
+
+    Raises:
+        AutofitError: bad input (unknown model or device, no sequence length ...).
+    """
+    from autofit.preflight import PreflightReport
+    from autofit.probe.device import resolve_device
+
+    if not 0 <= margin < 1:
+        raise BadInputError(f"margin must be in [0, 1), got {margin}")
+    if not isinstance(config, TrainConfig):
+        raise BadInputError(f"config must be a TrainConfig, got {type(config).__name__}")
+    dev = resolve_device(device)
+    reasons: list[str] = []
+    if dataset is not None:
+        from autofit.probe.data import probe_data
+
+        data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=tokenizer)
+        seq_len = data.length_max
+        reasons.append(f"sequence length {seq_len}: the longest sample"
+                       + (f" after truncation at {max_seq_len}" if data.num_truncated else "")
+                       + f" (p50 {data.length_p50}, p99 {data.length_p99})")
+    elif seq_len is None:
+        raise BadInputError("give a dataset or seq_len (tokens of the longest sample)")
+    else:
+        reasons.append(f"sequence length {seq_len}: {seq_len_source} (no dataset: the trial "
+                       "batch is random tokens of that length)")
+    store = None
+    if cache:
+        from autofit._preflight_cache import CheckCache
+
+        store = CheckCache(cache if isinstance(cache, str) else None)
+    checker = _Checker(model, device=dev, seq_len=int(seq_len), dataset=dataset, task=task,
+                       margin=margin, trial=trial, cache=store, tune_meta=tune_meta,
+                       eval_batch_size=eval_batch_size, eval_seq_len=eval_seq_len,
+                       generate_max_new_tokens=generate_max_new_tokens,
+                       max_seq_len=max_seq_len, tokenizer=tokenizer, collator=collator,
+                       isolation=isolation, timeout_s=timeout_s, progress=progress)
+    first = checker.assess(config)
+    final = first
+    changes: dict[str, tuple[Any, Any]] = {}
+    mem = checker.memory_problem(first)
+    fix_notes: list[str] = []
+    if mem and fix and not first.static_problems:
+        fixed, fix_notes = checker.fix(first)
+        if fixed is not None:
+            c0, c1 = first.config, fixed.config
+            changes["per_device_train_batch_size"] = (c0.micro_batch_size, c1.micro_batch_size)
+            changes["gradient_accumulation_steps"] = (c0.grad_accum_steps, c1.grad_accum_steps)
+            reasons.append(f"fixed: {mem}; micro batch {c1.micro_batch_size} x accumulation "
+                           f"{c1.grad_accum_steps} fits and keeps the effective batch "
+                           f"{c1.effective_batch_size}")
+            final = fixed
+    problems = list(final.static_problems)
+    mem = checker.memory_problem(final)
+    if mem:
+        hint = checker.suggestion(final) if not fix and final.config.micro_batch_size > 1 else None
+        problems.append(mem + (f"; {hint}" if hint else ""))
+    eval_batch = eval_batch_size
+    ev = checker.eval_problem(final)
+    if ev and fix:
+        from autofit.errors import DoesNotFitError
+        from autofit.memory.eval import tune_eval_batch
+
+        try:
+            eval_batch = tune_eval_batch(checker.info, checker.eval_seq_len, dev,
+                                         max(margin, FIX_MARGIN),
+                                         precision=final.config.precision,
+                                         max_micro_batch=max(1, eval_batch_size - 1),
+                                         generate_max_new_tokens=generate_max_new_tokens)
+        except DoesNotFitError as e:
+            problems.append(f"{ev}; {e}")
+        else:
+            changes["per_device_eval_batch_size"] = (eval_batch_size, eval_batch)
+            reasons.append(f"fixed: {ev}; per_device_eval_batch_size {eval_batch} fits "
+                           "(the training batch is untouched)")
+    elif ev and eval_required:
+        problems.append(ev)
+    elif ev:
+        reasons.append(f"warning, if the run evaluates: {ev}")
+    reasons += first.notes + (final.notes if final is not first else []) + fix_notes
+    need, source = checker.need(final)
+    if need is not None and not problems:
+        head = dev.capacity_bytes - need
+        reasons.append(f"fits: {source} {format_bytes(need)} of {format_bytes(dev.capacity_bytes)} "
+                       f"on {dev.name} ({format_bytes(head)} headroom)")
+        if head < TIGHT * dev.capacity_bytes:
+            reasons.append(f"tight: less than {TIGHT:.0%} headroom; fragmentation over a long run "
+                           "may need more (tune with a margin: autofit tune)")
+    return PreflightReport(
+        fits=not problems,
+        config=final.config,
+        requested=first.config,
+        estimate=final.estimate,
+        trial=final.trial,
+        from_cache=final.from_cache,
+        problems=tuple(problems),
+        reasons=tuple(reasons),
+        changes=changes,
+        device=dev.name,
+        capacity_bytes=dev.capacity_bytes,
+        seq_len=int(seq_len),
+        eval_estimate=final.eval_estimate,
+        eval_batch_size=eval_batch,
+        trials_run=checker.trials_run,
+    )

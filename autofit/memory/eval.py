@@ -1,0 +1,329 @@
+"""Analytic memory of one evaluation / prediction step: no gradients, no optimizer.
+
+The training estimate (``autofit.memory.analytic``) keeps every activation for the
+backward; an evaluation step runs the forward under ``torch.no_grad()``, so a
+block's tensors die as soon as the next block starts. What is left is:
+
+* **weights** — as in training (fp32 master weights under mixed precision, plus
+  the 16-bit copies autocast caches for the forward: its cache keys on
+  ``requires_grad`` leaves, which parameters are even under ``no_grad``);
+* **activations** — the KV cache a decoder's forward returns (``use_cache``: made
+  even when nothing reads it), the residual stream plus the working set of the widest block
+  (attention: normed input, q/k/v, rotary copies, output; MLP: ``3 x (N, I)`` for
+  gated MLPs, ``2 x (N, I)`` otherwise; eager attention adds the ``(B, H, T, T)``
+  scores and probabilities and the ``(B, 1, T, T)`` mask);
+* **temporaries** — the logits and the loss of the batch: ``(N, V)`` logits in the
+  compute dtype, the fp32 upcast ``ForCausalLMLoss`` makes of 16-bit logits, and the
+  fp32 ``log_softmax`` of ``cross_entropy``; plus, when ``compute_metrics`` keeps
+  them, the logits of earlier batches (``kept_logit_batches``);
+* **generation** (``predict_with_generate``) — the KV cache
+  ``2 x layers x (B x beams) x (prompt + new tokens) x kv_heads x head_dim x dtype``,
+  one layer's copy while ``DynamicCache`` concatenates, and the prefill's working
+  set; ``Seq2SeqTrainer`` then runs a forward with labels for the loss, so the
+  peak is the larger of the two.
+
+    >>> from autofit.probe.model import probe_model
+    >>> from autofit.probe.device import resolve_device
+    >>> est = estimate_eval(probe_model("tiny-llama"), 8, 512, resolve_device("cpu"))
+    >>> est.breakdown["gradients"], est.breakdown["optimizer_states"]
+    (0, 0)
+    >>> tune_eval_batch("tiny-llama", 512, "cpu:4GiB") >= 1
+    True
+
+Known limitations:
+    NB: logits of every position are counted (``logits_to_keep=0``, what
+    ``Trainer.evaluate`` computes); prediction with ``logits_to_keep=1`` needs less.
+    NB: ``kept_logit_batches`` is the caller's: ``Trainer`` with ``compute_metrics``
+    and no ``eval_accumulation_steps`` keeps the logits of the whole eval set on the
+    device (``preprocess_logits_for_metrics`` can shrink them).
+    NB: encoder-decoder generation counts the encoder output and the cross-attention
+    cache at the prompt length; beam search reorders the cache in place.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from autofit.config import TrainConfig
+from autofit.errors import BadInputError, DoesNotFitError
+from autofit.memory.analytic import _CUDA_FRAGMENTATION, MiB, _bytes, _linear_weight_numel
+from autofit.memory.analytic import weights_bytes as _train_weights_bytes
+from autofit.memory.breakdown import MemoryEstimate
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autofit.probe.device import DeviceInfo
+    from autofit.probe.model import BlockSpec, ModelInfo
+
+__all__ = ["estimate_eval", "tune_eval_batch", "kv_cache_bytes"]
+
+_GEN_TASKS = ("causal-lm", "seq2seq")
+# fp32 copies of the last position's logits during decoding: the step's logits, the
+# processed scores and (sampling / beams) their softmax, per sequence
+_DECODE_LOGIT_COPIES = 3
+
+
+def _decoder_blocks(info: ModelInfo) -> list[BlockSpec]:
+    dec = [b for b in info.blocks if b.role != "encoder"]
+    return dec or list(info.blocks)
+
+
+def kv_cache_bytes(info: ModelInfo, sequences: int, tokens: int, dtype_bytes: int) -> int:
+    """Bytes of a full KV cache: 2 (K and V) x decoder layers x sequences x tokens x kv width.
+
+    Example:
+        >>> from autofit.probe.model import probe_model
+        >>> kv_cache_bytes(probe_model("tiny-llama"), 1, 1, 4)  # 2 x 4 layers x 4 heads x 64 x 4 B
+        8192
+    """
+    return sum(
+        2 * b.count * sequences * tokens * b.num_kv_heads * b.head_dim * dtype_bytes
+        for b in _decoder_blocks(info)
+    )
+
+
+def _block_working_set(b: BlockSpec, tokens: int, seq_len: int, batch: int, act: int, cb: int,
+                       eager: bool) -> int:
+    """Bytes alive inside one block under no_grad, residual stream included."""
+    h, kv, inter = b.hidden_size, b.num_kv_heads * b.head_dim, b.intermediate_size
+    stream = 3 * h * act  # the residual, the block's input and the normed input
+    # q, k, v, rotary q/k copies, the attention output (+ k/v repeated to all heads)
+    attn = (3 * h + 4 * kv) * cb
+    # eager: two (B, H, T, T) tensors at once (scores and their softmax, fp32 from the
+    # softmax on) + the additive (B, 1, T, T) causal mask in the model's dtype;
+    # SDPA: no (T, T) tensor, the causal mask is implicit
+    per_pair = b.num_heads * (4 + cb) + act
+    attn_scores = batch * seq_len * seq_len * per_pair if eager else 0
+    # gated: act(gate), up and their product; otherwise fc output and activation
+    mlp = (3 if b.gated_mlp else 2) * inter * cb
+    return max(tokens * (stream + attn) + attn_scores, tokens * (stream + mlp))
+
+
+def _logits_bytes(tokens: int, vocab: int, logit_bytes: int, loss: bool) -> int:
+    """Logits (N, V) in their dtype; with a loss, the fp32 upcast and log_softmax."""
+    out = tokens * vocab * logit_bytes
+    if loss:
+        out += tokens * vocab * 4  # log_softmax inside cross_entropy
+        if logit_bytes != 4:
+            out += tokens * vocab * 4  # logits.float() in the loss
+    return out
+
+
+def estimate_eval(
+    info: ModelInfo,
+    micro_batch_size: int,
+    seq_len: int,
+    device: DeviceInfo,
+    *,
+    precision: str = "32-true",
+    generate_max_new_tokens: int | None = None,
+    num_beams: int = 1,
+    kept_logit_batches: int = 0,
+    with_loss: bool = True,
+) -> MemoryEstimate:
+    """Device memory of one evaluation step (see the module docstring).
+
+    Args:
+        info: the model (``autofit.probe.model.probe_model``).
+        micro_batch_size: ``per_device_eval_batch_size``.
+        seq_len: tokens per sample of the longest eval batch (the prompt, when generating).
+        device: a ``DeviceInfo`` (``autofit.probe.device.resolve_device``).
+        precision: the training precision; eval runs under the same autocast.
+        generate_max_new_tokens: ``predict_with_generate``: tokens generated per sample.
+        num_beams: beams per sample when generating.
+        kept_logit_batches: earlier batches whose logits stay on the device
+            (``compute_metrics`` without ``eval_accumulation_steps``).
+        with_loss: the batch has labels, so the loss is computed.
+
+    Returns:
+        A ``MemoryEstimate`` (``method="analytic-eval"``, gradients and optimizer
+        states 0).
+
+    Raises:
+        BadInputError: bad sizes, an unknown precision, generation on a model that
+            does not generate, or a model whose blocks autofit does not recognise.
+    """
+    for name, v in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len),
+                    ("num_beams", num_beams)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise BadInputError(f"{name} must be a positive integer, got {v!r}")
+    if generate_max_new_tokens is not None and (
+        isinstance(generate_max_new_tokens, bool) or not isinstance(generate_max_new_tokens, int)
+        or generate_max_new_tokens <= 0
+    ):
+        raise BadInputError(
+            f"generate_max_new_tokens must be a positive integer, got {generate_max_new_tokens!r}"
+        )
+    if generate_max_new_tokens and info.task not in _GEN_TASKS:
+        raise BadInputError(f"generation needs a causal-lm or seq2seq model; {info.name} is "
+                            f"{info.task}")
+    if not info.is_transformer:
+        raise BadInputError(f"{info.name} is not a transformer autofit recognises")
+    config = TrainConfig(micro_batch_size=micro_batch_size, precision=precision, seq_len=seq_len)
+    spec = config.precision_spec
+    act = _bytes(spec.param_dtype)  # residual stream: the parameters' dtype
+    cb = _bytes(spec.compute_dtype)  # matmul outputs: the compute dtype
+    B, T = micro_batch_size, seq_len
+    N = B * T
+    h = info.hidden_size or 0
+    lm = info.task in ("causal-lm", "masked-lm", "seq2seq") and info.vocab_size is not None
+    V = info.vocab_size if lm else 0
+    eager = info.attn_implementation == "eager"
+
+    W = _train_weights_bytes(info, config)
+    if spec.autocast:
+        linear = _linear_weight_numel(info)
+        if info.peft is not None:  # frozen weights are cast per op, not cached: one at a time
+            linear = max((i * o for b in info.blocks for _, i, o, _ in b.linears), default=0)
+        W += 2 * linear
+
+    # -- forward with labels: the widest block, then the logits and the loss ------------
+    encoder_out = N * h * act if info.is_encoder_decoder else 0
+    # a decoder's forward returns its KV cache (use_cache) even when nothing reads it
+    fwd_cache = kv_cache_bytes(info, B, T, cb) if info.task in _GEN_TASKS else 0
+    block = max(_block_working_set(b, N, T, B, act, cb, eager) for b in info.blocks)
+    logit_bytes = cb if lm else 0
+    logits = _logits_bytes(N, V, logit_bytes, with_loss) if lm else 0
+    kept = kept_logit_batches * N * V * (4 if spec.autocast else logit_bytes)
+    A_fwd = encoder_out + fwd_cache + max(block, N * h * act + logits)
+    phases = {"forward": (A_fwd, kept)}
+
+    # -- generation: the KV cache at the last token, and the prefill --------------------
+    if generate_max_new_tokens:
+        S = B * num_beams
+        M = generate_max_new_tokens
+        if info.is_encoder_decoder:
+            cache = kv_cache_bytes(info, S, T + M, cb)  # cross (prompt) + self (new tokens)
+            enc = S * T * h * act
+            prefill_ws = max(_block_working_set(b, S * T, T, S, act, cb, eager)
+                             for b in info.blocks)
+            prefill = enc + prefill_ws + kv_cache_bytes(info, S, T, cb)
+        else:
+            cache = kv_cache_bytes(info, S, T + M, cb)
+            enc = 0
+            prefill_ws = max(_block_working_set(b, S * T, T, S, act, cb, eager)
+                             for b in _decoder_blocks(info))
+            prefill = prefill_ws + kv_cache_bytes(info, S, T, cb)
+        layers = sum(b.count for b in _decoder_blocks(info))
+        concat = cache // max(layers, 1)  # DynamicCache: torch.cat makes a new layer tensor
+        decode_logits = S * V * (logit_bytes + _DECODE_LOGIT_COPIES * 4)
+        gen_total = max(prefill, enc + cache + concat + decode_logits)
+        phases["generate"] = (gen_total, kept)
+
+    phase, (A, temps) = max(phases.items(), key=lambda kv: kv[1][0] + kv[1][1])
+    peak_alloc = int(W + A + temps)
+    if device.allocator == "cuda":
+        peak_reserved = int(peak_alloc * (1 + _CUDA_FRAGMENTATION) + 8 * MiB)
+    else:
+        peak_reserved = peak_alloc
+    total = peak_reserved + device.overhead_bytes
+    # activations = what the forward keeps alive; temporaries = logits/loss kept beyond it
+    if phase == "forward":
+        act_part = encoder_out + fwd_cache + (block if block >= N * h * act + logits
+                                              else N * h * act)
+        temp_part = A - act_part + temps
+    else:
+        act_part, temp_part = A, temps
+    notes = [f"evaluation step ({'generation' if phase == 'generate' else 'forward + loss'}"
+             f" under no_grad)"]
+    if spec.autocast:
+        notes.append("weights include autocast's 16-bit copies cached during the forward")
+    return MemoryEstimate(
+        peak_allocated_bytes=peak_alloc,
+        peak_reserved_bytes=peak_reserved,
+        device_total_bytes=total,
+        capacity_bytes=device.capacity_bytes,
+        fits=total <= device.capacity_bytes,
+        breakdown={
+            "weights": int(W),
+            "gradients": 0,
+            "optimizer_states": 0,
+            "activations": int(act_part),
+            "temporaries": int(temp_part),
+            "overhead": total - peak_alloc,
+        },
+        method="analytic-eval",
+        device=device.name,
+        peak_phase="forward",
+        model=info.name,
+        num_params=info.num_params,
+        trainable_params=info.trainable_params,
+        seq_len=seq_len,
+        config=config.to_dict(),
+        notes=tuple(notes),
+    )
+
+
+def tune_eval_batch(
+    model: Any,
+    seq_len: int,
+    device: Any = "auto",
+    margin: float = 0.10,
+    *,
+    precision: str = "32-true",
+    max_micro_batch: int = 256,
+    generate_max_new_tokens: int | None = None,
+    num_beams: int = 1,
+    kept_logit_batches: int = 0,
+    task: str | None = None,
+) -> int:
+    """The largest eval micro batch whose estimated step fits ``capacity x (1 - margin)``.
+
+    Tuned apart from the training batch: an evaluation step holds no gradients,
+    no optimizer states and no saved activations, so its batch is usually larger,
+    and an eval OOM never needs a smaller training batch.
+
+    Args:
+        model: a ``ModelInfo``, an ``nn.Module`` or a model reference (bundled name,
+            hub id, directory, config.json).
+        seq_len: tokens per sample of the longest eval batch (the prompt, when generating).
+        device: a device name or ``DeviceInfo``.
+        margin: fraction of the capacity kept free.
+        precision: the run's precision (eval runs under the same autocast).
+        max_micro_batch: the largest batch considered.
+        generate_max_new_tokens: ``predict_with_generate``: new tokens per sample.
+        num_beams: beams per sample when generating.
+        kept_logit_batches: see ``estimate_eval``.
+        task: the model's task for a reference (default: from its config).
+
+    Returns:
+        ``per_device_eval_batch_size``.
+
+    Raises:
+        DoesNotFitError: not even a batch of 1 fits; the message has the numbers.
+        BadInputError: bad arguments.
+
+    Example:
+        >>> tune_eval_batch("tiny-gpt2", 256, "cpu:2GiB", generate_max_new_tokens=64) >= 1
+        True
+    """
+    from autofit.probe.device import format_bytes, resolve_device
+    from autofit.probe.model import ModelInfo, probe_model
+
+    if not 0 <= margin < 1:
+        raise BadInputError(f"margin must be in [0, 1), got {margin}")
+    if isinstance(max_micro_batch, bool) or not isinstance(max_micro_batch, int) or max_micro_batch < 1:
+        raise BadInputError(f"max_micro_batch must be a positive integer, got {max_micro_batch!r}")
+    info = model if isinstance(model, ModelInfo) else probe_model(model, task=task)
+    dev = resolve_device(device)
+    budget = int(dev.capacity_bytes * (1 - margin))
+
+    def need(b: int) -> int:
+        return estimate_eval(info, b, seq_len, dev, precision=precision,
+                             generate_max_new_tokens=generate_max_new_tokens,
+                             num_beams=num_beams,
+                             kept_logit_batches=kept_logit_batches).device_total_bytes
+
+    if need(1) > budget:
+        raise DoesNotFitError(
+            f"no eval batch fits: batch 1 x {seq_len} tokens needs ~{format_bytes(need(1))} > "
+            f"{format_bytes(budget)} ({dev.name} less a {margin:.0%} margin); evaluate shorter "
+            "sequences" + (" or generate fewer tokens" if generate_max_new_tokens else "")
+        )
+    lo, hi = 1, max_micro_batch  # need() grows with the batch: binary search
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if need(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,418 @@
+"""Pre-flight in training pipelines: will this run fit on this machine, start to end?
+
+Before a job spends a GPU hour, check the configuration it is about to run, on the
+device it is about to run on: an estimate, then one real micro-step on the
+worst-case batch (the longest samples), or the cache when exactly this
+configuration was measured before. Then either stop with every reason at once,
+or fix it without changing the effective batch::
+
+    import autofit
+    from transformers import Trainer
+
+    trainer = Trainer(model=model, args=args, train_dataset=train,
+                      callbacks=[autofit.AutofitCallback()])
+    report = autofit.preflight(trainer, fix=True)  # may shrink the micro batch, raise accumulation
+    trainer.train()                                # the callback checks again (from the cache)
+
+``preflight`` accepts a ``Trainer`` (TRL's ``SFTTrainer`` included: its
+``SFTConfig`` is a ``TrainingArguments``), or ``TrainingArguments`` / a dict of
+their fields with ``model=`` and ``dataset=``. With ``fix=True`` it changes
+``per_device_train_batch_size`` and ``gradient_accumulation_steps`` only (micro x
+accumulation x world size stays), and ``per_device_eval_batch_size`` when the
+evaluation step would not fit (evaluation does not change training); every change
+is logged (logger ``"autofit"``) and listed in ``PreflightReport.changes``.
+Otherwise a configuration that does not fit raises ``PreflightError`` listing
+every problem.
+
+``AutofitCallback`` runs the same check at ``on_train_begin``. It can verify and
+stop, but not fix: ``Trainer`` builds the train dataloader, the step counts and
+the optimizer *before* calling ``on_train_begin``, so a batch size changed there
+would not reach this run. Fix with ``preflight(trainer, fix=True)`` before
+``trainer.train()``; the callback then confirms from the cache with no new trial.
+
+    >>> from autofit.preflight import PreflightReport
+    >>> sorted(PreflightReport.__dataclass_fields__)[:4]
+    ['capacity_bytes', 'changes', 'config', 'device']
+
+Known limitations:
+    NB: the trial runs ``Trainer``'s step (``autofit._trial_step``); extras that a
+    subclass adds to ``compute_loss`` (e.g. ``SFTTrainer``'s entropy and token
+    accuracy, computed from the logits under ``no_grad``) are not measured.
+    NB: a DeepSpeed / FSDP configuration is not changed by ``fix``; its
+    ``train_micro_batch_size_per_gpu`` must follow.
+    NB: the worst-case batch pads to the longest sample; a collator that pads to a
+    fixed length (``padding="max_length"``) needs ``max_seq_len=`` that length.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from autofit.config import TrainConfig
+from autofit.errors import BadInputError, DoesNotFitError
+from autofit.memory.breakdown import MemoryEstimate
+
+__all__ = ["preflight", "AutofitCallback", "PreflightReport", "PreflightError", "config_of"]  # noqa: F822 - AutofitCallback comes from __getattr__
+
+logger = logging.getLogger("autofit")
+
+# TrainingArguments fields the check reads (SFTConfig / Seq2SeqTrainingArguments add some).
+_ARG_FIELDS = (
+    "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16",
+    "gradient_checkpointing", "activation_checkpointing", "optim", "optim_args",
+    "per_device_eval_batch_size", "eval_strategy", "do_eval", "predict_with_generate",
+    "generation_max_length", "max_length", "world_size",
+)
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """The answer of a pre-flight check.
+
+    Attributes:
+        fits: True when the configuration runs here (after the fix, if one was made).
+        config: the ``TrainConfig`` checked last (the fixed one when ``changes``).
+        requested: the ``TrainConfig`` as given.
+        estimate: the analytic estimate of ``config`` (None for a model autofit
+            cannot estimate).
+        trial: the ``TrialResult`` that decided, or None (estimate only).
+        from_cache: the trial came from the cache; none ran.
+        problems: everything that stops the run, one line each (empty when it fits).
+        reasons: how the verdict was reached, one line each.
+        changes: field -> (old, new) of what ``fix=True`` changed.
+        device: the device checked.
+        capacity_bytes: what the device offers now.
+        seq_len: tokens of the worst-case sample.
+        eval_estimate: the evaluation step's estimate, when an eval batch was checked.
+        eval_batch_size: ``per_device_eval_batch_size`` after the check.
+        trials_run: trials this check ran (0 on a cache hit).
+    """
+
+    fits: bool
+    config: TrainConfig
+    requested: TrainConfig
+    estimate: MemoryEstimate | None
+    trial: Any
+    from_cache: bool
+    problems: tuple[str, ...]
+    reasons: tuple[str, ...]
+    changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    device: str = ""
+    capacity_bytes: int = 0
+    seq_len: int = 0
+    eval_estimate: MemoryEstimate | None = None
+    eval_batch_size: int | None = None
+    trials_run: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (the ``autofit check --json`` object)."""
+        return {
+            "fits": self.fits,
+            "estimate": self.estimate.to_dict() if self.estimate else None,
+            "trial": self.trial.to_dict() if self.trial is not None else None,
+            "from_cache": self.from_cache,
+            "reasons": list(self.reasons),
+            "problems": list(self.problems),
+            "config": self.config.to_dict(),
+            "requested": self.requested.to_dict(),
+            "changes": {k: list(v) for k, v in self.changes.items()},
+            "device": self.device,
+            "capacity_bytes": self.capacity_bytes,
+            "seq_len": self.seq_len,
+            "eval_estimate": self.eval_estimate.to_dict() if self.eval_estimate else None,
+            "eval_batch_size": self.eval_batch_size,
+            "trials_run": self.trials_run,
+        }
+
+    def summary(self) -> str:
+        """The verdict, the problems and the reasons as plain text."""
+        c = self.config
+        head = (f"autofit pre-flight on {self.device}: "
+                f"{'fits' if self.fits else 'DOES NOT FIT'} — micro batch {c.micro_batch_size} x "
+                f"accumulation {c.grad_accum_steps}, {c.precision}, {c.optimizer}"
+                + (", checkpointing" if c.gradient_checkpointing else ""))
+        lines = [head]
+        lines += [f"  ✗ {p}" for p in self.problems]
+        lines += [f"  - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+class PreflightError(DoesNotFitError):
+    """The configuration cannot run here; ``problems`` lists every reason (exit code 3)."""
+
+    def __init__(self, report: PreflightReport, hint: str | None = None) -> None:
+        self.report = report
+        self.problems = report.problems
+        n = len(report.problems)
+        lines = [f"pre-flight on {report.device}: {n} problem{'s' if n != 1 else ''}"]
+        lines += [f"  {i}. {p}" for i, p in enumerate(report.problems, 1)]
+        if hint:
+            lines.append(hint)
+        super().__init__("\n".join(lines))
+
+
+# ---------------------------------------------------------------- reading a run
+
+
+def _is_trainer(obj: Any) -> bool:
+    return hasattr(obj, "args") and hasattr(obj, "train") and hasattr(obj, "model")
+
+
+def _fields(args: Any) -> dict[str, Any]:
+    if isinstance(args, dict):
+        d = dict(args)
+    else:
+        d = {}
+        for k in _ARG_FIELDS:
+            try:
+                v = getattr(args, k)
+            except (AttributeError, RuntimeError, ValueError):
+                continue
+            d[k] = getattr(v, "value", v)
+    d["gradient_checkpointing"] = bool(d.get("gradient_checkpointing")
+                                       or d.get("activation_checkpointing"))
+    return d
+
+
+def config_of(args: Any) -> TrainConfig:
+    """The ``TrainConfig`` a ``TrainingArguments`` (or a dict of its fields) runs.
+
+    Example:
+        >>> config_of({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+        ...            "bf16": True}).effective_batch_size
+        8
+    """
+    from autofit.emit import config_from_arguments
+
+    d = _fields(args)
+    config = config_from_arguments(d)
+    ws = d.get("world_size")
+    if isinstance(ws, int) and ws > 1:
+        config = config.replace(world_size=ws)
+    return config
+
+
+def _eval_settings(d: dict[str, Any], eval_dataset: Any,
+                   generate_max_new_tokens: int | None) -> tuple[int | None, int | None]:
+    strategy = str(d.get("eval_strategy") or "no")
+    evaluates = eval_dataset is not None or strategy != "no" or bool(d.get("do_eval"))
+    batch = int(d["per_device_eval_batch_size"]) if (
+        evaluates and d.get("per_device_eval_batch_size")) else None
+    gen = generate_max_new_tokens
+    if gen is None and d.get("predict_with_generate"):
+        gen = d.get("generation_max_length") or None
+    return batch, gen
+
+
+def _apply(target: Any, trainer: Any, changes: dict[str, tuple[Any, Any]]) -> None:
+    for name, (_, new) in changes.items():
+        if isinstance(target, dict):
+            target[name] = new
+        else:
+            setattr(target, name, new)
+    if trainer is not None and "per_device_train_batch_size" in changes:
+        # Trainer reads its own copy when it builds the train dataloader (as it does after
+        # a hyperparameter-search trial changes the arguments)
+        trainer._train_batch_size = trainer.args.train_batch_size
+
+
+def preflight(
+    trainer_or_args: Any,
+    model: Any = None,
+    dataset: Any = None,
+    fix: bool = False,
+    device: Any = "auto",
+    *,
+    seq_len: int | None = None,
+    max_seq_len: int | None = None,
+    eval_dataset: Any = None,
+    generate_max_new_tokens: int | None = None,
+    margin: float = 0.0,
+    trial: bool = True,
+    cache: bool | str = True,
+    tokenizer: Any = None,
+    collator: Any = None,
+    timeout_s: float | None = 600.0,
+    raise_on_failure: bool = True,
+) -> PreflightReport:
+    """Check (and with ``fix=True`` repair) the configuration a training run is about to use.
+
+    Args:
+        trainer_or_args: a ``transformers.Trainer`` / ``trl.SFTTrainer`` (its args,
+            model, train and eval datasets are used), a ``TrainingArguments`` or a dict
+            of its fields.
+        model: the model (a module or a reference); default: the trainer's.
+        dataset: the training samples; default: the trainer's ``train_dataset``.
+        fix: shrink the micro batch (raising accumulation by the same factor) until
+            it fits, and the eval batch if evaluation would not fit; applied to the
+            arguments (and the trainer) in place.
+        device: ``auto`` (the present accelerator, else the CPU), ``cuda:1``,
+            ``cpu:8GiB``, ...
+        seq_len: tokens of the longest sample, when no dataset is given.
+        max_seq_len: truncation length (default: ``SFTConfig.max_length`` if set).
+        eval_dataset: evaluation samples (default: the trainer's).
+        generate_max_new_tokens: tokens generated per eval sample
+            (``predict_with_generate``; default: ``generation_max_length`` then).
+        margin: fraction of the capacity that must stay free for "fits" (default 0;
+            a fix keeps at least 10%).
+        trial: run a confirming trial (else the verdict is the estimate's).
+        cache: use and fill the check cache (False, True or an optuna storage URL).
+        tokenizer: for a dataset with text instead of ``input_ids``.
+        collator: replaces the default pad-to-longest collation of the trial batch.
+        timeout_s: wall-clock limit of a trial.
+        raise_on_failure: raise ``PreflightError`` when it does not fit (else
+            return the report with ``fits=False``).
+
+    Returns:
+        A ``PreflightReport``.
+
+    Raises:
+        PreflightError: it does not fit (and could not be fixed); every problem listed.
+        AutofitError: bad input (no model, no dataset and no seq_len, ...).
+
+    Example:
+        >>> data = [{"input_ids": list(range(1, 65))}] * 8
+        >>> r = preflight({"per_device_train_batch_size": 2}, model="tiny-llama",
+        ...               dataset=data, device="A100-80GB")
+        >>> r.fits, r.trial is None
+        (True, True)
+    """
+    from autofit._preflight_check import run_check
+
+    trainer = trainer_or_args if _is_trainer(trainer_or_args) else None
+    args = trainer.args if trainer is not None else trainer_or_args
+    if args is None or not (isinstance(args, dict) or hasattr(args, "per_device_train_batch_size")):
+        raise BadInputError("preflight needs a Trainer, TrainingArguments or a dict of their "
+                            f"fields, got {type(trainer_or_args).__name__}")
+    if trainer is not None:
+        model = model if model is not None else trainer.model
+        dataset = dataset if dataset is not None else getattr(trainer, "train_dataset", None)
+        if eval_dataset is None:
+            eval_dataset = getattr(trainer, "eval_dataset", None)
+    if model is None:
+        raise BadInputError("give model= (a module or a reference such as 'tiny-llama')")
+    if dataset is None and seq_len is None:
+        raise BadInputError("give dataset= (the training samples) or seq_len= (tokens of the "
+                            "longest sample)")
+    d = _fields(args)
+    config = config_of(args)
+    if max_seq_len is None and isinstance(d.get("max_length"), int):
+        max_seq_len = d["max_length"]  # SFTConfig truncates to it
+    eval_batch, gen = _eval_settings(d, eval_dataset, generate_max_new_tokens)
+    eval_seq = None
+    if eval_batch and eval_dataset is not None:
+        from autofit.probe.data import probe_data
+
+        eval_seq = probe_data(eval_dataset, max_seq_len=max_seq_len,
+                              tokenizer=tokenizer).length_max
+    report = run_check(model, config, seq_len=seq_len, dataset=dataset, device=device,
+                       margin=margin, trial=trial, cache=cache, eval_batch_size=eval_batch,
+                       eval_seq_len=eval_seq, generate_max_new_tokens=gen, fix=fix,
+                       max_seq_len=max_seq_len, tokenizer=tokenizer, collator=collator,
+                       timeout_s=timeout_s)
+    if report.changes:
+        _apply(args, trainer, report.changes)
+        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in report.changes.items())
+        why = "; ".join(r for r in report.reasons if r.startswith("fixed:"))
+        logger.warning("pre-flight changed %s (effective batch %d kept): %s", what,
+                       report.config.effective_batch_size, why)
+    if report.fits:
+        logger.info("pre-flight: %s", report.reasons[-1] if report.reasons else "fits")
+    elif raise_on_failure:
+        raise PreflightError(report)
+    return report
+
+
+# ---------------------------------------------------------------- the callback
+
+
+def _loader_batch_size(loader: Any) -> int | None:
+    """Samples per micro batch of a (possibly accelerate-prepared) dataloader."""
+    if loader is None:
+        return None
+    b = getattr(loader, "batch_size", None)
+    if isinstance(b, int):
+        return b
+    sampler = getattr(loader, "batch_sampler", None)
+    b = getattr(sampler, "batch_size", None)
+    return b if isinstance(b, int) else None
+
+
+def _callback_class() -> type:
+    from transformers import TrainerCallback
+
+    class AutofitCallback(TrainerCallback):
+        """Runs the pre-flight check at ``on_train_begin``; raises ``PreflightError``.
+
+        Args:
+            dataset: the training samples; default: the train dataloader's dataset.
+            device: as for ``preflight`` (default ``auto``).
+            **options: any keyword of ``preflight`` except ``fix`` (``margin``,
+                ``trial``, ``cache``, ``max_seq_len``, ``eval_dataset``,
+                ``generate_max_new_tokens``, ``collator``, ``timeout_s``).
+
+        After ``on_train_begin``, ``report`` holds the ``PreflightReport``.
+
+        Example:
+            >>> cb = AutofitCallback(device="cpu", margin=0.05)  # doctest: +SKIP
+            >>> Trainer(model, args, train_dataset=data, callbacks=[cb]).train()  # doctest: +SKIP
+        """
+
+        def __init__(self, dataset: Any = None, *, device: Any = "auto", **options: Any) -> None:
+            if "fix" in options:
+                raise BadInputError(
+                    "AutofitCallback cannot fix: on_train_begin comes after the Trainer built "
+                    "its dataloader; call autofit.preflight(trainer, fix=True) before "
+                    "trainer.train() instead")
+            self.dataset = dataset
+            self.device = device
+            self.options = options
+            self.report: PreflightReport | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            loader = kwargs.get("train_dataloader")
+            dataset = self.dataset if self.dataset is not None else getattr(loader, "dataset",
+                                                                              None)
+            live = _loader_batch_size(loader)
+            report = preflight(args, model=kwargs.get("model"), dataset=dataset, fix=False,
+                               device=self.device, raise_on_failure=False, **self.options)
+            problems = list(report.problems)
+            if live is not None and live != args.train_batch_size:
+                problems.append(
+                    f"the train dataloader yields batches of {live}, but the arguments say "
+                    f"{args.train_batch_size}: they were changed after the Trainer was built; "
+                    "use autofit.preflight(trainer, fix=True), which updates both")
+            if problems != list(report.problems):
+                from dataclasses import replace
+
+                report = replace(report, fits=False, problems=tuple(problems))
+            self.report = report
+            if not report.fits:
+                raise PreflightError(report, hint=(
+                    "stopped before training; to shrink the micro batch while keeping the "
+                    "effective batch, call autofit.preflight(trainer, fix=True) before "
+                    "trainer.train()"))
+            return control
+
+    AutofitCallback.__module__ = __name__
+    AutofitCallback.__qualname__ = "AutofitCallback"
+    return AutofitCallback
+
+
+_CALLBACK: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # AutofitCallback subclasses transformers.TrainerCallback: built on first use so that
+    # `import autofit` does not import transformers
+    global _CALLBACK
+    if name == "AutofitCallback":
+        if _CALLBACK is None:
+            _CALLBACK = _callback_class()
+        return _CALLBACK
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
