@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, DoesNotFitError
-from autofit.memory.analytic import _CUDA_FRAGMENTATION, MiB, _bytes, _linear_weight_numel
+from autofit.memory.analytic import _CUDA_FRAGMENTATION, _bytes, _linear_weight_numel
 from autofit.memory.analytic import weights_bytes as _train_weights_bytes
 from autofit.memory.breakdown import MemoryEstimate
 
@@ -212,7 +212,7 @@ def estimate_eval(
     phase, (A, temps) = max(phases.items(), key=lambda kv: kv[1][0] + kv[1][1])
     peak_alloc = int(W + A + temps)
     if device.allocator == "cuda":
-        peak_reserved = int(peak_alloc * (1 + _CUDA_FRAGMENTATION) + 8 * MiB)
+        peak_reserved = int(peak_alloc * (1 + _CUDA_FRAGMENTATION) + 8 * 2**20)
     else:
         peak_reserved = peak_alloc
     total = peak_reserved + device.overhead_bytes
