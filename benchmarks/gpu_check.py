@@ -4,13 +4,24 @@ Run it on the device tool (one H200), from the repository root. The package need
 not be installed (this file puts the repository root on ``sys.path``, and passes it
 to its children through ``PYTHONPATH``)::
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT
+    run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT",
+        timeout_s=570)
 
-with the tool's ``timeout_s=570``: the script stops starting work at 7 minutes
-(``--guard-s``) and ends within 8 (``--budget-s``); it writes what it has after
-every configuration, so a run cut short still leaves its results under ``$OUT``.
-Without ``--out`` it writes to ``$OUT`` when that is set, else to
-``benchmarks/results/``. On this (CPU-only) machine::
+The script stops starting configurations at 5:45 (the 7-minute guard ``--guard-s``
+less 75 s kept for the OOM check), starts nothing after 7 minutes and ends within 8
+(``--budget-s``); it rewrites ``$OUT/gpu_check.json`` and ``gpu_check.md`` after
+every configuration, so a run cut short still brings its results back. Copy them to
+``benchmarks/results/`` to keep them. Without ``--out`` it writes to ``$OUT`` when
+that is set, else to ``benchmarks/results/``.
+
+bitsandbytes is not in the device's image (KINDS.md), so the two ``adamw_bnb_8bit``
+configurations are skipped there with a note; to include them, carry a Python 3.12
+x86-64 wheel as ``/work/.library/device/README.md`` says (``carry=[".whl"]``) and
+start the command with ``python3 -m pip install -q --no-index --no-deps --no-compile
+--no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+|| exit;`` (the children keep ``PYTHONPATH``).
+
+On this (CPU-only) machine::
 
     python benchmarks/gpu_check.py --dry-run                 # every config, tiny shapes
     python benchmarks/gpu_check.py --dry-run --limit 2 --out /tmp/gc
@@ -42,7 +53,10 @@ What it does:
    them (every process on the device: this script's parent never creates a CUDA
    context; the child reports any other process NVML lists). Per-phase peaks of
    step 2 and the peak of step 1 are kept too (peak counters read and reset at
-   phase boundaries; the overall peak is their maximum).
+   phase boundaries; the overall peak is their maximum), and so are the optimizer
+   state bytes and what stays allocated besides weights, states and batch
+   (``persistent_other_bytes``: the cuBLAS workspaces of the forward and the
+   autograd threads) and the memory outside the allocator (context).
 3. **Predicted** in this process, while the children run: ``autofit.estimate(...,
    method="simulate")`` and ``method="analytic"`` for the live device as a child
    probed it (``resolve_device("cuda")``; its catalog card is ``product``, "H200").
@@ -63,15 +77,16 @@ What it does:
    transformers, peft, bitsandbytes and accelerate versions.
 
 ``--dry-run`` (same as ``--device cpu``) runs the whole pipeline on the CPU with
-tiny shapes: Llama-3.2-1B is replaced by tiny-llama, every batch by 2 x 64 tokens;
-the child measures peak RSS (``VmHWM`` after a reset, minus the RSS before the model
-was built) instead of the CUDA counters; the OOM check runs tiny-gpt2 on a capped
-CPU (``cpu:<cap>``, an address-space limit). Its numbers exercise the code, they
-do not validate anything.
+tiny shapes: every model is replaced by a micro config of its family
+(``DRY_CONFIGS``: 2 layers, hidden 64, vocabulary 2048), every batch by 2 x 64
+tokens; the child measures peak RSS (``VmHWM`` after a reset, minus the RSS before
+the model was built) instead of the CUDA counters; the OOM check runs a micro GPT-2
+with a 50257-token vocabulary at 256 tokens on a capped CPU (``cpu:<cap>``, an
+address-space limit). Its numbers exercise the code; they validate nothing (the
+RSS includes one-time allocations of tens of MiB, larger than the micro models).
 
-Packages missing on the device (bitsandbytes is not in its image; peft is) make
-their configurations skipped with a note, never a crash. To include the 8-bit
-optimizer there, carry a bitsandbytes wheel (``/work/.library/device/README.md``).
+Packages missing where it runs (bitsandbytes, peft) make their configurations
+skipped with a note, never a crash.
 
 Known limitations:
     NB: the measurement includes accelerate's fp32 copy of half outputs (the Trainer
@@ -417,6 +432,7 @@ def run_child(spec: dict[str, Any], device_name: str) -> dict[str, Any]:
     ids = torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"]), generator=g)
     batch = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
              "labels": ids.clone().to(device)}
+    result["batch_bytes"] = sum(t.untyped_storage().nbytes() for t in batch.values())
     mixed = spec["precision"].endswith("-mixed")
 
     def step(meter: _Meter | None) -> float:
@@ -467,9 +483,16 @@ def run_child(spec: dict[str, Any], device_name: str) -> dict[str, Any]:
         result["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0][:300]}"
     if meter.current is not None:
         meter.mark(None)
+    states: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.device.type == device.type:
+                states[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    result["optimizer_state_bytes"] = sum(states.values())
     if meter.segments:
         result["peak_allocated_bytes"], result["peak_reserved_bytes"] = meter.peaks()
         result["segments"] = meter.segments
+        result["peak_segment"] = max(meter.segments, key=lambda k: meter.segments[k]["allocated"])
     if cuda:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
@@ -481,7 +504,14 @@ def run_child(spec: dict[str, Any], device_name: str) -> dict[str, Any]:
         stats = torch.cuda.memory_stats()
         result["num_alloc_retries"] = int(stats.get("num_alloc_retries", 0))
         result["num_ooms"] = int(stats.get("num_ooms", 0))
-        result["other_processes_bytes"] = _other_processes_bytes()
+        result["nvml"] = _nvml_processes()
+        # what stays allocated between steps besides weights, optimizer states and the
+        # batch: cuBLAS workspaces (one per thread: forward and autograd's), caches
+        result["allocated_after_bytes"] = int(torch.cuda.memory_allocated())
+        result["persistent_other_bytes"] = (result["allocated_after_bytes"]
+                                            - result["weights_bytes"]
+                                            - result["optimizer_state_bytes"]
+                                            - result["batch_bytes"])
     else:
         peak = result.get("peak_allocated_bytes")
         result["device_used_bytes"] = peak
@@ -493,8 +523,12 @@ def run_child(spec: dict[str, Any], device_name: str) -> dict[str, Any]:
     return result
 
 
-def _other_processes_bytes() -> int | None:
-    """GPU memory NVML attributes to processes other than this one (None: unknown)."""
+def _nvml_processes() -> dict[str, Any] | None:
+    """The processes NVML sees on GPU 0 with their memory (None: NVML unavailable).
+
+    ``others_bytes`` sums those whose pid is not this process's; in a PID namespace
+    NVML may report host pids, so ``self_seen`` says whether this process was found.
+    """
     try:
         import pynvml
 
@@ -502,11 +536,14 @@ def _other_processes_bytes() -> int | None:
         try:
             handle = pynvml.nvmlDeviceGetHandleByIndex(0)
             procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            return int(sum(p.usedGpuMemory or 0 for p in procs if p.pid != os.getpid()))
+            rows = [(int(p.pid), int(p.usedGpuMemory or 0)) for p in procs]
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - NVML missing or not answering in a VM
         return None
+    me = os.getpid()
+    return {"processes": rows, "self_pid": me, "self_seen": any(p == me for p, _ in rows),
+            "others_bytes": sum(b for p, b in rows if p != me)}
 
 
 # =========================================================================== probe
@@ -899,8 +936,9 @@ def _markdown(d: dict[str, Any]) -> str:
                          f"{100 * s['max_abs']:.1f}% |")
         lines.append("")
     methods = d["settings"]["methods"]
-    head = "| config | B×T | measured alloc / reserved / used (GiB) | " + " | ".join(
-        f"{m} alloc / reserved / total (error)" for m in methods) + " | peak phase (sim) | step s |"
+    head = ("| config | B×T | measured alloc / reserved / used (GiB) | "
+            + " | ".join(f"{m} alloc / reserved / total (error)" for m in methods)
+            + " | peak: measured / sim | step s |")
     lines += [head, "|---|---|---|" + "---|" * len(methods) + "---|---|"]
     for r in d["rows"]:
         m = r.get("measured") or {}
@@ -927,7 +965,7 @@ def _markdown(d: dict[str, Any]) -> str:
         sim = r.get("simulate") or {}
         times = m.get("step_times_s") or []
         lines.append(f"| {r['name']} | {r['batch']}×{r['seq']} | {meas} | " + " | ".join(cells)
-                     + f" | {sim.get('peak_phase', '-')} | "
+                     + f" | {m.get('peak_segment', '-')} / {sim.get('peak_phase', '-')} | "
                      + (f"{times[-1]:.3f}" if times else "-") + " |")
     if d.get("skipped"):
         lines += ["", "Skipped:", ""] + [f"- {s['name']}: {s['reason']}" for s in d["skipped"]]
