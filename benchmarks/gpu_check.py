@@ -434,6 +434,8 @@ def run_child(spec: dict[str, Any], device_name: str) -> dict[str, Any]:
              "labels": ids.clone().to(device)}
     result["batch_bytes"] = sum(t.untyped_storage().nbytes() for t in batch.values())
     mixed = spec["precision"].endswith("-mixed")
+    fp32_outputs = spec.get("fp32_outputs", True)
+    result["fp32_outputs"] = bool(mixed and fp32_outputs)
 
     def step(meter: _Meter | None) -> float:
         def mark(segment: str | None) -> None:
@@ -445,7 +447,7 @@ def run_child(spec: dict[str, Any], device_name: str) -> dict[str, Any]:
                else contextlib.nullcontext())
         with ctx:
             out = model(**batch)
-        if mixed:
+        if mixed and fp32_outputs:
             out = _half_to_fp32(out)  # accelerate wraps the Trainer's forward with this
         loss = out["loss"]
         del out  # compute_loss returns the loss only
@@ -850,7 +852,8 @@ class Run:
             "device": args.device,
             "settings": {"budget_s": args.budget_s, "guard_s": args.guard_s,
                          "config_timeout_s": args.config_timeout_s,
-                         "methods": args.methods},
+                         "methods": args.methods,
+                         "fp32_outputs": not args.no_fp32_outputs},
             "environment": {}, "rows": [], "skipped": [], "notes": [], "oom_check": None,
             "summary": {}, "finished": False,
         }
@@ -1041,6 +1044,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="only the first N configurations")
     ap.add_argument("--methods", default="simulate,analytic")
     ap.add_argument("--no-oom-check", action="store_true")
+    ap.add_argument("--no-fp32-outputs", action="store_true",
+                    help="bf16-mixed: skip accelerate's fp32 copy of the outputs (the step "
+                    "autofit.trial and the simulator run) instead of the Trainer's")
     ap.add_argument("--oom-method", default="simulate", choices=("simulate", "analytic"))
     ap.add_argument("--budget-s", type=float, default=BUDGET_S)
     ap.add_argument("--guard-s", type=float, default=GUARD_S)
@@ -1129,7 +1135,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows[spec.name]["measured"] = {"error": "skipped: time guard"}
                 continue
             timeout = min(args.config_timeout_s, args.budget_s - WRITE_MARGIN_S - now)
-            res = _run_json_child(["--child", json.dumps(asdict(spec)), "--device", args.device],
+            child_spec = {**asdict(spec), "fp32_outputs": not args.no_fp32_outputs}
+            res = _run_json_child(["--child", json.dumps(child_spec), "--device", args.device],
                                   args.device, timeout)
             with run.lock:
                 rows[spec.name]["measured"] = res

@@ -92,6 +92,23 @@ def test_dry_run_writes_every_result(tmp_path):
     assert data["rows"][0]["name"] in md and "| config |" in md
 
 
+def test_time_guard_and_missing_packages_skip_with_a_note(tmp_path, monkeypatch):
+    bnb = next(s for s in gpu_check.MATRIX if "bitsandbytes" in s.needs())
+    plain = gpu_check.MATRIX[1]
+    monkeypatch.setattr(gpu_check, "_missing", lambda spec: spec.needs()[:1])
+    code = gpu_check.main(["--dry-run", "--names", f"{bnb.name},{plain.name}", "--guard-s", "0",
+                           "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    reasons = {s["name"].split("-dry-")[0]: s["reason"] for s in data["skipped"]}
+    assert "bitsandbytes not installed" in reasons[bnb.name.rsplit("-b", 1)[0]]
+    assert reasons[plain.name.rsplit("-b", 1)[0]].startswith("time guard")
+    assert data["rows"][0]["measured"]["error"] == "skipped: time guard"
+    assert data["rows"][0]["simulate"]["error"] == "skipped: time guard"
+    assert data["oom_check"]["error"].startswith("skipped: time guard")
+    assert "Skipped:" in (tmp_path / "gpu_check.md").read_text()
+
+
 @pytest.mark.slow  # ~20 s: a child, four trials and one more child
 def test_oom_check_runs_on_a_capped_cpu():
     r = gpu_check._run_json_child(["--oom-child", "--device", "cpu", "--oom-method", "analytic"],
@@ -117,3 +134,13 @@ def test_one_config_on_the_gpu(tmp_path):
     assert res.get("error") is None, res
     assert res["peak_reserved_bytes"] >= res["peak_allocated_bytes"] > res["weights_bytes"]
     assert res["device_used_bytes"] > res["peak_reserved_bytes"]
+
+
+@pytest.mark.gpu
+def test_oom_boundary_and_recovery_on_the_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    r = gpu_check._run_json_child(["--oom-child", "--device", "cuda"], "cuda", 300.0)
+    assert r.get("error") is None, r
+    assert r["passed"] and r["peak_check_required"], r["checks"]
