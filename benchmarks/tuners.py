@@ -8,8 +8,8 @@ allocation failure), for small models with different memory profiles, compare:
    AdamW, no checkpointing), keeping a target effective batch; with the default
    10% margin and with ``margin=0.0``. Plus one unrestricted run, for information.
 2. **accelerate** ``find_executable_batch_size`` (the real function, default
-   ``starting_batch_size=128``; accelerate >= 1.8 multiplies the batch by 0.9 on
-   every OOM, older releases halved it).
+   ``starting_batch_size=128``; since huggingface/accelerate#3650 it multiplies
+   the batch by 0.9 on every OOM, older releases halved it).
 3. **Lightning** ``Tuner.scale_batch_size(mode="binsearch")`` (the real tuner,
    2.x defaults: start at 2, double until OOM, then bisect, then a 5% margin),
    driven through a proxy ``LightningModule`` whose ``training_step`` runs the
@@ -48,7 +48,7 @@ Known limitations:
     less per attempt, so wall-time ratios here follow the attempt counts.
     NB: the peers are tried on the worst-case batch, the most favourable setting
     for them (as if the data were sorted longest-first for the search); with
-    their own shuffled loader they would test shorter batches and overshoot.
+    their own shuffled loader they meet the longest samples only by chance.
 """
 
 from __future__ import annotations
@@ -475,17 +475,22 @@ def true_max(
 # ---------------------------------------------------------------- autofit
 
 
-def run_autofit(device: Device, *, restricted: bool, margin: float | None) -> dict[str, Any]:
-    """One ``autofit()`` call on the capped device, timed; its 32-true AdamW trials recorded."""
+def run_autofit(device: Device, *, restricted: bool, margin: float | None,
+                progress: list[tuple[float, str]] | None = None) -> dict[str, Any]:
+    """One ``autofit()`` call on the capped device, timed; its 32-true AdamW trials recorded.
+
+    ``progress`` collects (seconds since the start, line) before each trial; it is
+    the caller's, so that it survives an exception.
+    """
     from autofit.api import autofit
 
     kw: dict[str, Any] = {"cache": False, "max_micro_batch": ACCELERATE_START,
                           "task": device.spec.task}
     if restricted:
         kw.update(precision=["32-true"], optimizer=["adamw_torch"], gradient_checkpointing=False)
-    first_trial: list[float] = []
+    progress = [] if progress is None else progress
     t = time.perf_counter()
-    kw["progress"] = lambda line: first_trial.append(time.perf_counter() - t)
+    kw["progress"] = lambda line: progress.append((time.perf_counter() - t, line))
     r = autofit(device.model, device.dataset, device=device.spec.cap,
                 target_batch_size=device.spec.target, margin=margin, **kw)
     wall = time.perf_counter() - t
@@ -504,11 +509,53 @@ def run_autofit(device: Device, *, restricted: bool, margin: float | None) -> di
         "effective": r.config.effective_batch_size, "precision": r.config.precision,
         "optimizer": r.config.optimizer, "checkpointing": r.config.gradient_checkpointing,
         "confirmed": r.confirmed, "wall_s": wall, "margin": margin,
-        "before_first_trial_s": first_trial[0] if first_trial else None,
+        "before_first_trial_s": progress[0][0] if progress else None,
+        "progress": [line for _, line in progress],
         "attempts": len(trials), "ooms": sum(x["oom"] for x in trials),
         "steps": sum(x["steps"] for x in trials), "trials": trials,
         "reasons": list(r.reasons),
     }
+
+
+def run_unrestricted(device: Device) -> dict[str, Any]:
+    """autofit over its whole default space; a failure is recorded with the trials it ran."""
+    from autofit.errors import AutofitError
+
+    progress: list[tuple[float, str]] = []
+    seen: list[dict[str, Any]] = []
+    t = time.perf_counter()
+    try:
+        with _recording_trials(seen):
+            return run_autofit(device, restricted=False, margin=None, progress=progress)
+    except AutofitError as e:
+        return {"error": f"{type(e).__name__}: {e}", "wall_s": time.perf_counter() - t,
+                "progress": [line for _, line in progress], "attempts": len(seen),
+                "ooms": sum(x["oom"] for x in seen), "trials": seen}
+
+
+@contextlib.contextmanager
+def _recording_trials(seen: list[dict[str, Any]]) -> Any:
+    """Record every trial ``autofit()`` runs (it imports ``autofit.trial.measure`` per call).
+
+    Observation only: the wrapped function is called as is, and put back on exit.
+    """
+    import autofit.trial
+
+    original = autofit.trial.measure
+
+    def measure(model: Any, config: Any, *args: Any, **kw: Any) -> Any:
+        r = original(model, config, *args, **kw)
+        seen.append({"size": config.micro_batch_size, "precision": config.precision,
+                     "optimizer": config.optimizer,
+                     "checkpointing": config.gradient_checkpointing, "fits": r.fits,
+                     "oom": r.oom, "peak_bytes": r.device_total_bytes, "error": r.error})
+        return r
+
+    autofit.trial.measure = measure
+    try:
+        yield
+    finally:
+        autofit.trial.measure = original
 
 
 def full_run(device: Device, micro: int, accum: int, steps: int = 3) -> dict[str, Any]:
@@ -604,7 +651,7 @@ def bench_model(spec: Spec, workdir: Path, *, unrestricted: bool) -> dict[str, A
     out["full_run_margin0"] = full_run(device, rows[1]["micro"], rows[1]["accum"])
     if unrestricted:
         _say("  autofit (unrestricted)")
-        out["unrestricted"] = run_autofit(device, restricted=False, margin=None)
+        out["unrestricted"] = run_unrestricted(device)
     out["wall_s"] = time.perf_counter() - t0
     return out
 
@@ -782,8 +829,18 @@ def _model_section(m: dict[str, Any]) -> list[str]:
                    f"+ 3 optimizer steps, 2 micro batches each, on the worst-case batch): "
                    f"{'no OOM' if fr['fits'] else 'FAILED: ' + str(fr['error'])}, peak {peak} "
                    f"of {s['cap'].split(':')[1]}.")
-    if "unrestricted" in m:
-        u = m["unrestricted"]
+    u = m.get("unrestricted")
+    if u is not None and "error" in u:
+        out += ["", f"Unrestricted autofit (for information) **failed** after {u['attempts']} "
+                f"trials and {u['wall_s']:.0f} s: {u['error']}", "", "Its trials:", ""]
+        budget = (1 - DEFAULT_MARGIN) * m["cap_bytes"]
+        for line, x in zip(u["progress"], u["trials"], strict=False):
+            peak = "-" if x["peak_bytes"] is None else f"{x['peak_bytes'] / MiB:.0f} MiB"
+            over = x["peak_bytes"] is not None and x["peak_bytes"] > budget
+            what = ("OOM" if x["oom"] else x["error"] if not x["fits"]
+                    else f"fits, peak {peak}" + (" (over the 90% budget)" if over else ""))
+            out.append(f"- {line} → measured: {what}")
+    elif u is not None:
         out += ["", f"Unrestricted autofit (for information): {u['precision']}, "
                 f"{u['optimizer']}, checkpointing {u['checkpointing']}, micro {u['micro']} × "
                 f"accum {u['accum']}; {u['attempts']} trials, {u['ooms']} OOMs, "
