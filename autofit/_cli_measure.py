@@ -192,20 +192,12 @@ def run_measure(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace) -> Any:
-    from autofit.config import TrainConfig
+    from autofit.cli import train_config
     from autofit.errors import BadInputError
     from autofit.probe.model import LoraSpec
     from autofit.trial import measure
 
-    config = TrainConfig(
-        micro_batch_size=args.batch_size,
-        grad_accum_steps=args.grad_accum,
-        precision=args.precision,
-        gradient_checkpointing=args.gradient_checkpointing,
-        optimizer=args.optim,
-        optim_args=args.optim_args,
-        seq_len=args.seq_len,
-    )
+    config = train_config(args)  # the same TrainConfig as `autofit estimate` builds
     lora = None
     if args.lora_r is not None:
         targets = args.lora_target_modules or "all-linear"
