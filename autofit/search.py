@@ -308,11 +308,17 @@ class Engine:
     def _calibration(self, c: Candidate) -> float:
         if c.calibration is not None:
             return c.calibration
-        return self._default_calibration
+        return self._borrowed_calibration(c)
 
-    @property
-    def _default_calibration(self) -> float:
-        known = [x.calibration for x in self._candidates if x.calibration is not None]
+    def _borrowed_calibration(self, c: Candidate) -> float:
+        """The ratio an untried combination borrows: the mean of those measured with the
+        same optimizer (whose state and step dominate the estimate's error), else 1.0.
+
+        NB: borrowing across optimizers once made every untried combination look
+        infeasible after 8-bit trials measured 2.5x their estimate (a false "nothing fits").
+        """
+        known = [x.calibration for x in self._candidates
+                 if x.calibration is not None and x.optimizer == c.optimizer]
         return sum(known) / len(known) if known else 1.0
 
     def estimated(self, c: Candidate, b: int) -> int:

@@ -188,3 +188,25 @@ def test_default_margin_adds_measured_fragmentation():
     assert frag.fragmentation == GiB // 2 and frag.budget == int(9 * GiB) - GiB // 2
     assert out.config.micro_batch_size < plain.config.micro_batch_size
     assert any("fragmentation" in r for r in out.reasons)
+
+
+def test_one_optimizers_misestimate_does_not_condemn_the_others():
+    # the 8-bit optimizer's estimate is 2.5x too low; AdamW's is exact. Borrowing the 8-bit
+    # ratio for AdamW would make AdamW look infeasible without a trial.
+    sp = SearchSpace(("32-true",), (False,), ("adamw_bnb_8bit", "adamw_torch"), tuple(range(1, 65)))
+
+    def est(c):
+        return true_bytes(c) // 2.5 if c.optimizer == "adamw_bnb_8bit" else true_bytes(c)
+
+    def trial(c):
+        need = true_bytes(c)
+        if need > 10 * GiB:
+            return FakeTrial(True, None, None, "out of memory")
+        return FakeTrial(False, need, true_speed(c) * (2 if c.optimizer == "adamw_torch" else 1))
+
+    def speed(c):
+        return true_speed(c) * (3 if c.optimizer == "adamw_bnb_8bit" else 1)  # tried first
+
+    out = Engine(sp, 10 * GiB, estimate=est, speed=speed, trial=trial, seq_len=128).run()
+    assert out.config is not None and out.config.optimizer == "adamw_torch"
+    assert out.config.micro_batch_size == 16
