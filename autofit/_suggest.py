@@ -44,50 +44,60 @@ def with_lora(info: ModelInfo, r: int = _LORA_R, quantize: bool = False) -> Mode
                    quantization="4bit" if quantize else info.quantization)
 
 
-def _smallest(info: ModelInfo, configs: list[TrainConfig], seq_len: int, dev: Any):
-    from autofit.memory.analytic import estimate_analytic
-
-    best = None
-    for c in configs:
-        est = estimate_analytic(info, c, seq_len, dev)
-        if best is None or est.device_total_bytes < best[1].device_total_bytes:
-            best = (c, est)
-    return best
-
-
 def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: Any) -> DoesNotFitError:
-    """The DoesNotFitError for a search where no candidate fits, with suggestions."""
+    """The DoesNotFitError for a search where no candidate fits, with suggestions.
+
+    Every number is the engine's calibrated one: a trial's measured peak where a
+    trial ran at that size, else the estimate scaled as the trials calibrated it.
+    The alternatives (LoRA, QLoRA, a shorter sequence) are estimated analytically
+    and scaled by the same measured/estimated ratio as the smallest candidate.
+    """
     from autofit.memory.analytic import estimate_analytic
 
     b0 = space.micro_batches[0]
-    configs = [engine.config(c, b0) for c in engine._candidates]
-    smallest_cfg, smallest = _smallest(info, configs, seq_len, dev)
+    need_of = {c.key: c.measured.get(b0) or engine.estimated(c, b0) for c in engine._candidates}
+    smallest = min(engine._candidates, key=lambda c: need_of[c.key])
+    smallest_cfg = engine.config(smallest, b0)
+    need = need_of[smallest.key]
+    raw = estimate_analytic(info, smallest_cfg, seq_len, dev).device_total_bytes
+    scale = need / raw if raw else 1.0
+    if b0 in smallest.measured:
+        how = f"measured {format_bytes(need)}"
+    elif smallest.oom_micro_batch == b0:
+        how = f"ran out of memory in a trial (needs more than {format_bytes(engine.capacity)})"
+    else:
+        how = f"needs ~{format_bytes(need)}" + (
+            f" (the estimate x{scale:.2f}, as trials measured)" if abs(scale - 1) > 0.01 else "")
     budget = engine.budget
     head = (f"no configuration fits in {format_bytes(budget)} "
             f"({100 * (1 - engine.margin):.0f}% of {format_bytes(engine.capacity)} on {dev.name}): "
             f"the smallest, {smallest_cfg.precision}"
             f"{' + checkpointing' if smallest_cfg.gradient_checkpointing else ''} + "
-            f"{smallest_cfg.optimizer} at micro batch {b0}, needs ~{format_bytes(smallest.device_total_bytes)}")
+            f"{smallest_cfg.optimizer} at micro batch {b0}, {how}")
+
+    def scaled(variant: ModelInfo, cfg: TrainConfig, length: int) -> int:
+        return int(estimate_analytic(variant, cfg, length, dev).device_total_bytes * scale)
+
     ideas = []
     if info.peft is None and info.is_transformer:
         for label, variant in (("LoRA r=16 on all linear layers (lora={'r': 16})", with_lora(info)),
                                ("QLoRA: 4-bit base + LoRA r=16 (load_in_4bit=True)",
                                 with_lora(info, quantize=True))):
             cfg = smallest_cfg.replace(gradient_checkpointing=True)
-            need = estimate_analytic(variant, cfg, seq_len, dev).device_total_bytes
-            if need <= budget:
-                ideas.append(f"{label} ~{format_bytes(need)}")
-    # the longest sequence that fits with the smallest configuration
+            n = scaled(variant, cfg, seq_len)
+            if n <= budget:
+                ideas.append(f"{label} ~{format_bytes(n)}")
+    # the longest sequence (a multiple of 8) that fits with the smallest configuration
     if info.is_transformer:
-        lo, hi = 0, seq_len - 1
+        lo, hi = 0, (seq_len - 1) // 8
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if estimate_analytic(info, smallest_cfg, mid, dev).device_total_bytes <= budget:
+            if scaled(info, smallest_cfg, 8 * mid) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
-        if lo >= 16:
-            need = estimate_analytic(info, smallest_cfg, lo, dev).device_total_bytes
-            ideas.append(f"max_seq_len={lo} (--max-seq-len {lo}) ~{format_bytes(need)}")
+        if 8 * lo >= 16:
+            n = scaled(info, smallest_cfg, 8 * lo)
+            ideas.append(f"max_seq_len={8 * lo} (--max-seq-len {8 * lo}) ~{format_bytes(n)}")
     tail = ("; would fit: " + "; ".join(ideas)) if ideas else "; try a larger device or a smaller model"
     return DoesNotFitError(head + tail)

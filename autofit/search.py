@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 DEFAULT_MARGIN = 0.10
+SPEED_TIE = 0.05  # measured throughputs this close are a tie (step-time noise)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ class Candidate:
     measured_tokens_per_s: float | None = None
     measured_bytes: int | None = None
     failed_micro_batch: int | None = None  # smallest that did not fit (OOM or over margin)
+    measured: dict[int, int] = field(default_factory=dict)  # micro batch -> measured bytes
+    oom_micro_batch: int | None = None  # smallest micro batch that ran out of memory
     status: str = "estimated"  # estimated | confirmed | rejected | infeasible | skipped
     reason: str = ""
 
@@ -322,8 +325,29 @@ class Engine:
         return sum(known) / len(known) if known else 1.0
 
     def estimated(self, c: Candidate, b: int) -> int:
-        """Device total bytes at micro batch ``b``, calibrated by what trials measured."""
-        return int(self._raw_estimate(c, b) * self._calibration(c))
+        """Device total bytes at micro batch ``b``, calibrated by what trials measured.
+
+        One measurement scales the estimate (measured / estimated). Two or more fit
+        ``measured = alpha * estimate + beta`` by least squares, so that an estimate
+        whose fixed part (weights, states) and per-sample part are off by different
+        factors still lands on the limit (a ratio alone walks there one size at a
+        time). Above the largest measured size, an out-of-memory size bounds the
+        need from below: the line from that measurement to the capacity at the OOM
+        size, when it is higher.
+        """
+        raw = self._raw_estimate(c, b)
+        line = _fit_line([(float(self._raw_estimate(c, x)), float(m))
+                          for x, m in c.measured.items()]) if len(c.measured) >= 2 else None
+        need = raw * self._calibration(c) if line is None else line[0] * raw + line[1]
+        oom = c.oom_micro_batch
+        below = [x for x in c.measured if oom is not None and x < oom]
+        if below and b > max(below):
+            xm = max(below)
+            pivot = _fit_line([(float(self._raw_estimate(c, xm)), float(c.measured[xm])),
+                               (float(self._raw_estimate(c, oom)), float(self.capacity))])
+            if pivot is not None:
+                need = max(need, pivot[0] * raw + pivot[1])
+        return int(need)
 
     def _largest_fitting(self, c: Candidate, below: int | None = None) -> int | None:
         """Largest allowed micro batch (< below) whose calibrated estimate fits the budget."""
@@ -394,9 +418,11 @@ class Engine:
                 # the true need is above the capacity: calibrate to at least that
                 c.calibration = max(self._calibration(c), self.capacity / raw)
                 c.failed_micro_batch = b if c.failed_micro_batch is None else min(c.failed_micro_batch, b)
+                c.oom_micro_batch = b if c.oom_micro_batch is None else min(c.oom_micro_batch, b)
             else:
                 measured = int(r.device_total_bytes)
                 c.calibration = measured / raw
+                c.measured[b] = measured
                 if measured <= self.budget:
                     best_fit = b
                     c.confirmed_micro_batch = b
@@ -408,13 +434,20 @@ class Engine:
         if best_fit is None:
             if c.failed_micro_batch is not None and self._largest_fitting(c, c.failed_micro_batch) is None:
                 c.status = "rejected"
-                c.reason = f"micro batch {c.failed_micro_batch} did not fit in a trial; nothing smaller is allowed"
+                smaller = [x for x in self.space.micro_batches if x < c.failed_micro_batch]
+                c.reason = (f"micro batch {c.failed_micro_batch} did not fit in a trial; "
+                            + (f"micro batch {smaller[0]} is estimated at "
+                               f"{_gib(self.estimated(c, smaller[0]))} (calibrated by the trials) "
+                               f"> budget {_gib(self.budget)}" if smaller
+                               else "nothing smaller is allowed"))
             elif c.status != "rejected":
                 c.status = "skipped"
                 c.reason = "not confirmed (out of time or trials)"
             return
         c.status = "confirmed"
         c.micro_batch = best_fit
+        c.estimate_bytes = self.estimated(c, best_fit)
+        c.predicted_tokens_per_s = self._speed(self.config(c, best_fit))
 
     def _next_size(self, c: Candidate, best_fit: int | None) -> int | None:
         """The next micro batch to try: bracket the limit between best_fit and failed."""
@@ -465,7 +498,7 @@ class Engine:
         if stopped:
             reasons.append("time budget or trial limit reached: best confirmed candidate so far")
         if confirmed:
-            best = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0)
+            best = self._fastest_measured(confirmed, reasons)
             return self._outcome(best, reasons, confirmed=True, stopped=stopped)
         pending = [c for c in self._candidates if c.status == "estimated"]
         if pending:
@@ -474,6 +507,23 @@ class Engine:
             return self._outcome(best, reasons, confirmed=False, stopped=stopped)
         return SearchOutcome(None, None, self._candidates, self.trials, reasons, False,
                              ooms=self.ooms, stopped_early=stopped)
+
+    def _fastest_measured(self, confirmed: list[Candidate], reasons: list[str]) -> Candidate:
+        """The fastest measured candidate; within measurement noise, the one predicted fastest.
+
+        A few micro-steps time a step to a few percent (CPU trials here repeat within
+        +-10%); candidates measured within ``SPEED_TIE`` of the fastest are ranked by
+        the throughput model, which does not vary from run to run.
+        """
+        top = max(c.measured_tokens_per_s or 0.0 for c in confirmed)
+        tied = [c for c in confirmed if (c.measured_tokens_per_s or 0.0) >= (1 - SPEED_TIE) * top]
+        best = max(tied, key=lambda c: (c.predicted_tokens_per_s or 0.0, c.measured_tokens_per_s or 0.0))
+        fastest = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0)
+        if best is not fastest:
+            reasons.append(f"{best.label()} and {fastest.label()} measured within "
+                           f"{100 * SPEED_TIE:.0f}% of each other (step-time noise); the "
+                           "throughput model breaks the tie")
+        return best
 
     def _outcome(self, best: Candidate, reasons: list[str], *, confirmed: bool,
                  stopped: bool = False) -> SearchOutcome:
@@ -510,6 +560,18 @@ class Engine:
                                "the nearest the device count allows")
         return SearchOutcome(best, config, self._candidates, self.trials, reasons, confirmed,
                              ooms=self.ooms, stopped_early=stopped)
+
+
+def _fit_line(pts: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares (alpha >= 0, beta) of ``y = alpha * x + beta``; None if x is constant."""
+    n = len(pts)
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    if var <= 0:
+        return None
+    alpha = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / var)
+    return alpha, my - alpha * mx
 
 
 def _gib(n: float | None) -> str:

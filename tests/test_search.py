@@ -214,3 +214,113 @@ def test_one_optimizers_misestimate_does_not_condemn_the_others():
     out = Engine(sp, 10 * GiB, estimate=est, speed=speed, trial=trial, seq_len=128).run()
     assert out.config is not None and out.config.optimizer == "adamw_torch"
     assert out.config.micro_batch_size == 30
+
+
+def test_fixed_cost_misestimate_lands_on_the_limit_without_walking():
+    # True need 6 GiB + 0.05 GiB per sample (budget 9 GiB -> 60 fits); the estimate gets
+    # the fixed part right but the per-sample part 2.5x low. A ratio alone walks toward
+    # 60 one size at a time (64, 56, 63, 57, ...); two measurements give the line.
+    sp = space(ckpt=(False,))
+
+    def need(c):
+        return int((6 + 0.05 * c.micro_batch_size) * GiB)
+
+    tried = []
+
+    def trial(c):
+        tried.append(c.micro_batch_size)
+        return FakeTrial(False, need(c), 100.0 * c.micro_batch_size)
+
+    est = lambda c: int((6 + 0.02 * c.micro_batch_size) * GiB)  # noqa: E731
+    out = Engine(sp, 10 * GiB, estimate=est, speed=true_speed, trial=trial, seq_len=128).run()
+    assert out.config.micro_batch_size == 60
+    assert tried == [64, 56, 60]
+
+
+def test_flat_peak_over_the_margin_is_rejected_in_two_trials():
+    # The peak is the optimizer step's (9.5 GiB at any micro batch, over the 9 GiB budget);
+    # the estimate grows with the batch. Two measurements show the line is flat.
+    sp = space(ckpt=(False,))
+    tried = []
+
+    def trial(c):
+        tried.append(c.micro_batch_size)
+        return FakeTrial(False, int(9.5 * GiB), 100.0)
+
+    est = lambda c: int((5 + 0.05 * c.micro_batch_size) * GiB)  # noqa: E731
+    out = Engine(sp, 10 * GiB, estimate=est, speed=true_speed, trial=trial, seq_len=128).run()
+    assert out.config is None and len(tried) == 2
+    assert out.candidates[0].status == "rejected"
+
+
+def test_measured_speeds_within_noise_are_ranked_by_the_model():
+    # fused and unfused AdamW take the same memory; their trials measure 1000 and 980
+    # tokens/s (2% apart: noise), the model predicts fused 10% faster -> fused, with a reason.
+    # 20% apart is not noise: the measurement wins.
+    def run(unfused_speed):
+        sp = SearchSpace(("bf16-mixed",), (False,), ("adamw_torch", "adamw_torch_fused"),
+                         tuple(range(1, 65)))
+
+        def trial(c):
+            s = unfused_speed if c.optimizer == "adamw_torch" else 980.0
+            return FakeTrial(False, true_bytes(c), s)
+
+        def speed(c):
+            return 1100.0 if c.optimizer == "adamw_torch_fused" else 1000.0
+
+        return Engine(sp, 10 * GiB, estimate=true_bytes, speed=speed, trial=trial,
+                      seq_len=128).run()
+
+    out = run(1000.0)
+    assert out.config.optimizer == "adamw_torch_fused"
+    assert any("throughput model breaks the tie" in r for r in out.reasons)
+    out = run(1250.0)
+    assert out.config.optimizer == "adamw_torch"
+    assert not any("breaks the tie" in r for r in out.reasons)
+
+
+def test_nothing_fits_quotes_the_measured_peak_and_calibrated_suggestions():
+    # The trial measured 3x the analytic estimate; the message must quote the measurement
+    # (not the uncalibrated estimate) and suggest a sequence length whose calibrated
+    # estimate fits the budget.
+    from autofit._suggest import nothing_fits
+    from autofit.config import TrainConfig
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.probe.model import probe_model
+
+    info = probe_model("tiny-llama")
+    dev = resolve_device("cpu:1GiB")
+    seq = 1024
+
+    def est(c):
+        return estimate_analytic(info, c, seq, dev).device_total_bytes
+
+    one = est(TrainConfig(micro_batch_size=1, precision="32-true", optimizer="adamw_torch"))
+    cap = int(3.2 * one)  # the estimate fits the budget with room; 3x fits the device only
+    measured = {}
+
+    def trial(c):
+        m = 3 * est(c)
+        measured[c.micro_batch_size] = m
+        return FakeTrial(False, m, 100.0)
+
+    sp = SearchSpace(("32-true",), (False,), ("adamw_torch",), tuple(range(1, 9)))
+    engine = Engine(sp, cap, estimate=est, speed=lambda c: 1.0, trial=trial, seq_len=seq,
+                    margin=0.10)
+    out = engine.run()
+    assert out.config is None and measured  # rejected after its trial(s)
+    msg = str(nothing_fits(info, sp, engine, seq, dev))
+    from autofit.probe.device import format_bytes
+
+    if 1 in measured:
+        assert f"measured {format_bytes(measured[1])}" in msg
+    else:
+        assert f"needs ~{format_bytes(3 * one)}" in msg and "x3.00, as trials measured" in msg
+    assert format_bytes(one) not in msg.split(";")[0]  # not the uncalibrated number
+    import re
+
+    m = re.search(r"max_seq_len=(\d+)", msg)
+    assert m is not None and int(m.group(1)) % 8 == 0 and int(m.group(1)) < seq
+    shorter = TrainConfig(micro_batch_size=1, precision="32-true", optimizer="adamw_torch")
+    assert 3 * estimate_analytic(info, shorter, int(m.group(1)), dev).device_total_bytes \
+        <= engine.budget * 1.02  # the suggestion fits once calibrated
