@@ -5,8 +5,10 @@ process whose address space is capped, so exceeding the cap is a real
 allocation failure), for small models with different memory profiles, compare:
 
 1. **autofit** restricted to the one combination the peers search (32-true,
-   AdamW, no checkpointing), keeping a target effective batch; with the default
-   10% margin and with ``margin=0.0``. Plus one unrestricted run, for information.
+   AdamW, no checkpointing), four runs: keeping a target effective batch (micro
+   batches are then divisors of it) and with no target (accumulation 1, the
+   peers' setting), each with the default 10% margin and with ``margin=0.0``.
+   Plus one unrestricted run, for information.
 2. **accelerate** ``find_executable_batch_size`` (the real function, default
    ``starting_batch_size=128``; since huggingface/accelerate#3650 it multiplies
    the batch by 0.9 on every OOM, older releases halved it).
@@ -82,6 +84,13 @@ DEFAULT_MARGIN = 0.10  # autofit's (autofit.search.DEFAULT_MARGIN)
 ACCELERATE_START = 128  # accelerate's default starting_batch_size
 PEER_COMBINATION = ("32-true", "adamw_torch", False)  # precision, optimizer, checkpointing
 TARGETS = {"choice_vs_true_max": 0.95, "max_ooms": 1, "wall_vs_fastest_peer": 1 / 3}
+# (label, margin (None: autofit's default), keep the target effective batch?)
+AUTOFIT_ROWS = (
+    ("autofit", None, True),
+    ("autofit margin=0", 0.0, True),
+    ("autofit, no target", None, False),
+    ("autofit, no target, margin=0", 0.0, False),
+)
 
 
 # ---------------------------------------------------------------- models and data
@@ -428,12 +437,15 @@ def first_failure(fits: Callable[[int], bool], start: int = 1, limit: int = 1024
 
 
 def true_max(
-    attempt: Callable[[int, int], tuple[Attempt, bool]], target: int
+    attempt: Callable[[int, int], tuple[Attempt, bool]], target: int,
+    budget: int | None = None,
 ) -> dict[str, Any]:
     """Largest fitting micro batch for autofit's step and for the peers' step.
 
     ``attempt(size, accum) -> (Attempt, reused)``. Autofit's step uses the
     accumulation it would with ``target`` (``target // size``); the peers' none.
+    With ``budget`` (bytes), also the largest whose measured peak is within it, for
+    both steps (the plain step measured downwards from its limit until one is).
     """
     reused: list[list[int]] = [[], []]
 
@@ -461,8 +473,23 @@ def true_max(
         consistent = False
         b_plain = first_failure(fits_plain, start=1) - 1
     allowed = [d for d in range(1, target + 1) if target % d == 0 and d <= b_accum]
+    within_accum = within_plain = None
+    if budget is not None:
+        within_accum = max((a.size for a in log_accum if a.fits and a.peak_bytes is not None
+                            and a.peak_bytes <= budget), default=None)
+        for b in range(b_plain, 0, -1):
+            a, again = attempt(b, 1)
+            if a not in log_plain:
+                log_plain.append(a)
+                if again:
+                    reused[1].append(b)
+            if a.fits and a.peak_bytes is not None and a.peak_bytes <= budget:
+                within_plain = b
+                break
     return {
         "accumulated": b_accum, "plain": b_plain,
+        "within_margin_accumulated": within_accum, "within_margin_plain": within_plain,
+        "budget_bytes": budget,
         "allowed_accumulated": max(allowed) if allowed else None,
         "consistent": consistent,
         "reused_accumulated": reused[0],
@@ -476,7 +503,8 @@ def true_max(
 
 
 def run_autofit(device: Device, *, restricted: bool, margin: float | None,
-                progress: list[tuple[float, str]] | None = None) -> dict[str, Any]:
+                progress: list[tuple[float, str]] | None = None,
+                keep_target: bool = True) -> dict[str, Any]:
     """One ``autofit()`` call on the capped device, timed; its 32-true AdamW trials recorded.
 
     ``progress`` collects (seconds since the start, line) before each trial; it is
@@ -492,7 +520,8 @@ def run_autofit(device: Device, *, restricted: bool, margin: float | None,
     t = time.perf_counter()
     kw["progress"] = lambda line: progress.append((time.perf_counter() - t, line))
     r = autofit(device.model, device.dataset, device=device.spec.cap,
-                target_batch_size=device.spec.target, margin=margin, **kw)
+                target_batch_size=device.spec.target if keep_target else None, margin=margin,
+                **kw)
     wall = time.perf_counter() - t
     trials = [{"size": x.config["micro_batch_size"], "accum": x.config["grad_accum_steps"],
                "precision": x.config["precision"], "optimizer": x.config["optimizer"],
@@ -509,6 +538,7 @@ def run_autofit(device: Device, *, restricted: bool, margin: float | None,
         "effective": r.config.effective_batch_size, "precision": r.config.precision,
         "optimizer": r.config.optimizer, "checkpointing": r.config.gradient_checkpointing,
         "confirmed": r.confirmed, "wall_s": wall, "margin": margin,
+        "target": device.spec.target if keep_target else None,
         "before_first_trial_s": progress[0][0] if progress else None,
         "progress": [line for _, line in progress],
         "attempts": len(trials), "ooms": sum(x["oom"] for x in trials),
@@ -611,9 +641,9 @@ def bench_model(spec: Spec, workdir: Path, *, unrestricted: bool) -> dict[str, A
     t0 = time.perf_counter()
 
     rows = []
-    for label, margin in (("autofit", None), ("autofit margin=0", 0.0)):
+    for label, margin, keep in AUTOFIT_ROWS:
         _say(f"{spec.name} on {spec.cap}: {label} (restricted)")
-        af = run_autofit(device, restricted=True, margin=margin)
+        af = run_autofit(device, restricted=True, margin=margin, keep_target=keep)
         rows.append({"tuner": label, **af, "kept": af["effective"] == spec.target})
 
     def accelerate(log: Log) -> tuple[int, int]:
@@ -636,19 +666,28 @@ def bench_model(spec: Spec, workdir: Path, *, unrestricted: bool) -> dict[str, A
 
     _say("  exhaustive truth (reusing identical measurements made above)")
     t = time.perf_counter()
-    truth = true_max(device.cached, spec.target)
+    budget = int((1 - DEFAULT_MARGIN) * out["cap_bytes"])
+    truth = true_max(device.cached, spec.target, budget=budget)
     truth["wall_s"] = time.perf_counter() - t
     out["truth"] = truth
     _say(f"  truth: {truth['accumulated']} with accumulation, {truth['plain']} without")
     for r in rows:
-        r["true_max"] = truth["accumulated" if r["tuner"].startswith("autofit") else "plain"]
+        accumulated = r["tuner"].startswith("autofit") and r.get("target") is not None
+        r["true_max"] = truth["accumulated" if accumulated else "plain"]
+        r["true_max_within_margin"] = truth["within_margin_accumulated" if accumulated
+                                            else "within_margin_plain"]
         if r["micro"] is not None and not r["tuner"].startswith("autofit"):
             r["loader_lengths"] = loader_lengths(dataset, r["micro"])
     out["rows"] = rows
 
     _say("  full runs of autofit's choices on the worst-case batch")
-    out["full_run"] = full_run(device, rows[0]["micro"], rows[0]["accum"])
-    out["full_run_margin0"] = full_run(device, rows[1]["micro"], rows[1]["accum"])
+    runs: dict[tuple[int, bool], dict[str, Any]] = {}
+    for r in rows:
+        if r["tuner"].startswith("autofit"):
+            key = (r["micro"], r["accum"] > 1)
+            if key not in runs:
+                runs[key] = full_run(device, r["micro"], r["accum"])
+            r["full_run"] = runs[key]
     if unrestricted:
         _say("  autofit (unrestricted)")
         out["unrestricted"] = run_unrestricted(device)
@@ -709,33 +748,47 @@ def _fmt_wall(row: dict[str, Any], ref: float) -> tuple[str, str]:
     return f"{row['wall_s']:.0f}", f"{row['wall_s'] / ref:.2f}×"
 
 
+def _divisor_at_most(target: int, size: int | None) -> int | None:
+    return max((d for d in range(1, target + 1) if target % d == 0 and size is not None
+                and d <= size), default=None)
+
+
 def summarise(model: dict[str, Any]) -> dict[str, Any]:
-    """The targets for one model."""
-    rows = {r["tuner"]: r for r in model["rows"]}
-    af, af0 = rows["autofit"], rows["autofit margin=0"]
-    truth = model["truth"]
+    """The targets for one model, per autofit run.
+
+    Each run's choice is compared with the true maximum of its own step, and with
+    the largest size it may choose: within its margin (the default keeps 10% of the
+    cap free, ``margin=0`` none) and, with a target effective batch, a divisor of it.
+    """
+    truth, target = model["truth"], model["spec"]["target"]
     peers = [r for r in model["rows"] if not r["tuner"].startswith("autofit")]
     finished = [r for r in peers if r["micro"] is not None]
     fastest = min(finished, key=lambda r: r["wall_s"]) if finished else None
-    budget = (1 - DEFAULT_MARGIN) * model["cap_bytes"]
-    within = [a["size"] for a in truth["attempts_accumulated"]
-              if a["fits"] and a["peak_bytes"] is not None and a["peak_bytes"] <= budget]
-    target = model["spec"]["target"]
-    within_allowed = [b for b in within if target % b == 0]
-    return {
-        "true_max_within_margin": max(within, default=None),
-        "allowed_within_margin": max(within_allowed, default=None),
-        "choice_vs_true_max": af["micro"] / truth["accumulated"],
-        "choice_vs_true_max_margin0": af0["micro"] / truth["accumulated"],
-        "choice_vs_allowed": af["micro"] / truth["allowed_accumulated"],
-        "choice_vs_allowed_margin0": af0["micro"] / truth["allowed_accumulated"],
-        "ooms": af["ooms"], "ooms_margin0": af0["ooms"],
-        "fastest_peer": fastest["tuner"] if fastest else None,
-        "wall_vs_fastest_peer": af["wall_s"] / fastest["wall_s"] if fastest else None,
-        "wall_vs_fastest_peer_margin0": af0["wall_s"] / fastest["wall_s"] if fastest else None,
-        "full_run_fits": model["full_run"]["fits"],
-        "full_run_margin0_fits": model["full_run_margin0"]["fits"],
-    }
+    rows = []
+    for r in model["rows"]:
+        if not r["tuner"].startswith("autofit"):
+            continue
+        accumulated = r.get("target") is not None
+        step = "accumulated" if accumulated else "plain"
+        true = truth[step]
+        margin0 = r["margin"] == 0.0
+        ref = true if margin0 else truth[f"within_margin_{step}"]
+        kind = "true max" if margin0 else "true max within the 10% margin"
+        if accumulated:
+            ref = _divisor_at_most(target, ref)
+            kind = (f"largest divisor of {target} that fits" if margin0
+                    else f"largest divisor of {target} within the 10% margin")
+        rows.append({
+            "tuner": r["tuner"], "micro": r["micro"], "accum": r["accum"],
+            "true_max": true, "reference": ref, "reference_kind": kind,
+            "choice_vs_true_max": r["micro"] / true,
+            "choice_vs_reference": r["micro"] / ref if ref else None,
+            "ooms": r["ooms"],
+            "wall_vs_fastest_peer": r["wall_s"] / fastest["wall_s"] if fastest else None,
+            "full_run_fits": r["full_run"]["fits"],
+            "kept": r["kept"] if accumulated else None,
+        })
+    return {"fastest_peer": fastest["tuner"] if fastest else None, "rows": rows}
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -821,12 +874,20 @@ def _model_section(m: dict[str, Any]) -> list[str]:
                 "padded to " + "; ".join(f"{v} tokens at micro batch {k}" for k, v in
                                          sorted(seen.items()))
                 + f" — the worst case is {ls['max']}."]
-    for key, label in (("full_run", "autofit's choice"), ("full_run_margin0", "margin=0 choice")):
-        fr = m[key]
+    seen_runs: set[tuple[int, int]] = set()
+    for r in m["rows"]:
+        fr = r.get("full_run")
+        if fr is None or (fr["size"], fr["accum"]) in seen_runs:
+            continue
+        seen_runs.add((fr["size"], fr["accum"]))
+        who = ", ".join(x["tuner"] for x in m["rows"]
+                        if x.get("full_run") and (x["full_run"]["size"], x["full_run"]["accum"])
+                        == (fr["size"], fr["accum"]))
         peak = "-" if fr["peak_bytes"] is None else f"{fr['peak_bytes'] / MiB:.0f} MiB"
         out.append("")
-        out.append(f"Full run of {label} (micro {fr['size']} × accum {fr['accum']}, 1 warm-up "
-                   f"+ 3 optimizer steps, 2 micro batches each, on the worst-case batch): "
+        out.append(f"Full run of micro {fr['size']} × accum {fr['accum']} ({who}; 1 warm-up + 3 "
+                   f"optimizer steps, {min(fr['accum'], 2)} micro batch(es) each, on the "
+                   f"worst-case batch): "
                    f"{'no OOM' if fr['fits'] else 'FAILED: ' + str(fr['error'])}, peak {peak} "
                    f"of {s['cap'].split(':')[1]}.")
     u = m.get("unrestricted")
@@ -850,39 +911,38 @@ def _model_section(m: dict[str, Any]) -> list[str]:
 
 def _summary_section(results: dict[str, Any]) -> list[str]:
     out = ["## Summary", "",
-           "| model | true max / within 10% margin / largest allowed (both) | autofit choice "
-           "(margin 10% / 0) | choice / true max (10% / 0) | autofit OOMs (10% / 0) | "
-           "autofit wall / fastest peer (10% / 0) | full run (10% / 0) |",
-           "|---|---|---|---|---|---|---|"]
+           "| model | autofit run | choice | true max | may choose (what) | choice / true max | "
+           "choice / may choose | OOMs | wall / fastest peer | full run | effective batch |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in results["models"]:
         t = m["summary"]
-        wall = (f"{t['wall_vs_fastest_peer']:.2f} / {t['wall_vs_fastest_peer_margin0']:.2f} "
-                f"({t['fastest_peer']})" if t["fastest_peer"] else "-")
-        truth = m["truth"]
-        rows = {r["tuner"]: r for r in m["rows"]}
-        out.append(
-            f"| {m['spec']['name']} | {truth['accumulated']} / {t['true_max_within_margin']} / "
-            f"{truth['allowed_accumulated']} ({t['allowed_within_margin']}) | "
-            f"{rows['autofit']['micro']} / {rows['autofit margin=0']['micro']} | "
-            f"{_ratio(t['choice_vs_true_max'])} / {_ratio(t['choice_vs_true_max_margin0'])} | "
-            f"{t['ooms']} / {t['ooms_margin0']} | "
-            f"{wall} | {'no OOM' if t['full_run_fits'] else 'OOM'} / "
-            f"{'no OOM' if t['full_run_margin0_fits'] else 'OOM'} |")
-    out += ["", "Targets (met / not met, per model):", ""]
+        for r in t["rows"]:
+            wall = "-" if r["wall_vs_fastest_peer"] is None else f"{r['wall_vs_fastest_peer']:.2f}"
+            kept = ("-" if r["kept"] is None else
+                    f"{r['micro'] * r['accum']} ({'kept' if r['kept'] else 'NOT kept'})")
+            out.append(
+                f"| {m['spec']['name']} | {r['tuner']} | {r['micro']} | {r['true_max']} | "
+                f"{r['reference']} ({r['reference_kind']}) | {_ratio(r['choice_vs_true_max'])} | "
+                f"{_ratio(r['choice_vs_reference'])} | {r['ooms']} | {wall} | "
+                f"{'no OOM' if r['full_run_fits'] else 'OOM'} | {kept} |")
+    out += ["", "Fastest peer per model: " + "; ".join(
+        f"{m['spec']['name']}: {m['summary']['fastest_peer']}" for m in results["models"]) + ".",
+        "", "Targets (met / not met, per model and autofit run):", ""]
     for m in results["models"]:
-        t = m["summary"]
-        checks = [
-            ("choice ≥ 95% of the true max (default margin)",
-             t["choice_vs_true_max"] >= TARGETS["choice_vs_true_max"]),
-            ("choice ≥ 95% of the true max (margin=0)",
-             t["choice_vs_true_max_margin0"] >= TARGETS["choice_vs_true_max"]),
-            ("at most one OOM", max(t["ooms"], t["ooms_margin0"]) <= TARGETS["max_ooms"]),
-            ("wall < 1/3 of the fastest peer's",
-             t["wall_vs_fastest_peer"] is not None
-             and t["wall_vs_fastest_peer"] < TARGETS["wall_vs_fastest_peer"]),
-        ]
-        out.append(f"- {m['spec']['name']}: " + "; ".join(
-            f"{label}: **{'met' if ok else 'not met'}**" for label, ok in checks))
+        for r in m["summary"]["rows"]:
+            checks = [
+                ("choice ≥ 95% of the largest it may choose",
+                 r["choice_vs_reference"] is not None
+                 and r["choice_vs_reference"] >= TARGETS["choice_vs_true_max"]),
+                ("choice ≥ 95% of the true max", r["choice_vs_true_max"]
+                 >= TARGETS["choice_vs_true_max"]),
+                ("at most one OOM", r["ooms"] <= TARGETS["max_ooms"]),
+                ("wall < 1/3 of the fastest peer's", r["wall_vs_fastest_peer"] is not None
+                 and r["wall_vs_fastest_peer"] < TARGETS["wall_vs_fastest_peer"]),
+                ("full run without OOM", r["full_run_fits"]),
+            ]
+            out.append(f"- {m['spec']['name']}, {r['tuner']}: " + "; ".join(
+                f"{label}: **{'met' if ok else 'not met'}**" for label, ok in checks))
     return out + [""] + _notes(results)
 
 
@@ -891,13 +951,16 @@ def _notes(results: dict[str, Any]) -> list[str]:
     divisors = ", ".join(str(d) for d in range(1, target + 1) if target % d == 0)
     return [
         "## How to read this", "",
-        f"- *True max* is autofit's step (accumulation: the gradients of one micro batch are "
-        f"held through the next, 4 bytes per parameter more than the peers' plain step). "
-        f"*Within 10% margin*: the largest size whose measured peak is at most 90% of the cap, "
-        f"from the same measurements; that is what the default margin aims at. *Largest "
-        f"allowed*: the largest divisor of the target ({target}: {divisors}) that fits (in "
-        f"brackets: within the margin) — with `target_batch_size` autofit only picks divisors, "
-        f"so that micro × accumulation is exactly the target.",
+        "- *True max* is the largest micro batch that fits, for the run's own step: with a "
+        "target, autofit's accumulated step (the gradients of one micro batch are held "
+        "through the next, 4 bytes per parameter more); without one, the peers' plain step. "
+        "*May choose* is the largest size the run's constraints allow: within its margin "
+        "(the largest size whose measured peak is at most 90% of the cap, from the same "
+        "exhaustive measurements; `margin=0`: the true max) and, with a target, a divisor "
+        f"of it ({target}: {divisors}), so that micro × accumulation is exactly the target. "
+        "The issue's target (choice ≥ 95% of the true maximum *for the combination it "
+        "chose*) is read as *choice / may choose*; *choice / true max* is shown beside it, "
+        "and is what the 10% margin and the divisors cost.",
         "- The margin is a fraction of the whole capacity, kept free for what a trial does not "
         "see (fragmentation, a longer run, other processes); the batch it costs is "
         "0.1 × cap / (bytes per sample): small when activations dominate, large when weights, "

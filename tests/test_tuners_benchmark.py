@@ -183,3 +183,59 @@ def test_dataset_is_skewed_and_seeded(tuners):
     assert data == tuners.make_dataset(spec)
     bert = next(s for s in tuners.SPECS if s.task == "seq-cls")
     assert {"input_ids", "label"} <= set(tuners.make_dataset(bert)[0])
+
+
+def test_true_max_within_the_margin(tuners):
+    # peak = 10 + 10 * size bytes (plain), +5 with accumulation; budget 75: accumulated 6
+    # (65 + 5 = 70; 7 -> 85), plain 6 (70; 7 -> 80); cap: accumulated 8, plain 8
+    def attempt(size: int, accum: int = 1):
+        peak = 10 + 10 * size + (5 if accum > 1 else 0)
+        ok = peak <= 95
+        return tuners.Attempt(size, accum, ok, not ok, None if ok else "x", 0.0,
+                              peak if ok else None, 3), False
+
+    t = tuners.true_max(attempt, 48, budget=75)
+    assert (t["accumulated"], t["plain"]) == (8, 8)
+    assert (t["within_margin_accumulated"], t["within_margin_plain"]) == (6, 6)
+
+
+def _row(tuners, name, micro, accum, *, margin=None, target=48, wall=10.0, fits=True):
+    r = {"tuner": name, "attempts": 1, "ooms": 0, "steps": 3, "wall_s": wall, "micro": micro,
+         "accum": accum, "effective": micro * accum, "kept": micro * accum == 48,
+         "trials": [{"size": micro, "oom": False}], "margin": margin, "target": target}
+    r["full_run"] = {"size": micro, "accum": accum, "fits": fits, "error": None,
+                     "peak_bytes": 900 << 20}
+    return r
+
+
+def test_report_compares_each_run_with_what_it_may_choose(tuners):
+    log = tuners.Log()
+    peer = tuners.peer_row("accelerate find_executable_batch_size", log, 100.0, 9, 1, 48)
+    truth = {"accumulated": 9, "plain": 10, "within_margin_accumulated": 8,
+             "within_margin_plain": 9, "allowed_accumulated": 8, "consistent": True,
+             "reused_accumulated": [], "reused_plain": [], "attempts_accumulated": [],
+             "attempts_plain": [], "wall_s": 1.0, "budget_bytes": 1}
+    rows = [_row(tuners, "autofit", 8, 6), _row(tuners, "autofit margin=0", 8, 6, margin=0.0),
+            _row(tuners, "autofit, no target", 9, 1, target=None),
+            _row(tuners, "autofit, no target, margin=0", 9, 1, margin=0.0, target=None,
+                 fits=False), peer]
+    for r in rows:
+        r["true_max"] = 10
+    model = {"spec": {"name": "m", "target": 48, "cap": "cpu:1GiB", "profile": "p",
+                      "config": {"architectures": ["X"]}},
+             "params": 1e6, "cap_bytes": 1 << 30, "truth": truth, "rows": rows,
+             "lengths": {"n": 1, "median": 1, "p90": 1, "max": 1, "at_max": 1}}
+    model["summary"] = tuners.summarise(model)
+    by = {r["tuner"]: r for r in model["summary"]["rows"]}
+    assert by["autofit"]["reference"] == 8  # largest divisor of 48 within the margin
+    assert by["autofit margin=0"]["reference"] == 8  # largest divisor of 48 that fits (9)
+    assert by["autofit, no target"]["reference"] == 9  # plain, within the margin
+    assert by["autofit, no target, margin=0"]["reference"] == 10
+    assert by["autofit, no target, margin=0"]["choice_vs_reference"] == 0.9
+    assert by["autofit"]["wall_vs_fastest_peer"] == 0.1
+    md = tuners.markdown({"command": "c", "date": "d", "machine": "x", "versions": "v",
+                          "wall_s": 60.0, "recognition_probe": {}, "models": [model]})
+    assert "- m, autofit: choice ≥ 95% of the largest it may choose: **met**" in md
+    assert ("- m, autofit, no target, margin=0: choice ≥ 95% of the largest it may choose: "
+            "**not met**") in md
+    assert "full run without OOM: **not met**" in md
