@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 from autofit.config import TrainConfig
@@ -174,7 +175,10 @@ def autofit(
         **constraints: ``precision=[...]``, ``optimizer=[...]``,
             ``gradient_checkpointing=False``, ``max_micro_batch=``,
             ``training_args=`` (a ``TrainingArguments``, only the tuned fields
-            change), ``method=`` (``analytic``), ``tokenizer=``, ``collator=``,
+            change), ``method=`` (``analytic``; ``simulate``: on a device that is not
+            here, the best candidates are bracketed by simulating their step instead of
+            planning from the closed form; on one that is, the simulated step is the
+            estimate the trials start from), ``tokenizer=``, ``collator=``,
             ``task=``, ``cache=`` (False, True or a storage URL), ``confirm_top=``,
             ``max_trials=``, ``progress=``, ``isolation=``, ``trial_timeout_s=``,
             ``generate_max_new_tokens=`` (eval by generation: sizes the eval batch's
@@ -290,9 +294,21 @@ def autofit(
                            timeout_s=constraints.get("trial_timeout_s", 600.0),
                            attn_implementation=constraints.get("attn_implementation"),
                            lora=constraints.get("lora"))
+    elif method == "simulate":
+        trial_fn = _simulated_trials(module, task, info, dev, seq_len, speed)
+        reasons.append(f"{dev.name} is not present here: the best candidates were bracketed by "
+                       "simulating their training step on fake tensors with the allocator "
+                       "model of the target (unconfirmed on hardware); run autofit on the "
+                       "target to confirm")
     else:
         reasons.append(f"{dev.name} is not present here: planned from the estimate alone "
-                       "(unconfirmed); run autofit on the target to confirm")
+                       "(unconfirmed); run autofit on the target to confirm (or "
+                       "method='simulate' for an exact plan of the simulated step)")
+    simulated = trial_fn is not None and not dev.present
+    if method == "simulate" and dev.present:
+        estimate_total = _simulated_estimate(module, task, info, dev, seq_len)
+        reasons.append("estimates: the simulated step (a line through micro batches 1, 2 and "
+                       "4 per combination), confirmed by trials")
 
     recorder = None
     cache = constraints.get("cache", True)
@@ -304,7 +320,7 @@ def autofit(
                   space.optim_args],
         "margin": margin, "method": method, "objective": objective,
     })
-    if cache and trial_fn is not None:
+    if cache and trial_fn is not None and not simulated:
         from autofit._study import TrialRecorder, default_storage
 
         storage = cache if isinstance(cache, str) else default_storage()
@@ -321,14 +337,24 @@ def autofit(
                     confirm_top=int(constraints.get("confirm_top", 3)),
                     max_trials=int(constraints.get("max_trials", 12)),
                     time_budget_s=time_budget_s, recorder=recorder, progress=progress,
-                    started_at=started_at, add_fragmentation=add_fragmentation)
+                    started_at=started_at, add_fragmentation=add_fragmentation,
+                    trial_word="simulated" if simulated else "measured")
     outcome = engine.run()
     if outcome.config is None:
         from autofit._suggest import nothing_fits
 
         raise nothing_fits(info, space, engine, seq_len, dev)
     config = outcome.config
-    est = estimate_analytic(info, config, seq_len, dev)
+    if simulated:
+        from autofit.memory.simulate import simulate as simulate_step
+
+        est = simulate_step(module, config, seq_len=seq_len, device=dev, task=task,
+                            model_name=info.name)
+        reasons.append(f"{len(outcome.trials)} configurations simulated; no trial on hardware")
+    else:
+        est = estimate_analytic(info, config, seq_len, dev)
+    confirmed = outcome.confirmed and not simulated
+    trials = () if simulated else tuple(outcome.trials)
     reasons = outcome.reasons + reasons
     from autofit.emit import training_arguments_dict
 
@@ -348,15 +374,65 @@ def autofit(
             "target_batch_size": space.target_batch_size, "max_seq_len": max_seq_len,
             "model_id": model_identity(module if hasattr(model, "parameters") else model),
             "versions": _library_versions()}
-    result = FitResult(config=config, estimate=est, trials=tuple(outcome.trials),
-                       reasons=tuple(reasons), confirmed=outcome.confirmed, device=dev.name,
+    result = FitResult(config=config, estimate=est, trials=trials,
+                       reasons=tuple(reasons), confirmed=confirmed, device=dev.name,
                        candidates=rows, training_arguments_kwargs=kwargs, meta=meta,
                        eval_micro_batch=eval_micro)
-    if recorder is not None and outcome.confirmed and not outcome.stopped_early:
+    if recorder is not None and confirmed and not outcome.stopped_early:
         recorder.store_result({"config": config.to_dict(), "reasons": list(reasons),
                                "candidates": list(rows), "meta": meta,
                                "eval_micro_batch": eval_micro})
     return result
+
+
+@dataclass(frozen=True)
+class _SimulatedTrial:
+    """What the engine reads from a trial, produced by simulating the step instead."""
+
+    oom: bool
+    device_total_bytes: int | None
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    tokens_per_s: float | None
+    error: str | None = None
+
+
+def _simulated_trials(module: Any, task: str, info: Any, dev: DeviceInfo, seq_len: int,
+                      speed: Any):
+    """A trial function for a device that is not here: the simulated step on fake tensors.
+
+    The engine brackets the limit with it exactly as with real trials (a few
+    simulations for the best combinations, not one per micro batch); throughput
+    is the model's prediction, since nothing runs on the target.
+    """
+    from autofit.memory.simulate import Simulator
+
+    sim = Simulator(module, task=task, device=dev, model_name=info.name)
+
+    def trial(config: TrainConfig) -> _SimulatedTrial:
+        est = sim.simulate(config, seq_len=seq_len)
+        total = est.device_total_bytes
+        if total > dev.capacity_bytes:
+            return _SimulatedTrial(True, None, None, None, None,
+                                   f"simulated out of memory: {total} bytes > capacity")
+        return _SimulatedTrial(False, total, est.peak_allocated_bytes, est.peak_reserved_bytes,
+                               speed(config))
+
+    return trial
+
+
+def _simulated_estimate(module: Any, task: str, info: Any, dev: DeviceInfo, seq_len: int):
+    """``config -> device total bytes`` from the simulated step's peak line per combination."""
+    from autofit.memory.simulate import Simulator
+
+    sim = Simulator(module, task=task, device=dev, model_name=info.name)
+
+    def estimate_total(config: TrainConfig) -> int:
+        base = config.replace(micro_batch_size=1, grad_accum_steps=min(config.grad_accum_steps, 2))
+        return sim.peak_line(base, seq_len=seq_len, batches=(1, 2, 4)).total(
+            config.micro_batch_size)
+
+    return estimate_total
 
 
 def _eval_micro_batch(info: Any, config: TrainConfig, seq_len: int, dev: DeviceInfo,

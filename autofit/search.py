@@ -240,6 +240,8 @@ class Engine:
         started_at: ``clock()`` value the time budget counts from (default: now).
         add_fragmentation: keep, on top of the margin, the allocator fragmentation
             (reserved - allocated) measured in trials.
+        trial_word: how the reasons call what a trial gives: ``"measured"``, or
+            ``"simulated"`` when the trials are simulations of the step.
     """
 
     def __init__(
@@ -260,6 +262,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         started_at: float | None = None,
         add_fragmentation: bool = False,
+        trial_word: str = "measured",
     ) -> None:
         if not 0 <= margin < 1:
             raise BadInputError(f"margin must be in [0, 1), got {margin}")
@@ -267,6 +270,7 @@ class Engine:
         self.capacity = capacity_bytes
         self.margin = margin
         self.add_fragmentation = add_fragmentation
+        self.trial_word = trial_word  # "measured" (real trials) or "simulated"
         self.fragmentation = 0  # largest reserved - allocated seen in a trial
         self._estimate = estimate
         self._speed = speed
@@ -390,7 +394,8 @@ class Engine:
             self._progress(f"trial {c.label()}, micro batch {b}: from the study (resumed)")
             result = cached
         else:
-            self._progress(f"trial {len(self.trials) + 1}: {c.label()}, micro batch {b} "
+            noun = "trial" if self.trial_word == "measured" else "simulation"
+            self._progress(f"{noun} {len(self.trials) + 1}: {c.label()}, micro batch {b} "
                            f"(estimate {_gib(self.estimated(c, b))})")
             result = self._trial(config)
             if self.recorder is not None:
@@ -520,7 +525,7 @@ class Engine:
         best = max(tied, key=lambda c: (c.predicted_tokens_per_s or 0.0, c.measured_tokens_per_s or 0.0))
         fastest = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0)
         if best is not fastest:
-            reasons.append(f"{best.label()} and {fastest.label()} measured within "
+            reasons.append(f"{best.label()} and {fastest.label()} {self.trial_word} within "
                            f"{100 * SPEED_TIE:.0f}% of each other (step-time noise); the "
                            "throughput model breaks the tie")
         return best
@@ -531,22 +536,22 @@ class Engine:
         assert b is not None
         config = self.config(best, b)
         speed = best.measured_tokens_per_s if confirmed else best.predicted_tokens_per_s
-        how = "measured" if confirmed else "predicted"
+        how = self.trial_word if confirmed else "predicted"
         reasons.insert(0, f"chosen: {best.label()} at micro batch {b} × accumulation "
                           f"{config.grad_accum_steps} — fastest {how} ({speed:,.0f} tokens/s)"
                        if speed else f"chosen: {best.label()} at micro batch {b}")
         if confirmed:
             nxt = [x for x in self.space.micro_batches if x > b]
             if best.failed_micro_batch is not None:
-                reasons.append(f"micro batch {b}: measured {_gib(best.measured_bytes)} ≤ budget "
+                reasons.append(f"micro batch {b}: {self.trial_word} {_gib(best.measured_bytes)} ≤ budget "
                                f"{_gib(self.budget)}; {best.failed_micro_batch} did not fit")
             elif nxt:
-                reasons.append(f"micro batch {b}: measured {_gib(best.measured_bytes)}; "
+                reasons.append(f"micro batch {b}: {self.trial_word} {_gib(best.measured_bytes)}; "
                                f"{nxt[0]} is estimated at "
                                f"{_gib(self.estimated(best, nxt[0]))} > budget {_gib(self.budget)}")
             else:
                 reasons.append(f"micro batch {b}: the largest allowed")
-        frag = (f" + {_gib(self.fragmentation)} allocator fragmentation measured in trials"
+        frag = (f" + {_gib(self.fragmentation)} allocator fragmentation {self.trial_word} in trials"
                 if self.add_fragmentation and self.fragmentation else "")
         reasons.append(f"margin: {100 * self.margin:.0f}% of {_gib(self.capacity)} kept free{frag} "
                        f"(budget {_gib(self.budget)})")
