@@ -309,7 +309,9 @@ def _page(data: ReportData, png: bytes) -> str:
     est = data.estimate
     total = max(est.device_total_bytes, 1)
     state = ("answered from the cache" if data.from_cache else
-             "confirmed on the device" if data.confirmed else "UNCONFIRMED: planned from the estimate")
+             "confirmed on the device" if data.confirmed else
+             "UNCONFIRMED: planned by simulating the step" if est.method == "simulate" else
+             "UNCONFIRMED: planned from the estimate")
     verdict = (f"<span class='fits'>fits: {e(format_bytes(est.headroom_bytes))} headroom</span>"
                if est.fits else
                f"<span class='nofit'>does not fit: {e(format_bytes(-est.headroom_bytes))} over</span>")

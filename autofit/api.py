@@ -167,8 +167,8 @@ def autofit(
         target_batch_size: the effective batch to keep (micro x accumulation x
             devices); default: a user's ``training_args=`` batch, else none.
         max_seq_len: truncation length of the samples.
-        margin: fraction of the capacity kept free (default 10% plus the
-            fragmentation measured in trials).
+        margin: fraction of the capacity kept free (default 10%, above the
+            allocated peak plus the fragmentation measured in trials).
         objective: ``"throughput"`` (the only one so far).
         time_budget_s: stop starting trials after this long; the best confirmed
             candidate so far is returned.

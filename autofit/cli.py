@@ -134,7 +134,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, margin=args.margin, time_budget_s=args.time_budget,
         precision=args.precision, optimizer=args.optim, gradient_checkpointing=args.ckpt,
         max_micro_batch=args.max_micro_batch, task=args.task, tokenizer=tokenizer,
-        max_trials=args.max_trials, cache=not args.no_cache,
+        max_trials=args.max_trials, cache=not args.no_cache, method=args.method,
     )
     if args.json:
         result = autofit(args.model, data, **kwargs)
@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="effective batch to keep (micro batch × accumulation × devices)")
     t.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this length")
     t.add_argument("--margin", type=float, default=None,
-                   help="fraction of capacity kept free (default 0.10 + measured fragmentation)")
+                   help="fraction of capacity kept free above the measured reserved peak "
+                        "(allocated + fragmentation; default 0.10)")
     t.add_argument("--time-budget", type=float, default=None, help="seconds; best so far after it")
     t.add_argument("-o", "--output", default="tuned.yaml", help="tuned file (.yaml or .json)")
     t.add_argument("--precision", nargs="+", default=None, help="precisions allowed")
@@ -201,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--task", default=None)
     t.add_argument("--tokenizer", default=None, help="tokenizer for a dataset with text")
     t.add_argument("--max-trials", type=int, default=12)
+    t.add_argument("--method", choices=list(METHODS), default="analytic",
+                   help="estimate: analytic (closed form) or simulate (for a card not "
+                        "present: the best candidates bracketed by simulated steps)")
     t.add_argument("--no-cache", action="store_true", help="ignore and do not write the cache")
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
     t.set_defaults(func=_cmd_tune)

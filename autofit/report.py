@@ -188,7 +188,9 @@ def print_fit(result: Any, path: Any = None, console: Console | None = None) -> 
     console = console or Console()
     console.print(candidates_renderable(result))
     console.print(estimate_renderable(result.estimate))
-    state = "confirmed on the device" if result.confirmed else "UNCONFIRMED: planned from the estimate"
+    state = ("confirmed on the device" if result.confirmed
+             else "UNCONFIRMED: planned by simulating the step" if result.estimate.method == "simulate"
+             else "UNCONFIRMED: planned from the estimate")
     if result.from_cache:
         state = "answered from the cache (no trial)"
     c = result.config

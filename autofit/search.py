@@ -238,8 +238,11 @@ class Engine:
         recorder: optional ``TrialRecorder`` (optuna study) to log and resume trials.
         progress: called with a line of text before each trial.
         started_at: ``clock()`` value the time budget counts from (default: now).
-        add_fragmentation: keep, on top of the margin, the allocator fragmentation
-            (reserved - allocated) measured in trials.
+        add_fragmentation: report the allocator fragmentation (reserved -
+            allocated) measured in trials with the margin. It is kept free once: a
+            trial's device total is the reserved peak (plus the context), so the
+            margin is kept above allocated + fragmentation; subtracting it from the
+            budget as well counted it twice (a T4 plan lost a micro batch to it).
         trial_word: how the reasons call what a trial gives: ``"measured"``, or
             ``"simulated"`` when the trials are simulations of the step.
     """
@@ -289,9 +292,13 @@ class Engine:
 
     @property
     def budget(self) -> int:
-        """Bytes a candidate may take: capacity x (1 - margin) [- measured fragmentation]."""
-        frag = self.fragmentation if self.add_fragmentation else 0
-        return int(self.capacity * (1 - self.margin)) - frag
+        """Device total bytes a candidate may take: capacity x (1 - margin).
+
+        Measured device totals hold the fragmentation (reserved - allocated) they
+        met, and calibrated estimates are scaled to them, so the margin is kept
+        above allocated + measured fragmentation without subtracting it again.
+        """
+        return int(self.capacity * (1 - self.margin))
 
     # -- the estimate side -------------------------------------------------------
     def config(self, c: Candidate, micro_batch: int) -> TrainConfig:
@@ -551,10 +558,11 @@ class Engine:
                                f"{_gib(self.estimated(best, nxt[0]))} > budget {_gib(self.budget)}")
             else:
                 reasons.append(f"micro batch {b}: the largest allowed")
-        frag = (f" + {_gib(self.fragmentation)} allocator fragmentation {self.trial_word} in trials"
+        frag = (f" above the allocated peak + {_gib(self.fragmentation)} allocator "
+                f"fragmentation (reserved - allocated) {self.trial_word} in trials"
                 if self.add_fragmentation and self.fragmentation else "")
         reasons.append(f"margin: {100 * self.margin:.0f}% of {_gib(self.capacity)} kept free{frag} "
-                       f"(budget {_gib(self.budget)})")
+                       f"(budget {_gib(self.budget)} for the device total)")
         if self.space.target_batch_size is not None:
             eff = config.effective_batch_size
             if eff == self.space.target_batch_size:

@@ -178,3 +178,21 @@ def test_time_budget_returns_best_so_far(tiny_llama, data):
     # the budget is spent before the first trial: the choice rests on the estimate
     assert not r.confirmed and r.trials == () and any("budget" in x for x in r.reasons)
     assert isinstance(r.config, TrainConfig)
+
+
+def test_planning_by_simulation_for_a_card_not_present():
+    # tiny-llama at 2048 tokens on a T4 (fp16, grouped-query attention: SDPA's math
+    # kernel): the plan is bracketed by simulated steps, exact for the simulated step.
+    from autofit import estimate
+
+    rows = [{"input_ids": list(range(1, 2049))}] + [{"input_ids": list(range(1, 65))}] * 15
+    fixed = dict(precision=["16-mixed"], optimizer=["adamw_torch"], gradient_checkpointing=False)
+    r = autofit("tiny-llama", rows, device="T4", method="simulate", **fixed)
+    assert not r.confirmed and r.trials == () and r.estimate.method == "simulate"
+    assert any("simulating their training step" in x for x in r.reasons)
+    budget = 0.9 * r.estimate.capacity_bytes
+    b = r.config.micro_batch_size
+    assert r.estimate.device_total_bytes <= budget
+    cfg = TrainConfig(micro_batch_size=b + 1, precision="16-mixed", optimizer="adamw_torch")
+    nxt = estimate("tiny-llama", cfg, seq_len=2048, device="T4", method="simulate")
+    assert nxt.device_total_bytes > budget  # the next size does not fit: the exact limit
