@@ -196,3 +196,14 @@ def test_planning_by_simulation_for_a_card_not_present():
     cfg = TrainConfig(micro_batch_size=b + 1, precision="16-mixed", optimizer="adamw_torch")
     nxt = estimate("tiny-llama", cfg, seq_len=2048, device="T4", method="simulate")
     assert nxt.device_total_bytes > budget  # the next size does not fit: the exact limit
+
+
+def test_simulated_estimate_on_a_present_device(tiny_llama, data, count_trials):
+    # method="simulate" on the capped CPU: the simulated step is the estimate the trials
+    # start from; the choice is still confirmed by trials and fits the cap.
+    r = autofit(tiny_llama, data, device=CAP, target_batch_size=32, margin=0.0,
+                method="simulate", cache=False, **FIXED)
+    assert r.confirmed and r.config.effective_batch_size == 32
+    assert any("estimates: the simulated step" in x for x in r.reasons)
+    chosen = [t for t in r.trials if t.config["micro_batch_size"] == r.config.micro_batch_size]
+    assert chosen and chosen[-1].fits and r.ooms <= 1 and len(count_trials) <= 3
