@@ -520,6 +520,26 @@ class Engine:
         return SearchOutcome(None, None, self._candidates, self.trials, reasons, False,
                              ooms=self.ooms, stopped_early=stopped)
 
+    def _divisor_hint(self, c: Candidate, b: int) -> str | None:
+        """When keeping the target forces a micro batch well below what fits, say which
+        nearby targets would not (a prime target allows only 1 and itself)."""
+        per = (self.space.target_batch_size or 0) // self.space.world_size
+        top = min(per, (c.failed_micro_batch or per + 1) - 1)
+        lo, hi, free = b + 1, top, None
+        while lo <= hi:  # the calibrated estimate grows with the micro batch
+            mid = (lo + hi) // 2
+            if self.estimated(c, mid) <= self.budget:
+                free, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        if free is None or free < 1.25 * b:
+            return None
+        below, above = free * max(1, per // free), free * (per // free + 1)
+        alts = " or ".join(str(t * self.space.world_size) for t in dict.fromkeys((below, above)))
+        return (f"micro batch {b} is the largest divisor of {per} (the target per device) that "
+                f"fits, but {free} is estimated to fit: a target batch of {alts} would keep "
+                f"micro batches of {free} ({free / b:.1f}x fewer, larger steps)")
+
     def _fastest_measured(self, confirmed: list[Candidate], reasons: list[str]) -> Candidate:
         """The fastest measured candidate; within measurement noise, the one predicted fastest.
 
@@ -568,6 +588,9 @@ class Engine:
             if eff == self.space.target_batch_size:
                 reasons.append(f"effective batch kept: {b} × {config.grad_accum_steps} × "
                                f"{self.space.world_size} = {eff}")
+                hint = self._divisor_hint(best, b)
+                if hint:
+                    reasons.append(hint)
             else:
                 reasons.append(f"effective batch {eff} instead of {self.space.target_batch_size}: "
                                "the nearest the device count allows")

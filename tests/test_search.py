@@ -326,3 +326,19 @@ def test_nothing_fits_quotes_the_measured_peak_and_calibrated_suggestions():
     shorter = TrainConfig(micro_batch_size=1, precision="32-true", optimizer="adamw_torch")
     assert 3 * estimate_analytic(info, shorter, int(m.group(1)), dev).device_total_bytes \
         <= engine.budget * 1.02  # the suggestion fits once calibrated
+
+
+def test_a_target_with_no_fitting_divisor_near_the_limit_says_which_would():
+    # target 47 (prime): only 1 and 47 divide it; 16 fits. The choice keeps 47 exactly
+    # (1 x 47) and the reasons name the nearby targets that keep micro batches of 16.
+    sp = SearchSpace(("bf16-mixed",), (False,), ("adamw_torch",),
+                     micro_batch_options(47, 1, 256)[0], 47)
+    engine, tried = make(sp)
+    out = engine.run()
+    assert out.config.micro_batch_size == 1 and out.config.effective_batch_size == 47
+    hint = [r for r in out.reasons if "would keep micro batches of 16" in r]
+    assert hint and "32 or 48" in hint[0]
+    sp48 = SearchSpace(("bf16-mixed",), (False,), ("adamw_torch",),
+                       micro_batch_options(48, 1, 256)[0], 48)
+    out48 = make(sp48)[0].run()  # 16 divides 48: nothing to say
+    assert not any("would keep micro batches" in r for r in out48.reasons)
