@@ -146,38 +146,53 @@ class TrialProgress:
         self._progress.update(self._task, description=line)
 
 
+_SHORT_OPTIM = {"adamw_torch_fused": "adamw fused", "adamw_torch": "adamw", "adamw_bnb_8bit":
+                "adamw 8-bit", "paged_adamw_8bit": "paged adamw 8-bit"}
+
+
 def candidates_renderable(result: Any) -> RenderableType:
-    """Table of the candidates: estimated vs measured peak, throughput, verdict."""
+    """Table of the candidates (estimated vs measured peak, throughput, verdict), with the
+    reasons of the rejected and skipped ones as numbered notes under it, so that the
+    table stays readable in 80 columns."""
+    from rich import box
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     chosen = (result.config.precision, result.config.gradient_checkpointing, result.config.optimizer)
-    t = Table(title="candidates", title_justify="left", header_style="bold")
+    t = Table(title="candidates", title_justify="left", header_style="bold",
+              box=box.SIMPLE_HEAD, pad_edge=False, padding=0)
     for col, just in (("precision", "left"), ("ckpt", "left"), ("optimizer", "left"),
-                      ("micro", "right"), ("est. peak", "right"), ("measured", "right"),
-                      ("pred. tok/s", "right"), ("meas. tok/s", "right"), ("verdict", "left")):
-        t.add_column(col, justify=just)
+                      ("micro", "right"), ("peak\nest.", "right"), ("peak\nmeas.", "right"),
+                      ("tok/s\npred.", "right"), ("tok/s\nmeas.", "right"), ("verdict", "left")):
+        t.add_column(col, justify=just, no_wrap=col != "verdict")
     rows = sorted(result.candidates, key=lambda r: -(r.get("measured_tokens_per_s") or 0.0)
                   - 1e-9 * (r.get("predicted_tokens_per_s") or 0.0))
+    notes: list[str] = []
+
+    def fmt(v: Any, kind: str) -> str:
+        if v is None:
+            return "—"
+        return format_bytes(v) if kind == "b" else f"{v:,.0f}"
+
     for r in rows:
         key = (r["precision"], r["gradient_checkpointing"], r["optimizer"])
         is_choice = key == chosen
         verdict = "CHOSEN" if is_choice else r["status"]
         if r.get("failed_micro_batch"):
-            verdict += f" ({r['failed_micro_batch']} did not fit)"
+            verdict += f", {r['failed_micro_batch']}✗"
         if r.get("reason"):
-            verdict += f": {r['reason']}"
-
-        def fmt(v: Any, kind: str) -> str:
-            if v is None:
-                return "—"
-            return format_bytes(v) if kind == "b" else f"{v:,.0f}"
-
-        t.add_row(r["precision"], "yes" if r["gradient_checkpointing"] else "no", r["optimizer"],
+            notes.append(r["reason"])
+            verdict += f" [{len(notes)}]"
+        t.add_row(r["precision"], "yes" if r["gradient_checkpointing"] else "no",
+                  _SHORT_OPTIM.get(r["optimizer"], r["optimizer"]),
                   str(r["micro_batch"] or "—"), fmt(r["estimate_bytes"], "b"),
                   fmt(r["measured_bytes"], "b"), fmt(r["predicted_tokens_per_s"], "t"),
                   fmt(r["measured_tokens_per_s"], "t"), verdict,
                   style="bold green" if is_choice else None)
-    return t
+    if not notes:
+        return t
+    return Group(t, *(Text(f"[{i}] {n}", style="dim") for i, n in enumerate(notes, 1)), Text(""))
 
 
 def print_fit(result: Any, path: Any = None, console: Console | None = None) -> None:
@@ -185,7 +200,10 @@ def print_fit(result: Any, path: Any = None, console: Console | None = None) -> 
     from rich.console import Console
     from rich.text import Text
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a pipe or a log file: no reason to fold at 80 columns
+            console = Console(width=max(console.width, 120))
     console.print(candidates_renderable(result))
     console.print(estimate_renderable(result.estimate))
     state = ("confirmed on the device" if result.confirmed

@@ -146,3 +146,25 @@ def test_report_needs_autofit_metadata(tmp_path, capsys):
     assert main(["report", str(path)]) == 2
     err = capsys.readouterr().err
     assert "no autofit metadata" in err and len(err.strip().splitlines()) == 1
+
+
+def test_candidates_table_fits_80_columns_with_reasons_as_notes(result):
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from autofit.report import candidates_renderable
+
+    rejected = _row("bf16-mixed", None, None, status="rejected") | {
+        "optimizer": "adamw_torch_fused", "failed_micro_batch": 2,
+        "reason": "micro batch 2 did not fit in a trial; micro batch 1 is estimated at 3.9 GiB "
+                  "(calibrated by the trials) > budget 3.6 GiB"}
+    r = replace(result, candidates=(*result.candidates, rejected))
+    console = Console(width=80, record=True, color_system=None)
+    console.print(candidates_renderable(r))
+    lines = console.export_text().splitlines()
+    assert all(len(x) <= 80 for x in lines)
+    assert not any("…" in x for x in lines), "\n".join(lines)  # nothing cut
+    i = next(i for i, x in enumerate(lines) if "rejected" in x)
+    assert "2✗" in lines[i] and "[1]" in lines[i] + lines[i + 1]  # the verdict may fold
+    assert any(x.startswith("[1] micro batch 2 did not fit") for x in lines)
