@@ -42,7 +42,8 @@ batch, same step kind); it is not timed against them.
     OMP_NUM_THREADS=1 python benchmarks/tuners.py            # ~20 min, writes results/
     python benchmarks/tuners.py --models llama-vocab --skip-unrestricted
 
-Writes ``benchmarks/results/tuners.md`` and ``tuners.json``. Run by hand, not in CI.
+Writes ``benchmarks/results/tuners.md``, ``tuners.json`` and ``tuners.png`` (``--replot``
+redraws the last two from the JSON). Run by hand, not in CI.
 
 Known limitations:
     NB: each attempt pays a process start-up (~5 s here: importing torch and
@@ -806,6 +807,8 @@ def markdown(results: dict[str, Any]) -> str:
         "(restricted, default margin). The truth is an exhaustive search with the same "
         "measurement. See the docstring of `benchmarks/tuners.py` for the method.",
         "",
+        "![attempts, OOMs and choices per tuner and model](tuners.png)",
+        "",
     ]
     probe = results["recognition_probe"]
     peers = [r for m in results["models"] for r in m["rows"] if "wrapped" in r]
@@ -1013,7 +1016,14 @@ def main(argv: list[str] | None = None) -> int:
                     choices=[s.name for s in SPECS])
     ap.add_argument("--skip-unrestricted", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "tuners")
+    ap.add_argument("--replot", action="store_true",
+                    help="redraw the .md and .png from the .json of a finished run; run nothing")
     args = ap.parse_args(argv)
+    if args.replot:
+        results = json.loads(args.out.with_suffix(".json").read_text())
+        args.out.with_suffix(".md").write_text(markdown(results))
+        plot(results, args.out.with_suffix(".png"))
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -1048,6 +1058,60 @@ def _write(results: dict[str, Any], out: Path, wall: float) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     out.with_suffix(".md").write_text(markdown(results))
+    plot(results, out.with_suffix(".png"))
+
+
+def plot(results: dict[str, Any], path: Path) -> bool:
+    """One panel per model: every tuner's attempts (OOMs in red) on a log wall-time axis,
+    and its choice against the true maximum. False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return False
+    models = results["models"]
+    if not models:
+        return False
+    fig, axes = plt.subplots(2, len(models), figsize=(5.2 * len(models), 7.5), squeeze=False)
+    for j, m in enumerate(models):
+        rows = m["rows"]
+        names = [r["tuner"].replace(" find_executable_batch_size", "").replace(
+            " auto_find_batch_size", "").replace(" scale_batch_size binsearch", " binsearch")
+            for r in rows]
+        ys = range(len(rows))
+        top, bottom = axes[0][j], axes[1][j]
+        fits = [r["attempts"] - r["ooms"] for r in rows]
+        top.barh(ys, fits, color="#4c9a5a", label="attempts that fit")
+        top.barh(ys, [r["ooms"] for r in rows], left=fits, color="#c8442f", label="OOMs")
+        for y, r in zip(ys, rows, strict=True):
+            top.text(r["attempts"] + 0.3, y, f"{r['wall_s']:.0f} s", va="center", fontsize=8)
+        top.set_yticks(list(ys), names, fontsize=8)
+        top.invert_yaxis()
+        top.set_xlabel("attempts, each a capped trial (wall time at the end of the bar)")
+        top.set_title(f"{m['spec']['name']} on {m['spec']['cap']}", fontsize=10)
+        if j == 0:
+            top.legend(fontsize=8, loc="lower right")
+        chosen = [r["micro"] or 0 for r in rows]
+        bottom.barh(ys, chosen, color=["#3b6ea5" if r["tuner"].startswith("autofit")
+                                       else "#999999" for r in rows])
+        for y, r in zip(ys, rows, strict=True):
+            bottom.plot([r["true_max"], r["true_max"]], [y - 0.4, y + 0.4], color="black", lw=1.5)
+            if r["tuner"].startswith("autofit"):
+                eff = f" × {r['accum']} = {r['effective']}" if r.get("target") else ""
+                bottom.text((r["micro"] or 0) + 0.2, y, f"{r['micro']}{eff}", va="center",
+                            fontsize=8)
+        bottom.set_yticks(list(ys), names, fontsize=8)
+        bottom.invert_yaxis()
+        bottom.set_xlabel("micro batch chosen (black: true max of its step)")
+    fig.suptitle("autofit vs accelerate, transformers and Lightning: attempts, OOMs, choice",
+                 fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":
