@@ -532,7 +532,7 @@ class Engine:
                 free, lo = mid, mid + 1
             else:
                 hi = mid - 1
-        if free is None or free < 1.25 * b:
+        if free is None or free < 1.5 * b:  # a few percent of speed is not worth a new target
             return None
         below, above = free * max(1, per // free), free * (per // free + 1)
         alts = " or ".join(str(t * self.space.world_size) for t in dict.fromkeys((below, above)))
