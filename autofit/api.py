@@ -206,7 +206,7 @@ def autofit(
     from autofit.probe.data import probe_data
     from autofit.probe.model import build_model, describe
     from autofit.result import FitResult
-    from autofit.search import DEFAULT_MARGIN, Engine, build_space, cache_key
+    from autofit.search import DEFAULT_MARGIN, ENGINE_VERSION, Engine, build_space, cache_key
     from autofit.speed import predict_speed
 
     unknown = set(constraints) - _CONSTRAINTS
@@ -318,7 +318,7 @@ def autofit(
         "space": [space.precisions, space.gradient_checkpointing, space.optimizers,
                   space.micro_batches[-1], space.target_batch_size, space.world_size,
                   space.optim_args],
-        "margin": margin, "method": method, "objective": objective,
+        "margin": margin, "method": method, "objective": objective, "engine": ENGINE_VERSION,
     })
     if cache and trial_fn is not None and not simulated:
         from autofit._study import TrialRecorder, default_storage

@@ -53,6 +53,9 @@ __all__ = [
 
 DEFAULT_MARGIN = 0.10
 SPEED_TIE = 0.05  # measured throughputs this close are a tie (step-time noise)
+# Part of the cache key: bump it when a change to the search makes cached answers stale
+# (2: the margin no longer subtracts measured fragmentation twice; line calibration).
+ENGINE_VERSION = 2
 
 
 @dataclass(frozen=True)
