@@ -27,32 +27,48 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-MODELS = ("tiny-llama", "tiny-gpt2", "tiny-bert")  # GQA + RMSNorm; dropout; encoder
+# GQA + RMSNorm; the same without GQA (written to a directory at run time); dropout; encoder
+MODELS = ("tiny-llama", "tiny-llama-mha", "tiny-gpt2", "tiny-bert")
 CARDS = ("T4", "V100-32GB", "A100-80GB", "H100-80GB")
 SEQ = {"tiny-bert": 512}  # its position limit; the others at 1024
 BATCH = 4
+
+
+def _mha_dir() -> str:
+    """tiny-llama with as many key/value heads as query heads, as a model directory."""
+    import json
+    import tempfile
+
+    cfg = json.loads((HERE.parent / "autofit" / "data" / "models" / "tiny-llama.json").read_text())
+    cfg.pop("_autofit_name", None)
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    d = Path(tempfile.mkdtemp(prefix="cuda-agreement-"))
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
 
 
 def rows() -> list[dict]:
     from autofit import TrainConfig, estimate
 
     out = []
-    for model, card, low, ckpt in itertools.product(MODELS, CARDS, (True, False), (False, True)):
+    refs = {"tiny-llama-mha": _mha_dir()}
+    for name, card, low, ckpt in itertools.product(MODELS, CARDS, (True, False), (False, True)):
+        model = refs.get(name, name)
         precision = ("16-mixed" if card in ("T4", "V100-32GB") else "bf16-mixed") if low \
             else "32-true"
         cfg = TrainConfig(micro_batch_size=BATCH, precision=precision, gradient_checkpointing=ckpt)
-        seq = SEQ.get(model, 1024)
+        seq = SEQ.get(name, 1024)
         t = time.perf_counter()
         a = estimate(model, cfg, seq_len=seq, device=card)
         s = estimate(model, cfg, seq_len=seq, device=card, method="simulate")
         kernel = next((n.split(": ", 1)[1] for n in s.notes if n.startswith("CUDA SDPA")), "-")
-        out.append({"model": model, "card": card, "precision": precision, "ckpt": ckpt,
+        out.append({"model": name, "card": card, "precision": precision, "ckpt": ckpt,
                     "seq": seq, "analytic": a.peak_allocated_bytes,
                     "simulate": s.peak_allocated_bytes, "sdpa": kernel,
                     "error": a.peak_allocated_bytes / s.peak_allocated_bytes - 1,
                     "seconds": time.perf_counter() - t})
         r = out[-1]
-        print(f"{model:10s} {card:9s} {precision:10s} ckpt={ckpt!s:5s} {100 * r['error']:+.1f}% "
+        print(f"{name:14s} {card:9s} {precision:10s} ckpt={ckpt!s:5s} {100 * r['error']:+.1f}% "
               f"({kernel})", flush=True)
     return out
 
