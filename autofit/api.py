@@ -305,8 +305,9 @@ def autofit(
                        "(unconfirmed); run autofit on the target to confirm (or "
                        "method='simulate' for an exact plan of the simulated step)")
     simulated = trial_fn is not None and not dev.present
+    progress = _progress_printer(constraints.get("progress", False))
     if method == "simulate" and dev.present:
-        estimate_total = _simulated_estimate(module, task, info, dev, seq_len)
+        estimate_total = _simulated_estimate(module, task, info, dev, seq_len, progress)
         reasons.append("estimates: the simulated step (a line through micro batches 1, 2 and "
                        "4 per combination), confirmed by trials")
 
@@ -331,7 +332,6 @@ def autofit(
         if cached is not None:
             return _from_cache(cached, recorder, info, seq_len, dev, base_args)
 
-    progress = _progress_printer(constraints.get("progress", False))
     engine = Engine(space, dev.capacity_bytes, estimate=estimate_total, speed=speed,
                     trial=trial_fn, seq_len=seq_len, margin=margin,
                     confirm_top=int(constraints.get("confirm_top", 3)),
@@ -421,16 +421,23 @@ def _simulated_trials(module: Any, task: str, info: Any, dev: DeviceInfo, seq_le
     return trial
 
 
-def _simulated_estimate(module: Any, task: str, info: Any, dev: DeviceInfo, seq_len: int):
+def _simulated_estimate(module: Any, task: str, info: Any, dev: DeviceInfo, seq_len: int,
+                        progress: Any = None):
     """``config -> device total bytes`` from the simulated step's peak line per combination."""
     from autofit.memory.simulate import Simulator
 
     sim = Simulator(module, task=task, device=dev, model_name=info.name)
+    lines: dict[TrainConfig, Any] = {}
 
     def estimate_total(config: TrainConfig) -> int:
         base = config.replace(micro_batch_size=1, grad_accum_steps=min(config.grad_accum_steps, 2))
-        return sim.peak_line(base, seq_len=seq_len, batches=(1, 2, 4)).total(
-            config.micro_batch_size)
+        if base not in lines:
+            if progress is not None:
+                progress(f"simulating {base.precision}"
+                         f"{', checkpointing' if base.gradient_checkpointing else ''}, "
+                         f"{base.optimizer} at micro batches 1, 2 and 4")
+            lines[base] = sim.peak_line(base, seq_len=seq_len, batches=(1, 2, 4))
+        return lines[base].total(config.micro_batch_size)
 
     return estimate_total
 

@@ -137,12 +137,14 @@ class TrialProgress:
         self._progress.__exit__(*exc)
 
     def __call__(self, line: str) -> None:
+        counts = not line.startswith("simulating ")  # a status line, not a trial
         if self._task is None:
             self._progress.__enter__()
             self._task = self._progress.add_task(line, total=self._total)
-        elif self._started:
+        elif counts and self._started:
             self._progress.advance(self._task)
-        self._started += 1
+        if counts:
+            self._started += 1
         self._progress.update(self._task, description=line)
 
 
