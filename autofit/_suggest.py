@@ -2,7 +2,8 @@
 
 PEFT and quantization change what is trained, so autofit never applies them
 silently; it estimates them (LoRA on every linear layer; QLoRA: a 4-bit base plus
-LoRA) and the longest sequence that would fit, and puts them in the error.
+LoRA; for a model that already has LoRA: its base in bf16 or in 4 bits) and the
+longest sequence that would fit, and puts them in the error.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from autofit.errors import DoesNotFitError
 from autofit.probe.device import format_bytes
 from autofit.probe.model import ModelInfo, ParamGroup
 
-__all__ = ["with_lora", "nothing_fits"]
+__all__ = ["with_lora", "quantized_base", "nothing_fits"]
 
 _LORA_R = 16
 
@@ -42,6 +43,14 @@ def with_lora(info: ModelInfo, r: int = _LORA_R, quantize: bool = False) -> Mode
                    frozen_params=num - trainable, peft="lora", lora_r=r,
                    lora_targets=("all-linear",),
                    quantization="4bit" if quantize else info.quantization)
+
+
+def quantized_base(info: ModelInfo) -> ModelInfo:
+    """``info`` (a LoRA model) with its frozen block linears in 4 bits, as QLoRA loads them."""
+    vocab = info.vocab_size
+    params = tuple(replace(g, quantized="4bit") if g.role == "linear" and not g.trainable
+                   and vocab not in g.shape else g for g in info.params)
+    return replace(info, params=params, quantization="4bit")
 
 
 def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: Any) -> DoesNotFitError:
@@ -79,9 +88,23 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
         return int(estimate_analytic(variant, cfg, length, dev).device_total_bytes * scale)
 
     ideas = []
+    if info.peft is not None and info.quantization is None and info.is_transformer:
+        # a LoRA model whose frozen base is loaded in fp32: bf16 weights, or a 4-bit base
+        cfg = smallest_cfg.replace(gradient_checkpointing=True)
+        if getattr(dev, "bf16", False) and "bf16-true" not in space.precisions:
+            n = scaled(info, cfg.replace(precision="bf16-true"), seq_len)
+            if n <= budget:
+                ideas.append(f"the base in bf16 (--precision bf16-true / precision=['bf16-true'];"
+                             f" load it with torch_dtype=torch.bfloat16) ~{format_bytes(n)}")
+        n = scaled(quantized_base(info), cfg, seq_len)
+        if n <= budget:
+            ideas.append(f"QLoRA: the base in 4 bits (--load-in-4bit / load_in_4bit=True) "
+                         f"~{format_bytes(n)}")
     if info.peft is None and info.is_transformer:
-        for label, variant in (("LoRA r=16 on all linear layers (lora={'r': 16})", with_lora(info)),
-                               ("QLoRA: 4-bit base + LoRA r=16 (load_in_4bit=True)",
+        for label, variant in (("LoRA r=16 on all linear layers (--lora-r 16 / lora={'r': 16})",
+                                with_lora(info)),
+                               ("QLoRA: 4-bit base + LoRA r=16 (--lora-r 16 --load-in-4bit / "
+                                "load_in_4bit=True)",
                                 with_lora(info, quantize=True))):
             cfg = smallest_cfg.replace(gradient_checkpointing=True)
             n = scaled(variant, cfg, seq_len)

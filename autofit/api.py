@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,6 +277,12 @@ def autofit(
         return predict_speed(info, config, seq_len, dev).tokens_per_s
 
     trial_fn = None
+    if dev.present and constraints.get("load_in_4bit") and isinstance(model, str | os.PathLike):
+        raise BadInputError(
+            "load_in_4bit=True with a model given by name can only be planned for a card "
+            "(device='A100-40GB', ...): a trial cannot build a 4-bit base from a config. To "
+            "tune on this device, pass the quantized model itself (from_pretrained(..., "
+            "quantization_config=BitsAndBytesConfig(load_in_4bit=True)) + peft.get_peft_model)")
     if dev.present:
         from autofit.probe.data import worst_case_batch
         from autofit.trial import measure

@@ -39,6 +39,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optim", default="adamw_torch", help=f"one of {', '.join(OPTIMIZERS)}")
     p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
     p.add_argument("--gradient-checkpointing", action="store_true")
+    add_adapter_options(p)
+    p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu, cpu:8GiB, cuda, cuda:N or a card name (H100-80GB, ...)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_adapter_options(p: argparse.ArgumentParser) -> None:
+    """Attention implementation, LoRA and a 4-bit base, for a model given by name."""
     p.add_argument("--attn-implementation", choices=["eager", "sdpa"], default=None)
     p.add_argument("--lora-r", type=int, default=None, help="add a LoRA adapter of this rank")
     p.add_argument("--lora-alpha", type=int, default=None)
@@ -46,10 +55,6 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-target-modules", nargs="+", default=None,
                    help="module names, or all-linear (default)")
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA-style 4-bit base")
-    p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
-    p.add_argument("--device", default="auto",
-                   help="auto, cpu, cpu:8GiB, cuda, cuda:N or a card name (H100-80GB, ...)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,6 +141,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         max_micro_batch=args.max_micro_batch, task=args.task, tokenizer=tokenizer,
         max_trials=args.max_trials, cache=not args.no_cache, method=args.method,
     )
+    kwargs.update({k: v for k, v in model_kwargs(args).items() if k != "task"})
     if args.json:
         result = autofit(args.model, data, **kwargs)
     else:
@@ -199,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-gradient-checkpointing", dest="ckpt", action="store_const", const=False,
                    help="never checkpoint")
     t.add_argument("--max-micro-batch", type=int, default=256)
+    add_adapter_options(t)
     t.add_argument("--task", default=None)
     t.add_argument("--tokenizer", default=None, help="tokenizer for a dataset with text")
     t.add_argument("--max-trials", type=int, default=12)

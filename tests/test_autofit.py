@@ -207,3 +207,23 @@ def test_simulated_estimate_on_a_present_device(tiny_llama, data, count_trials):
     assert any("estimates: the simulated step" in x for x in r.reasons)
     chosen = [t for t in r.trials if t.config["micro_batch_size"] == r.config.micro_batch_size]
     assert chosen and chosen[-1].fits and r.ooms <= 1 and len(count_trials) <= 3
+
+
+def test_nothing_fits_for_a_lora_model_suggests_its_base_in_bf16_or_4_bits():
+    # LoRA on an 8B model with its frozen base in fp32 (the Trainer's default) does not fit
+    # a 40 GB card at 2048 tokens; a bf16 base or a 4-bit base would, and the error says so.
+    rows = [{"input_ids": list(range(1, 2049))}] * 8
+    with pytest.raises(DoesNotFitError) as e:
+        autofit("meta-llama/Llama-3.1-8B", rows, device="A100-40GB", lora={"r": 16})
+    msg = str(e.value)
+    assert "--precision bf16-true" in msg and "--load-in-4bit" in msg
+    r = autofit("meta-llama/Llama-3.1-8B", rows, device="A100-40GB", lora={"r": 16},
+                precision=["bf16-true"])
+    assert r.config.precision == "bf16-true" and not r.confirmed
+
+
+def test_a_4_bit_base_by_name_is_planned_not_trialled(data):
+    with pytest.raises(BadInputError, match="can only be planned"):
+        autofit("tiny-llama", data, device=CAP, lora={"r": 8}, load_in_4bit=True)
+    r = autofit("tiny-llama", data, device="A100-40GB", lora={"r": 8}, load_in_4bit=True)
+    assert not r.confirmed and r.estimate.config["precision"] == r.config.precision

@@ -137,6 +137,20 @@ def test_tune_plans_for_a_card_and_writes_a_loadable_file(tmp_path, capsys, monk
     assert args.per_device_train_batch_size == fields["per_device_train_batch_size"]
 
 
+def test_tune_plans_lora_for_a_card(tmp_path, capsys, monkeypatch):
+    # full fine-tuning of a 1B model does not fit a T4 and says what would; the QLoRA it
+    # suggests is then planned with the same command plus the two flags
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["tune", "meta-llama/Llama-3.2-1B", "--dataset", "tiny-samples", "--device", "T4",
+            "--json", "-o", str(tmp_path / "tuned.yaml")]
+    code, _, err = run(capsys, *argv)
+    assert code == 3 and "--lora-r 16 --load-in-4bit" in err
+    code, stdout, _ = run(capsys, *argv, "--lora-r", "16", "--load-in-4bit")
+    d = json.loads(stdout)
+    assert code == 0 and not d["confirmed"] and d["trials"] == []
+    assert d["estimate"]["fits"] and d["estimate"]["trainable_params"] < 2e7
+
+
 def test_tune_on_capped_cpu_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "tuned.json"
@@ -158,6 +172,10 @@ def test_tune_on_capped_cpu_json(tmp_path, capsys, monkeypatch):
     (["tune", "tiny-gpt2", "--dataset", "tiny-samples", "-o", "x.txt"], 2, ".yaml or .json"),
     (["tune", "tiny-gpt2", "--dataset", "tiny-samples", "--device", "T4", "--precision",
       "bf16-mixed", "-o", "x.yaml"], 2, "bf16"),
+    (["tune", "meta-llama/Llama-3.1-8B", "--dataset", "tiny-samples", "--device", "T4",
+      "--lora-r", "16", "--max-seq-len", "2048", "-o", "x.yaml"], 3, "--load-in-4bit"),
+    (["tune", "tiny-llama", "--dataset", "tiny-samples", "--device", "cpu:1GiB", "--lora-r", "8",
+      "--load-in-4bit", "-o", "x.yaml"], 2, "can only be planned"),
 ])
 def test_tune_errors(tmp_path, capsys, monkeypatch, argv, code, needle):
     monkeypatch.chdir(tmp_path)
