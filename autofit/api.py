@@ -353,10 +353,7 @@ def autofit(
         raise nothing_fits(info, space, engine, seq_len, dev)
     config = outcome.config
     if simulated:
-        from autofit.memory.simulate import simulate as simulate_step
-
-        est = simulate_step(module, config, seq_len=seq_len, device=dev, task=task,
-                            model_name=info.name)
+        est = trial_fn.simulator.simulate(config, seq_len=seq_len)  # memoised: no new run
         reasons.append(f"{len(outcome.trials)} configurations simulated; no trial on hardware")
     else:
         est = estimate_analytic(info, config, seq_len, dev)
@@ -425,6 +422,7 @@ def _simulated_trials(module: Any, task: str, info: Any, dev: DeviceInfo, seq_le
         return _SimulatedTrial(False, total, est.peak_allocated_bytes, est.peak_reserved_bytes,
                                speed(config))
 
+    trial.simulator = sim  # type: ignore[attr-defined]
     return trial
 
 
