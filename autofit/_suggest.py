@@ -21,14 +21,18 @@ __all__ = ["with_lora", "quantized_base", "nothing_fits"]
 _LORA_R = 16
 
 
+def _block_linear(g: ParamGroup, info: ModelInfo) -> bool:
+    """A transformer block's linear weight (not the embedding or the output head), the
+    layers bitsandbytes quantizes."""
+    return g.role == "linear" and info.vocab_size not in g.shape
+
+
 def with_lora(info: ModelInfo, r: int = _LORA_R, quantize: bool = False) -> ModelInfo:
     """``info`` as if LoRA (rank r, every block linear) were added; optionally a 4-bit base."""
-    vocab = info.vocab_size
     params: list[ParamGroup] = []
     for g in info.params:
-        is_block_linear = g.role == "linear" and vocab not in g.shape
-        params.append(replace(g, trainable=False,
-                              quantized="4bit" if quantize and is_block_linear else g.quantized))
+        params.append(replace(g, trainable=False, quantized="4bit"
+                              if quantize and _block_linear(g, info) else g.quantized))
     adapters: dict[tuple[int, ...], int] = {}
     for b in info.blocks:
         for _, i, o, _ in b.linears:
@@ -47,9 +51,8 @@ def with_lora(info: ModelInfo, r: int = _LORA_R, quantize: bool = False) -> Mode
 
 def quantized_base(info: ModelInfo) -> ModelInfo:
     """``info`` (a LoRA model) with its frozen block linears in 4 bits, as QLoRA loads them."""
-    vocab = info.vocab_size
-    params = tuple(replace(g, quantized="4bit") if g.role == "linear" and not g.trainable
-                   and vocab not in g.shape else g for g in info.params)
+    params = tuple(replace(g, quantized="4bit") if _block_linear(g, info) and not g.trainable
+                   else g for g in info.params)
     return replace(info, params=params, quantization="4bit")
 
 

@@ -363,9 +363,12 @@ class Engine:
                 need = max(need, pivot[0] * raw + pivot[1])
         return int(need)
 
-    def _largest_fitting(self, c: Candidate, below: int | None = None) -> int | None:
-        """Largest allowed micro batch (< below) whose calibrated estimate fits the budget."""
-        options = [b for b in self.space.micro_batches if below is None or b < below]
+    def _largest_fitting(self, c: Candidate, below: int | None = None,
+                         sizes: Sequence[int] | None = None) -> int | None:
+        """Largest of ``sizes`` (default: the allowed micro batches) below ``below`` whose
+        calibrated estimate fits the budget."""
+        options = [b for b in (self.space.micro_batches if sizes is None else sizes)
+                   if below is None or b < below]
         lo, hi, best = 0, len(options) - 1, None
         while lo <= hi:  # the estimate grows with the micro batch: binary search
             mid = (lo + hi) // 2
@@ -527,14 +530,7 @@ class Engine:
         """When keeping the target forces a micro batch well below what fits, say which
         nearby targets would not (a prime target allows only 1 and itself)."""
         per = (self.space.target_batch_size or 0) // self.space.world_size
-        top = min(per, (c.failed_micro_batch or per + 1) - 1)
-        lo, hi, free = b + 1, top, None
-        while lo <= hi:  # the calibrated estimate grows with the micro batch
-            mid = (lo + hi) // 2
-            if self.estimated(c, mid) <= self.budget:
-                free, lo = mid, mid + 1
-            else:
-                hi = mid - 1
+        free = self._largest_fitting(c, below=c.failed_micro_batch, sizes=range(b + 1, per + 1))
         if free is None or free < 1.5 * b:  # a few percent of speed is not worth a new target
             return None
         below, above = free * max(1, per // free), free * (per // free + 1)

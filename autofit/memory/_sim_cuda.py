@@ -87,12 +87,9 @@ class CudaSemantics(TorchFunctionMode):
 
     def __init__(self, device: Any) -> None:
         super().__init__()
-        cc = getattr(device, "compute_capability", None) or "8.0"
-        try:
-            major, minor = (int(x) for x in str(cc).split(".")[:2])
-        except ValueError:  # AMD gfx names: assume a modern card
-            major, minor = 9, 0
-        self.sm = major * 10 + minor
+        from autofit.probe.device import sm_version
+
+        self.sm = sm_version(device)
         self.backends: dict[str, int] = {}  # SDPA backend -> calls (for notes)
 
     # ------------------------------------------------------------------ dispatch

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, NoTrainableParametersError
 from autofit.memory.breakdown import MemoryEstimate
+from autofit.probe.device import sm_version
 
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.device import DeviceInfo
@@ -253,15 +254,6 @@ def _lora_regime(info: ModelInfo) -> str:
     return "attn"
 
 
-def _sm(device: DeviceInfo) -> int:
-    """Compute capability as an integer (8.0 -> 80); AMD or unknown: a modern card."""
-    try:
-        major, minor = (int(x) for x in str(device.compute_capability or "8.0").split(".")[:2])
-    except ValueError:
-        return 90
-    return major * 10 + minor
-
-
 def _cuda_sdpa_is_math(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> bool:
     """Whether torch's CUDA SDPA falls back to the math kernel for this model.
 
@@ -278,7 +270,7 @@ def _cuda_sdpa_is_math(info: ModelInfo, config: TrainConfig, device: DeviceInfo)
         return False  # the memory-efficient kernel takes it (sm50+)
     low = config.precision != "32-true"
     d = b.head_dim or 0
-    flash = low and _sm(device) >= 80 and 0 < d <= 256 and d % 8 == 0
+    flash = low and sm_version(device) >= 80 and 0 < d <= 256 and d % 8 == 0
     return not flash
 
 

@@ -31,7 +31,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["DeviceInfo", "resolve_device", "catalog", "parse_bytes", "format_bytes", "check_precision"]
+__all__ = ["DeviceInfo", "resolve_device", "catalog", "parse_bytes", "format_bytes", "check_precision",
+           "sm_version"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -282,6 +283,17 @@ def resolve_device(device: str | DeviceInfo | None = "auto") -> DeviceInfo:
     raise UnknownDeviceError(
         f"unknown device {name!r}; {hint} (or use auto, cpu, cpu:8GiB, cuda, cuda:N)"
     )
+
+
+def sm_version(device: Any) -> int:
+    """A CUDA device's compute capability as an integer (8.0 -> 80), which gates kernels
+    (flash attention, bf16); unknown: 80; an AMD gfx name: 90 (a modern card)."""
+    cc = getattr(device, "compute_capability", None) or "8.0"
+    try:
+        major, minor = (int(x) for x in str(cc).split(".")[:2])
+    except ValueError:
+        return 90
+    return major * 10 + minor
 
 
 def check_precision(device: DeviceInfo, precision: str) -> None:
