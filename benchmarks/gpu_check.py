@@ -259,22 +259,10 @@ def _read_config(model: str) -> Any:
     raise ValueError(f"no bundled config named {model!r} in {MODELS_DIR}")
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+# the kernel's counters, as the CPU training measurement reads them
+from benchmarks.measure_cpu import _hwm_bytes as _hwm  # noqa: E402
+from benchmarks.measure_cpu import _reset_hwm  # noqa: E402
+from benchmarks.measure_cpu import _rss_bytes as _rss  # noqa: E402
 
 
 class _Meter:

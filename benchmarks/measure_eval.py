@@ -119,22 +119,11 @@ def measure(spec: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
 # --------------------------------------------------------------------------- child side
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+# the kernel's counters, as the training measurement reads them (measure_cpu.py, beside this)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure_cpu import _hwm_bytes as _hwm  # noqa: E402
+from measure_cpu import _reset_hwm  # noqa: E402
+from measure_cpu import _rss_bytes as _rss  # noqa: E402
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
