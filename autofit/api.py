@@ -116,31 +116,6 @@ _CONSTRAINTS = {
 }
 
 
-def _library_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("autofit", "torch", "transformers", "peft", "bitsandbytes", "accelerate"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "-"
-    return out
-
-
-def _fingerprint(info: Any) -> dict[str, Any]:
-    return {
-        "model_type": info.model_type,
-        "architecture": info.architecture,
-        "task": info.task,
-        "params": [(list(g.shape), g.count, g.dtype, g.trainable, g.quantized) for g in info.params],
-        "attn": info.attn_implementation,
-        "peft": info.peft,
-        "lora_r": info.lora_r,
-        "lora_targets": list(info.lora_targets),
-    }
-
-
 def autofit(
     model: Any,
     dataset: Any,
@@ -205,10 +180,11 @@ def autofit(
     started_at = time.monotonic()
     from autofit.memory.analytic import estimate_analytic
     from autofit.probe.data import probe_data
-    from autofit.probe.model import build_model, describe
+    from autofit.probe.model import build_model, describe, fingerprint
+    from autofit.probe.versions import library_versions
     from autofit.result import FitResult
     from autofit.search import DEFAULT_MARGIN, ENGINE_VERSION, Engine, build_space, cache_key
-    from autofit.speed import predict_speed
+    from autofit.search.speed import predict_speed
 
     unknown = set(constraints) - _CONSTRAINTS
     if unknown:
@@ -321,15 +297,15 @@ def autofit(
     recorder = None
     cache = constraints.get("cache", True)
     key = cache_key({
-        "model": _fingerprint(info), "seq_len": seq_len, "samples": data.num_samples,
-        "device": [dev.name, dev.product, dev.capacity_bytes], "versions": _library_versions(),
+        "model": fingerprint(info), "seq_len": seq_len, "samples": data.num_samples,
+        "device": [dev.name, dev.product, dev.capacity_bytes], "versions": library_versions(),
         "space": [space.precisions, space.gradient_checkpointing, space.optimizers,
                   space.micro_batches[-1], space.target_batch_size, space.world_size,
                   space.optim_args],
         "margin": margin, "method": method, "objective": objective, "engine": ENGINE_VERSION,
     })
     if cache and trial_fn is not None and not simulated:
-        from autofit._study import TrialRecorder, default_storage
+        from autofit.search.study import TrialRecorder, default_storage
 
         storage = cache if isinstance(cache, str) else default_storage()
         recorder = TrialRecorder(key, storage=storage, precisions=space.precisions,
@@ -348,7 +324,7 @@ def autofit(
                     trial_word="simulated" if simulated else "measured")
     outcome = engine.run()
     if outcome.config is None:
-        from autofit._suggest import nothing_fits
+        from autofit.search.suggest import nothing_fits
 
         raise nothing_fits(info, space, engine, seq_len, dev)
     config = outcome.config
@@ -371,13 +347,13 @@ def autofit(
     if eval_micro is not None:
         kwargs["per_device_eval_batch_size"] = eval_micro
     rows = tuple(_candidate_row(c) for c in outcome.candidates)
-    from autofit._preflight_cache import model_identity
+    from autofit.preflight.cache import model_identity
 
     meta = {"model": model if isinstance(model, str) else info.name, "task": task,
             "seq_len": seq_len, "device": dev.name, "margin": margin, "cache_key": key,
             "target_batch_size": space.target_batch_size, "max_seq_len": max_seq_len,
             "model_id": model_identity(module if hasattr(model, "parameters") else model),
-            "versions": _library_versions()}
+            "versions": library_versions()}
     result = FitResult(config=config, estimate=est, trials=trials,
                        reasons=tuple(reasons), confirmed=confirmed, device=dev.name,
                        candidates=rows, training_arguments_kwargs=kwargs, meta=meta,

@@ -81,7 +81,7 @@ class FitResult:
         meta["estimate"] = {k: v for k, v in self.estimate.to_dict().items()
                             if k != "headroom_bytes"}
         # what `autofit report` draws from the file alone
-        from autofit._report_files import trial_summary
+        from autofit.report.files import trial_summary
 
         meta["candidates"] = list(self.candidates)
         meta["trials"] = [trial_summary(t) for t in self.trials]
@@ -95,7 +95,7 @@ class FitResult:
         ``tuned.html`` beside it; default ``autofit-report`` in the working
         directory). The HTML page is self-contained (the PNG inlined).
         """
-        from autofit._report_files import report_data_from_result, write_report
+        from autofit.report.files import report_data_from_result, write_report
 
         return write_report(report_data_from_result(self),
                             Path(path) if path is not None else Path("autofit-report"))

@@ -667,11 +667,11 @@ def _oom_check(device_kind: str, method: str, tmp: Path) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
             return int(torch.cuda.memory_allocated())
-        from autofit import _procmem
+        from autofit.trial import procmem
 
         gc.collect()
-        _procmem.malloc_trim()
-        return _procmem.rss_bytes()
+        procmem.malloc_trim()
+        return procmem.rss_bytes()
 
     def trial(b: int, isolation: str, role: str) -> Any:
         t = time.perf_counter()

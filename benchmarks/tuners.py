@@ -711,16 +711,16 @@ def _say(line: str) -> None:
 
 _PROBE = r"""
 import json, torch
-from autofit import _procmem
+from autofit.trial import procmem
 from accelerate.utils.memory import should_reduce_batch_size
 from lightning.pytorch.utilities.memory import is_oom_error
 from autofit.trial import is_oom
-prev = _procmem.cap_address_space(64 << 20)
+prev = procmem.cap_address_space(64 << 20)
 try:
     torch.empty(256 << 20, dtype=torch.uint8)
 except BaseException as e:
     exc = e
-_procmem.restore_address_space(prev)
+procmem.restore_address_space(prev)
 print(json.dumps({"type": type(exc).__name__, "args": len(exc.args),
                   "message": str(exc)[:200], "accelerate": should_reduce_batch_size(exc),
                   "lightning": is_oom_error(exc), "autofit": is_oom(exc)}))

@@ -18,7 +18,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from autofit._datasets import load_dataset_ref
+from autofit.cli.datasets import load_dataset_ref
 from autofit.probe.model import load_config
 
 

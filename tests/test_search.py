@@ -285,10 +285,10 @@ def test_nothing_fits_quotes_the_measured_peak_and_calibrated_suggestions():
     # The trial measured 3x the analytic estimate; the message must quote the measurement
     # (not the uncalibrated estimate) and suggest a sequence length whose calibrated
     # estimate fits the budget.
-    from autofit._suggest import nothing_fits
     from autofit.config import TrainConfig
     from autofit.memory.analytic import estimate_analytic
     from autofit.probe.model import probe_model
+    from autofit.search.suggest import nothing_fits
 
     info = probe_model("tiny-llama")
     dev = resolve_device("cpu:1GiB")

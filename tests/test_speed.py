@@ -3,7 +3,7 @@ import pytest
 from autofit import TrainConfig
 from autofit.probe.device import resolve_device
 from autofit.probe.model import probe_model
-from autofit.speed import flops_per_token, predict_speed
+from autofit.search.speed import flops_per_token, predict_speed
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from autofit import trial as trial_mod
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, EmptyDatasetError, UnknownDeviceError
 from autofit.trial import TrialResult, is_oom, measure
+from autofit.trial import loop as trial_loop
+from autofit.trial import runner as trial_runner
 
 MiB = 1 << 20
 
@@ -52,9 +53,9 @@ def tiny_module():
 
 @pytest.fixture(autouse=True)
 def _fresh_isolation_state():
-    trial_mod._FAILED_RECOVERY.clear()
+    trial_runner._FAILED_RECOVERY.clear()
     yield
-    trial_mod._FAILED_RECOVERY.clear()
+    trial_runner._FAILED_RECOVERY.clear()
 
 
 # ---------------------------------------------------------------- is_oom
@@ -458,13 +459,12 @@ def test_a_child_that_dies_is_judged_by_its_stderr(tiny_path, tmp_path, monkeypa
         "kill -ABRT $$\n"
     )
     fake.chmod(0o755)
-    monkeypatch.setattr(trial_mod.sys, "executable", str(fake))
+    monkeypatch.setattr(trial_runner.sys, "executable", str(fake))
     r = measure(tiny_path, TrainConfig(micro_batch_size=1), seq_len=8, device="cpu:1GiB")
     assert r.oom and "SIGABRT" in r.error and "bad_alloc" in r.error
 
 
 def test_accelerator_meter_on_fake_counters(monkeypatch):
-    from autofit import _trial_run
 
     class FakeAPI:  # what _AccelAPI offers, with counters the test sets
         def __init__(self):
@@ -495,8 +495,8 @@ def test_accelerator_meter_on_fake_counters(monkeypatch):
             return 1000 * MiB, 5000 * MiB
 
     api = FakeAPI()
-    monkeypatch.setattr(_trial_run, "_accel", lambda device_type: api)
-    meter = _trial_run._AccelMeter(torch.device("cuda", 0), excluded=10 * MiB)
+    monkeypatch.setattr(trial_loop, "_accel", lambda device_type: api)
+    meter = trial_loop._AccelMeter(torch.device("cuda", 0), excluded=10 * MiB)
     assert meter.baseline() == 100 * MiB and api.emptied == 1
     meter.arm()
     assert api.max_alloc == 100 * MiB
@@ -530,7 +530,7 @@ def test_cuda_model_on_device_untouched():
 
 
 def _cli(argv):
-    from autofit._cli_measure import add_measure_parser, run_measure
+    from autofit.cli.measure import add_measure_parser, run_measure
 
     parser = argparse.ArgumentParser(prog="autofit")
     add_measure_parser(parser.add_subparsers(dest="command"))

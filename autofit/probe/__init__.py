@@ -2,13 +2,16 @@
 
 from autofit.probe.data import DataInfo, probe_data, worst_case_batch
 from autofit.probe.device import DeviceInfo, resolve_device
-from autofit.probe.model import LoraSpec, ModelInfo, probe_model
+from autofit.probe.model import LoraSpec, ModelInfo, fingerprint, probe_model
+from autofit.probe.versions import library_versions
 
 __all__ = [
     "DataInfo",
     "DeviceInfo",
     "LoraSpec",
     "ModelInfo",
+    "fingerprint",
+    "library_versions",
     "probe_data",
     "probe_model",
     "resolve_device",

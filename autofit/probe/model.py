@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
+    "fingerprint",
     "TASKS",
     "LoraSpec",
     "ParamGroup",
@@ -655,3 +656,17 @@ def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
         dtype=dtype,
         supports_gradient_checkpointing=bool(getattr(base, "supports_gradient_checkpointing", False)),
     )
+
+
+def fingerprint(info: ModelInfo) -> dict[str, Any]:
+    """What a model's training memory depends on, as plain data (cache keys hash it)."""
+    return {
+        "model_type": info.model_type,
+        "architecture": info.architecture,
+        "task": info.task,
+        "params": [(list(g.shape), g.count, g.dtype, g.trainable, g.quantized) for g in info.params],
+        "attn": info.attn_implementation,
+        "peft": info.peft,
+        "lora_r": info.lora_r,
+        "lora_targets": list(info.lora_targets),
+    }

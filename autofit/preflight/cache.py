@@ -7,7 +7,7 @@ checkpointing, optimizer and its arguments, world size) at the worst-case
 sequence length, the eval settings, the device (name, product, physical memory;
 for a capped CPU the cap is in the name) and the library versions. The entry is
 an optuna study ``autofit-check-<key>`` in the same storage as the tuning studies
-(``autofit._study.default_storage``), holding the trial, the estimate and the
+(``autofit.search.study.default_storage``), holding the trial, the estimate and the
 model-level problems as user attributes, so a hit needs neither torch nor the model
 (with the default SQLite storage, a JSON copy per entry answers without opening the
 storage: see ``CheckCache``).
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from autofit.config import TrainConfig
+from autofit.trial.result import trial_from_dict
 
 __all__ = ["model_identity", "check_key", "CheckCache", "reusable"]
 
@@ -44,7 +45,7 @@ def model_identity(model: Any) -> str:
 
     A bundled name, a config.json or a model directory hashes its config file
     (no torch import); a hub id is its name; a module hashes its parameter shapes,
-    dtypes and trainability (``autofit.api._fingerprint``).
+    dtypes and trainability (``autofit.probe.model.fingerprint``).
     """
     if isinstance(model, (str, os.PathLike)):
         from autofit.probe.model import _bundled_path
@@ -60,11 +61,10 @@ def model_identity(model: Any) -> str:
             digest = _file_hash(bundled) if bundled is not None else "hub"
         blob = json.dumps({"ref": ref, "config": digest})
     else:
-        from autofit.api import _fingerprint
-        from autofit.probe.model import describe
+        from autofit.probe.model import describe, fingerprint
 
         info = describe(model, task=_task_of(model))
-        blob = json.dumps(_fingerprint(info), sort_keys=True, default=str)
+        blob = json.dumps(fingerprint(info), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -127,7 +127,7 @@ class CheckCache:
     """
 
     def __init__(self, storage: str | None = None) -> None:
-        from autofit._study import default_storage
+        from autofit.search.study import default_storage
 
         self.url = storage or default_storage()
         self._storage: Any = None
@@ -158,8 +158,6 @@ class CheckCache:
 
     def lookup(self, key: str) -> dict[str, Any] | None:
         """The entry of ``key`` with its ``trial`` as a ``TrialResult``, or None."""
-        from autofit._study import _trial_from_dict
-
         raw = None
         side = self.index / f"{key}.json" if self.index is not None else None
         if side is not None and side.is_file():
@@ -173,7 +171,7 @@ class CheckCache:
         if not raw:
             return None
         entry = json.loads(raw)
-        entry["trial"] = _trial_from_dict(entry["trial"]) if entry.get("trial") else None
+        entry["trial"] = trial_from_dict(entry["trial"]) if entry.get("trial") else None
         return entry
 
     def store(self, key: str, entry: dict[str, Any]) -> None:
@@ -201,8 +199,6 @@ class CheckCache:
         """A tuning trial of exactly ``config`` on ``device`` in study ``autofit-<tune_key>``."""
         import optuna
 
-        from autofit._study import _trial_from_dict
-
         study = self._load(f"autofit-{tune_key}")
         if study is None:
             return None
@@ -211,7 +207,7 @@ class CheckCache:
             if not d or d.get("device") != device.name:
                 continue
             if _same_config(d.get("config") or {}, config, seq_len):
-                trial = _trial_from_dict(d)
+                trial = trial_from_dict(d)
                 if reusable(trial, device):
                     return trial
         return None

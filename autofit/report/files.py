@@ -1,6 +1,6 @@
 """Reports people can look at: a PNG chart and a self-contained HTML page.
 
-    from autofit._report_files import report_data_from_file, write_report
+    from autofit.report.files import report_data_from_file, write_report
     png, html = write_report(report_data_from_file("tuned.yaml"))   # tuned.png, tuned.html
 
 The chart (matplotlib's Agg canvas, no display needed) has three panels: the memory of the chosen configuration (the

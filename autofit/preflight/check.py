@@ -3,7 +3,7 @@
 ``run_check`` is what ``autofit check``, ``autofit.preflight`` and
 ``AutofitCallback`` share. For one exact configuration it
 
-1. looks the configuration up in the check cache (``autofit._preflight_cache``) —
+1. looks the configuration up in the check cache (``autofit.preflight.cache``) —
    a hit answers with no torch import, no model and no trial;
 2. otherwise builds the model's description, estimates the step (and the eval step
    when an eval batch is given), lists what can never run (bf16 on a device
@@ -82,8 +82,8 @@ class _Checker:
                  generate_max_new_tokens: int | None, max_seq_len: int | None,
                  tokenizer: Any, collator: Any, isolation: str, timeout_s: float | None,
                  progress: Any) -> None:
-        from autofit._preflight_cache import _task_of, model_identity
-        from autofit.api import _library_versions
+        from autofit.preflight.cache import _task_of, model_identity
+        from autofit.probe.versions import library_versions
 
         self.model = model
         self.dev = device
@@ -103,7 +103,7 @@ class _Checker:
         self.isolation = isolation
         self.timeout_s = timeout_s
         self.progress = progress or (lambda _: None)
-        self.versions = _library_versions()
+        self.versions = library_versions()
         self.model_id = model_identity(model)
         # the task as the key knows it: fixed now (building the model later may resolve it)
         self.task_key = (task if task is not None or not hasattr(model, "parameters")
@@ -128,7 +128,7 @@ class _Checker:
         return int(self.dev.capacity_bytes * (1 - self.margin))
 
     def key(self, config: TrainConfig) -> str:
-        from autofit._preflight_cache import check_key
+        from autofit.preflight.cache import check_key
 
         return check_key(self.model_id, self.task_key, config, self.seq_len, self.dev,
                          self.versions,
@@ -174,7 +174,7 @@ class _Checker:
         key = self.key(config)
         if self.cache is not None:
             entry = self.cache.lookup(key)
-            from autofit._preflight_cache import reusable
+            from autofit.preflight.cache import reusable
 
             if entry is not None and reusable(entry["trial"], self.dev):
                 return _Assessment(config, _estimate_from_dict(entry.get("estimate")),
@@ -377,7 +377,7 @@ def run_check(
     Raises:
         AutofitError: bad input (unknown model or device, no sequence length ...).
     """
-    from autofit.preflight import PreflightReport
+    from autofit.preflight.verdict import PreflightReport
     from autofit.probe.device import resolve_device
 
     if not 0 <= margin < 1:
@@ -401,7 +401,7 @@ def run_check(
                        "batch is random tokens of that length)")
     store = None
     if cache:
-        from autofit._preflight_cache import CheckCache
+        from autofit.preflight.cache import CheckCache
 
         store = CheckCache(cache if isinstance(cache, str) else None)
     checker = _Checker(model, device=dev, seq_len=int(seq_len), dataset=dataset, task=task,

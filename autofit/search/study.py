@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from autofit.config import TrainConfig
+from autofit.trial.result import trial_from_dict
 
 __all__ = ["TrialRecorder", "default_storage"]
 
@@ -92,7 +93,7 @@ class TrialRecorder:
         want = _params(config)
         for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             if t.params == want and "trial" in t.user_attrs:
-                return _trial_from_dict(t.user_attrs["trial"])
+                return trial_from_dict(t.user_attrs["trial"])
         return None
 
     def record(self, config: TrainConfig, result: Any, estimate_bytes: int, budget: int) -> None:
@@ -113,21 +114,7 @@ class TrialRecorder:
         import optuna
 
         return [
-            _trial_from_dict(t.user_attrs["trial"])
+            trial_from_dict(t.user_attrs["trial"])
             for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
             if "trial" in t.user_attrs
         ]
-
-
-def _trial_from_dict(d: dict[str, Any]) -> Any:
-    from dataclasses import fields
-
-    from autofit.trial import TrialResult
-
-    names = {f.name for f in fields(TrialResult)}
-    kw = {k: v for k, v in d.items() if k in names}
-    if "batch_shape" in kw and kw["batch_shape"] is not None:
-        kw["batch_shape"] = tuple(kw["batch_shape"])
-    if "notes" in kw and kw["notes"] is not None:
-        kw["notes"] = tuple(kw["notes"])
-    return TrialResult(**kw)

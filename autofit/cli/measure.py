@@ -3,11 +3,6 @@
     autofit measure tiny-llama --batch-size 4 --seq-len 256 --device cpu:2GiB
     autofit measure ./my-model --batch-size 8 --dataset train.jsonl --json
 
-``autofit/cli.py`` wires it in::
-
-    add_measure_parser(subparsers)          # adds the "measure" sub-command
-    sys.exit(run_measure(args))
-
 Exit codes: 0 the configuration fits, 3 it ran out of memory (the numbers
 measured up to the failure are printed, with what to try next), 2 bad input (one
 line on stderr, no traceback), 1 the trial failed otherwise (timeout, a model
@@ -19,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-__all__ = ["add_measure_parser", "run_measure", "load_dataset_file"]
+from autofit.cli.options import EXIT_DOES_NOT_FIT, EXIT_FAILED, EXIT_OK, tokenizer_for
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_OOM = 0, 1, 2, 3
+__all__ = ["add_measure_parser", "run_measure"]
+
+EXIT_OOM = EXIT_DOES_NOT_FIT
 
 
 def add_measure_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -76,51 +72,6 @@ def add_measure_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (TrialResult)")
     p.set_defaults(func=run_measure)
     return p
-
-
-def load_dataset_file(path: str) -> list[Any]:
-    """Samples from a .json (a list, or {"data": [...]}, or columns) or .jsonl file."""
-    from autofit.errors import BadInputError
-
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise BadInputError(f"--dataset {path}: no such file")
-    try:
-        text = p.read_text(encoding="utf-8")
-        if p.suffix.lower() == ".jsonl":
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
-        data = json.loads(text)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInputError(f"--dataset {path}: not readable JSON ({e})") from None
-    if isinstance(data, dict) and isinstance(data.get("data"), list):
-        data = data["data"]
-    elif isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
-        n = len(next(iter(data.values())))
-        data = [{k: v[i] for k, v in data.items()} for i in range(n)]
-    if not isinstance(data, list):
-        raise BadInputError(
-            f"--dataset {path}: expected a list of samples (dicts with input_ids or text)"
-        )
-    return data
-
-
-def _tokenizer(args: argparse.Namespace, data: list[Any]) -> Any:
-    from autofit.errors import BadInputError
-
-    needs = bool(data) and isinstance(data[0], dict) and "input_ids" not in data[0]
-    if not needs and args.tokenizer is None:
-        return None
-    from transformers import AutoTokenizer
-
-    name = args.tokenizer or args.model
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except Exception as e:  # noqa: BLE001 - hub / file errors come in many types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BadInputError(
-            f"the dataset has text but no tokenizer could be loaded from {name!r} ({first}); "
-            "pass --tokenizer DIR or give input_ids"
-        ) from None
 
 
 def _suggestion(args: argparse.Namespace) -> str:
@@ -192,7 +143,7 @@ def run_measure(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace) -> Any:
-    from autofit.cli import train_config
+    from autofit.cli.options import train_config
     from autofit.errors import BadInputError
     from autofit.probe.model import LoraSpec
     from autofit.trial import measure
@@ -213,10 +164,10 @@ def _measure(args: argparse.Namespace) -> Any:
     data = None
     tokenizer = None
     if args.dataset:
-        from autofit._datasets import load_dataset_ref
+        from autofit.cli.datasets import load_dataset_ref
 
         data = load_dataset_ref(args.dataset)
-        tokenizer = _tokenizer(args, data)
+        tokenizer = tokenizer_for(args, data)
     elif args.seq_len is None:
         raise BadInputError("give --seq-len (random tokens) or --dataset")
     return measure(

@@ -9,7 +9,7 @@ The engine asks two questions and never knows how they are answered:
 
 For every combination of the categorical knobs (precision, gradient
 checkpointing, optimizer) the estimate gives the largest micro batch whose device
-total fits ``capacity * (1 - margin)``; the throughput model (``autofit.speed``)
+total fits ``capacity * (1 - margin)``; the throughput model (``autofit.search.speed``)
 ranks the combinations at their limits; trials confirm the best few at their
 predicted limit and bracket the true limit by bisection in a narrow window;
 measured peaks recalibrate the estimate of the rest (a per-combination ratio of

@@ -1,9 +1,9 @@
-"""The trial child: ``python -m autofit._trial_child WORKDIR``.
+"""The trial child: ``python -m autofit.trial.child WORKDIR``.
 
 Started by ``autofit.trial`` with glibc's allocator set to measure
 (``_procmem.CHILD_MALLOC_ENV``). Reads ``WORKDIR/payload.pt`` (a ``torch.save``
 of: the pickled module or a ``ModelRef``, the batch, the ``StepPlan``, the device,
-the CPU cap, the step counts), runs ``_trial_run.run_steps`` and writes
+the CPU cap, the step counts), runs ``autofit.trial.loop.run_steps`` and writes
 ``WORKDIR/result.json`` (the ``RawTrial`` fields). Any failure is written there
 too; a child that dies without a result is judged by its exit status and stderr.
 """
@@ -30,8 +30,8 @@ def main(argv: list[str]) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from autofit._trial_model import ModelRef, materialize
-    from autofit._trial_run import RawTrial, run_steps
+    from autofit.trial.loop import RawTrial, run_steps
+    from autofit.trial.model import ModelRef, materialize
 
     try:
         payload = torch.load(workdir / "payload.pt", weights_only=False)
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
         wall = payload.get("deadline_wall")  # the parent's clock: start-up counts too
         deadline = time.monotonic() + (wall - time.time()) if wall else None
     except Exception as exc:  # noqa: BLE001 - reported to the parent, not raised
-        from autofit._oom import is_oom
+        from autofit.trial.oom import is_oom
 
         raw = RawTrial(oom=is_oom(exc), error=f"loading the model: {type(exc).__name__}: {exc}")
         _write(workdir, asdict(raw))

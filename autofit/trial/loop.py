@@ -1,7 +1,7 @@
 """Run the steps of one trial in *this* process and measure them.
 
 Shared by the in-process runner (``trial.py``) and the trial child
-(``_trial_child.py``). The protocol (DESIGN.md, "Truth and measurement"):
+(``autofit/trial/child.py``). The protocol (DESIGN.md, "Truth and measurement"):
 
 1. prepare the model as the Trainer does; one set-up step on a tiny batch
    (1 sample, 8 tokens) and free it: autograd and kernel one-time set-up, lazy
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from autofit import _procmem
-from autofit._oom import is_oom
-from autofit._trial_step import (
+from autofit.trial import procmem
+from autofit.trial.oom import is_oom
+from autofit.trial.step import (
     Stepper,
     StepPlan,
     free_grads,
@@ -142,25 +142,25 @@ class _CpuMeter:
 
     def baseline(self) -> int | None:
         gc.collect(1)  # the young generations: a full collection costs ~0.3 s here
-        _procmem.malloc_trim()
-        self.base = _procmem.rss_bytes()
+        procmem.malloc_trim()
+        self.base = procmem.rss_bytes()
         return self.base
 
     def arm(self) -> None:
         if self.cap is not None:
-            self.previous_limit = _procmem.cap_address_space(self.cap - self.resident)
-        _procmem.reset_peak_rss()
+            self.previous_limit = procmem.cap_address_space(self.cap - self.resident)
+        procmem.reset_peak_rss()
 
     def disarm(self) -> None:
         if self.previous_limit is not None:
-            _procmem.restore_address_space(self.previous_limit)
+            procmem.restore_address_space(self.previous_limit)
             self.previous_limit = None
 
     def reset_peak(self) -> None:
-        _procmem.reset_peak_rss()
+        procmem.reset_peak_rss()
 
     def peaks(self) -> tuple[int | None, int | None, int | None]:
-        hwm = _procmem.peak_rss_bytes()
+        hwm = procmem.peak_rss_bytes()
         if hwm is None or self.base is None:
             return None, None, None
         peak = max(0, hwm - self.base) + self.resident
@@ -171,8 +171,8 @@ class _CpuMeter:
             return None
         for generation in (1, 2):  # a full collection only when memory looks held
             gc.collect(generation)
-            _procmem.malloc_trim()
-            now = _procmem.rss_bytes()
+            procmem.malloc_trim()
+            now = procmem.rss_bytes()
             if now is None or now - self.base <= self.tolerance:
                 break
         return None if now is None else max(0, now - self.base)

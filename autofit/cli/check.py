@@ -1,14 +1,8 @@
-"""``autofit check`` and ``autofit report``: pre-flight and reports from the command line.
+"""``autofit check``: pre-flight of a configuration file from the command line.
 
     autofit check tuned.yaml                      # exit 0 fits here, 3 does not, 2 bad input
     autofit check tuned.yaml --device cuda:1 --json
     autofit check train_args.yaml --model ./my-model --dataset train.jsonl
-    autofit report tuned.yaml                     # tuned.png + tuned.html beside it
-
-``autofit/cli.py`` wires them in::
-
-    add_check_parser(subparsers)                  # "check", runs run_check_command
-    add_report_parser(subparsers)                 # "report", runs run_report_command
 
 ``check`` reads a file ``FitResult.save`` wrote (model, task, sequence length and
 device are in its ``# autofit: {...}`` line) or a plain TrainingArguments
@@ -16,19 +10,18 @@ YAML/JSON (then ``--model`` and ``--dataset`` or ``--seq-len`` say what it train
 The device is ``--device``, else the file's device when it is present here, else
 ``auto``. The verdict comes from the check cache when exactly this configuration
 was measured before (no trial: about a second), else from one trial on the
-worst-case batch (see ``autofit._preflight_check``).
+worst-case batch (see ``autofit.preflight.check``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
-__all__ = ["add_check_parser", "add_report_parser", "run_check_command", "run_report_command"]
+from autofit.cli.options import EXIT_DOES_NOT_FIT, EXIT_OK
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
+__all__ = ["add_check_parser", "run_check_command"]
 
 
 def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -61,22 +54,6 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``report`` sub-command to an argparse ``subparsers`` object."""
-    p = subparsers.add_parser(
-        "report",
-        help="draw a tuned file's memory breakdown and candidates (PNG + HTML)",
-        description="Write <name>.png and a self-contained <name>.html beside a tuned file: "
-        "the chosen configuration's memory by component against the capacity, and the "
-        "candidates tried (micro batch vs peak and vs throughput, OOMs marked).",
-    )
-    p.add_argument("config", help="a file written by autofit tune -o / FitResult.save")
-    p.add_argument("-o", "--output", default=None,
-                   help="where to write (its stem names both files; default: beside the file)")
-    p.set_defaults(func=run_report_command)
-    return p
-
-
 def _default_device(meta: dict[str, Any]) -> tuple[str, str]:
     """The device to check on: the file's when present here, else auto (with why)."""
     name = meta.get("device")
@@ -95,10 +72,10 @@ def _default_device(meta: dict[str, Any]) -> tuple[str, str]:
 
 def run_check_command(args: argparse.Namespace) -> int:
     """Run ``autofit check``; returns the exit code."""
-    from autofit._preflight_check import run_check
     from autofit.emit import read_config
     from autofit.errors import BadInputError
     from autofit.preflight import config_of
+    from autofit.preflight.check import run_check
 
     fields, meta = read_config(args.config)
     model = args.model or meta.get("model")
@@ -107,7 +84,7 @@ def run_check_command(args: argparse.Namespace) -> int:
                             "give --model")
     dataset = None
     if args.dataset:
-        from autofit._datasets import load_dataset_ref
+        from autofit.cli.datasets import load_dataset_ref
 
         dataset = load_dataset_ref(args.dataset)
     seq_len = args.seq_len if args.seq_len is not None else (
@@ -178,20 +155,3 @@ def _print_check(report: Any, path: str) -> None:
             console.print(Text(f"  ✗ {p}", style="red"))
     for r in report.reasons:
         console.print(f"  • {r}")
-
-
-def run_report_command(args: argparse.Namespace) -> int:
-    """Run ``autofit report``; returns the exit code."""
-    from rich.console import Console
-
-    from autofit._report_files import report_data_from_file, write_report
-    from autofit.report import estimate_renderable
-
-    data = report_data_from_file(args.config)
-    png, page = write_report(data, Path(args.output) if args.output else Path(args.config))
-    console = Console()
-    console.print(estimate_renderable(data.estimate))
-    for r in data.reasons:
-        console.print(f"  • {r}")
-    console.print(f"wrote {png} and {page}")
-    return EXIT_OK

@@ -1,6 +1,6 @@
 """The one place that decides whether an exception means "out of memory".
 
-    >>> from autofit._oom import is_oom
+    >>> from autofit.trial.oom import is_oom
     >>> is_oom(MemoryError())
     True
     >>> is_oom(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED."))

@@ -30,12 +30,8 @@ the optimizer *before* calling ``on_train_begin``, so a batch size changed there
 would not reach this run. Fix with ``preflight(trainer, fix=True)`` before
 ``trainer.train()``; the callback then confirms from the cache with no new trial.
 
-    >>> from autofit.preflight import PreflightReport
-    >>> sorted(PreflightReport.__dataclass_fields__)[:4]
-    ['capacity_bytes', 'changes', 'config', 'device']
-
 Known limitations:
-    NB: the trial runs ``Trainer``'s step (``autofit._trial_step``); extras that a
+    NB: the trial runs ``Trainer``'s step (``autofit.trial.step``); extras that a
     subclass adds to ``compute_loss`` (e.g. ``SFTTrainer``'s entropy and token
     accuracy, computed from the logits under ``no_grad``) are not measured.
     NB: a DeepSpeed / FSDP configuration is not changed by ``fix``; its
@@ -47,14 +43,13 @@ Known limitations:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.config import TrainConfig
-from autofit.errors import BadInputError, DoesNotFitError
-from autofit.memory.breakdown import MemoryEstimate
+from autofit.errors import BadInputError
+from autofit.preflight.verdict import PreflightError, PreflightReport
 
-__all__ = ["preflight", "AutofitCallback", "PreflightReport", "PreflightError", "config_of"]  # noqa: F822 - AutofitCallback comes from __getattr__
+__all__ = ["preflight", "config_of"]
 
 logger = logging.getLogger("autofit")
 
@@ -65,95 +60,6 @@ _ARG_FIELDS = (
     "per_device_eval_batch_size", "eval_strategy", "do_eval", "predict_with_generate",
     "generation_max_length", "max_length", "world_size",
 )
-
-
-@dataclass(frozen=True)
-class PreflightReport:
-    """The answer of a pre-flight check.
-
-    Attributes:
-        fits: True when the configuration runs here (after the fix, if one was made).
-        config: the ``TrainConfig`` checked last (the fixed one when ``changes``).
-        requested: the ``TrainConfig`` as given.
-        estimate: the analytic estimate of ``config`` (None for a model autofit
-            cannot estimate).
-        trial: the ``TrialResult`` that decided, or None (estimate only).
-        from_cache: the trial came from the cache; none ran.
-        problems: everything that stops the run, one line each (empty when it fits).
-        reasons: how the verdict was reached, one line each.
-        changes: field -> (old, new) of what ``fix=True`` changed.
-        device: the device checked.
-        capacity_bytes: what the device offers now.
-        seq_len: tokens of the worst-case sample.
-        eval_estimate: the evaluation step's estimate, when an eval batch was checked.
-        eval_batch_size: ``per_device_eval_batch_size`` after the check.
-        trials_run: trials this check ran (0 on a cache hit).
-    """
-
-    fits: bool
-    config: TrainConfig
-    requested: TrainConfig
-    estimate: MemoryEstimate | None
-    trial: Any
-    from_cache: bool
-    problems: tuple[str, ...]
-    reasons: tuple[str, ...]
-    changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
-    device: str = ""
-    capacity_bytes: int = 0
-    seq_len: int = 0
-    eval_estimate: MemoryEstimate | None = None
-    eval_batch_size: int | None = None
-    trials_run: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (the ``autofit check --json`` object)."""
-        return {
-            "fits": self.fits,
-            "estimate": self.estimate.to_dict() if self.estimate else None,
-            "trial": self.trial.to_dict() if self.trial is not None else None,
-            "from_cache": self.from_cache,
-            "reasons": list(self.reasons),
-            "problems": list(self.problems),
-            "config": self.config.to_dict(),
-            "requested": self.requested.to_dict(),
-            "changes": {k: list(v) for k, v in self.changes.items()},
-            "device": self.device,
-            "capacity_bytes": self.capacity_bytes,
-            "seq_len": self.seq_len,
-            "eval_estimate": self.eval_estimate.to_dict() if self.eval_estimate else None,
-            "eval_batch_size": self.eval_batch_size,
-            "trials_run": self.trials_run,
-        }
-
-    def summary(self) -> str:
-        """The verdict, the problems and the reasons as plain text."""
-        c = self.config
-        head = (f"autofit pre-flight on {self.device}: "
-                f"{'fits' if self.fits else 'DOES NOT FIT'} — micro batch {c.micro_batch_size} x "
-                f"accumulation {c.grad_accum_steps}, {c.precision}, {c.optimizer}"
-                + (", checkpointing" if c.gradient_checkpointing else ""))
-        lines = [head]
-        lines += [f"  ✗ {p}" for p in self.problems]
-        lines += [f"  - {r}" for r in self.reasons]
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.summary()
-
-
-class PreflightError(DoesNotFitError):
-    """The configuration cannot run here; ``problems`` lists every reason (exit code 3)."""
-
-    def __init__(self, report: PreflightReport, hint: str | None = None) -> None:
-        self.report = report
-        self.problems = report.problems
-        n = len(report.problems)
-        lines = [f"pre-flight on {report.device}: {n} problem{'s' if n != 1 else ''}"]
-        lines += [f"  {i}. {p}" for i, p in enumerate(report.problems, 1)]
-        if hint:
-            lines.append(hint)
-        super().__init__("\n".join(lines))
 
 
 # ---------------------------------------------------------------- reading a run
@@ -282,7 +188,7 @@ def preflight(
         >>> r.fits, r.trial is None
         (True, True)
     """
-    from autofit._preflight_check import run_check
+    from autofit.preflight.check import run_check
 
     trainer = trainer_or_args if _is_trainer(trainer_or_args) else None
     args = trainer.args if trainer is not None else trainer_or_args
@@ -326,93 +232,3 @@ def preflight(
     elif raise_on_failure:
         raise PreflightError(report)
     return report
-
-
-# ---------------------------------------------------------------- the callback
-
-
-def _loader_batch_size(loader: Any) -> int | None:
-    """Samples per micro batch of a (possibly accelerate-prepared) dataloader."""
-    if loader is None:
-        return None
-    b = getattr(loader, "batch_size", None)
-    if isinstance(b, int):
-        return b
-    sampler = getattr(loader, "batch_sampler", None)
-    b = getattr(sampler, "batch_size", None)
-    return b if isinstance(b, int) else None
-
-
-def _callback_class() -> type:
-    from transformers import TrainerCallback
-
-    class AutofitCallback(TrainerCallback):
-        """Runs the pre-flight check at ``on_train_begin``; raises ``PreflightError``.
-
-        Args:
-            dataset: the training samples; default: the train dataloader's dataset.
-            device: as for ``preflight`` (default ``auto``).
-            **options: any keyword of ``preflight`` except ``fix`` (``margin``,
-                ``trial``, ``cache``, ``max_seq_len``, ``eval_dataset``,
-                ``generate_max_new_tokens``, ``collator``, ``timeout_s``).
-
-        After ``on_train_begin``, ``report`` holds the ``PreflightReport``.
-
-        Example:
-            >>> cb = AutofitCallback(device="cpu", margin=0.05)  # doctest: +SKIP
-            >>> Trainer(model, args, train_dataset=data, callbacks=[cb]).train()  # doctest: +SKIP
-        """
-
-        def __init__(self, dataset: Any = None, *, device: Any = "auto", **options: Any) -> None:
-            if "fix" in options:
-                raise BadInputError(
-                    "AutofitCallback cannot fix: on_train_begin comes after the Trainer built "
-                    "its dataloader; call autofit.preflight(trainer, fix=True) before "
-                    "trainer.train() instead")
-            self.dataset = dataset
-            self.device = device
-            self.options = options
-            self.report: PreflightReport | None = None
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            loader = kwargs.get("train_dataloader")
-            dataset = self.dataset if self.dataset is not None else getattr(loader, "dataset",
-                                                                              None)
-            live = _loader_batch_size(loader)
-            report = preflight(args, model=kwargs.get("model"), dataset=dataset, fix=False,
-                               device=self.device, raise_on_failure=False, **self.options)
-            problems = list(report.problems)
-            if live is not None and live != args.train_batch_size:
-                problems.append(
-                    f"the train dataloader yields batches of {live}, but the arguments say "
-                    f"{args.train_batch_size}: they were changed after the Trainer was built; "
-                    "use autofit.preflight(trainer, fix=True), which updates both")
-            if problems != list(report.problems):
-                from dataclasses import replace
-
-                report = replace(report, fits=False, problems=tuple(problems))
-            self.report = report
-            if not report.fits:
-                raise PreflightError(report, hint=(
-                    "stopped before training; to shrink the micro batch while keeping the "
-                    "effective batch, call autofit.preflight(trainer, fix=True) before "
-                    "trainer.train()"))
-            return control
-
-    AutofitCallback.__module__ = __name__
-    AutofitCallback.__qualname__ = "AutofitCallback"
-    return AutofitCallback
-
-
-_CALLBACK: type | None = None
-
-
-def __getattr__(name: str) -> Any:
-    # AutofitCallback subclasses transformers.TrainerCallback: built on first use so that
-    # `import autofit` does not import transformers
-    global _CALLBACK
-    if name == "AutofitCallback":
-        if _CALLBACK is None:
-            _CALLBACK = _callback_class()
-        return _CALLBACK
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

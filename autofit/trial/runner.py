@@ -1,7 +1,7 @@
 """Trials: real micro-steps of the exact training step, on the real device.
 
 ``measure`` runs a few steps of what ``transformers.Trainer`` would run for a
-``TrainConfig`` (see ``autofit._trial_step``) on the worst-case batch and reports
+``TrainConfig`` (see ``autofit.trial.step``) on the worst-case batch and reports
 the peak memory and the speed, or the out-of-memory error it met. The user's model
 and the RNGs are left exactly as they were.
 
@@ -52,9 +52,9 @@ checkpointing, hooks) and config fields, restored in a ``finally``; otherwise
 (``*-true`` casts, another device) on a copy made tensor by tensor on the device.
 The torch / CUDA / numpy / ``random`` generators are restored either way, and so
 is accelerate's state that building ``TrainingArguments`` touches. See
-``autofit._trial_state``.
+``autofit.trial.state``.
 
-Out of memory: ``is_oom`` (``autofit._oom``) decides. The message is kept, the
+Out of memory: ``is_oom`` (``autofit.trial.oom``) decides. The message is kept, the
 exception dropped outside the ``except`` block, everything the trial made freed,
 and memory checked back at the baseline (``recovered``); when it is not, a
 ``RuntimeWarning`` says so and later ``auto`` trials on that device run in a
@@ -86,15 +86,15 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from autofit._oom import OOM_MESSAGES, is_oom
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, InvalidConfigError, UnknownDeviceError
+from autofit.trial.oom import is_oom
+from autofit.trial.result import TrialResult
 
-__all__ = ["TrialResult", "measure", "is_oom", "OOM_MESSAGES", "ISOLATIONS"]
+__all__ = ["measure", "ISOLATIONS", "DEFAULT_TIMEOUT_S"]
 
 ISOLATIONS = ("auto", "in-process", "subprocess")
 DEFAULT_TIMEOUT_S = 600.0
@@ -107,52 +107,6 @@ def _kill_grace_s(timeout_s: float) -> float:
 
 # Devices where an in-process trial did not give its memory back: device -> reason.
 _FAILED_RECOVERY: dict[str, str] = {}
-
-
-@dataclass(frozen=True)
-class TrialResult:
-    """What one trial measured. Sizes in bytes, times in seconds; ``None`` = not measured.
-
-    ``oom`` is True when the step ran out of memory: a completed trial whose memory
-    constraint is violated, not a failure. ``error`` is set for an OOM (its message)
-    and for any other failure (then ``oom`` is False). On a CPU the three memory
-    fields are equal and include weights, buffers and batch (see the module
-    docstring); on an accelerator they are the allocator's peaks.
-    """
-
-    oom: bool
-    peak_allocated_bytes: int | None
-    peak_reserved_bytes: int | None
-    device_total_bytes: int | None
-    step_time_s: float | None  # median of the measured steps (one optimizer step each)
-    tokens_per_s: float | None
-    samples_per_s: float | None
-    error: str | None
-    config: dict[str, Any]  # TrainConfig.to_dict() of what ran (seq_len = T of the batch)
-    device: str
-    batch_shape: tuple[int, int]  # (B, T) of one micro batch
-    isolation: str  # "in-process" | "subprocess"
-    isolation_reason: str
-    steps: int  # measured steps completed
-    warmup_steps: int = 0  # warm-up steps completed
-    micro_batches_per_step: int = 1  # min(grad_accum_steps, 2): see autofit._trial_step
-    capacity_bytes: int | None = None  # what the device offers (the cap on a capped CPU)
-    resident_bytes: int | None = None  # CPU: weights + buffers + batch inside the peak
-    timed_out: bool = False
-    recovered: bool | None = None  # in-process: memory back at the baseline afterwards
-    leaked_bytes: int | None = None
-    notes: tuple[str, ...] = ()
-
-    @property
-    def fits(self) -> bool:
-        """The steps ran to the end without running out of memory or failing."""
-        return not self.oom and self.error is None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["batch_shape"] = list(self.batch_shape)
-        d["notes"] = list(self.notes)
-        return d
 
 
 # ---------------------------------------------------------------- inputs
@@ -274,7 +228,7 @@ def _torch_device(dev: Any) -> Any:
 def _accel_empty_cache(tdev: Any) -> None:
     if tdev.type == "cpu":
         return
-    from autofit._trial_run import _accel
+    from autofit.trial.loop import _accel
 
     with contextlib.suppress(RuntimeError, AttributeError):
         _accel(tdev.type).empty_cache()
@@ -291,10 +245,10 @@ def _run_in_process(
     measure_steps: int,
     deadline: float | None,
 ) -> Any:
-    from autofit._trial_model import ModelRef, materialize
-    from autofit._trial_run import run_steps
-    from autofit._trial_state import ModelSnapshot, RngSnapshot, needs_copy, working_copy
-    from autofit._trial_step import storage_bytes
+    from autofit.trial.loop import run_steps
+    from autofit.trial.model import ModelRef, materialize
+    from autofit.trial.state import ModelSnapshot, RngSnapshot, needs_copy, working_copy
+    from autofit.trial.step import storage_bytes
 
     true_dtype = plan.param_dtype if plan.precision.endswith("-true") else None
     rng = RngSnapshot(tdev)
@@ -338,11 +292,11 @@ def _run_in_process(
 
 
 def _child_env() -> dict[str, str]:
-    from autofit import _procmem
+    from autofit.trial import procmem
 
     env = dict(os.environ)
-    env.update(_procmem.CHILD_MALLOC_ENV)
-    package_root = str(Path(__file__).resolve().parent.parent)
+    env.update(procmem.CHILD_MALLOC_ENV)
+    package_root = str(Path(__file__).resolve().parents[2])  # the directory holding autofit/
     paths = [package_root] + [p if p else os.getcwd() for p in sys.path if isinstance(p, str)]
     seen: list[str] = []
     for p in paths:
@@ -379,7 +333,7 @@ def _run_subprocess(
 ) -> Any:
     import torch
 
-    from autofit._trial_run import RawTrial
+    from autofit.trial.loop import RawTrial
 
     with tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
         work = Path(tmp)
@@ -402,7 +356,7 @@ def _run_subprocess(
         log = open(work / "child.log", "wb")  # noqa: SIM115 - closed below
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "autofit._trial_child", str(work)],
+                [sys.executable, "-m", "autofit.trial.child", str(work)],
                 env=_child_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -495,10 +449,10 @@ def measure(
     """
     import torch
 
-    from autofit._trial_model import ModelRef
-    from autofit._trial_step import plan_step
     from autofit.probe.device import check_precision, resolve_device
     from autofit.probe.model import build_model
+    from autofit.trial.model import ModelRef
+    from autofit.trial.step import plan_step
 
     if not isinstance(config, TrainConfig):
         raise InvalidConfigError(f"config must be a TrainConfig, got {type(config).__name__}")

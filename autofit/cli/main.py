@@ -1,0 +1,101 @@
+"""The command line: a thin layer over the Python API (parse, call, print).
+
+    autofit estimate tiny-llama --batch-size 4 --seq-len 512
+    autofit tune tiny-gpt2 --dataset tiny-samples --device cpu:1GiB -o tuned.yaml
+    autofit measure tiny-llama --batch-size 4 --seq-len 256 --device cpu:2GiB
+    autofit check tuned.yaml
+    autofit report tuned.yaml
+
+One module per subcommand (``estimate``, ``tune``, ``measure``, ``check``,
+``report``), the options they share (``options``) and dataset references
+(``datasets``). Exit codes: 0 ok (fits), 2 bad input (one line that says what to
+do), 3 does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from autofit.cli.options import EXIT_BAD_INPUT, EXIT_OK
+from autofit.errors import AutofitError
+
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(EXIT_BAD_INPUT, f"autofit: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``autofit`` argument parser with every subcommand."""
+    from autofit.cli.check import add_check_parser
+    from autofit.cli.estimate import add_estimate_parser
+    from autofit.cli.measure import add_measure_parser
+    from autofit.cli.report import add_report_parser
+    from autofit.cli.tune import add_tune_parser
+
+    parser = _Parser(prog="autofit", description="Find the fastest training configuration "
+                     "that fits in device memory, before the run starts.")
+    parser.add_argument("--version", action="version", version=f"autofit {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    add_estimate_parser(sub)
+    add_measure_parser(sub)
+    add_check_parser(sub)
+    add_report_parser(sub)
+    add_tune_parser(sub)
+    return parser
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("autofit")
+    except Exception:  # noqa: BLE001 - not installed: running from a checkout
+        return "0.1.0"
+
+
+def _quiet_libraries() -> None:
+    """Keep library chatter (deprecations, optional-kernel notices) off the terminal."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``autofit`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    try:
+        return int(args.func(args))
+    except AutofitError as e:
+        print(f"autofit: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except BrokenPipeError:  # output piped into `head`
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("autofit: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - never a traceback unless asked
+        if os.environ.get("AUTOFIT_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(
+            f"autofit: internal error: {type(e).__name__}: {msg} "
+            "(set AUTOFIT_DEBUG=1 for the traceback and please report it)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Options the subcommands share: the model, one training configuration, adapters.
+
+    p = subparsers.add_parser("estimate")
+    add_model_options(p)                  # MODEL --batch-size --seq-len --precision ...
+    config = train_config(p.parse_args([...]))
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from autofit.config import OPTIMIZERS, PRECISIONS
+
+__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "add_model_options",
+           "add_adapter_options", "model_kwargs", "train_config", "tokenizer_for"]
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The options that describe the model and one training configuration."""
+    p.add_argument("model", help="hub id, local directory, config.json path or bundled name")
+    p.add_argument("--batch-size", type=int, required=True, help="micro batch size per device")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sample")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--precision", default="32-true", help=f"one of {', '.join(PRECISIONS)}")
+    p.add_argument("--optim", default="adamw_torch", help=f"one of {', '.join(OPTIMIZERS)}")
+    p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    add_adapter_options(p)
+    p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu, cpu:8GiB, cuda, cuda:N or a card name (H100-80GB, ...)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_adapter_options(p: argparse.ArgumentParser) -> None:
+    """Attention implementation, LoRA and a 4-bit base, for a model given by name."""
+    p.add_argument("--attn-implementation", choices=["eager", "sdpa"], default=None)
+    p.add_argument("--lora-r", type=int, default=None, help="add a LoRA adapter of this rank")
+    p.add_argument("--lora-alpha", type=int, default=None)
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="module names, or all-linear (default)")
+    p.add_argument("--load-in-4bit", action="store_true", help="QLoRA-style 4-bit base")
+
+
+def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The model-building keyword arguments of the API from parsed options."""
+    from autofit.probe.model import LoraSpec
+
+    lora = None
+    if args.lora_r is not None or args.lora_target_modules or args.lora_alpha is not None:
+        targets = args.lora_target_modules or ["all-linear"]
+        r = args.lora_r if args.lora_r is not None else 8
+        lora = LoraSpec(
+            r=r,
+            alpha=args.lora_alpha if args.lora_alpha is not None else 2 * r,
+            target_modules="all-linear" if targets == ["all-linear"] else tuple(targets),
+            dropout=args.lora_dropout,
+        )
+    if args.load_in_4bit and lora is None:
+        lora = LoraSpec()  # QLoRA: a frozen 4-bit base trains through adapters
+    return dict(
+        task=args.task,
+        attn_implementation=args.attn_implementation,
+        lora=lora,
+        load_in_4bit=args.load_in_4bit,
+    )
+
+
+def train_config(args: argparse.Namespace):
+    from autofit.config import TrainConfig
+
+    return TrainConfig(
+        micro_batch_size=args.batch_size,
+        grad_accum_steps=args.grad_accum,
+        precision=args.precision,
+        gradient_checkpointing=args.gradient_checkpointing,
+        optimizer=args.optim,
+        optim_args=args.optim_args,
+        seq_len=args.seq_len,
+    )
+
+
+def tokenizer_for(args: argparse.Namespace, data: list[Any]) -> Any:
+    """The tokenizer a dataset of text needs (``--tokenizer``, else the model's), or None."""
+    from autofit.errors import BadInputError
+
+    needs = bool(data) and isinstance(data[0], dict) and "input_ids" not in data[0]
+    if not needs and args.tokenizer is None:
+        return None
+    from transformers import AutoTokenizer
+
+    name = args.tokenizer or args.model
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # noqa: BLE001 - hub / file errors come in many types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BadInputError(
+            f"the dataset has text but no tokenizer could be loaded from {name!r} ({first}); "
+            "pass --tokenizer DIR or give input_ids"
+        ) from None

@@ -1,0 +1,24 @@
+"""The levers the search may turn, one module each (see ``base`` for what a knob declares).
+
+``precision``, ``checkpointing`` and ``optimizer`` today; ``registry`` lists them
+in order. ``SearchSpace``, ``Candidate``, the optuna study, the cache key, the
+candidates table, the emitted fields and the "nothing fits" suggestions are
+generic over ``KNOBS``.
+"""
+
+from autofit.knobs.base import Knob, installed, restrict, training_arguments_fields
+from autofit.knobs.checkpointing import CHECKPOINTING
+from autofit.knobs.optimizer import OPTIMIZER
+from autofit.knobs.precision import PRECISION
+from autofit.knobs.registry import (
+    KNOBS,
+    choice_of,
+    describe_choice,
+    knob,
+    knob_names,
+    owned_fields,
+)
+
+__all__ = ["CHECKPOINTING", "KNOBS", "OPTIMIZER", "PRECISION", "Knob", "choice_of",
+           "describe_choice", "installed", "knob", "knob_names", "owned_fields", "restrict",
+           "training_arguments_fields"]

@@ -1,0 +1,108 @@
+"""What a knob is: one lever the search may turn, and everything autofit says about it.
+
+A knob declares
+
+* ``name``: the ``TrainConfig`` field it sets (also the optuna parameter and the
+  keyword that restricts it: ``autofit(..., precision=["bf16-mixed"])``);
+* ``values``: every value it may take, and ``changes_math(value)``: whether a
+  value changes what training computes (such values are searched only when the
+  user asks for them, like SGD instead of AdamW);
+* ``defaults(device)``: the values searched when the user does not restrict the
+  knob, with the reason shown to the user; ``check(device, value)``: raises an
+  ``AutofitError`` naming what to do when the device or the installed libraries
+  cannot run a value;
+* ``emit(config, args)`` / ``read(args)``: how its value is written into (and read
+  back from) ``TrainingArguments`` fields, with the field names of the installed
+  transformers; ``fields``: the fields it owns;
+* ``describe(value)`` / ``short(value)``: how the value reads in reasons and in the
+  candidates table (column ``title``); ``flag(value)``: the ``autofit tune`` option
+  that asks for it; ``add_options(parser)`` / ``from_options(args)``: those options;
+* ``saving``: the value that needs the least memory without changing the math
+  (None when no value does), and ``suggest(device)``: values that change the math
+  but save memory, offered when nothing fits; ``note(value)``: what the user must
+  do besides the emitted fields when the value is chosen (or None);
+* ``calibrates_apart``: the estimate's error depends on the value (trials measured
+  with one value do not calibrate the estimate of another).
+
+The memory rule of a knob lives with the estimators (``autofit.memory``): a knob
+only says what it is and how it is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any, Protocol
+
+__all__ = ["Knob", "installed", "training_arguments_fields", "restrict"]
+
+
+class Knob(Protocol):
+    """One lever of the search (see the module docstring)."""
+
+    name: str
+    title: str
+    values: tuple[Any, ...]
+    fields: tuple[str, ...]
+    saving: Any
+    calibrates_apart: bool
+
+    def normalize(self, value: Any) -> Any: ...
+
+    def changes_math(self, value: Any) -> bool: ...
+
+    def defaults(self, device: Any) -> tuple[tuple[Any, ...], str | None]: ...
+
+    def check(self, device: Any, value: Any) -> None: ...
+
+    def describe(self, value: Any) -> str: ...
+
+    def short(self, value: Any) -> str: ...
+
+    def flag(self, value: Any) -> str: ...
+
+    def suggest(self, device: Any) -> tuple[Any, ...]: ...
+
+    def note(self, value: Any) -> str | None: ...
+
+    def emit(self, config: Any, args: dict[str, Any]) -> None: ...
+
+    def read(self, args: dict[str, Any]) -> Any: ...
+
+    def add_options(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def from_options(self, args: argparse.Namespace) -> Any: ...
+
+
+def installed(package: str) -> bool:
+    """Whether ``package`` can be imported here (without importing it)."""
+    return importlib.util.find_spec(package) is not None
+
+
+@lru_cache(maxsize=1)
+def training_arguments_fields() -> frozenset[str]:
+    """The field names of the installed ``transformers.TrainingArguments``."""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    return frozenset(f.name for f in fields(TrainingArguments))
+
+
+def restrict(knob: Knob, device: Any, allowed: Any, reasons: list[str]) -> tuple[Any, ...]:
+    """The values of ``knob`` to search: ``allowed`` (one value or several) checked against
+    the device, or the knob's defaults (their reason appended to ``reasons``)."""
+    if allowed is None:
+        values, why = knob.defaults(device)
+        if why:
+            reasons.append(why)
+        return values
+    many = allowed if isinstance(allowed, Sequence) and not isinstance(allowed, str) else [allowed]
+    out = []
+    for v in many:
+        v = knob.normalize(v)
+        knob.check(device, v)
+        out.append(v)
+    return tuple(dict.fromkeys(out))

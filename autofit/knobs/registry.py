@@ -1,0 +1,49 @@
+"""The registered knobs, in the order the search, the table and the files show them.
+
+Adding a lever is one new module in ``autofit/knobs/`` (a ``Knob``), its entry here,
+its ``TrainConfig`` field, its memory rule in ``autofit/memory`` and its tests.
+
+    >>> [k.name for k in KNOBS]
+    ['precision', 'gradient_checkpointing', 'optimizer']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autofit.errors import BadInputError
+from autofit.knobs.base import Knob
+from autofit.knobs.checkpointing import CHECKPOINTING
+from autofit.knobs.optimizer import OPTIMIZER
+from autofit.knobs.precision import PRECISION
+
+__all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields"]
+
+KNOBS: tuple[Knob, ...] = (PRECISION, CHECKPOINTING, OPTIMIZER)
+
+
+def knob(name: str) -> Knob:
+    """The registered knob called ``name``."""
+    for k in KNOBS:
+        if k.name == name:
+            return k
+    raise BadInputError(f"unknown knob {name!r}; knobs: {', '.join(knob_names())}")
+
+
+def knob_names() -> tuple[str, ...]:
+    return tuple(k.name for k in KNOBS)
+
+
+def choice_of(config: Any) -> dict[str, Any]:
+    """``{knob name: value}`` of a ``TrainConfig`` (or anything with those attributes)."""
+    return {k.name: getattr(config, k.name) for k in KNOBS}
+
+
+def describe_choice(choice: dict[str, Any], sep: str = ", ") -> str:
+    """``"bf16-mixed, checkpointing, adamw_torch"``: each knob's value as the reasons read."""
+    return sep.join(k.describe(choice[k.name]) for k in KNOBS if k.name in choice)
+
+
+def owned_fields() -> tuple[str, ...]:
+    """Every TrainingArguments field a knob writes (the rest is the user's)."""
+    return tuple(f for k in KNOBS for f in k.fields)

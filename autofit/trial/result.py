@@ -1,0 +1,67 @@
+"""``TrialResult``: what one trial measured on the device (see ``autofit.trial.runner``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["TrialResult", "trial_from_dict"]
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What one trial measured. Sizes in bytes, times in seconds; ``None`` = not measured.
+
+    ``oom`` is True when the step ran out of memory: a completed trial whose memory
+    constraint is violated, not a failure. ``error`` is set for an OOM (its message)
+    and for any other failure (then ``oom`` is False). On a CPU the three memory
+    fields are equal and include weights, buffers and batch (see the module
+    docstring); on an accelerator they are the allocator's peaks.
+    """
+
+    oom: bool
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    device_total_bytes: int | None
+    step_time_s: float | None  # median of the measured steps (one optimizer step each)
+    tokens_per_s: float | None
+    samples_per_s: float | None
+    error: str | None
+    config: dict[str, Any]  # TrainConfig.to_dict() of what ran (seq_len = T of the batch)
+    device: str
+    batch_shape: tuple[int, int]  # (B, T) of one micro batch
+    isolation: str  # "in-process" | "subprocess"
+    isolation_reason: str
+    steps: int  # measured steps completed
+    warmup_steps: int = 0  # warm-up steps completed
+    micro_batches_per_step: int = 1  # min(grad_accum_steps, 2): see autofit.trial.step
+    capacity_bytes: int | None = None  # what the device offers (the cap on a capped CPU)
+    resident_bytes: int | None = None  # CPU: weights + buffers + batch inside the peak
+    timed_out: bool = False
+    recovered: bool | None = None  # in-process: memory back at the baseline afterwards
+    leaked_bytes: int | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        """The steps ran to the end without running out of memory or failing."""
+        return not self.oom and self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["batch_shape"] = list(self.batch_shape)
+        d["notes"] = list(self.notes)
+        return d
+
+
+def trial_from_dict(d: dict[str, Any]) -> TrialResult:
+    """A ``TrialResult`` from ``to_dict()`` output (fields unknown to this version dropped)."""
+    from dataclasses import fields
+
+    names = {f.name for f in fields(TrialResult)}
+    kw = {k: v for k, v in d.items() if k in names}
+    if kw.get("batch_shape") is not None:
+        kw["batch_shape"] = tuple(kw["batch_shape"])
+    if kw.get("notes") is not None:
+        kw["notes"] = tuple(kw["notes"])
+    return TrialResult(**kw)
