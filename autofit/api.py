@@ -1,34 +1,32 @@
-"""The public functions: they resolve names, validate, and call the stages.
+"""The public functions: ``estimate`` and ``autofit``, each a short pipeline of named stages.
 
     >>> from autofit import estimate, TrainConfig
     >>> est = estimate("tiny-llama", TrainConfig(micro_batch_size=4), seq_len=512, device="cpu")
     >>> sorted(est.breakdown)
     ['activations', 'gradients', 'optimizer_states', 'overhead', 'temporaries', 'weights']
+
+``autofit()`` runs the flow of DESIGN.md one stage after another, each a function
+below that takes what the earlier ones made and never reaches back:
+
+    _probe -> _space -> _estimator -> _trial_runner -> _study -> _search -> _result
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from autofit.config import TrainConfig
-from autofit.errors import BadInputError, MissingDependencyError
+from autofit.errors import BadInputError
+from autofit.knobs import KNOBS, choice_of, describe_choice, knob_names
 from autofit.memory.breakdown import MemoryEstimate
-from autofit.probe.device import DeviceInfo, check_precision, resolve_device
+from autofit.probe.device import DeviceInfo, resolve_device
 
-__all__ = ["estimate", "METHODS"]
+__all__ = ["estimate", "autofit", "METHODS"]
 
 METHODS = ("analytic", "simulate")
-
-
-def _check_dependencies(config: TrainConfig) -> None:
-    if config.optimizer_spec.bnb and importlib.util.find_spec("bitsandbytes") is None:
-        raise MissingDependencyError(
-            f"optimizer {config.optimizer} needs bitsandbytes: pip install 'autofit[bnb]' "
-            "(or choose --optim adamw_torch / adafactor)"
-        )
 
 
 def estimate(
@@ -89,8 +87,8 @@ def estimate(
     if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
         raise BadInputError(f"seq_len must be a positive integer, got {seq!r}")
     dev = resolve_device(device)
-    check_precision(dev, config.precision)
-    _check_dependencies(config)
+    for k in KNOBS:  # what the device and the installed libraries allow
+        k.check(dev, getattr(config, k.name))
     module, t = build_model(
         model,
         task=task,
@@ -108,11 +106,12 @@ def estimate(
     return estimate_analytic(info, config, seq, dev)
 
 
-_CONSTRAINTS = {
-    "precision", "optimizer", "gradient_checkpointing", "max_micro_batch", "training_args",
-    "method", "task", "tokenizer", "collator", "text_column", "cache", "confirm_top",
-    "max_trials", "progress", "isolation", "trial_timeout_s", "attn_implementation", "lora",
-    "load_in_4bit", "optim_args", "world_size", "generate_max_new_tokens",
+# Keyword options of autofit() besides the knobs (one keyword per knob restricts it).
+_OPTIONS = {
+    "max_micro_batch", "training_args", "method", "task", "tokenizer", "collator", "text_column",
+    "cache", "confirm_top", "max_trials", "progress", "isolation", "trial_timeout_s",
+    "attn_implementation", "lora", "load_in_4bit", "optim_args", "world_size",
+    "generate_max_new_tokens",
 }
 
 
@@ -130,9 +129,10 @@ def autofit(
 ):
     """The fastest training configuration of ``model`` on ``device`` that fits for the whole run.
 
-    Estimates every candidate (precision x checkpointing x optimizer x micro batch),
-    ranks them by predicted throughput, confirms the best few with real micro-steps
-    on the worst-case batch of ``dataset``, and returns the fastest measured one.
+    Estimates every candidate (each knob's values x micro batch: precision,
+    checkpointing, optimizer, ...), ranks them by predicted throughput, confirms
+    the best few with real micro-steps on the worst-case batch of ``dataset``, and
+    returns the fastest measured one.
 
     Args:
         model: as for ``estimate`` (a module, a hub id, a directory, a config).
@@ -148,24 +148,25 @@ def autofit(
         objective: ``"throughput"`` (the only one so far).
         time_budget_s: stop starting trials after this long; the best confirmed
             candidate so far is returned.
-        **constraints: ``precision=[...]``, ``optimizer=[...]``,
-            ``gradient_checkpointing=False``, ``max_micro_batch=``,
-            ``training_args=`` (a ``TrainingArguments``, only the tuned fields
-            change), ``method=`` (``analytic``; ``simulate``: on a device that is not
-            here, the best candidates are bracketed by simulating their step instead of
-            planning from the closed form; on one that is, the simulated step is the
-            estimate the trials start from), ``tokenizer=``, ``collator=``,
-            ``task=``, ``cache=`` (False, True or a storage URL), ``confirm_top=``,
-            ``max_trials=``, ``progress=``, ``isolation=``, ``trial_timeout_s=``,
-            ``generate_max_new_tokens=`` (eval by generation: sizes the eval batch's
-            KV cache).
+        **constraints: one keyword per knob restricts it (``precision=[...]``,
+            ``optimizer=[...]``, ``gradient_checkpointing=False``); and
+            ``max_micro_batch=``, ``training_args=`` (a ``TrainingArguments``, only
+            the tuned fields change), ``method=`` (``analytic``; ``simulate``: on a
+            device that is not here, the best candidates are bracketed by simulating
+            their step instead of planning from the closed form; on one that is, the
+            simulated step is the estimate the trials start from), ``tokenizer=``,
+            ``collator=``, ``task=``, ``cache=`` (False, True or a storage URL),
+            ``confirm_top=``, ``max_trials=``, ``progress=``, ``isolation=``,
+            ``trial_timeout_s=``, ``generate_max_new_tokens=`` (eval by generation:
+            sizes the eval batch's KV cache).
 
     Returns:
         A ``FitResult``.
 
     Raises:
-        DoesNotFitError: nothing fits; the message says what would (LoRA, QLoRA or
-            a shorter sequence), with the estimated numbers.
+        DoesNotFitError: nothing fits; the message says what would (LoRA, QLoRA, a
+            knob value that changes the math, or a shorter sequence), with the
+            estimated numbers.
         AutofitError: bad input, with what to do.
 
     Example:
@@ -178,183 +179,275 @@ def autofit(
     import time
 
     started_at = time.monotonic()
-    from autofit.memory.analytic import estimate_analytic
-    from autofit.probe.data import probe_data
-    from autofit.probe.model import build_model, describe, fingerprint
-    from autofit.probe.versions import library_versions
-    from autofit.result import FitResult
-    from autofit.search import DEFAULT_MARGIN, ENGINE_VERSION, Engine, build_space, cache_key
-    from autofit.search.speed import predict_speed
+    opts = _check_options(constraints, objective)
+    reasons: list[str] = []
+    progress = _progress_printer(opts.get("progress", False))
+    probed = _probe(model, dataset, device, max_seq_len, opts, reasons)
+    space, base_args = _space(probed, target_batch_size, opts, reasons)
+    estimator = _estimator(probed, opts, progress, reasons)
+    runner = _trial_runner(probed, dataset, max_seq_len, opts, estimator, reasons)
+    from autofit.search import DEFAULT_MARGIN
 
-    unknown = set(constraints) - _CONSTRAINTS
+    add_fragmentation = margin is None  # the default margin also reports measured fragmentation
+    margin = DEFAULT_MARGIN if margin is None else margin
+    recorder, key = _study(probed, space, margin, objective, runner, opts)
+    cached = recorder.cached_result() if recorder is not None else None
+    if cached is not None:
+        return _result_from_cache(cached, recorder, probed, base_args)
+    outcome, engine = _search(probed, space, estimator, runner, recorder, margin=margin,
+                              add_fragmentation=add_fragmentation, time_budget_s=time_budget_s,
+                              started_at=started_at, progress=progress, opts=opts)
+    return _result(probed, space, engine, outcome, runner, recorder, key, base_args, margin,
+                   max_seq_len, opts, reasons)
+
+
+def _check_options(constraints: dict[str, Any], objective: str) -> dict[str, Any]:
+    """The keyword options, validated: every unknown name is one line naming the known ones."""
+    known = _OPTIONS | set(knob_names())
+    unknown = set(constraints) - known
     if unknown:
         raise BadInputError(
-            f"unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(_CONSTRAINTS))}"
-        )
+            f"unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
     if objective != "throughput":
         raise BadInputError(f"unknown objective {objective!r}; use 'throughput'")
     method = constraints.get("method", "analytic")
     if method not in METHODS:
         raise BadInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    reasons: list[str] = []
+    return dict(constraints)
+
+
+@dataclass(frozen=True)
+class _Probed:
+    """What the probe stage found: the model as given and as built, its task and
+    description, the data's lengths and the device."""
+
+    model: Any
+    module: Any
+    task: str
+    info: Any  # ModelInfo
+    data: Any  # DataInfo
+    device: DeviceInfo
+    seq_len: int  # the worst-case (longest) sample after truncation
+
+    @property
+    def name(self) -> str:
+        return self.model if isinstance(self.model, str) else self.info.name
+
+
+def _probe(model: Any, dataset: Any, device: Any, max_seq_len: int | None,
+           opts: dict[str, Any], reasons: list[str]) -> _Probed:
+    """Stage 1: resolve the device, build and describe the model, measure the data's lengths."""
+    from autofit.errors import NoTrainableParametersError
+    from autofit.probe.data import probe_data
+    from autofit.probe.model import build_model, describe
+
     dev = resolve_device(device)
-    module, task = build_model(
-        model,
-        task=constraints.get("task"),
-        attn_implementation=constraints.get("attn_implementation"),
-        lora=constraints.get("lora"),
-        load_in_4bit=constraints.get("load_in_4bit", False),
-    )
-    info = describe(module, task=task, name=model if isinstance(model, str) else None)
-    if info.trainable_params == 0:
-        from autofit.errors import NoTrainableParametersError
-
-        raise NoTrainableParametersError(
-            f"{info.name} has no trainable parameter; unfreeze some or add LoRA (lora={{'r': 8}})"
-        )
-    data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=constraints.get("tokenizer"),
-                      text_column=constraints.get("text_column"))
-    seq_len = data.length_max
-    reasons.append(f"sequence length {seq_len}: the longest sample"
-                   + (f" after truncation at {max_seq_len}" if data.num_truncated else "")
-                   + f" (p50 {data.length_p50}, p99 {data.length_p99})")
-
-    training_args = constraints.get("training_args")
-    base_args: dict[str, Any] | None = None
-    world_size = int(constraints.get("world_size", 1))
-    if training_args is not None:
-        base_args = training_args.to_dict() if hasattr(training_args, "to_dict") else dict(training_args)
-        if target_batch_size is None:
-            target_batch_size = (int(base_args.get("per_device_train_batch_size", 8))
-                                 * int(base_args.get("gradient_accumulation_steps", 1)) * world_size)
-            reasons.append(f"target batch {target_batch_size}: from training_args "
-                           "(per-device batch × accumulation × devices)")
-    add_fragmentation = margin is None  # the default margin also keeps measured fragmentation
-    if margin is None:
-        margin = DEFAULT_MARGIN
-    max_micro = int(constraints.get("max_micro_batch", 256))
-    space = build_space(
-        dev,
-        precision=constraints.get("precision"),
-        optimizer=constraints.get("optimizer"),
-        gradient_checkpointing=constraints.get("gradient_checkpointing"),
-        max_micro_batch=min(max_micro, max(data.num_samples, 1)) if target_batch_size is None else max_micro,
-        target_batch_size=target_batch_size,
-        world_size=world_size,
-        optim_args=constraints.get("optim_args"),
-        bnb_available=importlib.util.find_spec("bitsandbytes") is not None,
-        reasons=reasons,
-    )
-
-    def estimate_total(config: TrainConfig) -> int:
-        return estimate_analytic(info, config, seq_len, dev).device_total_bytes
-
-    def speed(config: TrainConfig) -> float:
-        return predict_speed(info, config, seq_len, dev).tokens_per_s
-
-    trial_fn = None
-    if dev.present and constraints.get("load_in_4bit") and isinstance(model, str | os.PathLike):
+    if dev.present and opts.get("load_in_4bit") and isinstance(model, str | os.PathLike):
         raise BadInputError(
             "load_in_4bit=True with a model given by name can only be planned for a card "
             "(device='A100-40GB', ...): a trial cannot build a 4-bit base from a config. To "
             "tune on this device, pass the quantized model itself (from_pretrained(..., "
             "quantization_config=BitsAndBytesConfig(load_in_4bit=True)) + peft.get_peft_model)")
+    module, task = build_model(model, task=opts.get("task"),
+                               attn_implementation=opts.get("attn_implementation"),
+                               lora=opts.get("lora"), load_in_4bit=opts.get("load_in_4bit", False))
+    info = describe(module, task=task, name=model if isinstance(model, str) else None)
+    if info.trainable_params == 0:
+        raise NoTrainableParametersError(
+            f"{info.name} has no trainable parameter; unfreeze some or add LoRA (lora={{'r': 8}})")
+    data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=opts.get("tokenizer"),
+                      text_column=opts.get("text_column"))
+    reasons.append(f"sequence length {data.length_max}: the longest sample"
+                   + (f" after truncation at {max_seq_len}" if data.num_truncated else "")
+                   + f" (p50 {data.length_p50}, p99 {data.length_p99})")
+    return _Probed(model, module, task, info, data, dev, data.length_max)
+
+
+def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
+           reasons: list[str]) -> tuple[Any, dict[str, Any] | None]:
+    """Stage 2: the search space (each knob's values, the micro batches that keep the target),
+    and the user's TrainingArguments fields to keep, if given."""
+    from autofit.search import build_space
+
+    base_args = None
+    world_size = int(opts.get("world_size", 1))
+    training_args = opts.get("training_args")
+    if training_args is not None:
+        base_args = (training_args.to_dict() if hasattr(training_args, "to_dict")
+                     else dict(training_args))
+        if target_batch_size is None:
+            target_batch_size = (int(base_args.get("per_device_train_batch_size", 8))
+                                 * int(base_args.get("gradient_accumulation_steps", 1)) * world_size)
+            reasons.append(f"target batch {target_batch_size}: from training_args "
+                           "(per-device batch × accumulation × devices)")
+    max_micro = int(opts.get("max_micro_batch", 256))
+    if target_batch_size is None:  # no target: more samples than the dataset has gain nothing
+        max_micro = min(max_micro, max(probed.data.num_samples, 1))
+    space = build_space(probed.device, max_micro_batch=max_micro,
+                        target_batch_size=target_batch_size, world_size=world_size,
+                        optim_args=opts.get("optim_args"), reasons=reasons,
+                        **{k.name: opts.get(k.name) for k in KNOBS})
+    return space, base_args
+
+
+@dataclass(frozen=True)
+class _Estimator:
+    """How the search asks "how much memory?" and "how fast?" of a configuration."""
+
+    total: Callable[[TrainConfig], int]  # device total bytes
+    speed: Callable[[TrainConfig], float]  # predicted tokens/s
+
+
+def _estimator(probed: _Probed, opts: dict[str, Any], progress: Any,
+               reasons: list[str]) -> _Estimator:
+    """Stage 3: the closed form, or on a present device with ``method='simulate'`` the
+    simulated step's peak line per combination."""
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.search.speed import predict_speed
+
+    info, dev, seq = probed.info, probed.device, probed.seq_len
+
+    def speed(config: TrainConfig) -> float:
+        return predict_speed(info, config, seq, dev).tokens_per_s
+
+    def analytic(config: TrainConfig) -> int:
+        return estimate_analytic(info, config, seq, dev).device_total_bytes
+
+    if opts.get("method", "analytic") == "simulate" and dev.present:
+        reasons.append("estimates: the simulated step (a line through micro batches 1, 2 and "
+                       "4 per combination), confirmed by trials")
+        return _Estimator(_simulated_estimate(probed.module, probed.task, info, dev, seq,
+                                              progress), speed)
+    return _Estimator(analytic, speed)
+
+
+def _trial_runner(probed: _Probed, dataset: Any, max_seq_len: int | None, opts: dict[str, Any],
+                  estimator: _Estimator, reasons: list[str]) -> Any:
+    """Stage 4: ``config -> TrialResult``: real micro-steps on a present device; simulated
+    steps for an absent card with ``method='simulate'`` (then ``.simulator`` is set); None
+    for a plan from the estimate alone."""
+    dev = probed.device
     if dev.present:
-        from autofit.probe.data import worst_case_batch
-        from autofit.trial import measure
-
-        batches: dict[int, Any] = {}
-
-        def trial_fn(config: TrainConfig):
-            b = config.micro_batch_size
-            if b not in batches:
-                batches[b] = worst_case_batch(
-                    dataset, b, max_seq_len=max_seq_len, tokenizer=constraints.get("tokenizer"),
-                    collator=constraints.get("collator"), task=task,
-                    text_column=constraints.get("text_column"))
-            return measure(model, config, batches[b], device=dev, task=task,
-                           isolation=constraints.get("isolation", "auto"),
-                           timeout_s=constraints.get("trial_timeout_s", 600.0),
-                           attn_implementation=constraints.get("attn_implementation"),
-                           lora=constraints.get("lora"))
-    elif method == "simulate":
-        trial_fn = _simulated_trials(module, task, info, dev, seq_len, speed)
+        return _device_trials(probed, dataset, max_seq_len, opts)
+    if opts.get("method", "analytic") == "simulate":
         reasons.append(f"{dev.name} is not present here: the best candidates were bracketed by "
                        "simulating their training step on fake tensors with the allocator "
                        "model of the target (unconfirmed on hardware); run autofit on the "
                        "target to confirm")
-    else:
-        reasons.append(f"{dev.name} is not present here: planned from the estimate alone "
-                       "(unconfirmed); run autofit on the target to confirm (or "
-                       "method='simulate' for an exact plan of the simulated step)")
-    simulated = trial_fn is not None and not dev.present
-    progress = _progress_printer(constraints.get("progress", False))
-    if method == "simulate" and dev.present:
-        estimate_total = _simulated_estimate(module, task, info, dev, seq_len, progress)
-        reasons.append("estimates: the simulated step (a line through micro batches 1, 2 and "
-                       "4 per combination), confirmed by trials")
+        return _simulated_trials(probed.module, probed.task, probed.info, dev, probed.seq_len,
+                                 estimator.speed)
+    reasons.append(f"{dev.name} is not present here: planned from the estimate alone "
+                   "(unconfirmed); run autofit on the target to confirm (or "
+                   "method='simulate' for an exact plan of the simulated step)")
+    return None
 
-    recorder = None
-    cache = constraints.get("cache", True)
+
+def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
+                   opts: dict[str, Any]) -> Callable[[TrainConfig], Any]:
+    """Real trials: ``measure`` on the worst-case batch of each micro batch size."""
+    from autofit.probe.data import worst_case_batch
+
+    batches: dict[int, Any] = {}
+
+    def trial(config: TrainConfig) -> Any:
+        from autofit.trial import measure  # looked up per call: tests count the calls
+
+        b = config.micro_batch_size
+        if b not in batches:
+            batches[b] = worst_case_batch(
+                dataset, b, max_seq_len=max_seq_len, tokenizer=opts.get("tokenizer"),
+                collator=opts.get("collator"), task=probed.task,
+                text_column=opts.get("text_column"))
+        return measure(probed.model, config, batches[b], device=probed.device, task=probed.task,
+                       isolation=opts.get("isolation", "auto"),
+                       timeout_s=opts.get("trial_timeout_s", 600.0),
+                       attn_implementation=opts.get("attn_implementation"), lora=opts.get("lora"))
+
+    return trial
+
+
+def _study(probed: _Probed, space: Any, margin: float, objective: str, runner: Any,
+           opts: dict[str, Any]) -> tuple[Any, str]:
+    """Stage 5: the cache key of this question, and the optuna study that records the trials
+    (resume, cache) when real trials run and the cache is on."""
+    from autofit.probe.model import fingerprint
+    from autofit.probe.versions import library_versions
+    from autofit.search import ENGINE_VERSION, cache_key
+
+    dev = probed.device
     key = cache_key({
-        "model": fingerprint(info), "seq_len": seq_len, "samples": data.num_samples,
+        "model": fingerprint(probed.info), "seq_len": probed.seq_len,
+        "samples": probed.data.num_samples,
         "device": [dev.name, dev.product, dev.capacity_bytes], "versions": library_versions(),
-        "space": [space.precisions, space.gradient_checkpointing, space.optimizers,
-                  space.micro_batches[-1], space.target_batch_size, space.world_size,
-                  space.optim_args],
-        "margin": margin, "method": method, "objective": objective, "engine": ENGINE_VERSION,
+        "space": space.describe(), "margin": margin, "method": opts.get("method", "analytic"),
+        "objective": objective, "engine": ENGINE_VERSION,
     })
-    if cache and trial_fn is not None and not simulated:
-        from autofit.search.study import TrialRecorder, default_storage
+    cache = opts.get("cache", True)
+    if not cache or runner is None or not dev.present:
+        return None, key
+    from autofit.search.study import TrialRecorder, default_storage
 
-        storage = cache if isinstance(cache, str) else default_storage()
-        recorder = TrialRecorder(key, storage=storage, precisions=space.precisions,
-                                 optimizers=space.optimizers, max_micro_batch=space.micro_batches[-1],
-                                 capacity_bytes=dev.capacity_bytes)
-        cached = recorder.cached_result()
-        if cached is not None:
-            return _from_cache(cached, recorder, info, seq_len, dev, base_args)
+    storage = cache if isinstance(cache, str) else default_storage()
+    return TrialRecorder(key, storage=storage, space=space, capacity_bytes=dev.capacity_bytes), key
 
-    engine = Engine(space, dev.capacity_bytes, estimate=estimate_total, speed=speed,
-                    trial=trial_fn, seq_len=seq_len, margin=margin,
-                    confirm_top=int(constraints.get("confirm_top", 3)),
-                    max_trials=int(constraints.get("max_trials", 12)),
-                    time_budget_s=time_budget_s, recorder=recorder, progress=progress,
-                    started_at=started_at, add_fragmentation=add_fragmentation,
+
+def _search(probed: _Probed, space: Any, estimator: _Estimator, runner: Any, recorder: Any, *,
+            margin: float, add_fragmentation: bool, time_budget_s: float | None,
+            started_at: float, progress: Any, opts: dict[str, Any]) -> tuple[Any, Any]:
+    """Stage 6: the engine estimates every candidate, ranks them and confirms the best."""
+    from autofit.search import Engine
+
+    simulated = runner is not None and not probed.device.present
+    engine = Engine(space, probed.device.capacity_bytes, estimate=estimator.total,
+                    speed=estimator.speed, trial=runner, seq_len=probed.seq_len, margin=margin,
+                    confirm_top=int(opts.get("confirm_top", 3)),
+                    max_trials=int(opts.get("max_trials", 12)), time_budget_s=time_budget_s,
+                    recorder=recorder, progress=progress, started_at=started_at,
+                    add_fragmentation=add_fragmentation,
                     trial_word="simulated" if simulated else "measured")
-    outcome = engine.run()
+    return engine.run(), engine
+
+
+def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any, recorder: Any,
+            key: str, base_args: dict[str, Any] | None, margin: float,
+            max_seq_len: int | None, opts: dict[str, Any], reasons: list[str]):
+    """Stage 7: the ``FitResult`` (estimate, reasons, TrainingArguments, eval batch, the
+    candidates), stored in the cache when confirmed; or "nothing fits" with suggestions."""
+    from autofit.emit import training_arguments_dict
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.preflight.cache import model_identity
+    from autofit.probe.versions import library_versions
+    from autofit.result import FitResult
+
+    info, dev, seq = probed.info, probed.device, probed.seq_len
     if outcome.config is None:
         from autofit.search.suggest import nothing_fits
 
-        raise nothing_fits(info, space, engine, seq_len, dev)
+        raise nothing_fits(info, space, engine, seq, dev)
     config = outcome.config
+    simulated = runner is not None and not dev.present
     if simulated:
-        est = trial_fn.simulator.simulate(config, seq_len=seq_len)  # memoised: no new run
+        est = runner.simulator.simulate(config, seq_len=seq)  # memoised: no new run
         reasons.append(f"{len(outcome.trials)} configurations simulated; no trial on hardware")
     else:
-        est = estimate_analytic(info, config, seq_len, dev)
+        est = estimate_analytic(info, config, seq, dev)
     confirmed = outcome.confirmed and not simulated
-    trials = () if simulated else tuple(outcome.trials)
     reasons = outcome.reasons + reasons
-    from autofit.emit import training_arguments_dict
-
+    reasons += [n for k in KNOBS if (n := k.note(getattr(config, k.name)))]
     kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
-    if config.precision in ("bf16-true", "16-true"):
-        reasons.append(f"{config.precision}: load the model in that dtype "
-                       "(torch_dtype=torch.bfloat16 / float16); TrainingArguments has no flag for it")
-    eval_micro = _eval_micro_batch(info, config, seq_len, dev, margin, max_micro,
-                                   constraints.get("generate_max_new_tokens"), reasons)
+    eval_micro = _eval_micro_batch(info, config, seq, dev, margin,
+                                   int(opts.get("max_micro_batch", 256)),
+                                   opts.get("generate_max_new_tokens"), reasons)
     if eval_micro is not None:
         kwargs["per_device_eval_batch_size"] = eval_micro
-    rows = tuple(_candidate_row(c) for c in outcome.candidates)
-    from autofit.preflight.cache import model_identity
-
-    meta = {"model": model if isinstance(model, str) else info.name, "task": task,
-            "seq_len": seq_len, "device": dev.name, "margin": margin, "cache_key": key,
-            "target_batch_size": space.target_batch_size, "max_seq_len": max_seq_len,
-            "model_id": model_identity(module if hasattr(model, "parameters") else model),
+    rows = tuple(candidate_row(c) for c in outcome.candidates)
+    model = probed.model
+    meta = {"model": probed.name, "task": probed.task, "seq_len": seq, "device": dev.name,
+            "margin": margin, "cache_key": key, "target_batch_size": space.target_batch_size,
+            "max_seq_len": max_seq_len,
+            "model_id": model_identity(probed.module if hasattr(model, "parameters") else model),
             "versions": library_versions()}
-    result = FitResult(config=config, estimate=est, trials=trials,
+    result = FitResult(config=config, estimate=est, trials=() if simulated else tuple(outcome.trials),
                        reasons=tuple(reasons), confirmed=confirmed, device=dev.name,
                        candidates=rows, training_arguments_kwargs=kwargs, meta=meta,
                        eval_micro_batch=eval_micro)
@@ -363,6 +456,52 @@ def autofit(
                                "candidates": list(rows), "meta": meta,
                                "eval_micro_batch": eval_micro})
     return result
+
+
+def candidate_row(c: Any) -> dict[str, Any]:
+    """One row of the candidates table (plain data, saved in the tuned file's metadata).
+
+    ``estimate_bytes`` is the estimate as made, before any trial; ``calibrated_bytes``
+    the same after the trials' calibration (``calibration`` = their ratio).
+    """
+    return {
+        **c.choice, "micro_batch": c.micro_batch, "status": c.status,
+        "estimate_bytes": c.raw_estimate_bytes, "calibrated_bytes": c.estimate_bytes,
+        "calibration": c.applied_calibration, "measured_bytes": c.measured_bytes,
+        "predicted_tokens_per_s": c.predicted_tokens_per_s,
+        "measured_tokens_per_s": c.measured_tokens_per_s,
+        "failed_micro_batch": c.failed_micro_batch, "reason": c.reason,
+    }
+
+
+def _result_from_cache(cached: dict, recorder: Any, probed: _Probed,
+                       base_args: dict[str, Any] | None):
+    """The ``FitResult`` of the same question answered before (no trial)."""
+    from autofit.emit import training_arguments_dict
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.result import FitResult
+
+    dev = probed.device
+    config = TrainConfig(**cached["config"])
+    reasons = ["answered from the cache: same model, data shape, device, library versions "
+               "and constraints; no trial run"] + list(cached["reasons"])
+    kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
+    eval_micro = cached.get("eval_micro_batch")
+    if eval_micro is not None:
+        kwargs["per_device_eval_batch_size"] = eval_micro
+    return FitResult(
+        config=config,
+        estimate=estimate_analytic(probed.info, config, probed.seq_len, dev),
+        trials=tuple(recorder.all_trials()),
+        reasons=tuple(reasons),
+        confirmed=True,
+        device=dev.name,
+        candidates=tuple(cached["candidates"]),
+        training_arguments_kwargs=kwargs,
+        meta=cached["meta"],
+        from_cache=True,
+        eval_micro_batch=eval_micro,
+    )
 
 
 @dataclass(frozen=True)
@@ -414,9 +553,8 @@ def _simulated_estimate(module: Any, task: str, info: Any, dev: DeviceInfo, seq_
         base = config.replace(micro_batch_size=1, grad_accum_steps=min(config.grad_accum_steps, 2))
         if base not in lines:
             if progress is not None:
-                progress(f"simulating {base.precision}"
-                         f"{', checkpointing' if base.gradient_checkpointing else ''}, "
-                         f"{base.optimizer} at micro batches 1, 2 and 4")
+                progress(f"simulating {describe_choice(choice_of(base))} "
+                         "at micro batches 1, 2 and 4")
             lines[base] = sim.peak_line(base, seq_len=seq_len, batches=(1, 2, 4))
         return lines[base].total(config.micro_batch_size)
 
@@ -442,45 +580,6 @@ def _eval_micro_batch(info: Any, config: TrainConfig, seq_len: int, dev: DeviceI
                    + (f", generating {generate_max_new_tokens} tokens"
                       if generate_max_new_tokens else ""))
     return b
-
-
-def _candidate_row(c: Any) -> dict[str, Any]:
-    return {
-        "precision": c.precision, "gradient_checkpointing": c.gradient_checkpointing,
-        "optimizer": c.optimizer, "micro_batch": c.micro_batch, "status": c.status,
-        "estimate_bytes": c.estimate_bytes, "measured_bytes": c.measured_bytes,
-        "predicted_tokens_per_s": c.predicted_tokens_per_s,
-        "measured_tokens_per_s": c.measured_tokens_per_s, "calibration": c.calibration,
-        "failed_micro_batch": c.failed_micro_batch, "reason": c.reason,
-    }
-
-
-def _from_cache(cached: dict, recorder: Any, info: Any, seq_len: int, dev: DeviceInfo,
-                base_args: dict | None):
-    from autofit.emit import training_arguments_dict
-    from autofit.memory.analytic import estimate_analytic
-    from autofit.result import FitResult
-
-    config = TrainConfig(**cached["config"])
-    reasons = ["answered from the cache: same model, data shape, device, library versions "
-               "and constraints; no trial run"] + list(cached["reasons"])
-    kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
-    eval_micro = cached.get("eval_micro_batch")
-    if eval_micro is not None:
-        kwargs["per_device_eval_batch_size"] = eval_micro
-    return FitResult(
-        config=config,
-        estimate=estimate_analytic(info, config, seq_len, dev),
-        trials=tuple(recorder.all_trials()),
-        reasons=tuple(reasons),
-        confirmed=True,
-        device=dev.name,
-        candidates=tuple(cached["candidates"]),
-        training_arguments_kwargs=kwargs,
-        meta=cached["meta"],
-        from_cache=True,
-        eval_micro_batch=eval_micro,
-    )
 
 
 def _progress_printer(enabled: Any):

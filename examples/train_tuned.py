@@ -8,6 +8,7 @@ as is; everything else (learning rate, schedule, logging) stays yours.
 """
 
 import sys
+import tempfile
 
 import torch
 from transformers import (
@@ -28,6 +29,7 @@ def main(path: str = "tuned.yaml", model_name: str = "tiny-gpt2") -> None:
     args.report_to = []
     args.logging_steps = 1
     args.save_strategy = "no"  # a demonstration: write no checkpoint
+    args.output_dir = tempfile.mkdtemp(prefix="autofit-example-")  # nothing in the checkout
     torch.manual_seed(0)
     config: AutoConfig = load_config(model_name)  # bundled config: no download
     model = AutoModelForCausalLM.from_config(config)

@@ -140,12 +140,14 @@ def test_report_from_an_older_file_draws_the_breakdown(tmp_path, capsys):
     assert "temporaries" in capsys.readouterr().out
 
 
-def test_report_needs_autofit_metadata(tmp_path, capsys):
+def test_report_of_a_plain_file_without_a_model_says_what_to_give(tmp_path, capsys):
     path = tmp_path / "plain.yaml"
     path.write_text("per_device_train_batch_size: 8\n")
     assert main(["report", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "no autofit metadata" in err and len(err.strip().splitlines()) == 1
+    assert "give --model" in err and len(err.strip().splitlines()) == 1
+    assert main(["report", str(path), "--model", "tiny-llama"]) == 2  # and a length
+    assert "--seq-len" in capsys.readouterr().err
 
 
 def test_candidates_table_fits_80_columns_with_reasons_as_notes(result):
@@ -166,5 +168,101 @@ def test_candidates_table_fits_80_columns_with_reasons_as_notes(result):
     assert all(len(x) <= 80 for x in lines)
     assert not any("…" in x for x in lines), "\n".join(lines)  # nothing cut
     i = next(i for i, x in enumerate(lines) if "rejected" in x)
-    assert "2✗" in lines[i] and "[1]" in lines[i] + lines[i + 1]  # the verdict may fold
+    assert "2✗" in lines[i] + lines[i + 1] and "[1]" in lines[i] + lines[i + 1]  # may fold
     assert any(x.startswith("[1] micro batch 2 did not fit") for x in lines)
+
+
+def test_candidates_table_shows_the_estimate_before_calibration(result):
+    # a confirmed row reads "estimated 3.00 GiB, x1.03, measured 3.10 GiB", not "3.10 / 3.10"
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from autofit.report import candidates_renderable
+
+    rows = tuple(r | {"calibration": r["measured_bytes"] / r["estimate_bytes"]}
+                 for r in result.candidates)
+    console = Console(width=120, record=True, color_system=None)
+    console.print(candidates_renderable(replace(result, candidates=rows)))
+    text = console.export_text()
+    line = next(x for x in text.splitlines() if "CHOSEN" in x)
+    assert "3.00 GiB" in line and "×1.03" in line and "3.10 GiB" in line
+    assert "cal." in text
+
+
+def test_chart_keeps_one_style_per_combination_and_the_legend_off_the_bars(result):
+    # twelve combinations: twelve distinct (colour, marker) pairs, the same in both panels;
+    # no legend covers a bar or its label in the breakdown panel
+    from dataclasses import replace
+
+    from autofit.report.files import _figure, combo_styles, report_data_from_result
+
+    keys = [(p, c, o) for p in ("32-true", "bf16-mixed", "16-mixed") for c in (False, True)
+            for o in ("adamw_torch", "adamw_torch_fused")]
+    styles = combo_styles(keys)
+    assert len(keys) == 12 and len(set(styles.values())) == 12
+    rows = tuple(_row(p, 2, GiB, pred=100.0) | {"gradient_checkpointing": c, "optimizer": o}
+                 for p, c, o in keys)
+    fig = _figure(report_data_from_result(replace(result, candidates=rows)))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    legends = [ax.get_legend(), *fig.legends]
+    boxes = [a.get_window_extent(renderer) for a in (*ax.patches, *ax.texts)]
+    assert boxes
+    for leg in legends:
+        lb = leg.get_window_extent(renderer)
+        assert not any(lb.overlaps(b) for b in boxes), "a legend covers the bars"
+    for panel in fig.axes[1:3]:  # the combination legend is outside both candidate panels
+        for leg in fig.legends:
+            assert not leg.get_window_extent(renderer).overlaps(panel.get_window_extent(renderer))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert len(set(labels)) == len(labels) and len(labels) >= 12
+
+
+def test_report_of_a_plain_training_arguments_file(tmp_path, capsys):
+    # a TrainingArguments file autofit did not write: --model/--seq-len/--device say what it
+    # trains (as for `autofit check`); the breakdown is that configuration's estimate
+    path = tmp_path / "train_args.yaml"
+    path.write_text("output_dir: out\nper_device_train_batch_size: 4\n"
+                    "gradient_accumulation_steps: 2\nactivation_checkpointing: true\n")
+    assert main(["report", str(path)]) == 2
+    assert "give --model" in capsys.readouterr().err
+    assert main(["report", str(path), "--model", "tiny-llama", "--seq-len", "128",
+                 "--device", "cpu:2GiB"]) == 0
+    out = capsys.readouterr().out
+    want = estimate("tiny-llama", TrainConfig(micro_batch_size=4, grad_accum_steps=2,
+                                              gradient_checkpointing=True, seq_len=128),
+                    seq_len=128, device="cpu:2GiB")
+    from autofit.probe.device import format_bytes
+
+    assert format_bytes(want.device_total_bytes) in out and "checkpointing" in out
+    w, h, n = _png_size(tmp_path / "train_args.png")
+    assert w >= 1000 and n > 10_000
+    page = (tmp_path / "train_args.html").read_text()
+    assert "no trial" in page and "Memory breakdown" in page
+
+
+def test_saved_checkpointing_file_loads_without_a_deprecation_warning(tmp_path, result):
+    # transformers 5.x renamed gradient_checkpointing to activation_checkpointing; the old
+    # name (and a user's to_dict(), which holds both) must not reach the file
+    import warnings
+    from dataclasses import replace
+
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from autofit.emit import training_arguments_dict
+
+    config = result.config.replace(gradient_checkpointing=True)
+    user = TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True,
+                             learning_rate=3e-4).to_dict()
+    kwargs = training_arguments_dict(config, base=user, use_cpu=True)
+    r = replace(result, config=config, training_arguments_kwargs=kwargs)
+    path = r.save(tmp_path / "tuned.yaml")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        (args,) = HfArgumentParser(TrainingArguments).parse_yaml_file(str(path))
+    assert args.gradient_checkpointing is True and args.learning_rate == 3e-4
+    text = path.read_text()
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__:
+        assert "\ngradient_checkpointing" not in text and "activation_checkpointing: true" in text

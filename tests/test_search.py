@@ -47,8 +47,13 @@ def make(space, *, capacity=10 * GiB, bias=1.0, speed_bias=None, margin=0.10, **
     return engine, tried
 
 
+def knob_space(precision, ckpt, optimizer, micro, target=None):
+    return SearchSpace({"precision": precision, "gradient_checkpointing": ckpt,
+                        "optimizer": optimizer}, micro, target)
+
+
 def space(ckpt=(False, True), micro=tuple(range(1, 65)), target=None):
-    return SearchSpace(("bf16-mixed",), ckpt, ("adamw_torch",), micro, target)
+    return knob_space(("bf16-mixed",), ckpt, ("adamw_torch",), micro, target)
 
 
 def test_exact_estimate_confirms_at_the_limit_with_no_oom():
@@ -93,9 +98,19 @@ def test_measured_speed_overrides_prediction():
     assert out.config.gradient_checkpointing is False
 
 
+def test_candidates_keep_the_estimate_before_calibration():
+    # the estimate is 20% low; the trial calibrates it. The candidate keeps both numbers.
+    engine, tried = make(space(ckpt=(False,)), bias=0.8)
+    out = engine.run()
+    c = out.choice
+    b = out.config.micro_batch_size
+    assert c.raw_estimate_bytes == int(true_bytes(out.config) * 0.8)
+    assert c.estimate_bytes == c.measured_bytes == true_bytes(out.config)
+    assert abs(c.applied_calibration - 1.25) < 0.01 and b == c.micro_batch
+
+
 def test_target_batch_kept():
-    sp = SearchSpace(("bf16-mixed",), (False,), ("adamw_torch",),
-                     micro_batch_options(48, 1, 256)[0], 48)
+    sp = knob_space(("bf16-mixed",), (False,), ("adamw_torch",), micro_batch_options(48, 1, 256)[0], 48)
     engine, tried = make(sp)
     out = engine.run()
     # divisors of 48 below the limit 16: 16 -> accumulation 3
@@ -157,20 +172,30 @@ def test_micro_batch_options():
 def test_build_space_defaults_and_constraints():
     reasons = []
     sp = build_space(resolve_device("A100-80GB"), reasons=reasons)
-    assert sp.precisions == ("bf16-mixed", "32-true") and "16-mixed" not in sp.precisions
-    assert sp.gradient_checkpointing == (False, True)
-    assert "adamw_torch" in sp.optimizers and reasons
+    assert sp.values("precision") == ("bf16-mixed", "32-true")
+    assert sp.values("gradient_checkpointing") == (False, True)
+    assert "adamw_torch" in sp.values("optimizer") and reasons
     t4 = build_space(resolve_device("T4"))
-    assert t4.precisions[0] == "16-mixed"
+    assert t4.values("precision")[0] == "16-mixed"
     with pytest.raises(UnsupportedPrecisionError):
         build_space(resolve_device("T4"), precision=["bf16-mixed"])
     only = build_space(resolve_device("cpu"), precision="bf16-mixed", optimizer=["sgd"],
                        gradient_checkpointing=False, max_micro_batch=8)
-    assert only.precisions == ("bf16-mixed",) and only.optimizers == ("sgd",)
-    assert only.gradient_checkpointing == (False,) and only.micro_batches[-1] == 8
+    assert only.values("precision") == ("bf16-mixed",) and only.values("optimizer") == ("sgd",)
+    assert only.values("gradient_checkpointing") == (False,) and only.micro_batches[-1] == 8
+    assert len(only.combos()) == 1 and only.combos()[0] == {
+        "precision": "bf16-mixed", "gradient_checkpointing": False, "optimizer": "sgd"}
+    with pytest.raises(BadInputError, match="unknown knob"):
+        build_space(resolve_device("cpu"), attention=["sdpa"])
+
+
+def test_build_space_without_bitsandbytes(monkeypatch):
+    from autofit.knobs import base
+
+    monkeypatch.setattr(base, "installed", lambda package: package != "bitsandbytes")
     with pytest.raises(MissingDependencyError):
-        build_space(resolve_device("cpu"), optimizer=["adamw_bnb_8bit"], bnb_available=False)
-    assert "adamw_bnb_8bit" not in build_space(resolve_device("cpu"), bnb_available=False).optimizers
+        build_space(resolve_device("cpu"), optimizer=["adamw_bnb_8bit"])
+    assert "adamw_bnb_8bit" not in build_space(resolve_device("cpu")).values("optimizer")
 
 
 def test_measured_fragmentation_is_kept_free_once():
@@ -196,8 +221,7 @@ def test_one_optimizers_misestimate_does_not_condemn_the_others():
     # weights + states dominate: 6 GiB + 0.1 GiB per sample, budget 9 GiB -> 30 fits.
     # The 8-bit optimizer's estimate is 2.5x too low; AdamW's is exact. Borrowing the
     # 8-bit ratio (2.5) for AdamW would put even micro batch 1 at 15 GiB: "nothing fits".
-    sp = SearchSpace(("32-true",), (False,), ("adamw_bnb_8bit", "adamw_torch"),
-                     tuple(range(1, 65)))
+    sp = knob_space(("32-true",), (False,), ("adamw_bnb_8bit", "adamw_torch"), tuple(range(1, 65)))
 
     def need(c):
         return int((6 + 0.1 * c.micro_batch_size) * GiB)
@@ -260,8 +284,7 @@ def test_measured_speeds_within_noise_are_ranked_by_the_model():
     # tokens/s (2% apart: noise), the model predicts fused 10% faster -> fused, with a reason.
     # 20% apart is not noise: the measurement wins.
     def run(unfused_speed):
-        sp = SearchSpace(("bf16-mixed",), (False,), ("adamw_torch", "adamw_torch_fused"),
-                         tuple(range(1, 65)))
+        sp = knob_space(("bf16-mixed",), (False,), ("adamw_torch", "adamw_torch_fused"), tuple(range(1, 65)))
 
         def trial(c):
             s = unfused_speed if c.optimizer == "adamw_torch" else 980.0
@@ -306,7 +329,7 @@ def test_nothing_fits_quotes_the_measured_peak_and_calibrated_suggestions():
         measured[c.micro_batch_size] = m
         return FakeTrial(False, m, 100.0)
 
-    sp = SearchSpace(("32-true",), (False,), ("adamw_torch",), tuple(range(1, 9)))
+    sp = knob_space(("32-true",), (False,), ("adamw_torch",), tuple(range(1, 9)))
     engine = Engine(sp, cap, estimate=est, speed=lambda c: 1.0, trial=trial, seq_len=seq,
                     margin=0.10)
     out = engine.run()
@@ -331,14 +354,12 @@ def test_nothing_fits_quotes_the_measured_peak_and_calibrated_suggestions():
 def test_a_target_with_no_fitting_divisor_near_the_limit_says_which_would():
     # target 47 (prime): only 1 and 47 divide it; 16 fits. The choice keeps 47 exactly
     # (1 x 47) and the reasons name the nearby targets that keep micro batches of 16.
-    sp = SearchSpace(("bf16-mixed",), (False,), ("adamw_torch",),
-                     micro_batch_options(47, 1, 256)[0], 47)
+    sp = knob_space(("bf16-mixed",), (False,), ("adamw_torch",), micro_batch_options(47, 1, 256)[0], 47)
     engine, tried = make(sp)
     out = engine.run()
     assert out.config.micro_batch_size == 1 and out.config.effective_batch_size == 47
     hint = [r for r in out.reasons if "would keep micro batches of 16" in r]
     assert hint and "32 or 48" in hint[0]
-    sp48 = SearchSpace(("bf16-mixed",), (False,), ("adamw_torch",),
-                       micro_batch_options(48, 1, 256)[0], 48)
+    sp48 = knob_space(("bf16-mixed",), (False,), ("adamw_torch",), micro_batch_options(48, 1, 256)[0], 48)
     out48 = make(sp48)[0].run()  # 16 divides 48: nothing to say
     assert not any("would keep micro batches" in r for r in out48.reasons)

@@ -19,7 +19,12 @@ import argparse
 import json
 from typing import Any
 
-from autofit.cli.options import EXIT_DOES_NOT_FIT, EXIT_OK
+from autofit.cli.options import (
+    EXIT_DOES_NOT_FIT,
+    EXIT_OK,
+    add_file_subject_options,
+    file_subject,
+)
 
 __all__ = ["add_check_parser", "run_check_command"]
 
@@ -35,15 +40,7 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("config", help="tuned.yaml / .json (autofit tune -o), or a TrainingArguments "
                    "YAML/JSON with --model")
-    p.add_argument("--device", default=None,
-                   help="default: the file's device if present here, else auto")
-    p.add_argument("--model", default=None, help="the model (overrides the file's)")
-    p.add_argument("--dataset", default=None,
-                   help=".json/.jsonl file, save_to_disk directory or bundled name")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="tokens of the longest sample, without --dataset (default: the file's)")
-    p.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this length")
-    p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
+    add_file_subject_options(p)
     p.add_argument("--margin", type=float, default=0.0,
                    help="fraction of the capacity that must stay free (default 0)")
     p.add_argument("--no-trial", action="store_true", help="estimate only")
@@ -54,47 +51,14 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _default_device(meta: dict[str, Any]) -> tuple[str, str]:
-    """The device to check on: the file's when present here, else auto (with why)."""
-    name = meta.get("device")
-    if name:
-        from autofit.errors import UnknownDeviceError
-        from autofit.probe.device import resolve_device
-
-        try:
-            if resolve_device(name).present:
-                return name, f"device {name}: the file's"
-        except UnknownDeviceError:
-            pass
-        return "auto", f"device auto: the file's {name} is not present here"
-    return "auto", "device auto: the file names none"
-
-
 def run_check_command(args: argparse.Namespace) -> int:
     """Run ``autofit check``; returns the exit code."""
     from autofit.emit import read_config
-    from autofit.errors import BadInputError
     from autofit.preflight import config_of
     from autofit.preflight.check import run_check
 
     fields, meta = read_config(args.config)
-    model = args.model or meta.get("model")
-    if not model:
-        raise BadInputError(f"{args.config} names no model (a plain TrainingArguments file?): "
-                            "give --model")
-    dataset = None
-    if args.dataset:
-        from autofit.cli.datasets import load_dataset_ref
-
-        dataset = load_dataset_ref(args.dataset)
-    seq_len = args.seq_len if args.seq_len is not None else (
-        None if dataset is not None else meta.get("seq_len"))
-    if dataset is None and seq_len is None:
-        raise BadInputError(f"{args.config} has no sequence length: give --dataset or --seq-len")
-    if args.device:
-        device, why = args.device, f"device {args.device}: as given"
-    else:
-        device, why = _default_device(meta)
+    s = file_subject(args, meta)
     config = config_of(fields)
     eval_batch = fields.get("per_device_eval_batch_size")
     # an eval batch that does not fit stops the job only when the file evaluates
@@ -107,16 +71,14 @@ def run_check_command(args: argparse.Namespace) -> int:
         console = Console(stderr=True)
         progress = lambda line: console.print(f"[dim]autofit:[/] {line}")  # noqa: E731
     report = run_check(
-        model, config, seq_len=seq_len, dataset=dataset, device=device,
-        task=args.task or meta.get("task"), margin=args.margin, trial=not args.no_trial,
-        cache=not args.no_cache, tune_meta=meta,
+        s.model, config, seq_len=s.seq_len, dataset=s.dataset, device=s.device, task=s.task,
+        margin=args.margin, trial=not args.no_trial, cache=not args.no_cache, tune_meta=meta,
         eval_batch_size=int(eval_batch) if eval_batch else None, eval_required=evaluates,
-        seq_len_source=("as given" if args.seq_len is not None else "the file's"),
-        max_seq_len=args.max_seq_len or meta.get("max_seq_len"), progress=progress,
+        seq_len_source=s.seq_len_source, max_seq_len=s.max_seq_len, progress=progress,
     )
     from dataclasses import replace
 
-    report = replace(report, reasons=(why, *report.reasons))
+    report = replace(report, reasons=(s.device_reason, *report.reasons))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:

@@ -8,12 +8,14 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from autofit.config import OPTIMIZERS, PRECISIONS
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "add_model_options",
-           "add_adapter_options", "model_kwargs", "train_config", "tokenizer_for"]
+           "add_adapter_options", "model_kwargs", "train_config", "tokenizer_for",
+           "add_file_subject_options", "FileSubject", "file_subject"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
 
@@ -102,3 +104,78 @@ def tokenizer_for(args: argparse.Namespace, data: list[Any]) -> Any:
             f"the dataset has text but no tokenizer could be loaded from {name!r} ({first}); "
             "pass --tokenizer DIR or give input_ids"
         ) from None
+
+
+def add_file_subject_options(p: argparse.ArgumentParser) -> None:
+    """What a configuration file trains, when the file does not say (a plain
+    TrainingArguments file) or to override what a tuned file says."""
+    p.add_argument("--device", default=None,
+                   help="default: the file's device if present here, else auto")
+    p.add_argument("--model", default=None, help="the model (overrides the file's)")
+    p.add_argument("--dataset", default=None,
+                   help=".json/.jsonl file, save_to_disk directory or bundled name")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens of the longest sample, without --dataset (default: the file's)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this length")
+    p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
+
+
+@dataclass(frozen=True)
+class FileSubject:
+    """The run a configuration file describes: model, data (or its longest length), device."""
+
+    model: Any
+    dataset: Any
+    seq_len: int | None
+    device: str
+    device_reason: str
+    task: str | None
+    max_seq_len: int | None
+    seq_len_source: str
+
+
+def file_subject(args: argparse.Namespace, meta: dict[str, Any]) -> FileSubject:
+    """Resolve ``add_file_subject_options`` against a file's autofit metadata (may be empty).
+
+    Raises:
+        BadInputError: no model, or neither a dataset nor a sequence length.
+    """
+    from autofit.errors import BadInputError
+
+    model = args.model or meta.get("model")
+    if not model:
+        raise BadInputError(f"{args.config} names no model (a plain TrainingArguments file?): "
+                            "give --model")
+    dataset = None
+    if args.dataset:
+        from autofit.cli.datasets import load_dataset_ref
+
+        dataset = load_dataset_ref(args.dataset)
+    seq_len = args.seq_len if args.seq_len is not None else (
+        None if dataset is not None else meta.get("seq_len"))
+    if dataset is None and seq_len is None:
+        raise BadInputError(f"{args.config} has no sequence length: give --dataset or --seq-len")
+    if args.device:
+        device, why = args.device, f"device {args.device}: as given"
+    else:
+        device, why = _default_device(meta)
+    return FileSubject(model=model, dataset=dataset, seq_len=seq_len, device=device,
+                       device_reason=why, task=args.task or meta.get("task"),
+                       max_seq_len=args.max_seq_len or meta.get("max_seq_len"),
+                       seq_len_source="as given" if args.seq_len is not None else "the file's")
+
+
+def _default_device(meta: dict[str, Any]) -> tuple[str, str]:
+    """The device of a file's run: the file's when present here, else auto (with why)."""
+    name = meta.get("device")
+    if name:
+        from autofit.errors import UnknownDeviceError
+        from autofit.probe.device import resolve_device
+
+        try:
+            if resolve_device(name).present:
+                return name, f"device {name}: the file's"
+        except UnknownDeviceError:
+            pass
+        return "auto", f"device auto: the file's {name} is not present here"
+    return "auto", "device auto: the file names none"

@@ -1,6 +1,14 @@
-"""``autofit report``: a tuned file's memory breakdown and candidates as PNG + HTML.
+"""``autofit report``: a configuration file's memory breakdown (and a tuned file's candidates)
+as a PNG chart and a self-contained HTML page.
 
     autofit report tuned.yaml                     # tuned.png + tuned.html beside it
+    autofit report train_args.yaml --model ./my-model --dataset train.jsonl --device A100-80GB
+
+A file ``autofit tune`` wrote is drawn from its metadata (the chosen
+configuration's breakdown, the candidates and the trials). A plain
+TrainingArguments file (or a tuned one with ``--model/--dataset/--seq-len/--device``
+overriding what it says) is estimated for that model, longest sample and device,
+as ``autofit check`` reads it: the breakdown against the device's capacity.
 """
 
 from __future__ import annotations
@@ -9,35 +17,79 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from autofit.cli.options import EXIT_OK
+from autofit.cli.options import EXIT_OK, add_file_subject_options, file_subject
 
 __all__ = ["add_report_parser", "run_report_command"]
 
 
 def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``report`` sub-command to an argparse ``subparsers`` object."""
+    from autofit.api import METHODS
+
     p = subparsers.add_parser(
         "report",
-        help="draw a tuned file's memory breakdown and candidates (PNG + HTML)",
-        description="Write <name>.png and a self-contained <name>.html beside a tuned file: "
-        "the chosen configuration's memory by component against the capacity, and the "
-        "candidates tried (micro batch vs peak and vs throughput, OOMs marked).",
+        help="draw a configuration file's memory breakdown and candidates (PNG + HTML)",
+        description="Write <name>.png and a self-contained <name>.html beside a configuration "
+        "file: the configuration's memory by component against the capacity, and for a tuned "
+        "file the candidates tried (micro batch vs peak and vs throughput, OOMs marked). A "
+        "plain TrainingArguments file needs --model and --dataset or --seq-len.",
     )
-    p.add_argument("config", help="a file written by autofit tune -o / FitResult.save")
+    p.add_argument("config", help="a file written by autofit tune -o / FitResult.save, or a "
+                   "TrainingArguments YAML/JSON with --model")
+    add_file_subject_options(p)
+    p.add_argument("--method", choices=list(METHODS), default="analytic",
+                   help="how a plain file's configuration is estimated")
     p.add_argument("-o", "--output", default=None,
                    help="where to write (its stem names both files; default: beside the file)")
     p.set_defaults(func=run_report_command)
     return p
 
 
+def _overrides(args: argparse.Namespace) -> bool:
+    return any(getattr(args, n) is not None for n in ("model", "dataset", "seq_len", "device",
+                                                       "max_seq_len", "task"))
+
+
+def _estimated(args: argparse.Namespace, fields: dict[str, Any], meta: dict[str, Any]) -> Any:
+    """ReportData of the file's configuration, estimated for the model, data and device."""
+    from autofit.api import estimate
+    from autofit.preflight import config_of
+    from autofit.report.files import ReportData
+
+    s = file_subject(args, meta)
+    seq_len, reasons = s.seq_len, [s.device_reason]
+    if s.dataset is not None:
+        from autofit.probe.data import probe_data
+
+        data = probe_data(s.dataset, max_seq_len=s.max_seq_len)
+        seq_len = data.length_max
+        reasons.append(f"sequence length {seq_len}: the longest sample (p50 {data.length_p50})")
+    else:
+        reasons.append(f"sequence length {seq_len}: {s.seq_len_source}")
+    config = config_of(fields).replace(seq_len=seq_len)
+    est = estimate(s.model, config, seq_len=seq_len, device=s.device, method=args.method,
+                   task=s.task)
+    reasons.append(f"{est.method} estimate of the file's configuration; no trial "
+                   "(autofit check runs one)")
+    return ReportData(model=str(s.model), device=est.device, estimate=est,
+                      config=config.to_dict(), training_arguments=fields, seq_len=seq_len,
+                      reasons=tuple(reasons),
+                      eval_micro_batch=fields.get("per_device_eval_batch_size"))
+
+
 def run_report_command(args: argparse.Namespace) -> int:
     """Run ``autofit report``; returns the exit code."""
     from rich.console import Console
 
+    from autofit.emit import read_config
     from autofit.report import estimate_renderable
     from autofit.report.files import report_data_from_file, write_report
 
-    data = report_data_from_file(args.config)
+    fields, meta = read_config(args.config)
+    if meta.get("estimate") and meta.get("config") and not _overrides(args):
+        data = report_data_from_file(args.config)
+    else:
+        data = _estimated(args, fields, meta)
     png, page = write_report(data, Path(args.output) if args.output else Path(args.config))
     console = Console()
     console.print(estimate_renderable(data.estimate))

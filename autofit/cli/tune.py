@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from autofit.cli.options import EXIT_OK, add_adapter_options, model_kwargs, tokenizer_for
+from autofit.knobs import KNOBS
 
 __all__ = ["add_tune_parser", "run_tune"]
 
@@ -37,13 +38,8 @@ def add_tune_parser(sub: Any) -> argparse.ArgumentParser:
                         "(allocated + fragmentation; default 0.10)")
     t.add_argument("--time-budget", type=float, default=None, help="seconds; best so far after it")
     t.add_argument("-o", "--output", default="tuned.yaml", help="tuned file (.yaml or .json)")
-    t.add_argument("--precision", nargs="+", default=None, help="precisions allowed")
-    t.add_argument("--optim", nargs="+", default=None, help="optimizers allowed")
-    g = t.add_mutually_exclusive_group()
-    g.add_argument("--gradient-checkpointing", dest="ckpt", action="store_const", const=True,
-                   help="always checkpoint")
-    g.add_argument("--no-gradient-checkpointing", dest="ckpt", action="store_const", const=False,
-                   help="never checkpoint")
+    for k in KNOBS:  # each knob's own options restrict it (--precision, --optim, ...)
+        k.add_options(t)
     t.add_argument("--max-micro-batch", type=int, default=256)
     add_adapter_options(t)
     t.add_argument("--task", default=None)
@@ -75,10 +71,10 @@ def run_tune(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = dict(
         device=args.device, target_batch_size=args.target_batch_size,
         max_seq_len=args.max_seq_len, margin=args.margin, time_budget_s=args.time_budget,
-        precision=args.precision, optimizer=args.optim, gradient_checkpointing=args.ckpt,
         max_micro_batch=args.max_micro_batch, task=args.task, tokenizer=tokenizer,
         max_trials=args.max_trials, cache=not args.no_cache, method=args.method,
     )
+    kwargs.update({k.name: k.from_options(args) for k in KNOBS})
     kwargs.update({k: v for k, v in model_kwargs(args).items() if k != "task"})
     if args.json:
         result = autofit(args.model, data, **kwargs)

@@ -12,6 +12,7 @@ from typing import Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError
+from autofit.knobs import KNOBS, owned_fields
 
 __all__ = [
     "training_arguments_dict",
@@ -20,19 +21,10 @@ __all__ = [
     "TUNED_FIELDS",
 ]
 
-# The TrainingArguments fields autofit may change; everything else is the user's.
-TUNED_FIELDS = (
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "bf16",
-    "fp16",
-    "gradient_checkpointing",
-    "gradient_checkpointing_kwargs",
-    "optim",
-    "optim_args",
-    "use_cpu",
-    "per_device_eval_batch_size",
-)
+# The TrainingArguments fields autofit may change (every knob's fields included); everything
+# else is the user's.
+TUNED_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", *owned_fields(),
+                "use_cpu", "per_device_eval_batch_size")
 
 
 def training_arguments_dict(
@@ -45,26 +37,17 @@ def training_arguments_dict(
     """TrainingArguments keyword arguments for ``config``.
 
     ``base`` (a user's ``TrainingArguments.to_dict()`` or a plain dict) is kept;
-    only the fields in ``TUNED_FIELDS`` change. ``*-true`` precisions set neither
-    ``bf16`` nor ``fp16``: the model itself is loaded in that dtype (say so to the
-    user: ``torch_dtype=torch.bfloat16``).
+    only the fields in ``TUNED_FIELDS`` change: the batch, the accumulation, and
+    each knob's fields as the knob writes them (with the field names of the
+    installed transformers). ``*-true`` precisions set neither ``bf16`` nor
+    ``fp16``: the model itself is loaded in that dtype (``Knob.note`` says so).
     """
     out: dict[str, Any] = dict(base or {})
     out.setdefault("output_dir", output_dir)
     out["per_device_train_batch_size"] = config.micro_batch_size
     out["gradient_accumulation_steps"] = config.grad_accum_steps
-    out["bf16"] = config.precision == "bf16-mixed"
-    out["fp16"] = config.precision == "16-mixed"
-    out["gradient_checkpointing"] = config.gradient_checkpointing
-    if config.gradient_checkpointing:
-        out["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
-    else:
-        out.pop("gradient_checkpointing_kwargs", None)
-    out["optim"] = config.optimizer
-    if config.optim_args:
-        out["optim_args"] = config.optim_args
-    else:
-        out.pop("optim_args", None)
+    for k in KNOBS:
+        k.emit(config, out)
     if use_cpu:
         out["use_cpu"] = True
     # TrainingArguments.to_dict() carries enum values and internal fields: keep plain data
@@ -87,17 +70,11 @@ def build_training_arguments(kwargs: dict[str, Any]) -> Any:
 
 
 def config_from_arguments(args: dict[str, Any], seq_len: int | None = None) -> TrainConfig:
-    """The TrainConfig a TrainingArguments dict (or file) describes."""
-    precision = "bf16-mixed" if args.get("bf16") else "16-mixed" if args.get("fp16") else "32-true"
-    optim = args.get("optim", "adamw_torch")
-    optim = getattr(optim, "value", optim)
+    """The TrainConfig a TrainingArguments dict (or file) describes (each knob reads its own)."""
     return TrainConfig(
         micro_batch_size=int(args.get("per_device_train_batch_size", 8)),
         grad_accum_steps=int(args.get("gradient_accumulation_steps", 1)),
-        precision=precision,
-        gradient_checkpointing=bool(args.get("gradient_checkpointing")
-                                    or args.get("activation_checkpointing")),
-        optimizer=str(optim),
         optim_args=args.get("optim_args") or None,
         seq_len=seq_len,
+        **{k.name: k.read(args) for k in KNOBS},
     )

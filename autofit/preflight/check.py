@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,17 +136,16 @@ class _Checker:
 
     # -- what never runs, whatever the memory -------------------------------------------
     def static_problems(self, config: TrainConfig) -> list[str]:
-        from autofit.errors import UnsupportedPrecisionError
-        from autofit.probe.device import check_precision
+        from autofit.errors import AutofitError
+        from autofit.knobs import KNOBS
 
         out = []
-        try:
-            check_precision(self.dev, config.precision)
-        except UnsupportedPrecisionError as e:
-            out.append(f"{config.precision} requested: {e}")
-        if config.optimizer_spec.bnb and importlib.util.find_spec("bitsandbytes") is None:
-            out.append(f"optim {config.optimizer} needs bitsandbytes, which is not installed: "
-                       "pip install bitsandbytes (or use adamw_torch)")
+        for k in KNOBS:  # what the device and the installed libraries allow
+            value = getattr(config, k.name)
+            try:
+                k.check(self.dev, value)
+            except AutofitError as e:
+                out.append(f"{k.describe(value)} requested: {e}")
         info = self.info
         pos = info.max_position_embeddings
         if pos and self.seq_len > pos and _learned_positions(info):

@@ -47,16 +47,17 @@ from typing import Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError
+from autofit.knobs import owned_fields
 from autofit.preflight.verdict import PreflightError, PreflightReport
 
 __all__ = ["preflight", "config_of"]
 
 logger = logging.getLogger("autofit")
 
-# TrainingArguments fields the check reads (SFTConfig / Seq2SeqTrainingArguments add some).
+# TrainingArguments fields the check reads (SFTConfig / Seq2SeqTrainingArguments add some),
+# every knob's own fields included.
 _ARG_FIELDS = (
-    "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16",
-    "gradient_checkpointing", "activation_checkpointing", "optim", "optim_args",
+    "per_device_train_batch_size", "gradient_accumulation_steps", *owned_fields(),
     "per_device_eval_batch_size", "eval_strategy", "do_eval", "predict_with_generate",
     "generation_max_length", "max_length", "world_size",
 )
@@ -80,8 +81,6 @@ def _fields(args: Any) -> dict[str, Any]:
             except (AttributeError, RuntimeError, ValueError):
                 continue
             d[k] = getattr(v, "value", v)
-    d["gradient_checkpointing"] = bool(d.get("gradient_checkpointing")
-                                       or d.get("activation_checkpointing"))
     return d
 
 

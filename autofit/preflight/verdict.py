@@ -7,6 +7,7 @@ from typing import Any
 
 from autofit.config import TrainConfig
 from autofit.errors import DoesNotFitError
+from autofit.knobs import choice_of, describe_choice
 from autofit.memory.breakdown import MemoryEstimate
 
 __all__ = ["PreflightReport", "PreflightError"]
@@ -76,8 +77,7 @@ class PreflightReport:
         c = self.config
         head = (f"autofit pre-flight on {self.device}: "
                 f"{'fits' if self.fits else 'DOES NOT FIT'} — micro batch {c.micro_batch_size} x "
-                f"accumulation {c.grad_accum_steps}, {c.precision}, {c.optimizer}"
-                + (", checkpointing" if c.gradient_checkpointing else ""))
+                f"accumulation {c.grad_accum_steps}, {describe_choice(choice_of(c))}")
         lines = [head]
         lines += [f"  ✗ {p}" for p in self.problems]
         lines += [f"  - {r}" for r in self.reasons]

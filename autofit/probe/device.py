@@ -24,14 +24,14 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from autofit.errors import UnknownDeviceError, UnsupportedPrecisionError
+from autofit.errors import UnknownDeviceError
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["DeviceInfo", "resolve_device", "catalog", "parse_bytes", "format_bytes", "check_precision",
+__all__ = ["DeviceInfo", "resolve_device", "catalog", "parse_bytes", "format_bytes",
            "sm_version"]
 
 MiB = 1 << 20
@@ -294,16 +294,3 @@ def sm_version(device: Any) -> int:
     except ValueError:
         return 90
     return major * 10 + minor
-
-
-def check_precision(device: DeviceInfo, precision: str) -> None:
-    """Raise UnsupportedPrecisionError if ``device`` cannot run ``precision``."""
-    if precision.startswith("bf16") and not device.bf16:
-        raise UnsupportedPrecisionError(
-            f"{device.product or device.name} does not support bf16 (it needs Ampere or newer); "
-            f"use --precision 16-mixed or 32-true"
-        )
-    if precision.startswith("16") and not device.fp16:
-        raise UnsupportedPrecisionError(
-            f"{device.product or device.name} does not support fp16; use --precision 32-true"
-        )

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autofit.knobs import KNOBS
 from autofit.memory.breakdown import COMPONENTS, MemoryEstimate
 from autofit.probe.device import format_bytes
+from autofit.report.terminal import calibration_text
 
 __all__ = ["ReportData", "report_data_from_result", "report_data_from_file", "write_report",
            "trial_summary"]
@@ -66,9 +68,7 @@ def trial_summary(t: Any) -> dict[str, Any]:
     d = t.to_dict() if hasattr(t, "to_dict") else dict(t)
     c = d.get("config") or {}
     return {
-        "precision": c.get("precision"),
-        "gradient_checkpointing": c.get("gradient_checkpointing"),
-        "optimizer": c.get("optimizer"),
+        **{k.name: c.get(k.name) for k in KNOBS},
         "micro_batch": c.get("micro_batch_size"),
         "grad_accum": c.get("grad_accum_steps"),
         "oom": bool(d.get("oom")),
@@ -154,29 +154,71 @@ def report_data_from_file(path: str | Path) -> ReportData:
 
 # ---------------------------------------------------------------- the chart
 
-
-def _combo(r: dict[str, Any]) -> tuple[Any, Any, Any]:
-    return (r.get("precision"), bool(r.get("gradient_checkpointing")), r.get("optimizer"))
-
-
-def _combo_label(key: tuple[Any, Any, Any]) -> str:
-    p, ckpt, o = key
-    return f"{p}, {o}" + (", ckpt" if ckpt else "")
+# One (colour, marker) per combination, the same in every panel: ten colours and twelve
+# markers, so that twelve combinations never share both.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "p", "<", ">")
 
 
-def _draw(data: ReportData) -> bytes:
-    # the object API with the Agg canvas: no pyplot, no global backend, no display needed
+def _combo(r: dict[str, Any]) -> tuple[Any, ...]:
+    """A row's (or trial's) combination: each knob's value (checkpointing as a bool)."""
+    return tuple(bool(r.get(k.name)) if isinstance(k.values[0], bool) else r.get(k.name)
+                 for k in KNOBS)
+
+
+def _combo_label(key: tuple[Any, ...]) -> str:
+    return ", ".join(k.short(v) if not isinstance(v, bool) else (k.title if v else f"no {k.title}")
+                     for k, v in zip(KNOBS, key, strict=True) if v is not None)
+
+
+def combo_styles(keys: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], tuple[Any, str]]:
+    """``{combination: (colour, marker)}``: distinct pairs for up to 120 combinations."""
     import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    return {k: (cmap(i % 10), _MARKERS[i % len(_MARKERS)]) for i, k in enumerate(keys)}
+
+
+def _figure(data: ReportData) -> Any:
+    """The three panels as a matplotlib ``Figure`` (Agg canvas; no pyplot, no display)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     est = data.estimate
     cap = est.capacity_bytes / _GiB
-    fig = Figure(figsize=(16, 5.2), dpi=100)
+    keys = list(dict.fromkeys([_combo(r) for r in data.candidates]
+                              + [_combo(t) for t in data.trials]))
+    style = combo_styles(keys)
+    fig = Figure(figsize=(16, 6.2), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.0, 1.3, 1.3]})
-    # 1: the chosen configuration's memory, stacked by component
-    ax = axes[0]
+    _draw_breakdown(axes[0], data, cap)
+    for ax, what in ((axes[1], "peak"), (axes[2], "throughput")):
+        _draw_candidates(ax, data, what, keys, style, cap)
+    # one legend for the combinations of both candidate panels, outside them (below)
+    handles = [_combo_handle(style[k], _combo_label(k)) for k in keys]
+    handles.append(_combo_handle(("black", "o"), "estimate (hollow, before trials)", hollow=True))
+    if any(t.get("oom") for t in data.trials):
+        handles.append(_combo_handle(("tab:red", "x"), "out of memory (needs > capacity)"))
+    if keys:
+        fig.legend(handles=handles, loc="outside lower right", ncol=min(4, len(handles)),
+                   fontsize=8, frameon=False)
+    fig.suptitle(f"autofit: {data.model} on {data.device}"
+                 + (f" · seq {data.seq_len}" if data.seq_len else ""), fontsize=12)
+    return fig
+
+
+def _combo_handle(style: tuple[Any, str], label: str, hollow: bool = False) -> Any:
+    from matplotlib.lines import Line2D
+
+    colour, marker = style
+    return Line2D([], [], color=colour, marker=marker, linestyle="none", markersize=8,
+                  markerfacecolor="none" if hollow else colour, label=label)
+
+
+def _draw_breakdown(ax: Any, data: ReportData, cap: float) -> None:
+    """Panel 1: the chosen configuration's memory, stacked by component, the measured peak
+    beside it, the capacity and the budget; the legend below the axes, off the bars."""
+    est = data.estimate
     bottom = 0.0
     for name in COMPONENTS:
         v = est.breakdown.get(name, 0) / _GiB
@@ -202,75 +244,65 @@ def _draw(data: ReportData) -> bytes:
                        label=f"budget (margin {data.margin:.0%})")
     c = data.config
     ax.set_title(f"chosen: micro batch {c.get('micro_batch_size')} x accum "
-                 f"{c.get('grad_accum_steps')}\n{c.get('precision')}, {c.get('optimizer')}"
-                 + (", ckpt" if c.get("gradient_checkpointing") else ""), fontsize=10)
+                 f"{c.get('grad_accum_steps')}\n{_combo_label(chosen)}", fontsize=10)
     ax.set_ylabel("GiB")
     ax.set_ylim(0, max(cap, bottom, *(m["device_total_bytes"] / _GiB for m in measured)) * 1.15
                 or 1)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2,
+              frameon=False)
 
-    # 2 and 3: candidates and trials, by combination
-    keys = list(dict.fromkeys([_combo(r) for r in data.candidates]
-                              + [_combo(t) for t in data.trials]))
-    cmap = matplotlib.colormaps["tab10"]
-    color = {k: cmap(i % 10) for i, k in enumerate(keys)}
-    for ax, what in ((axes[1], "peak"), (axes[2], "throughput")):
-        for k in keys:
-            xs, ys = [], []
-            for r in data.candidates:
-                v = r.get("estimate_bytes") if what == "peak" else r.get("predicted_tokens_per_s")
-                if _combo(r) == k and r.get("micro_batch") and v:
-                    xs.append(r["micro_batch"])
-                    ys.append(v / _GiB if what == "peak" else v)
-            if xs:
-                ax.scatter(xs, ys, facecolors="none", edgecolors=[color[k]], s=70, marker="o")
-            ok = [t for t in data.trials if _combo(t) == k and not t.get("oom")
-                  and t.get("micro_batch")]
-            pts = sorted((t["micro_batch"], (t.get("device_total_bytes") or 0) / _GiB
-                          if what == "peak" else (t.get("tokens_per_s") or 0)) for t in ok)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color[k], ms=6,
-                        label=_combo_label(k))
-            elif xs:
-                ax.plot([], [], "o", color=color[k], label=_combo_label(k))
-            ooms = [t["micro_batch"] for t in data.trials if _combo(t) == k and t.get("oom")
-                    and t.get("micro_batch")]
-            if ooms:
-                y = cap if what == "peak" else 0.0
-                ax.scatter(ooms, [y] * len(ooms), marker="x", color="tab:red", s=90,
-                           linewidths=2.5, zorder=5)
-        if any(t.get("oom") for t in data.trials):
-            ax.scatter([], [], marker="x", color="tab:red", s=90, linewidths=2.5,
-                       label="out of memory" + (" (needs > capacity)" if what == "peak" else ""))
-        ax.scatter([], [], facecolors="none", edgecolors="black", s=70, label="estimate")
-        if what == "peak" and cap > 0:
-            ax.axhline(cap, color="tab:red", linestyle="--", linewidth=1.2)
-            if data.margin:
-                ax.axhline(cap * (1 - data.margin), color="tab:orange", linestyle=":",
-                           linewidth=1.2)
-        ticks = sorted({int(r["micro_batch"]) for r in (*data.candidates, *data.trials)
-                        if r.get("micro_batch")})
-        if ticks:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ticks, [str(t) for t in ticks])
-            ax.set_xlim(ticks[0] / 1.5, ticks[-1] * 1.5)
-        ax.minorticks_off()
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("micro batch")
-        ax.set_ylabel("GiB (device total)" if what == "peak" else "tokens / s")
-        ax.set_title("candidates: micro batch vs " + ("peak memory" if what == "peak"
-                                                     else "throughput"), fontsize=10)
-        ax.grid(True, alpha=0.3)
-        if keys:
-            ax.legend(fontsize=7, loc="best")
-        else:
-            ax.text(0.5, 0.5, "no candidates recorded", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
-    fig.suptitle(f"autofit: {data.model} on {data.device}"
-                 + (f" · seq {data.seq_len}" if data.seq_len else ""), fontsize=12)
-    fig.tight_layout()
+
+def _draw_candidates(ax: Any, data: ReportData, what: str, keys: list[tuple[Any, ...]],
+                     style: dict[tuple[Any, ...], tuple[Any, str]], cap: float) -> None:
+    """Panels 2 and 3: micro batch against peak memory or throughput, per combination:
+    estimates hollow, trials filled and joined, out of memory a red x."""
+    for k in keys:
+        colour, marker = style[k]
+        xs, ys = [], []
+        for r in data.candidates:
+            v = r.get("estimate_bytes") if what == "peak" else r.get("predicted_tokens_per_s")
+            if _combo(r) == k and r.get("micro_batch") and v:
+                xs.append(r["micro_batch"])
+                ys.append(v / _GiB if what == "peak" else v)
+        if xs:
+            ax.scatter(xs, ys, facecolors="none", edgecolors=[colour], s=70, marker=marker)
+        ok = [t for t in data.trials if _combo(t) == k and not t.get("oom") and t.get("micro_batch")]
+        pts = sorted((t["micro_batch"], (t.get("device_total_bytes") or 0) / _GiB
+                      if what == "peak" else (t.get("tokens_per_s") or 0)) for t in ok)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle="-",
+                    color=colour, ms=6)
+        ooms = [t["micro_batch"] for t in data.trials if _combo(t) == k and t.get("oom")
+                and t.get("micro_batch")]
+        if ooms:
+            y = cap if what == "peak" else 0.0
+            ax.scatter(ooms, [y] * len(ooms), marker="x", color="tab:red", s=90,
+                       linewidths=2.5, zorder=5)
+    if what == "peak" and cap > 0:
+        ax.axhline(cap, color="tab:red", linestyle="--", linewidth=1.2)
+        if data.margin:
+            ax.axhline(cap * (1 - data.margin), color="tab:orange", linestyle=":", linewidth=1.2)
+    ticks = sorted({int(r["micro_batch"]) for r in (*data.candidates, *data.trials)
+                    if r.get("micro_batch")})
+    if ticks:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlim(ticks[0] / 1.5, ticks[-1] * 1.5)
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("micro batch")
+    ax.set_ylabel("GiB (device total)" if what == "peak" else "tokens / s")
+    ax.set_title("candidates: micro batch vs " + ("peak memory" if what == "peak"
+                                                 else "throughput"), fontsize=10)
+    ax.grid(True, alpha=0.3)
+    if not keys:
+        ax.text(0.5, 0.5, "no candidates recorded", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
+
+
+def _draw(data: ReportData) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    _figure(data).savefig(buf, format="png")
     return buf.getvalue()
 
 
@@ -302,6 +334,10 @@ text-align:left}th{background:#f3f3f3}tr.chosen td{font-weight:bold;background:#
 img{max-width:100%;border:1px solid #ddd}.fits{color:#1a7f37}.nofit{color:#b42318}
 code{background:#f3f3f3;padding:0 .2em}
 """
+
+
+def _knob_cells(r: dict[str, Any]) -> list[str]:
+    return [k.short(v) if (v := r.get(k.name)) is not None else "—" for k in KNOBS]
 
 
 def _page(data: ReportData, png: bytes) -> str:
@@ -342,24 +378,24 @@ def _page(data: ReportData, png: bytes) -> str:
         chosen = _combo(data.config)
         rows = []
         for r in data.candidates:
-            rows.append([r.get("precision"), "yes" if r.get("gradient_checkpointing") else "no",
-                         r.get("optimizer"), _fmt(r.get("micro_batch"), ""),
-                         _fmt(r.get("estimate_bytes"), "b"), _fmt(r.get("measured_bytes"), "b"),
+            rows.append([*_knob_cells(r), _fmt(r.get("micro_batch"), ""),
+                         _fmt(r.get("estimate_bytes"), "b"), calibration_text(r.get("calibration")),
+                         _fmt(r.get("measured_bytes"), "b"),
                          _fmt(r.get("predicted_tokens_per_s"), "t"),
                          _fmt(r.get("measured_tokens_per_s"), "t"),
                          ("CHOSEN" if _combo(r) == chosen else r.get("status", ""))
                          + (f": {r['reason']}" if r.get("reason") else "")])
         parts += ["<h2>Candidates</h2>",
-                  _table(["precision", "ckpt", "optimizer", "micro", "est. peak", "measured",
-                          "pred. tok/s", "meas. tok/s", "verdict"], rows)]
+                  _table([*(k.title for k in KNOBS), "micro", "est. peak (before trials)",
+                          "calibration", "measured", "pred. tok/s", "meas. tok/s", "verdict"],
+                         rows)]
     if data.trials:
-        rows = [[i, t.get("precision"), "yes" if t.get("gradient_checkpointing") else "no",
-                 t.get("optimizer"), _fmt(t.get("micro_batch"), ""), _fmt(t.get("grad_accum"), ""),
+        rows = [[i, *_knob_cells(t), _fmt(t.get("micro_batch"), ""), _fmt(t.get("grad_accum"), ""),
                  "OUT OF MEMORY" if t.get("oom") else _fmt(t.get("device_total_bytes"), "b"),
                  _fmt(t.get("tokens_per_s"), "t"), t.get("error") or ""]
                 for i, t in enumerate(data.trials, 1)]
         parts += ["<h2>Trials on the device</h2>",
-                  _table(["#", "precision", "ckpt", "optimizer", "micro", "accum", "peak",
+                  _table(["#", *(k.title for k in KNOBS), "micro", "accum", "peak",
                           "tok/s", "error"], rows)]
     if data.reasons:
         parts.append("<h2>Reasons</h2><ul>"

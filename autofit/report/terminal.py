@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from autofit.knobs import KNOBS, choice_of, describe_choice
 from autofit.memory.breakdown import COMPONENTS
 from autofit.probe.device import format_bytes
 
@@ -17,7 +18,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from autofit.memory.breakdown import MemoryEstimate
 
-__all__ = ["estimate_renderable", "render_estimate", "print_estimate"]
+__all__ = ["estimate_renderable", "render_estimate", "print_estimate", "candidates_renderable",
+           "calibration_text", "print_fit", "TrialProgress"]
 
 _COLORS = {
     "weights": "blue",
@@ -65,8 +67,7 @@ def estimate_renderable(est: MemoryEstimate) -> RenderableType:
     cfg = est.config
     title = (
         f"{est.model} · batch {cfg.get('micro_batch_size')} × seq {est.seq_len} · "
-        f"{cfg.get('precision')} · {cfg.get('optimizer')}"
-        + (" · checkpointing" if cfg.get("gradient_checkpointing") else "")
+        + describe_choice({k.name: cfg[k.name] for k in KNOBS if k.name in cfg}, sep=" · ")
     )
     from rich.console import Group
 
@@ -148,26 +149,25 @@ class TrialProgress:
         self._progress.update(self._task, description=line)
 
 
-_SHORT_OPTIM = {"adamw_torch_fused": "adamw fused", "adamw_torch": "adamw", "adamw_bnb_8bit":
-                "adamw 8-bit", "paged_adamw_8bit": "paged adamw 8-bit"}
-
-
 def candidates_renderable(result: Any) -> RenderableType:
-    """Table of the candidates (estimated vs measured peak, throughput, verdict), with the
-    reasons of the rejected and skipped ones as numbered notes under it, so that the
-    table stays readable in 80 columns."""
+    """Table of the candidates — one column per knob, then the micro batch, the peak as
+    estimated (before any trial), the calibration the trials applied to it, the
+    measured peak, predicted vs measured throughput and the verdict — with the reasons
+    of the rejected and skipped ones as numbered notes under it, so that the table stays
+    readable in 80 columns."""
     from rich import box
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    chosen = (result.config.precision, result.config.gradient_checkpointing, result.config.optimizer)
+    chosen = tuple(getattr(result.config, k.name) for k in KNOBS)
     t = Table(title="candidates", title_justify="left", header_style="bold",
               box=box.SIMPLE_HEAD, pad_edge=False, padding=0)
-    for col, just in (("precision", "left"), ("ckpt", "left"), ("optimizer", "left"),
-                      ("micro", "right"), ("peak\nest.", "right"), ("peak\nmeas.", "right"),
-                      ("tok/s\npred.", "right"), ("tok/s\nmeas.", "right"), ("verdict", "left")):
-        t.add_column(col, justify=just, no_wrap=col != "verdict")
+    for k in KNOBS:
+        t.add_column(k.title, no_wrap=True)
+    for col in ("micro", "peak\nest.", "cal.", "peak\nmeas.", "tok/s\npred.", "tok/s\nmeas."):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("verdict")
     rows = sorted(result.candidates, key=lambda r: -(r.get("measured_tokens_per_s") or 0.0)
                   - 1e-9 * (r.get("predicted_tokens_per_s") or 0.0))
     notes: list[str] = []
@@ -178,23 +178,29 @@ def candidates_renderable(result: Any) -> RenderableType:
         return format_bytes(v) if kind == "b" else f"{v:,.0f}"
 
     for r in rows:
-        key = (r["precision"], r["gradient_checkpointing"], r["optimizer"])
-        is_choice = key == chosen
+        is_choice = tuple(r.get(k.name) for k in KNOBS) == chosen
         verdict = "CHOSEN" if is_choice else r["status"]
         if r.get("failed_micro_batch"):
             verdict += f", {r['failed_micro_batch']}✗"
         if r.get("reason"):
             notes.append(r["reason"])
             verdict += f" [{len(notes)}]"
-        t.add_row(r["precision"], "yes" if r["gradient_checkpointing"] else "no",
-                  _SHORT_OPTIM.get(r["optimizer"], r["optimizer"]),
+        t.add_row(*(k.short(r.get(k.name)) for k in KNOBS),
                   str(r["micro_batch"] or "—"), fmt(r["estimate_bytes"], "b"),
+                  calibration_text(r.get("calibration")),
                   fmt(r["measured_bytes"], "b"), fmt(r["predicted_tokens_per_s"], "t"),
                   fmt(r["measured_tokens_per_s"], "t"), verdict,
                   style="bold green" if is_choice else None)
     if not notes:
         return t
     return Group(t, *(Text(f"[{i}] {n}", style="dim") for i, n in enumerate(notes, 1)), Text(""))
+
+
+def calibration_text(ratio: float | None) -> str:
+    """``×1.07``: how the trials scaled an estimate; ``—`` when they did not (within 0.5%)."""
+    if ratio is None or abs(ratio - 1) < 0.005:
+        return "—"
+    return f"×{ratio:.2f}"
 
 
 def print_fit(result: Any, path: Any = None, console: Console | None = None) -> None:
@@ -215,8 +221,7 @@ def print_fit(result: Any, path: Any = None, console: Console | None = None) -> 
         state = "answered from the cache (no trial)"
     c = result.config
     console.print(Text(f"chosen ({state}): micro batch {c.micro_batch_size} × accumulation "
-                       f"{c.grad_accum_steps}, {c.precision}, "
-                       f"{'checkpointing, ' if c.gradient_checkpointing else ''}{c.optimizer}; "
+                       f"{c.grad_accum_steps}, {describe_choice(choice_of(c))}; "
                        f"{len(result.trials)} trials, {result.ooms} OOM", style="bold"))
     for r in result.reasons:
         console.print(f"  • {r}")

@@ -7,8 +7,8 @@ The engine asks two questions and never knows how they are answered:
 * the trial runner, "does it fit on the device, and how fast is it?" (real
   micro-steps: the few best candidates).
 
-For every combination of the categorical knobs (precision, gradient
-checkpointing, optimizer) the estimate gives the largest micro batch whose device
+For every combination of the knobs' values (``autofit.knobs``: precision, gradient
+checkpointing, optimizer, ...) the estimate gives the largest micro batch whose device
 total fits ``capacity * (1 - margin)``; the throughput model (``autofit.search.speed``)
 ranks the combinations at their limits; trials confirm the best few at their
 predicted limit and bracket the true limit by bisection in a narrow window;
@@ -32,8 +32,6 @@ Known limitations:
 
 from __future__ import annotations
 
-import itertools
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,54 +39,27 @@ from typing import Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError
+from autofit.knobs import KNOBS, describe_choice
+from autofit.search.space import SearchSpace
 
-__all__ = [
-    "SearchSpace",
-    "Candidate",
-    "SearchOutcome",
-    "build_space",
-    "micro_batch_options",
-    "Engine",
-]
+__all__ = ["Candidate", "SearchOutcome", "Engine", "DEFAULT_MARGIN", "ENGINE_VERSION"]
 
 DEFAULT_MARGIN = 0.10
 SPEED_TIE = 0.05  # measured throughputs this close are a tie (step-time noise)
 # Part of the cache key: bump it when a change to the search makes cached answers stale
-# (2: the margin no longer subtracts measured fragmentation twice; line calibration).
-ENGINE_VERSION = 2
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    """What may be chosen. Every tuple is non-empty; micro batches ascend."""
-
-    precisions: tuple[str, ...]
-    gradient_checkpointing: tuple[bool, ...]
-    optimizers: tuple[str, ...]
-    micro_batches: tuple[int, ...]
-    target_batch_size: int | None = None
-    world_size: int = 1
-    optim_args: str | None = None
-
-    def accumulation(self, micro_batch: int) -> int:
-        """Gradient accumulation steps that keep the effective batch."""
-        if self.target_batch_size is None:
-            return 1
-        return max(1, self.target_batch_size // (micro_batch * self.world_size))
-
-    def combos(self) -> list[tuple[str, bool, str]]:
-        return list(itertools.product(self.precisions, self.gradient_checkpointing, self.optimizers))
+# (2: the margin no longer subtracts measured fragmentation twice; line calibration;
+# 3: study parameters and candidate rows per knob, rows carry the uncalibrated estimate).
+ENGINE_VERSION = 3
 
 
 @dataclass
 class Candidate:
-    """One combination of the categorical knobs, and what is known about it."""
+    """One combination of the knobs' values, and what is known about it."""
 
-    precision: str
-    gradient_checkpointing: bool
-    optimizer: str
+    choice: dict[str, Any]  # knob name -> value (registry order)
     micro_batch: int | None = None  # the largest allowed micro batch expected to fit
-    estimate_bytes: int | None = None  # device total estimated at micro_batch (calibrated)
+    raw_estimate_bytes: int | None = None  # device total estimated at micro_batch, as estimated
+    estimate_bytes: int | None = None  # the same, calibrated by the trials
     predicted_tokens_per_s: float | None = None
     calibration: float | None = None  # measured / estimated device total, once measured
     confirmed_micro_batch: int | None = None  # largest that fit with the margin in a trial
@@ -101,11 +72,18 @@ class Candidate:
     reason: str = ""
 
     @property
-    def key(self) -> tuple[str, bool, str]:
-        return (self.precision, self.gradient_checkpointing, self.optimizer)
+    def key(self) -> tuple[Any, ...]:
+        return tuple(self.choice.values())
 
     def label(self) -> str:
-        return f"{self.precision}, {'checkpointing' if self.gradient_checkpointing else 'no checkpointing'}, {self.optimizer}"
+        return describe_choice(self.choice)
+
+    @property
+    def applied_calibration(self) -> float | None:
+        """Calibrated / raw estimate at ``micro_batch``: what the trials did to the estimate."""
+        if self.estimate_bytes is None or not self.raw_estimate_bytes:
+            return None
+        return self.estimate_bytes / self.raw_estimate_bytes
 
 
 @dataclass
@@ -122,102 +100,6 @@ class SearchOutcome:
     stopped_early: bool = False
     from_cache: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def micro_batch_options(
-    target_batch_size: int | None, world_size: int, max_micro_batch: int
-) -> tuple[tuple[int, ...], str | None]:
-    """Allowed micro batch sizes, and a note when the target cannot be met exactly.
-
-    With a target, the micro batch must divide ``target / world_size`` so that
-    ``micro * accumulation * world_size == target``.
-    """
-    if max_micro_batch < 1:
-        raise BadInputError(f"max_micro_batch must be at least 1, got {max_micro_batch}")
-    if target_batch_size is None:
-        return tuple(range(1, max_micro_batch + 1)), None
-    if target_batch_size < 1:
-        raise BadInputError(f"target_batch_size must be positive, got {target_batch_size}")
-    note = None
-    per_device = target_batch_size // world_size
-    if per_device * world_size != target_batch_size or per_device == 0:
-        per_device = max(1, round(target_batch_size / world_size))
-        note = (
-            f"target batch {target_batch_size} is not a multiple of {world_size} devices; "
-            f"using {per_device * world_size}, the nearest that is"
-        )
-    options = tuple(d for d in range(1, min(per_device, max_micro_batch) + 1) if per_device % d == 0)
-    return options, note
-
-
-def build_space(
-    device: Any,
-    *,
-    precision: Sequence[str] | str | None = None,
-    optimizer: Sequence[str] | str | None = None,
-    gradient_checkpointing: Sequence[bool] | bool | None = None,
-    max_micro_batch: int = 256,
-    target_batch_size: int | None = None,
-    world_size: int = 1,
-    optim_args: str | None = None,
-    bnb_available: bool = True,
-    reasons: list[str] | None = None,
-) -> SearchSpace:
-    """The space the caller allows on ``device``, with a reason for every default."""
-    from autofit.config import check_optimizer, normalize_precision
-    from autofit.probe.device import check_precision
-
-    reasons = reasons if reasons is not None else []
-    if precision is None:
-        if device.bf16:
-            precs = ["bf16-mixed", "32-true"]
-            reasons.append("precision: bf16-mixed and 32-true searched (device supports bf16; "
-                           "fp16 only when asked)")
-        else:
-            precs = ["16-mixed", "32-true"]
-            reasons.append("precision: 16-mixed and 32-true searched (device has no bf16)")
-    else:
-        precs = [normalize_precision(p) for p in ([precision] if isinstance(precision, str) else precision)]
-        for p in precs:
-            check_precision(device, p)
-    if optimizer is None:
-        opts = ["adamw_torch_fused", "adamw_torch"]
-        if bnb_available:
-            opts.append("adamw_bnb_8bit")
-        reasons.append("optimizer: AdamW variants searched (" + ", ".join(opts) + "); "
-                       "other optimizers change training and are tried only when asked")
-    else:
-        opts = [check_optimizer(o) for o in ([optimizer] if isinstance(optimizer, str) else optimizer)]
-        if not bnb_available:
-            from autofit.config import OPTIMIZERS
-            from autofit.errors import MissingDependencyError
-
-            bad = [o for o in opts if OPTIMIZERS[o].bnb]
-            if bad:
-                raise MissingDependencyError(
-                    f"optimizer {bad[0]} needs bitsandbytes: pip install 'autofit[bnb]'"
-                )
-    if gradient_checkpointing is None:
-        ckpt: tuple[bool, ...] = (False, True)
-    elif isinstance(gradient_checkpointing, bool):
-        ckpt = (gradient_checkpointing,)
-    else:
-        ckpt = tuple(dict.fromkeys(bool(x) for x in gradient_checkpointing))
-    if not precs or not opts or not ckpt:
-        raise BadInputError("the search space is empty: allow at least one precision, "
-                            "optimizer and checkpointing setting")
-    micro, note = micro_batch_options(target_batch_size, world_size, max_micro_batch)
-    if note:
-        reasons.append(note)
-    return SearchSpace(
-        precisions=tuple(dict.fromkeys(precs)),
-        gradient_checkpointing=ckpt,
-        optimizers=tuple(dict.fromkeys(opts)),
-        micro_batches=micro,
-        target_batch_size=target_batch_size,
-        world_size=world_size,
-        optim_args=optim_args,
-    )
 
 
 EstimateFn = Callable[[TrainConfig], int]  # -> estimated device total bytes
@@ -308,12 +190,10 @@ class Engine:
         return TrainConfig(
             micro_batch_size=micro_batch,
             grad_accum_steps=self.space.accumulation(micro_batch),
-            precision=c.precision,
-            gradient_checkpointing=c.gradient_checkpointing,
-            optimizer=c.optimizer,
             optim_args=self.space.optim_args,
             seq_len=self.seq_len,
             world_size=self.space.world_size,
+            **c.choice,
         )
 
     def _raw_estimate(self, c: Candidate, b: int) -> int:
@@ -329,13 +209,15 @@ class Engine:
 
     def _borrowed_calibration(self, c: Candidate) -> float:
         """The ratio an untried combination borrows: the mean of those measured with the
-        same optimizer (whose state and step dominate the estimate's error), else 1.0.
+        same values of the knobs that calibrate apart (the optimizer: its state and step
+        dominate the estimate's error), else 1.0.
 
         NB: borrowing across optimizers once made every untried combination look
         infeasible after 8-bit trials measured 2.5x their estimate (a false "nothing fits").
         """
-        known = [x.calibration for x in self._candidates
-                 if x.calibration is not None and x.optimizer == c.optimizer]
+        apart = [k.name for k in KNOBS if k.calibrates_apart and k.name in c.choice]
+        known = [x.calibration for x in self._candidates if x.calibration is not None
+                 and all(x.choice[n] == c.choice[n] for n in apart)]
         return sum(known) / len(known) if known else 1.0
 
     def estimated(self, c: Candidate, b: int) -> int:
@@ -385,12 +267,14 @@ class Engine:
         b = self._largest_fitting(c, below=upper)
         c.micro_batch = b
         if b is None:
-            c.status, c.estimate_bytes, c.predicted_tokens_per_s = "infeasible", None, None
+            c.status, c.predicted_tokens_per_s = "infeasible", None
+            c.estimate_bytes = c.raw_estimate_bytes = None
             one = self.estimated(c, self.space.micro_batches[0])
             c.reason = (f"micro batch {self.space.micro_batches[0]} needs ~{_gib(one)} "
                         f"> budget {_gib(self.budget)}")
             return
         c.status = "estimated"
+        c.raw_estimate_bytes = self._raw_estimate(c, b)
         c.estimate_bytes = self.estimated(c, b)
         c.predicted_tokens_per_s = self._speed(self.config(c, b))
 
@@ -464,6 +348,7 @@ class Engine:
             return
         c.status = "confirmed"
         c.micro_batch = best_fit
+        c.raw_estimate_bytes = self._raw_estimate(c, best_fit)
         c.estimate_bytes = self.estimated(c, best_fit)
         c.predicted_tokens_per_s = self._speed(self.config(c, best_fit))
 
@@ -487,7 +372,7 @@ class Engine:
     # -- the search ----------------------------------------------------------------
     def run(self) -> SearchOutcome:
         reasons: list[str] = []
-        self._candidates = [Candidate(p, g, o) for p, g, o in self.space.combos()]
+        self._candidates = [Candidate(choice) for choice in self.space.combos()]
         for c in self._candidates:
             self._refresh(c)
         feasible = [c for c in self._candidates if c.status == "estimated"]
@@ -615,11 +500,3 @@ def _gib(n: float | None) -> str:
     from autofit.probe.device import format_bytes
 
     return format_bytes(n)
-
-
-def cache_key(parts: dict[str, Any]) -> str:
-    """A stable short hash of what determines a search's answer."""
-    import hashlib
-
-    blob = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]

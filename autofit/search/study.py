@@ -1,7 +1,7 @@
 """The optuna study behind a search: trial log, resume and cache.
 
-One study per cache key (model, data shape, device, library versions,
-constraints). Every trial the engine runs is told to the study with its measured
+One study per cache key (model, data shape, device, library versions, the
+space: every knob's values). Every trial the engine runs is told to the study with its measured
 numbers as user attributes; an out-of-memory trial is COMPLETE with a positive
 constraint value (optuna's constraint convention: feasible when <= 0), so a
 constrained sampler learns from it instead of ignoring it. With SQLite storage:
@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from autofit.config import TrainConfig
+from autofit.search.space import SearchSpace
 from autofit.trial.result import trial_from_dict
 
-__all__ = ["TrialRecorder", "default_storage"]
+__all__ = ["TrialRecorder", "default_storage", "cache_key"]
 
 
 def default_storage() -> str:
@@ -32,13 +33,9 @@ def default_storage() -> str:
     return f"sqlite:///{root / 'studies.db'}"
 
 
-def _params(config: TrainConfig) -> dict[str, Any]:
-    return {
-        "precision": config.precision,
-        "gradient_checkpointing": config.gradient_checkpointing,
-        "optimizer": config.optimizer,
-        "micro_batch_size": config.micro_batch_size,
-    }
+def _params(config: TrainConfig, knobs: tuple[str, ...]) -> dict[str, Any]:
+    """The study's parameters of a configuration: each searched knob, and the micro batch."""
+    return {**{n: getattr(config, n) for n in knobs}, "micro_batch_size": config.micro_batch_size}
 
 
 def _constraint(trial: Any) -> list[float]:
@@ -53,9 +50,7 @@ class TrialRecorder:
         key: str,
         *,
         storage: str | None,
-        precisions: tuple[str, ...],
-        optimizers: tuple[str, ...],
-        max_micro_batch: int,
+        space: SearchSpace,
         capacity_bytes: int,
     ) -> None:
         import optuna
@@ -70,11 +65,10 @@ class TrialRecorder:
             load_if_exists=True,
         )
         D = optuna.distributions
+        self.knobs = tuple(space.choices)
         self.distributions = {
-            "precision": D.CategoricalDistribution(list(precisions)),
-            "gradient_checkpointing": D.CategoricalDistribution([False, True]),
-            "optimizer": D.CategoricalDistribution(list(optimizers)),
-            "micro_batch_size": D.IntDistribution(1, max(1, max_micro_batch)),
+            **{n: D.CategoricalDistribution(list(v)) for n, v in space.choices.items()},
+            "micro_batch_size": D.IntDistribution(1, max(1, space.micro_batches[-1])),
         }
 
     # -- cache -------------------------------------------------------------------
@@ -90,7 +84,7 @@ class TrialRecorder:
         """The TrialResult already recorded for these parameters, or None."""
         import optuna
 
-        want = _params(config)
+        want = _params(config, self.knobs)
         for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             if t.params == want and "trial" in t.user_attrs:
                 return trial_from_dict(t.user_attrs["trial"])
@@ -98,7 +92,7 @@ class TrialRecorder:
 
     def record(self, config: TrainConfig, result: Any, estimate_bytes: int, budget: int) -> None:
         """Tell the study one trial: value = measured tokens/s, constraint = total - budget."""
-        self.study.enqueue_trial(_params(config), skip_if_exists=False)
+        self.study.enqueue_trial(_params(config, self.knobs), skip_if_exists=False)
         trial = self.study.ask(self.distributions)
         total = result.device_total_bytes
         if result.oom or total is None:
@@ -118,3 +112,10 @@ class TrialRecorder:
             for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
             if "trial" in t.user_attrs
         ]
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    """A stable short hash of what determines a search's answer."""
+    import hashlib
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

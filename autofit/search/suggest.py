@@ -1,9 +1,11 @@
 """When nothing fits: say what would, with the estimated numbers.
 
-PEFT and quantization change what is trained, so autofit never applies them
-silently; it estimates them (LoRA on every linear layer; QLoRA: a 4-bit base plus
-LoRA; for a model that already has LoRA: its base in bf16 or in 4 bits) and the
-longest sequence that would fit, and puts them in the error.
+PEFT, quantization and the knob values that change the math are never applied
+silently; autofit estimates them and puts those that would fit in the error: each
+knob's memory-saving value the search was not allowed to try and the values it
+offers (``Knob.saving``, ``Knob.suggest``: e.g. bf16 weights, an 8-bit optimizer),
+LoRA on every linear layer, QLoRA (a 4-bit base plus LoRA; for a model that
+already has LoRA: its base in 4 bits), and the longest sequence that would fit.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import replace
 from typing import Any
 
 from autofit.config import TrainConfig
-from autofit.errors import DoesNotFitError
+from autofit.errors import AutofitError, DoesNotFitError
+from autofit.knobs import KNOBS
 from autofit.probe.device import format_bytes
 from autofit.probe.model import ModelInfo, ParamGroup
 
@@ -83,23 +86,33 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
     budget = engine.budget
     head = (f"no configuration fits in {format_bytes(budget)} "
             f"({100 * (1 - engine.margin):.0f}% of {format_bytes(engine.capacity)} on {dev.name}): "
-            f"the smallest, {smallest_cfg.precision}"
-            f"{' + checkpointing' if smallest_cfg.gradient_checkpointing else ''} + "
-            f"{smallest_cfg.optimizer} at micro batch {b0}, {how}")
+            f"the smallest, {smallest.label()} at micro batch {b0}, {how}")
 
     def scaled(variant: ModelInfo, cfg: TrainConfig, length: int) -> int:
         return int(estimate_analytic(variant, cfg, length, dev).device_total_bytes * scale)
 
     ideas = []
-    if info.peft is not None and info.quantization is None and info.is_transformer:
-        # a LoRA model whose frozen base is loaded in fp32: bf16 weights, or a 4-bit base
-        cfg = smallest_cfg.replace(gradient_checkpointing=True)
-        if getattr(dev, "bf16", False) and "bf16-true" not in space.precisions:
-            n = scaled(info, cfg.replace(precision="bf16-true"), seq_len)
+    # a value of a knob that the search did not try: the one that saves memory, and those
+    # that change the math (offered, never applied silently)
+    for k in KNOBS:
+        offered = ((k.saving,) if k.saving is not None else ()) + tuple(k.suggest(dev))
+        for v in dict.fromkeys(offered):
+            if v in space.choices.get(k.name, ()) or getattr(smallest_cfg, k.name) == v:
+                continue
+            try:
+                k.check(dev, v)
+            except AutofitError:
+                continue
+            n = scaled(info, smallest_cfg.replace(**{k.name: v}), seq_len)
             if n <= budget:
-                ideas.append(f"the base in bf16 (--precision bf16-true / precision=['bf16-true'];"
-                             f" load it with torch_dtype=torch.bfloat16) ~{format_bytes(n)}")
-        n = scaled(quantized_base(info), cfg, seq_len)
+                note = k.note(v)
+                ideas.append(f"{k.describe(v)} ({k.flag(v)} / {k.name}=[{v!r}]"
+                             + (f"; {note}" if note else "") + f") ~{format_bytes(n)}")
+    # the memory-saving value of every knob, with a change of the model (PEFT, quantization)
+    thrifty = smallest_cfg.replace(**{k.name: k.saving for k in KNOBS if k.saving is not None})
+    if info.peft is not None and info.quantization is None and info.is_transformer:
+        # a LoRA model whose frozen base is loaded in fp32 or 16 bits: a 4-bit base
+        n = scaled(quantized_base(info), thrifty, seq_len)
         if n <= budget:
             ideas.append(f"QLoRA: the base in 4 bits (--load-in-4bit / load_in_4bit=True) "
                          f"~{format_bytes(n)}")
@@ -109,8 +122,7 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
                                ("QLoRA: 4-bit base + LoRA r=16 (--lora-r 16 --load-in-4bit / "
                                 "load_in_4bit=True)",
                                 with_lora(info, quantize=True))):
-            cfg = smallest_cfg.replace(gradient_checkpointing=True)
-            n = scaled(variant, cfg, seq_len)
+            n = scaled(variant, thrifty, seq_len)
             if n <= budget:
                 ideas.append(f"{label} ~{format_bytes(n)}")
     # the longest sequence (a multiple of 8) that fits with the smallest configuration

@@ -449,7 +449,8 @@ def measure(
     """
     import torch
 
-    from autofit.probe.device import check_precision, resolve_device
+    from autofit.knobs import KNOBS
+    from autofit.probe.device import resolve_device
     from autofit.probe.model import build_model
     from autofit.trial.model import ModelRef
     from autofit.trial.step import plan_step
@@ -465,7 +466,8 @@ def measure(
             f"{dev.name} is not present on this machine: a trial needs the real device "
             "(plan for it with `autofit estimate --device ...` instead)"
         )
-    check_precision(dev, config.precision)
+    for k in KNOBS:  # what the device and the installed libraries allow
+        k.check(dev, getattr(config, k.name))
 
     if isinstance(model, torch.nn.Module):
         module, task_name = build_model(model, task=task)  # checks, never modifies

@@ -1,9 +1,8 @@
 import pytest
 
-from autofit.errors import UnknownDeviceError, UnsupportedPrecisionError
+from autofit.errors import UnknownDeviceError
 from autofit.probe.device import (
     catalog,
-    check_precision,
     format_bytes,
     parse_bytes,
     resolve_device,
@@ -94,10 +93,3 @@ def test_parse_and_format_bytes():
     assert parse_bytes("4096") == 4096
     assert format_bytes(3 * 2**30) == "3.00 GiB"
     assert format_bytes(512) == "512 B"
-
-
-def test_bf16_on_a_card_without_it():
-    with pytest.raises(UnsupportedPrecisionError, match="16-mixed"):
-        check_precision(resolve_device("T4"), "bf16-mixed")
-    check_precision(resolve_device("T4"), "16-mixed")
-    check_precision(resolve_device("A100-80GB"), "bf16-true")

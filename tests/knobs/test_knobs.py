@@ -1,0 +1,103 @@
+"""The knobs: what each declares, and the generic parts built on the registry."""
+
+import argparse
+import warnings
+
+import pytest
+
+from autofit import TrainConfig
+from autofit.errors import MissingDependencyError, UnsupportedPrecisionError
+from autofit.knobs import CHECKPOINTING, KNOBS, OPTIMIZER, PRECISION, base, knob, owned_fields
+from autofit.probe.device import resolve_device
+
+A100, T4 = resolve_device("A100-80GB"), resolve_device("T4")
+
+
+def test_every_knob_is_a_trainconfig_field_with_declared_values():
+    fields = set(TrainConfig.__dataclass_fields__)
+    for k in KNOBS:
+        assert k.name in fields, k.name
+        assert k.values and all(k.normalize(v) == v for v in k.values)
+        defaults, _ = k.defaults(A100)
+        assert defaults and set(defaults) <= set(k.values)
+        assert not any(k.changes_math(v) for v in defaults), f"{k.name} searches math changes"
+        for v in k.values:  # every value reads, and round-trips through TrainingArguments
+            assert k.describe(v) and k.short(v) and k.flag(v).startswith("--")
+            args: dict = {}
+            k.emit(TrainConfig(**{k.name: v}), args)
+            assert set(args) <= set(k.fields), (k.name, set(args) - set(k.fields))
+            if k.name != "precision" or not k.changes_math(v):  # *-true is not a field
+                assert k.read(args) == v, (k.name, v, args)
+
+
+def test_bf16_on_a_card_without_it():
+    with pytest.raises(UnsupportedPrecisionError, match="16-mixed"):
+        PRECISION.check(T4, "bf16-mixed")
+    PRECISION.check(T4, "16-mixed")
+    PRECISION.check(A100, "bf16-true")
+    assert PRECISION.defaults(T4)[0] == ("16-mixed", "32-true")
+    assert PRECISION.changes_math("bf16-true") and not PRECISION.changes_math("bf16-mixed")
+    assert "torch_dtype=torch.bfloat16" in PRECISION.note("bf16-true")
+    assert PRECISION.note("bf16-mixed") is None
+
+
+def test_a_bitsandbytes_optimizer_without_bitsandbytes(monkeypatch):
+    monkeypatch.setattr(base, "installed", lambda package: package != "bitsandbytes")
+    with pytest.raises(MissingDependencyError, match="bitsandbytes"):
+        OPTIMIZER.check(A100, "adamw_bnb_8bit")
+    OPTIMIZER.check(A100, "adamw_torch")
+    assert "adamw_bnb_8bit" not in OPTIMIZER.defaults(A100)[0]
+    assert OPTIMIZER.suggest(A100) == ()
+    monkeypatch.setattr(base, "installed", lambda package: True)
+    assert "adamw_bnb_8bit" in OPTIMIZER.defaults(A100)[0]
+
+
+def test_optimizer_math_and_calibration():
+    assert not OPTIMIZER.changes_math("adamw_torch_fused")
+    assert OPTIMIZER.changes_math("sgd") and OPTIMIZER.changes_math("adafactor")
+    assert OPTIMIZER.calibrates_apart and not PRECISION.calibrates_apart
+    args = {"optim_args": "old"}
+    OPTIMIZER.emit(TrainConfig(optimizer="sgd", optim_args="momentum=0.9"), args)
+    assert args == {"optim": "sgd", "optim_args": "momentum=0.9"}
+    OPTIMIZER.emit(TrainConfig(), args)
+    assert "optim_args" not in args
+
+
+def test_checkpointing_uses_the_installed_transformers_field_names():
+    fields = base.training_arguments_fields()
+    new = "activation_checkpointing" in fields  # transformers 5.x renamed it
+    args = {"gradient_checkpointing": False, "gradient_checkpointing_kwargs": None,
+            "activation_checkpointing": False}  # what TrainingArguments.to_dict() holds in 5.x
+    CHECKPOINTING.emit(TrainConfig(gradient_checkpointing=True), args)
+    name = "activation_checkpointing" if new else "gradient_checkpointing"
+    assert args == {name: True, f"{name}_kwargs": {"use_reentrant": False}}
+    assert CHECKPOINTING.read(args) is True
+    from transformers import TrainingArguments
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # a deprecated name warns
+        ta = TrainingArguments(output_dir="unused", use_cpu=True, **args)
+    assert getattr(ta, name) is True
+    CHECKPOINTING.emit(TrainConfig(gradient_checkpointing=False), args)
+    assert args == {name: False}
+    assert CHECKPOINTING.read({"gradient_checkpointing": True}) is True  # an old file reads
+
+
+def test_cli_options_come_from_the_knobs():
+    p = argparse.ArgumentParser()
+    for k in KNOBS:
+        k.add_options(p)
+    a = p.parse_args(["--precision", "bf16-mixed", "32-true", "--no-gradient-checkpointing",
+                      "--optim", "sgd"])
+    assert [k.from_options(a) for k in KNOBS] == [["bf16-mixed", "32-true"], False, ["sgd"]]
+    a = p.parse_args([])
+    assert [k.from_options(a) for k in KNOBS] == [None, None, None]
+
+
+def test_registry():
+    assert knob("optimizer") is OPTIMIZER
+    assert {"bf16", "fp16", "optim", "optim_args", "activation_checkpointing"} <= set(owned_fields())
+    from autofit.errors import BadInputError
+
+    with pytest.raises(BadInputError, match="unknown knob"):
+        knob("nope")
