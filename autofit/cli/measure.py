@@ -16,7 +16,14 @@ import json
 import sys
 from typing import Any
 
-from autofit.cli.options import EXIT_DOES_NOT_FIT, EXIT_FAILED, EXIT_OK, tokenizer_for
+from autofit.cli.options import (
+    EXIT_DOES_NOT_FIT,
+    EXIT_FAILED,
+    EXIT_OK,
+    add_config_options,
+    tokenizer_for,
+)
+from autofit.knobs import KNOBS, describe_choice
 
 __all__ = ["add_measure_parser", "run_measure"]
 
@@ -39,15 +46,7 @@ def add_measure_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="tokens per sample (random data), or the truncation length with --dataset",
     )
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument(
-        "--precision",
-        default="32-true",
-        help="32-true | 16-mixed | bf16-mixed | 16-true | bf16-true",
-    )
-    p.add_argument("--optim", default="adamw_torch", help="a TrainingArguments.optim name")
-    p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
-    p.add_argument("--gradient-checkpointing", action="store_true")
+    add_config_options(p)
     p.add_argument("--attn-implementation", choices=["eager", "sdpa"], default=None)
     p.add_argument("--lora-r", type=int, default=None, help="train a LoRA adapter of this rank")
     p.add_argument("--lora-alpha", type=int, default=None)
@@ -78,8 +77,9 @@ def _suggestion(args: argparse.Namespace) -> str:
     tries = []
     if args.batch_size > 1:
         tries.append(f"--batch-size {max(1, args.batch_size // 2)}")
-    if not args.gradient_checkpointing:
-        tries.append("--gradient-checkpointing")
+    for k in KNOBS:  # each knob's memory-saving value, where the run did not use it
+        if k.saving is not None and k.option_value(args) != k.saving:
+            tries.append(k.flag(k.saving))
     if not tries:
         tries = ["a shorter --seq-len", "--optim adamw_bnb_8bit", "LoRA (--lora-r 8)"]
     return "try " + " or ".join(tries)
@@ -97,11 +97,8 @@ def _print_human(result: Any, args: argparse.Namespace) -> None:
     console = Console(highlight=False)
     b, t = result.batch_shape
     cfg = result.config
-    what = (
-        f"{args.model}: batch {b}x{t}, {cfg['precision']}, {cfg['optimizer']}"
-        + (", gradient checkpointing" if cfg["gradient_checkpointing"] else "")
-        + f" on {result.device}"
-    )
+    what = (f"{args.model}: batch {b}x{t}, "
+            f"{describe_choice({k.name: cfg[k.name] for k in KNOBS})} on {result.device}")
     peak = _fmt(result.peak_reserved_bytes)
     cap = f" of {_fmt(result.capacity_bytes)}" if result.capacity_bytes else ""
     if result.fits:

@@ -11,11 +11,11 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from autofit.config import OPTIMIZERS, PRECISIONS
+from autofit.knobs import KNOBS
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "add_model_options",
            "add_adapter_options", "model_kwargs", "train_config", "tokenizer_for",
-           "add_file_subject_options", "FileSubject", "file_subject"]
+           "add_file_subject_options", "FileSubject", "file_subject", "add_config_options"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
 
@@ -25,16 +25,21 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="hub id, local directory, config.json path or bundled name")
     p.add_argument("--batch-size", type=int, required=True, help="micro batch size per device")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sample")
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument("--precision", default="32-true", help=f"one of {', '.join(PRECISIONS)}")
-    p.add_argument("--optim", default="adamw_torch", help=f"one of {', '.join(OPTIMIZERS)}")
-    p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
-    p.add_argument("--gradient-checkpointing", action="store_true")
+    add_config_options(p)
     add_adapter_options(p)
     p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
     p.add_argument("--device", default="auto",
                    help="auto, cpu, cpu:8GiB, cuda, cuda:N or a card name (H100-80GB, ...)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_config_options(p: argparse.ArgumentParser) -> None:
+    """One training configuration besides the micro batch: accumulation, each knob's option
+    (``--precision``, ``--gradient-checkpointing``, ``--optim``, ...) and ``--optim-args``."""
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    for k in KNOBS:
+        k.add_option(p)
+    p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
 
 
 def add_adapter_options(p: argparse.ArgumentParser) -> None:
@@ -78,11 +83,9 @@ def train_config(args: argparse.Namespace):
     return TrainConfig(
         micro_batch_size=args.batch_size,
         grad_accum_steps=args.grad_accum,
-        precision=args.precision,
-        gradient_checkpointing=args.gradient_checkpointing,
-        optimizer=args.optim,
         optim_args=args.optim_args,
         seq_len=args.seq_len,
+        **{k.name: k.option_value(args) for k in KNOBS},
     )
 
 

@@ -16,7 +16,9 @@ A knob declares
   transformers; ``fields``: the fields it owns;
 * ``describe(value)`` / ``short(value)``: how the value reads in reasons and in the
   candidates table (column ``title``); ``flag(value)``: the ``autofit tune`` option
-  that asks for it; ``add_options(parser)`` / ``from_options(args)``: those options;
+  that asks for it; ``add_options(parser)`` / ``from_options(args)``: those options
+  (values allowed, for ``tune``), ``add_option(parser)`` / ``option_value(args)``: the
+  option of one configuration (for ``estimate``, ``measure``);
 * ``saving``: the value that needs the least memory without changing the math
   (None when no value does), and ``suggest(device)``: values that change the math
   but save memory, offered when nothing fits; ``note(value)``: what the user must
@@ -74,6 +76,10 @@ class Knob(Protocol):
     def add_options(self, parser: argparse.ArgumentParser) -> None: ...
 
     def from_options(self, args: argparse.Namespace) -> Any: ...
+
+    def add_option(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def option_value(self, args: argparse.Namespace) -> Any: ...
 
 
 def installed(package: str) -> bool:

@@ -83,5 +83,12 @@ class CheckpointingKnob:
     def from_options(self, args: argparse.Namespace) -> Any:
         return args.gradient_checkpointing
 
+    def add_option(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--gradient-checkpointing", action="store_true",
+                            help="recompute activations in backward")
+
+    def option_value(self, args: argparse.Namespace) -> bool:
+        return bool(args.gradient_checkpointing)
+
 
 CHECKPOINTING = CheckpointingKnob()

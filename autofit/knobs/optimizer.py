@@ -84,5 +84,13 @@ class OptimizerKnob:
     def from_options(self, args: argparse.Namespace) -> Any:
         return args.optim
 
+    def add_option(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--optim", default="adamw_torch",
+                            help="a TrainingArguments.optim name (adamw_torch, adafactor, "
+                                 "adamw_bnb_8bit, sgd, ...)")
+
+    def option_value(self, args: argparse.Namespace) -> str:
+        return args.optim
+
 
 OPTIMIZER = OptimizerKnob()

@@ -88,5 +88,11 @@ class PrecisionKnob:
     def from_options(self, args: argparse.Namespace) -> Any:
         return args.precision
 
+    def add_option(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--precision", default="32-true", help=f"one of {', '.join(PRECISIONS)}")
+
+    def option_value(self, args: argparse.Namespace) -> str:
+        return args.precision
+
 
 PRECISION = PrecisionKnob()

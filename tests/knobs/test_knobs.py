@@ -101,3 +101,20 @@ def test_registry():
 
     with pytest.raises(BadInputError, match="unknown knob"):
         knob("nope")
+
+
+def test_one_configurations_options_come_from_the_knobs():
+    # `autofit estimate` / `measure`: one value per knob, defaults = TrainConfig's
+    from autofit.cli.options import add_config_options, train_config
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seq-len", type=int)
+    add_config_options(p)
+    a = p.parse_args(["--batch-size", "2", "--seq-len", "64", "--precision", "bf16-mixed",
+                      "--gradient-checkpointing", "--optim", "sgd", "--optim-args",
+                      "momentum=0.9"])
+    assert train_config(a) == TrainConfig(micro_batch_size=2, seq_len=64, precision="bf16-mixed",
+                                          gradient_checkpointing=True, optimizer="sgd",
+                                          optim_args="momentum=0.9")
+    assert train_config(p.parse_args(["--batch-size", "1"])) == TrainConfig()
