@@ -122,7 +122,8 @@ def _wait_for(predicate, timeout_s: float, what: str):
 
 
 def _leftovers(tmp: Path) -> list[str]:
-    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("autofit-trial-"))
+    """autofit's entries in a temp dir (work dirs, TrainingArguments' output dirs...)."""
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("autofit-"))
 
 
 # ---------------------------------------------------------------- item 3: a killed child
@@ -250,7 +251,8 @@ def test_a_script_killed_mid_trial_takes_its_child_and_payload_along(sig, tiny_p
     try:
         child = _wait_for(lambda: _trial_children(parent.pid), 120, "a trial child")[0]
         _wait_for(lambda: _capped(child), 120, "the child's measured steps")
-        assert any((own_tmp / d / "payload.pt").exists() for d in _leftovers(own_tmp))
+        assert any((own_tmp / d / "payload.pt").exists() for d in _leftovers(own_tmp)
+                   if d.startswith("autofit-trial-"))
         parent.send_signal(sig)
         parent.wait(timeout=60)
         _assert_child_gone_and_nothing_left(child, own_tmp)

@@ -62,7 +62,7 @@ _NAME = re.compile(re.escape(PREFIX) + r"(\d+)-")
 # Sent by the kernel to the child when its parent dies. Not SIGTERM, which keeps its
 # default action (die at once) for whoever else sends it; not SIGKILL, which would
 # leave no chance to remove the work dir.
-PARENT_DEATH_SIGNAL = signal.SIGUSR2
+PARENT_DEATH_SIGNAL = getattr(signal, "SIGUSR2", None)  # None: not a POSIX system
 PARENT_POLL_S = 0.5  # the fallback's period: the child dies within about this long
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # A live owner started before its dir last changed (it made the dir, then the child
@@ -73,7 +73,10 @@ REUSED_AFTER_S = 60.0
 # Signals that end a process only when something outside it sends them: the host's
 # out-of-memory killer (SIGKILL), a user, a scheduler. A child dying of one of these
 # says nothing about the trial's memory (SIGABRT, SIGSEGV... are the child's own).
-OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+OUTSIDE_SIGNALS = frozenset(
+    getattr(signal, name) for name in ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP")
+    if hasattr(signal, name)
+)
 
 
 def describe_signal(signum: int) -> str:
@@ -202,8 +205,9 @@ def guard_parent(work: Path, parent_pid: int) -> None:
     Call first thing in the child's main thread, before the slow imports.
     """
     guard = _Guard(work, parent_pid)
-    signal.signal(PARENT_DEATH_SIGNAL, guard.on_signal)
-    _request_parent_death_signal()
+    if PARENT_DEATH_SIGNAL is not None:
+        signal.signal(PARENT_DEATH_SIGNAL, guard.on_signal)
+        _request_parent_death_signal()
     threading.Thread(target=guard.poll, name="autofit-parent-watch", daemon=True).start()
     guard.check()  # the parent may be gone already (before the request above)
 

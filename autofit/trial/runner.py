@@ -65,6 +65,18 @@ killed when it is exceeded; in this process no new step starts after it (a step
 already running is not interrupted). Either way ``measure`` returns a result with
 ``timed_out=True`` and ``error="timeout after <timeout_s>s"``; it does not raise.
 
+Killed trial processes: a child ended by a signal from outside (SIGKILL, what the
+host's out-of-memory killer sends; SIGTERM, SIGINT, SIGHUP) says nothing about the
+trial's memory. It is run once more in a fresh process; killed again, the result
+has ``oom=False``, ``killed_by`` (the signal's name) and an ``error`` naming the
+signal. A real out-of-memory is one the child reports itself (it catches the
+allocation failure), or a child that aborts with ``std::bad_alloc`` on its stderr.
+
+Nothing outlives the caller: the child and its work dir (with ``payload.pt``, the
+pickled copy of the model) go on every exit path, the child dies with a parent
+killed by any signal, and leftovers are swept at the next start
+(``autofit.trial.process``).
+
 Known limitations:
     NB: a capped-CPU child runs single-threaded (steady memory numbers), so its
     step times are those of one core.
@@ -475,7 +487,8 @@ def measure(
         lora: a ``LoraSpec`` (or dict) to put on a model given by reference.
 
     Returns:
-        A ``TrialResult``; an out-of-memory step gives ``oom=True`` (not an exception).
+        A ``TrialResult``; an out-of-memory step gives ``oom=True`` (not an exception);
+        a trial process killed from outside twice gives ``killed_by`` and ``oom=False``.
 
     Raises:
         UnknownDeviceError: unknown device, or a catalog card that is not present.
