@@ -9,15 +9,18 @@
 One module per subcommand (``estimate``, ``tune``, ``measure``, ``check``,
 ``report``), the options they share (``options``) and dataset references
 (``datasets``). Exit codes: 0 ok (fits), 2 bad input (one line that says what to
-do), 3 does not fit.
+do), 3 does not fit, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from autofit.cli.options import EXIT_BAD_INPUT, EXIT_OK
 from autofit.errors import AutofitError
@@ -70,21 +73,49 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is: it unwinds like Ctrl-C (every ``finally`` runs)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM handled like Ctrl-C while the command runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``autofit`` console script."""
+    """Entry point of the ``autofit`` console script.
+
+    SIGTERM is handled like Ctrl-C: trial processes stopped, work dirs removed,
+    "autofit: interrupted". The exit status is 128 + the signal's number, what a
+    shell reports for a process that signal ended: 130 for SIGINT, 143 for SIGTERM,
+    so whoever sent it can tell which did.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     _quiet_libraries()
     try:
-        return int(args.func(args))
+        with _sigterm_as_interrupt():
+            return int(args.func(args))
     except AutofitError as e:
         print(f"autofit: error: {e}", file=sys.stderr)
         return e.exit_code
     except BrokenPipeError:  # output piped into `head`
         return EXIT_OK
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("autofit: interrupted", file=sys.stderr)
-        return 130
+        return 128 + int(signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
     except Exception as e:  # noqa: BLE001 - never a traceback unless asked
         if os.environ.get("AUTOFIT_DEBUG"):
             raise

@@ -1,4 +1,4 @@
-"""The trial child: ``python -m autofit.trial.child WORKDIR``.
+"""The trial child: ``python -m autofit.trial.child WORKDIR [PARENT_PID]``.
 
 Started by ``autofit.trial`` with glibc's allocator set to measure
 (``_procmem.CHILD_MALLOC_ENV``). Reads ``WORKDIR/payload.pt`` (a ``torch.save``
@@ -6,6 +6,10 @@ of: the pickled module or a ``ModelRef``, the batch, the ``StepPlan``, the devic
 the CPU cap, the step counts), runs ``autofit.trial.loop.run_steps`` and writes
 ``WORKDIR/result.json`` (the ``RawTrial`` fields). Any failure is written there
 too; a child that dies without a result is judged by its exit status and stderr.
+
+First of all (before torch is imported, seconds) the child ties its life to the
+parent's: should ``PARENT_PID`` die, it removes ``WORKDIR`` (the payload with it)
+and exits (``autofit.trial.process.guard_parent``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ def _write(workdir: Path, data: dict) -> None:
 
 def main(argv: list[str]) -> int:
     workdir = Path(argv[1])
+    from autofit.trial.process import guard_parent
+
+    guard_parent(workdir, int(argv[2]) if len(argv) > 2 else os.getppid())
     import torch
 
     torch.set_num_threads(1)

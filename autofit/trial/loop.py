@@ -65,6 +65,7 @@ class RawTrial:
     leaked_bytes: int | None = None
     recovered: bool | None = None
     notes: list[str] = field(default_factory=list)
+    killed_by: str | None = None  # subprocess: the outside signal that ended the child
 
     @property
     def step_time_s(self) -> float | None:

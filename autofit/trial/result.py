@@ -14,7 +14,10 @@ class TrialResult:
 
     ``oom`` is True when the step ran out of memory: a completed trial whose memory
     constraint is violated, not a failure. ``error`` is set for an OOM (its message)
-    and for any other failure (then ``oom`` is False). On a CPU the three memory
+    and for any other failure (then ``oom`` is False). ``killed_by`` names the signal
+    that ended the trial process from outside (the host's out-of-memory killer sends
+    SIGKILL), in the attempt and its one retry: not an out-of-memory result, so
+    ``oom`` is False and ``error`` says so. On a CPU the three memory
     fields are equal and include weights, buffers and batch (see the module
     docstring); on an accelerator they are the allocator's peaks.
     """
@@ -41,6 +44,7 @@ class TrialResult:
     recovered: bool | None = None  # in-process: memory back at the baseline afterwards
     leaked_bytes: int | None = None
     notes: tuple[str, ...] = ()
+    killed_by: str | None = None  # "SIGKILL", ...: ended the trial process (and its retry)
 
     @property
     def fits(self) -> bool:

@@ -65,6 +65,18 @@ killed when it is exceeded; in this process no new step starts after it (a step
 already running is not interrupted). Either way ``measure`` returns a result with
 ``timed_out=True`` and ``error="timeout after <timeout_s>s"``; it does not raise.
 
+Killed trial processes: a child ended by a signal from outside (SIGKILL, what the
+host's out-of-memory killer sends; SIGTERM, SIGINT, SIGHUP) says nothing about the
+trial's memory. It is run once more in a fresh process; killed again, the result
+has ``oom=False``, ``killed_by`` (the signal's name) and an ``error`` naming the
+signal. A real out-of-memory is one the child reports itself (it catches the
+allocation failure), or a child that aborts with ``std::bad_alloc`` on its stderr.
+
+Nothing outlives the caller: the child and its work dir (with ``payload.pt``, the
+pickled copy of the model) go on every exit path, the child dies with a parent
+killed by any signal, and leftovers are swept at the next start
+(``autofit.trial.process``).
+
 Known limitations:
     NB: a capped-CPU child runs single-threaded (steady memory numbers), so its
     step times are those of one core.
@@ -83,7 +95,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -91,7 +102,9 @@ from typing import Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, InvalidConfigError, UnknownDeviceError
+from autofit.trial import process
 from autofit.trial.oom import is_oom
+from autofit.trial.process import describe_signal
 from autofit.trial.result import TrialResult
 
 __all__ = ["measure", "ISOLATIONS", "DEFAULT_TIMEOUT_S"]
@@ -309,11 +322,23 @@ def _child_env() -> dict[str, str]:
 
 def _describe_exit(code: int) -> str:
     if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
+        return f"killed by {describe_signal(-code)}"
     return f"exit status {code}"
+
+
+def _killed_message(signal_name: str, *, retried: bool) -> str:
+    """The error of a child ended by a signal from outside: not an out-of-memory result."""
+    what = describe_signal(int(signal.Signals[signal_name]))
+    msg = (
+        f"the trial process was killed by {what} — by the host's out-of-memory killer "
+        "or another process; this is not an out-of-memory result of the configuration"
+    )
+    if retried:
+        msg += (
+            ", and a fresh process was killed the same way: free host memory "
+            "(or stop what kills it) and run again"
+        )
+    return msg
 
 
 class _Unpicklable(Exception):
@@ -331,12 +356,16 @@ def _run_subprocess(
     measure_steps: int,
     timeout_s: float | None,
 ) -> Any:
+    """The trial in a fresh child (``autofit.trial.process``), retried once if killed.
+
+    A child killed from outside (``process.OUTSIDE_SIGNALS``: the host's OOM killer,
+    a user) is run again once in a fresh process; killed again, the result says so
+    (``killed_by``, never ``oom``).
+    """
     import torch
 
-    from autofit.trial.loop import RawTrial
-
-    with tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
-        work = Path(tmp)
+    deadline = None if timeout_s is None else time.time() + float(timeout_s)
+    with process.workdir() as work:
         payload = {
             "model": model,
             "batch": {k: v.detach().cpu() for k, v in batch.items()},
@@ -345,7 +374,7 @@ def _run_subprocess(
             "cap_bytes": cap,
             "warmup_steps": warmup_steps,
             "measure_steps": measure_steps,
-            "deadline_wall": None if timeout_s is None else time.time() + float(timeout_s),
+            "deadline_wall": deadline,
         }
         try:
             torch.save(payload, work / "payload.pt")
@@ -353,39 +382,64 @@ def _run_subprocess(
             raise _Unpicklable(
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from None
-        log = open(work / "child.log", "wb")  # noqa: SIM115 - closed below
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "autofit.trial.child", str(work)],
-                env=_child_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+        del payload
+        raw = _run_child(work, deadline, timeout_s)
+        first = raw.killed_by
+        if first is None or (deadline is not None and time.time() >= deadline):
+            return raw
+        raw = _run_child(work, deadline, timeout_s)  # once more, in a fresh process
+        if raw.killed_by is not None:
+            raw.error = _killed_message(raw.killed_by, retried=True)
+        else:
+            raw.notes.append(
+                f"the first trial process was killed by {describe_signal(signal.Signals[first])} "
+                "— by the host's out-of-memory killer or another process; a fresh one ran the trial"
             )
-            try:
-                proc.wait(
-                    timeout=None if timeout_s is None else timeout_s + _kill_grace_s(timeout_s)
-                )
-            except subprocess.TimeoutExpired:
-                proc.kill()  # our own child, by its handle
-                proc.wait()
-                return RawTrial(timed_out=True, error=f"timeout after {timeout_s:g}s")
-        finally:
-            log.close()
-        result = work / "result.json"
-        if result.is_file():
-            with open(result) as f:
-                data = json.load(f)
-            return RawTrial(**data)
-        tail = (work / "child.log").read_bytes()[-4000:].decode("utf-8", "replace").strip()
-        last = tail.splitlines()[-1] if tail else ""
-        # a child that dies without a result: bad_alloc/abort under the cap, or the
-        # kernel's OOM killer (SIGKILL we did not send)
-        oom = is_oom(RuntimeError(tail)) or proc.returncode == -signal.SIGKILL
-        return RawTrial(
-            oom=oom,
-            error=f"trial process died ({_describe_exit(proc.returncode)}): {last}"[:500],
+        return raw
+
+
+def _run_child(work: Path, deadline: float | None, timeout_s: float | None) -> Any:
+    """One child process over the payload in ``work``; its ``RawTrial``."""
+    from autofit.trial.loop import RawTrial
+
+    for stale in ("result.json", "child.log"):  # a killed attempt's leftovers
+        (work / stale).unlink(missing_ok=True)
+    log = open(work / "child.log", "wb")  # noqa: SIM115 - closed below
+    proc = None
+    try:
+        proc = process.start(
+            [sys.executable, "-m", "autofit.trial.child", str(work), str(os.getpid())],
+            env=_child_env(),
+            log=log,
         )
+        wait = None
+        if deadline is not None and timeout_s is not None:
+            wait = max(0.0, deadline - time.time()) + _kill_grace_s(timeout_s)
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            return RawTrial(timed_out=True, error=f"timeout after {timeout_s:g}s")
+    finally:
+        if proc is not None:
+            process.stop(proc)  # every exit path: timeout, Ctrl-C, SIGTERM (cli)
+        log.close()
+    result = work / "result.json"
+    if result.is_file():
+        with open(result) as f:
+            data = json.load(f)
+        return RawTrial(**data)
+    signal_name = process.killed_by(proc.returncode)
+    if signal_name is not None:  # sent from outside: says nothing about memory
+        return RawTrial(oom=False, error=_killed_message(signal_name, retried=False),
+                        killed_by=signal_name)
+    tail = (work / "child.log").read_bytes()[-4000:].decode("utf-8", "replace").strip()
+    last = tail.splitlines()[-1] if tail else ""
+    # a child that dies of its own (SIGABRT, SIGSEGV, an exit status) without a
+    # result: bad_alloc/abort under the cap is an out-of-memory; the rest a failure
+    return RawTrial(
+        oom=is_oom(RuntimeError(tail)),
+        error=f"trial process died ({_describe_exit(proc.returncode)}): {last}"[:500],
+    )
 
 
 # ---------------------------------------------------------------- the API
@@ -433,7 +487,8 @@ def measure(
         lora: a ``LoraSpec`` (or dict) to put on a model given by reference.
 
     Returns:
-        A ``TrialResult``; an out-of-memory step gives ``oom=True`` (not an exception).
+        A ``TrialResult``; an out-of-memory step gives ``oom=True`` (not an exception);
+        a trial process killed from outside twice gives ``killed_by`` and ``oom=False``.
 
     Raises:
         UnknownDeviceError: unknown device, or a catalog card that is not present.
@@ -589,6 +644,7 @@ def measure(
         recovered=raw.recovered if mode == "in-process" else None,
         leaked_bytes=raw.leaked_bytes if mode == "in-process" else None,
         notes=tuple(notes),
+        killed_by=raw.killed_by,
     )
 
 
