@@ -3,11 +3,27 @@
 Every error is an `AutofitError`; its message is one line that says what to do.
 The CLI prints that line and exits with `exit_code` (2 for bad input, 3 when the
 configuration does not fit), never a traceback.
+
+A message names the fix in the caller's own terms: ``fix("--max-seq-len 512",
+"max_seq_len=512")`` gives the flag when autofit runs as the ``autofit`` command
+(``on_command_line()``, entered by ``autofit.cli.main``) and the keyword in Python.
+
+    >>> fix("--max-seq-len 512", "max_seq_len=512")
+    'max_seq_len=512'
+    >>> with on_command_line():
+    ...     fix("--max-seq-len 512", "max_seq_len=512")
+    '--max-seq-len 512'
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 __all__ = [
+    "fix",
+    "on_command_line",
     "AutofitError",
     "BadInputError",
     "UnknownModelError",
@@ -20,6 +36,25 @@ __all__ = [
     "EmptyDatasetError",
     "DoesNotFitError",
 ]
+
+
+_SURFACE: contextvars.ContextVar[str] = contextvars.ContextVar("autofit_surface",
+                                                               default="python")
+
+
+@contextlib.contextmanager
+def on_command_line() -> Iterator[None]:
+    """While inside, messages name command-line flags (``fix`` returns its ``cli`` form)."""
+    token = _SURFACE.set("cli")
+    try:
+        yield
+    finally:
+        _SURFACE.reset(token)
+
+
+def fix(cli: str, python: str) -> str:
+    """How the caller asks for something: ``cli`` on the command line, else ``python``."""
+    return cli if _SURFACE.get() == "cli" else python
 
 
 class AutofitError(Exception):

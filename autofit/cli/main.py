@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from autofit.cli.options import EXIT_BAD_INPUT, EXIT_OK
-from autofit.errors import AutofitError
+from autofit.errors import AutofitError, on_command_line
 
 __all__ = ["main", "build_parser"]
 
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _quiet_libraries()
     try:
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt(), on_command_line():
             return int(args.func(args))
     except AutofitError as e:
         print(f"autofit: error: {e}", file=sys.stderr)

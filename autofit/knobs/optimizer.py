@@ -14,7 +14,7 @@ import argparse
 from typing import Any
 
 from autofit.config import OPTIMIZERS, check_optimizer
-from autofit.errors import MissingDependencyError
+from autofit.errors import MissingDependencyError, fix
 from autofit.knobs import base
 
 __all__ = ["OPTIMIZER", "OptimizerKnob"]
@@ -49,7 +49,9 @@ class OptimizerKnob:
         if OPTIMIZERS[value].bnb and not base.installed("bitsandbytes"):
             raise MissingDependencyError(
                 f"optimizer {value} needs bitsandbytes, which is not installed: pip install "
-                "'autofit[bnb]' (or choose --optim adamw_torch / adafactor)")
+                "'autofit[bnb]' (or choose "
+                + fix("--optim adamw_torch or adafactor", "optimizer='adamw_torch' or 'adafactor'")
+                + ")")
 
     def describe(self, value: str) -> str:
         return value

@@ -19,7 +19,7 @@ import argparse
 from typing import Any
 
 from autofit.config import PRECISIONS, normalize_precision
-from autofit.errors import UnsupportedPrecisionError
+from autofit.errors import UnsupportedPrecisionError, fix
 
 __all__ = ["PRECISION", "PrecisionKnob"]
 
@@ -50,10 +50,11 @@ class PrecisionKnob:
         name = device.product or device.name
         if value.startswith("bf16") and not device.bf16:
             raise UnsupportedPrecisionError(
-                f"{name} does not support bf16 (it needs Ampere or newer); "
-                "use --precision 16-mixed or 32-true")
+                f"{name} does not support bf16 (it needs Ampere or newer); use "
+                + fix("--precision 16-mixed or 32-true", "precision='16-mixed' or '32-true'"))
         if value.startswith("16") and not device.fp16:
-            raise UnsupportedPrecisionError(f"{name} does not support fp16; use --precision 32-true")
+            raise UnsupportedPrecisionError(
+                f"{name} does not support fp16; use {fix('--precision 32-true', 'precision=' + repr('32-true'))}")
 
     def describe(self, value: str) -> str:
         return value

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autofit.config import TrainConfig
-from autofit.errors import BadInputError, NoTrainableParametersError
+from autofit.errors import BadInputError, NoTrainableParametersError, fix
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import sm_version
 
@@ -286,7 +286,8 @@ def _coef(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> dict:
         # CUDA kernels save other tensors than the CPU's (SDPA backends, fused dropout)
         key += "/cuda"
     if key not in table:
-        raise BadInputError(f"no analytic coefficients for {key}; use --method simulate")
+        raise BadInputError(f"no analytic coefficients for {key}; use "
+                            + fix("--method simulate", "method='simulate'"))
     return table[key]
 
 
@@ -331,11 +332,13 @@ def estimate_analytic(
         raise BadInputError(f"seq_len must be positive, got {seq_len}")
     if info.trainable_params == 0:
         raise NoTrainableParametersError(
-            f"{info.name} has no trainable parameter; unfreeze some or add LoRA (--lora-r 8)"
+            f"{info.name} has no trainable parameter; unfreeze some or add LoRA "
+            f"({fix('--lora-r 8', 'lora={' + repr('r') + ': 8}')})"
         )
     if not info.is_transformer:
         raise BadInputError(
-            f"{info.name} is not a transformer autofit recognises; use --method simulate"
+            f"{info.name} is not a transformer autofit recognises; use "
+            + fix("--method simulate", "method='simulate'")
         )
     B, T = config.micro_batch_size, seq_len
     N = B * T  # tokens in the micro batch

@@ -24,7 +24,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from autofit.errors import UnknownDeviceError
+from autofit.errors import UnknownDeviceError, fix
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -198,8 +198,8 @@ def _cuda(index: int | None) -> DeviceInfo:
 
     if not torch.cuda.is_available():
         raise UnknownDeviceError(
-            "no CUDA device is present here; plan for a card by its catalog name "
-            "(e.g. --device H100-80GB) or use --device cpu"
+            "no CUDA device is present here; plan for a card by its catalog name (e.g. "
+            + fix("--device H100-80GB) or use --device cpu", "device='H100-80GB') or use device='cpu'")
         )
     i = torch.cuda.current_device() if index is None else index
     if i >= torch.cuda.device_count():
