@@ -106,7 +106,8 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         try:
             args = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise BadInputError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+            raise BadInputError(f"{p}: not valid YAML ({str(e).splitlines()[0]}); write plain "
+                                "'field: value' lines (no !! tags)") from None
         if args is None:
             raise BadInputError(f"{p} holds no TrainingArguments fields, only comments: write "
                                 "them in it (e.g. per_device_train_batch_size: 8)")
@@ -114,7 +115,8 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         try:
             args = json.loads(text)
         except json.JSONDecodeError as e:
-            raise BadInputError(f"{p}: not valid JSON ({e})") from None
+            raise BadInputError(f"{p}: not valid JSON ({e}); write one object of "
+                                "TrainingArguments fields") from None
         side = _sidecar(p)
         if side.is_file():
             meta = _parse_meta(_read_text(side), side, "autofit's metadata",
