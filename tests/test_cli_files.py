@@ -385,3 +385,10 @@ def test_bad_files_exit_2_with_what_to_do(tmp_path, capsys, make, needles):
     with pytest.raises(BadInputError) as e:
         check_training_arguments(read_config(path)[0], source=str(path))
     assert all(n in str(e.value) for n in needles) and len(str(e.value).splitlines()) == 1
+
+
+def test_a_pasted_blob_does_not_flood_the_line(tmp_path, capsys):
+    path = tuned_file(tmp_path / "tuned.yaml", {**PLAN, "seed": "x" * 5000, "y" * 5000: 1})
+    code, _, err = _check(capsys, path)
+    assert_bad_input(code, err, "2 problems", "seed:", "unknown field")
+    assert len(err) < 600

@@ -155,6 +155,12 @@ def _as_written(value: Any) -> str:
     return text.removesuffix("...").strip()
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to one short phrase (a pasted blob must not flood the line)."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
 def _near(name: str, names: Iterable[str]) -> str | None:
     near = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
     return near[0] if near else None
@@ -170,7 +176,7 @@ def _value_problem(f: _Field, value: Any) -> str | None:
             if str(_plain(item)) not in f.choices or not isinstance(_plain(item), str):
                 near = _near(str(item), f.choices)
                 hint = f"did you mean {near}?" if near else "one of " + ", ".join(f.choices[:8])
-                return f"{f.name}: {item!r} is not a value it takes ({hint})"
+                return f"{f.name}: {_short(item)} is not a value it takes ({hint})"
         return None
     if f.convert is str or f.convert is None or _matches(value, f.hint):
         return None  # free text (TrainingArguments reads it itself), or of the declared type
@@ -179,11 +185,11 @@ def _value_problem(f: _Field, value: Any) -> str | None:
         try:
             converted = f.convert(value)
         except Exception:  # noqa: BLE001 - the parser's own conversion refused it
-            return f"{f.name}: {value!r} is not {what}"
+            return f"{f.name}: {_short(value)} is not {what}"
         if _matches(converted, f.hint):
-            return (f"{f.name}: {value!r} is text, not {what}: write {_as_written(converted)} "
-                    "without quotes")
-    return f"{f.name}: {value!r} is not {what}"
+            return (f"{f.name}: {_short(value)} is text, not {what}: write "
+                    f"{_as_written(converted)} without quotes")
+    return f"{f.name}: {_short(value)} is not {what}"
 
 
 # ---------------------------------------------------------------- across fields
@@ -273,12 +279,13 @@ def training_arguments_problems(fields: dict[str, Any], *,
     resolved = {name: f.default for name, f in defs.items()}
     for name, value in fields.items():
         if not isinstance(name, str):
-            problems.append(f"{name!r}: field names are text (a TrainingArguments field name)")
+            problems.append(f"{_short(name)}: field names are text (a TrainingArguments field "
+                            "name)")
         elif name in extra:
             continue
         elif name not in defs:
             near = _near(name, defs)
-            problems.append(f"unknown field {name!r} "
+            problems.append(f"unknown field {_short(name)} "
                             + (f"(did you mean {near}?)" if near else "(not a TrainingArguments "
                                "field: remove it)"))
         elif (p := _value_problem(defs[name], value)) is not None:
