@@ -30,6 +30,7 @@ __all__ = [
     "UnknownTaskError",
     "UnknownDeviceError",
     "InvalidConfigError",
+    "InvalidArgumentsError",
     "UnsupportedPrecisionError",
     "MissingDependencyError",
     "NoTrainableParametersError",
@@ -81,6 +82,17 @@ class UnknownDeviceError(BadInputError):
 
 class InvalidConfigError(BadInputError):
     """A TrainConfig field has a value that cannot be trained with."""
+
+
+class InvalidArgumentsError(InvalidConfigError):
+    """TrainingArguments fields (a file or a dict) that TrainingArguments would refuse.
+
+    ``problems`` lists every one, one line each; the message joins them.
+    """
+
+    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems)
 
 
 class UnsupportedPrecisionError(BadInputError):

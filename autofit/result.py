@@ -71,7 +71,12 @@ class FitResult:
         return sum(1 for t in self.trials if getattr(t, "oom", False))
 
     def save(self, path: str | Path) -> Path:
-        """Write the TrainingArguments fields as YAML or JSON (by suffix)."""
+        """Write the TrainingArguments fields as YAML or JSON (by suffix).
+
+        Raises:
+            BadInputError: ``path`` is not a .yaml/.yml/.json name or cannot be written
+                (a folder, a read-only file or folder); nothing is written then.
+        """
         from autofit.emit import write_config
 
         meta = dict(self.meta)
@@ -94,11 +99,17 @@ class FitResult:
         ``path`` names the files by its stem (``"tuned.yaml"`` -> ``tuned.png``,
         ``tuned.html`` beside it; default ``autofit-report`` in the working
         directory). The HTML page is self-contained (the PNG inlined).
+
+        Raises:
+            BadInputError: the ``.png`` or ``.html`` cannot be written there (``path`` a
+                folder, a read-only folder or file), found before anything is drawn.
         """
+        from autofit.emit import check_output
         from autofit.report.files import report_data_from_result, write_report
 
-        return write_report(report_data_from_result(self),
-                            Path(path) if path is not None else Path("autofit-report"))
+        p = Path(path) if path is not None else Path("autofit-report")
+        check_output(p, writes=[p.with_suffix(".png"), p.with_suffix(".html")], name="path")
+        return write_report(report_data_from_result(self), p)
 
     def summary(self) -> str:
         """The choice and its reasons as plain text."""

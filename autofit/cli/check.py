@@ -53,13 +53,14 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_check_command(args: argparse.Namespace) -> int:
     """Run ``autofit check``; returns the exit code."""
-    from autofit.emit import read_config
+    from autofit.emit import check_training_arguments, read_config
     from autofit.preflight import config_of
     from autofit.preflight.check import run_check
 
     fields, meta = read_config(args.config)
-    s = file_subject(args, meta)
+    check_training_arguments(fields, source=args.config)  # every problem at once, exit 2
     config = config_of(fields)
+    s = file_subject(args, meta)
     eval_batch = fields.get("per_device_eval_batch_size")
     # an eval batch that does not fit stops the job only when the file evaluates
     evaluates = (str(fields.get("eval_strategy") or "no") != "no" or bool(fields.get("do_eval"))

@@ -77,20 +77,38 @@ def _estimated(args: argparse.Namespace, fields: dict[str, Any], meta: dict[str,
                       eval_micro_batch=fields.get("per_device_eval_batch_size"))
 
 
+def report_output(output: str | None, config: str) -> Path:
+    """Where ``autofit report`` writes (``-o``, else beside the file), checked before any work.
+
+    Raises:
+        BadInputError: the ``.png`` or ``.html`` cannot be written there (``-o`` a folder,
+            a read-only folder or file); one line naming what to give instead.
+    """
+    from autofit.emit import check_output
+
+    out = Path(output) if output else Path(config)
+    return check_output(out, writes=[out.with_suffix(".png"), out.with_suffix(".html")],
+                        name="-o" if output else "the report of",
+                        fix="choose another path" if output else
+                        "give -o where to write it (e.g. -o /tmp/report.html)")
+
+
 def run_report_command(args: argparse.Namespace) -> int:
     """Run ``autofit report``; returns the exit code."""
     from rich.console import Console
 
-    from autofit.emit import read_config
+    from autofit.emit import check_training_arguments, read_config
     from autofit.report import estimate_renderable
     from autofit.report.files import report_data_from_file, write_report
 
     fields, meta = read_config(args.config)
+    out = report_output(args.output, args.config)
+    check_training_arguments(fields, source=args.config)  # every problem at once, exit 2
     if meta.get("estimate") and meta.get("config") and not _overrides(args):
         data = report_data_from_file(args.config)
     else:
         data = _estimated(args, fields, meta)
-    png, page = write_report(data, Path(args.output) if args.output else Path(args.config))
+    png, page = write_report(data, out)
     console = Console()
     console.print(estimate_renderable(data.estimate))
     for r in data.reasons:

@@ -58,12 +58,10 @@ def run_tune(args: argparse.Namespace) -> int:
     """Run ``autofit tune``; returns the exit code."""
     from autofit.api import autofit
     from autofit.cli.datasets import load_dataset_ref
+    from autofit.emit import check_config_output
     from autofit.report import print_fit
 
-    if not args.output.lower().endswith((".yaml", ".yml", ".json")):
-        from autofit.errors import BadInputError
-
-        raise BadInputError(f"-o {args.output}: use a .yaml or .json file name")
+    check_config_output(args.output, name="-o")  # before any work: never a tune lost at the end
     data = load_dataset_ref(args.dataset)
     tokenizer = None
     if args.tokenizer:

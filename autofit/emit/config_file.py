@@ -21,16 +21,36 @@ from typing import Any
 
 from autofit.errors import BadInputError
 
-__all__ = ["write_config", "read_config"]
+__all__ = ["write_config", "read_config", "check_config_output"]
 
 _META_PREFIX = "# autofit: "
 
 
-def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Write TrainingArguments fields (+ autofit's metadata) as YAML or JSON by suffix."""
+def check_config_output(path: str | Path, *, name: str = "") -> Path:
+    """Raise ``BadInputError`` unless ``write_config`` can write ``path`` (see
+    ``autofit.emit.output``): a .yaml/.yml/.json name, not a folder, in a folder files can
+    be created in, not read-only. ``name`` is how the caller calls it (``"-o"``)."""
+    from autofit.emit.output import check_output
+
     p = Path(path)
+    return check_output(p, suffixes=_SUFFIXES, name=name,
+                        writes=[p, _sidecar(p)] if p.suffix.lower() == ".json" else [p])
+
+
+def _sidecar(p: Path) -> Path:
+    return p.with_name(p.stem + ".autofit.json")  # a JSON file's metadata
+
+
+def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Write TrainingArguments fields (+ autofit's metadata) as YAML or JSON by suffix.
+
+    Raises:
+        BadInputError: ``path`` is not a .yaml/.yml/.json name, or cannot be written
+            (a folder, a read-only file or folder); nothing is written then.
+    """
+    p = check_config_output(path)
     suffix = p.suffix.lower()
-    p.parent.mkdir(parents=True, exist_ok=True)
+    side = _sidecar(p)
     if suffix in (".yaml", ".yml"):
         import yaml
 
@@ -39,42 +59,186 @@ def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any]) -
                   "#   HfArgumentParser(TrainingArguments).parse_yaml_file(path)"]
         header += [f"#   - {r}" for r in reasons]
         header.append(_META_PREFIX + json.dumps(meta, separators=(",", ":"), default=str))
-        p.write_text("\n".join(header) + "\n" + yaml.safe_dump(args, sort_keys=False))
-    elif suffix == ".json":
-        p.write_text(json.dumps(args, indent=2) + "\n")
-        p.with_name(p.stem + ".autofit.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        files = {p: "\n".join(header) + "\n" + yaml.safe_dump(args, sort_keys=False)}
     else:
-        raise BadInputError(f"unknown config format {p.suffix!r}; use a .yaml or .json file name")
+        files = {p: json.dumps(args, indent=2) + "\n",
+                 side: json.dumps(meta, indent=2, default=str) + "\n"}
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        for target, text in files.items():
+            target.write_text(text)
+    except OSError as e:  # e.g. the disk filled up between the check and the write
+        raise BadInputError(f"could not write {p} ({e.strerror or e}); choose another path") \
+            from None
     return p
 
 
 def read_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read back (TrainingArguments fields, autofit metadata) from ``write_config``'s file."""
+    """Read back (TrainingArguments fields, autofit metadata) from ``write_config``'s file.
+
+    The fields are returned as the file holds them (``autofit.emit.check_training_arguments``
+    checks them); the metadata is checked here, since only autofit writes it.
+
+    Raises:
+        BadInputError: a missing, unreadable, empty or malformed file, a file that is
+            not a mapping of fields, or a metadata line cut off or edited by hand.
+    """
     p = Path(path)
+    suffix = p.suffix.lower()
+    if p.is_dir():
+        raise BadInputError(f"{p} is a folder: give the configuration file, e.g. {p / 'tuned.yaml'}")
     if not p.is_file():
         raise BadInputError(f"{p}: no such file")
-    text = p.read_text()
+    if suffix not in _SUFFIXES:
+        raise BadInputError(f"unknown config format {p.suffix!r}; use a .yaml or .json file")
+    text = _read_text(p)
+    if not text.strip():
+        raise BadInputError(f"{p} is empty: write TrainingArguments fields in it (e.g. "
+                            "per_device_train_batch_size: 8), or tune one with autofit tune -o")
     meta: dict[str, Any] = {}
-    if p.suffix.lower() in (".yaml", ".yml"):
+    if suffix in (".yaml", ".yml"):
         import yaml
 
         for line in text.splitlines():
             if line.startswith(_META_PREFIX):
-                meta = json.loads(line[len(_META_PREFIX):])
+                meta = _parse_meta(line[len(_META_PREFIX):], p, "the '# autofit:' line",
+                                   "delete that line")
         try:
-            args = yaml.safe_load(text) or {}
+            args = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise BadInputError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
-    elif p.suffix.lower() == ".json":
+            raise BadInputError(f"{p}: not valid YAML ({str(e).splitlines()[0]}); write plain "
+                                "'field: value' lines (no !! tags)") from None
+        if args is None:
+            raise BadInputError(f"{p} holds no TrainingArguments fields, only comments: write "
+                                "them in it (e.g. per_device_train_batch_size: 8)")
+    else:
         try:
             args = json.loads(text)
         except json.JSONDecodeError as e:
-            raise BadInputError(f"{p}: not valid JSON ({e})") from None
-        side = p.with_name(p.stem + ".autofit.json")
+            raise BadInputError(f"{p}: not valid JSON ({e}); write one object of "
+                                "TrainingArguments fields") from None
+        side = _sidecar(p)
         if side.is_file():
-            meta = json.loads(side.read_text())
-    else:
-        raise BadInputError(f"unknown config format {p.suffix!r}; use a .yaml or .json file")
+            meta = _parse_meta(_read_text(side), side, "autofit's metadata",
+                               f"delete {side.name}")
     if not isinstance(args, dict):
-        raise BadInputError(f"{p}: expected a mapping of TrainingArguments fields")
+        raise BadInputError(f"{p} holds a {_KIND_OF.get(type(args), type(args).__name__)}, not "
+                            "a mapping of TrainingArguments fields: write one field per line, "
+                            "e.g. per_device_train_batch_size: 8")
     return args, meta
+
+
+_SUFFIXES = (".yaml", ".yml", ".json")
+_KIND_OF = {list: "list", str: "single text", int: "single number", float: "single number",
+            bool: "single true/false"}
+
+
+def _read_text(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise BadInputError(f"{p} is not a text file: give a YAML or JSON file of "
+                            "TrainingArguments fields") from None
+    except OSError as e:
+        raise BadInputError(f"cannot read {p} ({e.strerror or e})") from None
+
+
+# ---------------------------------------------------------------- the metadata
+# What autofit wrote beside the fields. A hand edit or a cut-off line must not reach
+# the check or the report as a wrong type: each key autofit reads is checked here.
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str) and bool(v)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _optional(check: Any) -> Any:
+    return lambda v: v is None or check(v)
+
+
+def _list_of(check: Any) -> Any:
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+def _numbers_inside(v: Any) -> bool:
+    """A dict (or list of dicts) whose numeric-named entries are numbers (or null)."""
+    if isinstance(v, list):
+        return all(_numbers_inside(x) for x in v)
+    if not isinstance(v, dict):
+        return False
+    for k, x in v.items():
+        if k == "breakdown":
+            if not (isinstance(x, dict) and all(_number(y) for y in x.values())):
+                return False
+        elif (str(k).endswith(_NUMERIC_SUFFIXES) or k in _NUMERIC_KEYS) and not (
+                x is None or _number(x)):
+            return False
+    return True
+
+
+def _train_config(v: Any) -> bool:
+    from dataclasses import fields
+
+    from autofit.config import TrainConfig
+    from autofit.errors import AutofitError
+
+    if not isinstance(v, dict):
+        return False
+    names = {f.name for f in fields(TrainConfig)}
+    try:
+        TrainConfig(**{k: x for k, x in v.items() if k in names})
+    except (AutofitError, TypeError, ValueError):
+        return False
+    return True
+
+
+_NUMERIC_SUFFIXES = ("_bytes", "_params", "_per_s", "_s")
+_NUMERIC_KEYS = ("micro_batch", "grad_accum", "calibration", "failed_micro_batch",
+                 "micro_batch_size", "grad_accum_steps", "seq_len")
+
+# key -> (check, what it should be)
+_META_KEYS: dict[str, tuple[Any, str]] = {
+    "model": (_text, "the model's name or path"),
+    "task": (_optional(_text), "a task name"),
+    "device": (_optional(_text), "a device name"),
+    "seq_len": (_optional(_count), "a positive whole number"),
+    "max_seq_len": (_optional(_count), "a positive whole number"),
+    "target_batch_size": (_optional(_count), "a positive whole number"),
+    "eval_micro_batch": (_optional(_count), "a positive whole number"),
+    "margin": (_optional(lambda v: _number(v) and 0 <= v < 1), "a fraction in [0, 1)"),
+    "cache_key": (_optional(_text), "text"),
+    "model_id": (_optional(_text), "text"),
+    "versions": (_optional(lambda v: isinstance(v, dict)), "a mapping"),
+    "confirmed": (lambda v: isinstance(v, bool), "true or false"),
+    "reasons": (_list_of(lambda v: isinstance(v, str)), "a list of text"),
+    "config": (_optional(_train_config), "a training configuration"),
+    "estimate": (_optional(lambda v: isinstance(v, dict) and _numbers_inside(v)),
+                 "a memory estimate (numbers of bytes)"),
+    "candidates": (_list_of(_numbers_inside), "a list of candidate rows"),
+    "trials": (_list_of(_numbers_inside), "a list of trial rows"),
+}
+
+
+def _parse_meta(text: str, where: Path, what: str, drop: str) -> dict[str, Any]:
+    fix = f"re-run autofit tune to write it again, or {drop} to use the file as plain " \
+          "TrainingArguments"
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInputError(f"{where}: {what} is cut off or edited (not valid JSON: {e.msg}); "
+                            f"{fix}") from None
+    if not isinstance(meta, dict):
+        raise BadInputError(f"{where}: {what} is not a mapping; {fix}")
+    bad = [f"{k} should be {want}, got {meta[k]!r}"[:120] for k, (ok, want) in _META_KEYS.items()
+           if k in meta and not ok(meta[k])]
+    if bad:
+        raise BadInputError(f"{where}: {what} was edited ({'; '.join(bad)}); {fix}")
+    return meta

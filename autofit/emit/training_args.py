@@ -69,8 +69,18 @@ def build_training_arguments(kwargs: dict[str, Any]) -> Any:
         ) from None
 
 
-def config_from_arguments(args: dict[str, Any], seq_len: int | None = None) -> TrainConfig:
-    """The TrainConfig a TrainingArguments dict (or file) describes (each knob reads its own)."""
+def config_from_arguments(args: dict[str, Any], seq_len: int | None = None, *,
+                          source: str = "the TrainingArguments fields",
+                          extra: tuple[str, ...] = ()) -> TrainConfig:
+    """The TrainConfig a TrainingArguments dict (or file) describes (each knob reads its own).
+
+    The fields are checked first as TrainingArguments would (``check_training_arguments``;
+    ``extra`` names keys the caller reads itself), so a wrong one is a one-line
+    ``InvalidArgumentsError`` listing every problem, never a raw ``ValueError``.
+    """
+    from autofit.emit.validate import check_training_arguments
+
+    check_training_arguments(args, source=source, extra=extra)
     return TrainConfig(
         micro_batch_size=int(args.get("per_device_train_batch_size", 8)),
         grad_accum_steps=int(args.get("gradient_accumulation_steps", 1)),

@@ -87,6 +87,10 @@ def _fields(args: Any) -> dict[str, Any]:
 def config_of(args: Any) -> TrainConfig:
     """The ``TrainConfig`` a ``TrainingArguments`` (or a dict of its fields) runs.
 
+    Raises:
+        InvalidArgumentsError: a dict with fields TrainingArguments would refuse (unknown
+            names, wrong types, bf16 and fp16 both true, ...), every one listed.
+
     Example:
         >>> config_of({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
         ...            "bf16": True}).effective_batch_size
@@ -95,7 +99,10 @@ def config_of(args: Any) -> TrainConfig:
     from autofit.emit import config_from_arguments
 
     d = _fields(args)
-    config = config_from_arguments(d)
+    # a dict is checked as TrainingArguments would check it (every problem at once; world_size
+    # is the one key read here that is not a field); an object its own class built already
+    config = config_from_arguments(d, extra=("world_size",) if isinstance(args, dict)
+                                   else _ARG_FIELDS)
     ws = d.get("world_size")
     if isinstance(ws, int) and ws > 1:
         config = config.replace(world_size=ws)

@@ -1,0 +1,320 @@
+"""Check TrainingArguments fields (a tuned file, a plain YAML/JSON, a dict) the way
+TrainingArguments itself would, and report every problem at once.
+
+    >>> problems = training_arguments_problems({"learning_rte": 1e-4, "bf16": True,
+    ...                                         "fp16": True})
+    >>> problems[0]
+    "unknown field 'learning_rte' (did you mean learning_rate?)"
+    >>> len(problems)
+    2
+
+Why not simply ``TrainingArguments(**fields)``: the constructor checks the
+hardware as well as the fields. ``bf16=True`` raises on a machine without a bf16
+GPU unless ``use_cpu=True``, ``tf32=True`` without an Ampere GPU, a ``deepspeed``
+file that lives on the cluster is opened; and it resets accelerate's process state
+in the caller's process (a training script calling ``autofit.preflight``). A plan
+made for an A100 must stay checkable on a laptop, so the fields are checked from
+the definitions transformers itself uses, without building the object:
+
+- names against ``dataclasses.fields`` of ``TrainingArguments`` (and of
+  ``Seq2SeqTrainingArguments`` and TRL's ``SFTConfig`` when installed), with a
+  did-you-mean for a misspelling (what ``HfArgumentParser.parse_yaml_file``
+  refuses as "keys not used");
+- values against the field's declared type. ``parse_yaml_file`` / ``parse_json_file``
+  hand values to the constructor unconverted, so ``per_device_train_batch_size:
+  "4"`` or ``learning_rate: 1e-4`` (YAML reads that as text) reach the Trainer as
+  strings; ``HfArgumentParser``'s own per-field conversion (``int``, ``float``,
+  ``string_to_bool``, the enum choices) tells a value that merely needs its quotes
+  removed from one that is wrong. Fields the parser reads as free text (``str``)
+  are left to TrainingArguments, which interprets them itself;
+- the cross-field rules of ``TrainingArguments.__post_init__`` that do not depend on
+  the machine (``_RULES``), plus autofit's own: batch sizes and accumulation >= 1.
+
+Known limitations:
+    NB: the hardware rules (bf16 / tf32 need a GPU that has them) are left to the
+    check on the device (``autofit.preflight.check``), which knows the device.
+    NB: ``load_best_model_at_end`` with fractional save/eval steps (ratios) is not
+    restated; whole steps are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import typing
+from collections.abc import Callable, Iterable
+from enum import Enum
+from functools import lru_cache
+from typing import Any
+
+from autofit.errors import InvalidArgumentsError
+
+__all__ = ["training_arguments_problems", "check_training_arguments"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    hint: Any           # the declared type (typing.get_type_hints)
+    convert: Any        # HfArgumentParser's conversion of a command-line string
+    choices: tuple[str, ...] | None
+    many: bool          # nargs="+": a list of values is allowed
+    default: Any
+
+
+def _classes() -> list[type]:
+    from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+    out = [TrainingArguments, Seq2SeqTrainingArguments]
+    if importlib.util.find_spec("trl") is not None:  # SFTConfig files, when TRL is here
+        try:
+            from trl import SFTConfig
+
+            out.append(SFTConfig)
+        except Exception:  # noqa: BLE001 - a broken TRL install must not stop a check
+            pass
+    return out
+
+
+@lru_cache(maxsize=1)
+def _definitions() -> dict[str, _Field]:
+    """Every init field of the TrainingArguments family: declared type + the parser's reading."""
+    from transformers import HfArgumentParser
+
+    out: dict[str, _Field] = {}
+    for cls in _classes():
+        hints = typing.get_type_hints(cls)
+        actions: dict[str, Any] = {}
+        for a in HfArgumentParser(cls)._actions:
+            actions.setdefault(a.dest, a)  # the field's own action, not its --no_ twin
+        for f in dataclasses.fields(cls):
+            if not f.init or f.name in out:
+                continue
+            a = actions.get(f.name)
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            out[f.name] = _Field(
+                name=f.name, hint=hints.get(f.name, Any), convert=getattr(a, "type", None),
+                choices=tuple(str(c) for c in a.choices) if a is not None and a.choices else None,
+                many=getattr(a, "nargs", None) == "+", default=_plain(default))
+    return out
+
+
+def _plain(v: Any) -> Any:
+    return v.value if isinstance(v, Enum) else v
+
+
+# ---------------------------------------------------------------- one field
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of the declared type ``hint`` as the constructor receives it."""
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or (origin is not None and origin.__name__ == "UnionType"):
+        return any(_matches(value, a) for a in args)
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin in (list, tuple):
+        return isinstance(value, list) and (not args or all(_matches(v, args[0]) for v in value))
+    if origin is dict:
+        return isinstance(value, dict)
+    if not isinstance(hint, type):
+        return True  # a type we cannot read: left to TrainingArguments
+    if issubclass(hint, Enum):
+        return isinstance(value, hint) or value in {e.value for e in hint}
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+_KINDS = {int: "a whole number", float: "a number"}
+
+
+def _kind(convert: Any) -> str:
+    if convert in _KINDS:
+        return _KINDS[convert]
+    if getattr(convert, "__name__", "") == "string_to_bool":
+        return "true or false"
+    return f"a {getattr(convert, '__name__', 'value')}"
+
+
+def _as_written(value: Any) -> str:
+    """How a value is written in the file (YAML's spelling is valid JSON for scalars)."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True).strip()
+    return text.removesuffix("...").strip()
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to one short phrase (a pasted blob must not flood the line)."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _near(name: str, names: Iterable[str]) -> str | None:
+    near = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
+def _value_problem(f: _Field, value: Any) -> str | None:
+    value = _plain(value)
+    if value is None:
+        return None if _matches(None, f.hint) else f"{f.name}: needs a value, not null"
+    if f.choices:  # an enum / Literal field: one of the parser's choices
+        items = value if (f.many and isinstance(value, list)) else [value]
+        for item in items:
+            if str(_plain(item)) not in f.choices or not isinstance(_plain(item), str):
+                near = _near(str(item), f.choices)
+                hint = f"did you mean {near}?" if near else "one of " + ", ".join(f.choices[:8])
+                return f"{f.name}: {_short(item)} is not a value it takes ({hint})"
+        return None
+    if f.convert is str or f.convert is None or _matches(value, f.hint):
+        return None  # free text (TrainingArguments reads it itself), or of the declared type
+    what = _kind(f.convert)
+    if isinstance(value, str):
+        try:
+            converted = f.convert(value)
+        except Exception:  # noqa: BLE001 - the parser's own conversion refused it
+            return f"{f.name}: {_short(value)} is not {what}"
+        if _matches(converted, f.hint):
+            return (f"{f.name}: {_short(value)} is text, not {what}: write "
+                    f"{_as_written(converted)} without quotes")
+    return f"{f.name}: {_short(value)} is not {what}"
+
+
+# ---------------------------------------------------------------- across fields
+# Each rule reads the resolved fields (the file's valid values over the defaults) and
+# returns its problems. The first ones restate TrainingArguments.__post_init__ /
+# _validate_args; the last is autofit's own.
+
+
+def _one_half_precision(v: dict[str, Any]) -> list[str]:
+    out = []
+    if v["bf16"] and v["fp16"]:
+        out.append("bf16 and fp16 are both true and TrainingArguments takes one: keep bf16 "
+                   "(a GPU with bf16: Ampere or newer) or fp16, set the other to false")
+    if v["bf16_full_eval"] and v["fp16_full_eval"]:
+        out.append("bf16_full_eval and fp16_full_eval are both true: set one to false")
+    return out
+
+
+def _steps(v: dict[str, Any]) -> list[str]:
+    out = []
+    if v["logging_strategy"] == "steps" and v["logging_steps"] == 0:
+        out.append("logging_strategy steps needs a non-zero logging_steps")
+    if v["eval_strategy"] == "steps" and not v["eval_steps"] and v["logging_steps"] <= 0:
+        out.append("eval_strategy steps needs a non-zero eval_steps (or logging_steps)")
+    for kind in ("logging", "eval", "save"):
+        n = v[f"{kind}_steps"]
+        if v[f"{kind}_strategy"] == "steps" and n is not None and n > 1 and n != int(n):
+            out.append(f"{kind}_steps above 1 must be a whole number of steps, got {n}")
+    return out
+
+
+def _best_model(v: dict[str, Any]) -> list[str]:
+    if not v["load_best_model_at_end"] or v["save_strategy"] == "best":
+        return []
+    if v["eval_strategy"] != v["save_strategy"]:
+        return [f"load_best_model_at_end needs save_strategy and eval_strategy to match (or "
+                f"save_strategy best), got {v['save_strategy']} and {v['eval_strategy']}"]
+    save, ev = v["save_steps"], v["eval_steps"] or v["logging_steps"]
+    if v["eval_strategy"] == "steps" and save >= 1 and ev >= 1 and save % ev:
+        return [f"load_best_model_at_end needs save_steps ({save}) to be a multiple of "
+                f"eval_steps ({ev})"]
+    return []
+
+
+def _scheduler(v: dict[str, Any]) -> list[str]:
+    if v["lr_scheduler_type"] in ("reduce_lr_on_plateau", "greedy") and v["eval_strategy"] == "no":
+        return [f"lr_scheduler_type {v['lr_scheduler_type']} needs an eval_strategy other "
+                "than no"]
+    return []
+
+
+def _loading(v: dict[str, Any]) -> list[str]:
+    out = []
+    if v["warmup_steps"] < 0:
+        out.append(f"warmup_steps must be >= 0, got {v['warmup_steps']}")
+    if v["dataloader_num_workers"] == 0 and v["dataloader_prefetch_factor"] is not None:
+        out.append("dataloader_prefetch_factor needs dataloader_num_workers > 0")
+    if v["torch_empty_cache_steps"] is not None and v["torch_empty_cache_steps"] <= 0:
+        out.append(f"torch_empty_cache_steps must be > 0, got {v['torch_empty_cache_steps']}")
+    return out
+
+
+def _batches(v: dict[str, Any]) -> list[str]:
+    return [f"{n} must be at least 1, got {v[n]}"
+            for n in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                      "per_device_eval_batch_size") if v[n] < 1]
+
+
+_RULES: tuple[Callable[[dict[str, Any]], list[str]], ...] = (
+    _one_half_precision, _steps, _best_model, _scheduler, _loading, _batches)
+
+
+# ---------------------------------------------------------------- the check
+
+
+def training_arguments_problems(fields: dict[str, Any], *,
+                                extra: Iterable[str] = ()) -> list[str]:
+    """Every reason TrainingArguments would refuse ``fields``, one line each ([] when none).
+
+    Args:
+        fields: TrainingArguments field names -> values, as a YAML/JSON file holds them.
+        extra: further names the caller reads itself (not checked).
+    """
+    defs = _definitions()
+    extra = set(extra)
+    problems: list[str] = []
+    resolved = {name: f.default for name, f in defs.items()}
+    for name, value in fields.items():
+        if not isinstance(name, str):
+            problems.append(f"{_short(name)}: field names are text (a TrainingArguments field "
+                            "name)")
+        elif name in extra:
+            continue
+        elif name not in defs:
+            near = _near(name, defs)
+            problems.append(f"unknown field {_short(name)} "
+                            + (f"(did you mean {near}?)" if near else "(not a TrainingArguments "
+                               "field: remove it)"))
+        elif (p := _value_problem(defs[name], value)) is not None:
+            problems.append(p)
+        else:
+            resolved[name] = _plain(value)
+    for rule in _RULES:
+        problems += rule(resolved)
+    return problems
+
+
+def check_training_arguments(fields: Any, *, source: str = "the TrainingArguments fields",
+                             extra: Iterable[str] = ()) -> None:
+    """Raise ``InvalidArgumentsError`` listing every problem of ``fields`` (see the module).
+
+    Example:
+        >>> check_training_arguments({"per_device_train_batch_size": "four"}, source="args.yaml")
+        Traceback (most recent call last):
+        ...
+        autofit.errors.InvalidArgumentsError: args.yaml: 1 problem TrainingArguments would \
+refuse: per_device_train_batch_size: 'four' is not a whole number; fix it and run again
+    """
+    if not isinstance(fields, dict):
+        raise InvalidArgumentsError(f"{source}: expected a mapping of TrainingArguments fields, "
+                                    f"got {type(fields).__name__}")
+    problems = training_arguments_problems(fields, extra=extra)
+    if problems:
+        n = len(problems)
+        raise InvalidArgumentsError(
+            f"{source}: {n} problem{'s' if n > 1 else ''} TrainingArguments would refuse: "
+            + "; ".join(problems) + f"; fix {'them' if n > 1 else 'it'} and run again",
+            tuple(problems))
