@@ -33,3 +33,22 @@ def test_each_side_names_its_own_fix(argv, call, cli_words, py_words, capsys):
     with pytest.raises(AutofitError) as e:
         call()
     assert py_words in str(e.value) and cli_words not in str(e.value)
+
+
+def test_check_suggests_the_file_change_and_preflight_fix_true(tmp_path, capsys):
+    # `autofit check` has no fix flag: it names the fields to set; Python names fix=True
+    import json
+
+    import autofit
+
+    path = tmp_path / "big.yaml"
+    path.write_text("output_dir: out\nper_device_train_batch_size: 512\n")
+    assert main(["check", str(path), "--model", "tiny-llama", "--seq-len", "2048",
+                 "--device", "T4", "--json"]) == 3
+    problem = json.loads(capsys.readouterr().out)["problems"][0]
+    assert "set per_device_train_batch_size: 4 and gradient_accumulation_steps: 128" in problem
+    assert "fix=True" not in problem
+    with pytest.raises(autofit.PreflightError) as e:
+        autofit.preflight({"output_dir": "out", "per_device_train_batch_size": 512},
+                          model="tiny-llama", seq_len=2048, device="T4")
+    assert "pass fix=True" in str(e.value) and "per_device_train_batch_size:" not in str(e.value)

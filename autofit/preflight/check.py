@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.config import TrainConfig
-from autofit.errors import BadInputError
+from autofit.errors import BadInputError, fix
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import format_bytes
 
@@ -336,8 +336,11 @@ class _Checker:
         for m in _divisors_below(product, c.micro_batch_size):
             est = self._estimate(c.replace(micro_batch_size=m, grad_accum_steps=product // m))
             if est is not None and est.device_total_bytes * ratio <= budget:
+                how = fix(f"set per_device_train_batch_size: {m} and "
+                          f"gradient_accumulation_steps: {product // m} in the file",
+                          "pass fix=True")
                 return (f"micro batch {m} x accumulation {product // m} keeps the effective batch "
-                        f"{c.effective_batch_size} and is estimated to fit: pass fix=True")
+                        f"{c.effective_batch_size} and is estimated to fit: {how}")
         return None
 
 
