@@ -411,7 +411,8 @@ def test_a_claim_left_by_a_dead_process_does_not_block(tmp_path):
         params={**{n: getattr(config, n) for n in rec.knobs}, "micro_batch_size": 2},
         distributions=rec.distributions,
         user_attrs={"claim": {"host": socket.gethostname(), "pid": gone.pid, "at": time.time()}})
-    rec.storage.create_new_trial(rec._study_id, template_trial=template)
+    rec.storage.create_new_trial(rec.storage.get_study_id_from_name(rec.study.study_name),
+                                template_trial=template)
     t0 = time.monotonic()
     result, claim = rec.reserve(config, on_wait=lambda: pytest.fail("waited for a dead run"))
     assert result is None and claim is not None and time.monotonic() - t0 < 5

@@ -158,7 +158,7 @@ class CheckCache:
 
     def _guarded(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)``; a fault of the cache: one warning, then None and no cache."""
-        from autofit.search.storage import _why, cache_warning, is_cache_fault
+        from autofit.search.storage import cache_warning, error_line, is_cache_fault
 
         if self.broken:
             return None
@@ -169,7 +169,7 @@ class CheckCache:
                 raise
             self.broken = True
             cache_warning(f"autofit check cache {self.index.parent if self.index else self.url} "
-                          f"failed ({_why(e)}); going on without the cache")
+                          f"failed ({error_line(e)}); going on without the cache")
             return None
 
     def _load(self, name: str) -> Any:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["default_storage", "open_storage", "connect", "sqlite_path", "is_cache_fault",
-           "cache_warning", "BUSY_TIMEOUT_S"]
+           "cache_warning", "error_line", "BUSY_TIMEOUT_S"]
 
 logger = logging.getLogger("autofit")
 
@@ -82,7 +82,7 @@ def is_cache_fault(e: BaseException) -> bool:
                           optuna.exceptions.StorageInternalError))
 
 
-def _why(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
     """One line of an error: the driver's message, without SQLAlchemy's SQL and links."""
     orig = getattr(e, "orig", None)
     text = str(orig if orig is not None else e).strip()
@@ -168,7 +168,7 @@ def connect(url: str) -> Any:
         try:
             return RDBStorage(url, engine_kwargs=kwargs)
         except Exception as e:
-            if attempt == _OPEN_TRIES - 1 or not any(w in _why(e).lower() for w in _RACE):
+            if attempt == _OPEN_TRIES - 1 or not any(w in error_line(e).lower() for w in _RACE):
                 raise
             time.sleep(0.1 * (attempt + 1))  # the other run is making the tables: let it end
     raise AssertionError("unreachable")  # pragma: no cover
@@ -190,5 +190,5 @@ def open_storage(url: str | None) -> Any:
         return connect(url)
     except Exception as e:  # noqa: BLE001 - any fault of the cache is a warning
         cache_warning(f"autofit cache {path if path is not None else url} cannot be opened "
-                      f"({_why(e)}); running without the cache")
+                      f"({error_line(e)}); running without the cache")
         return None

@@ -42,10 +42,10 @@ from typing import Any
 from autofit.config import TrainConfig
 from autofit.search.space import SearchSpace
 from autofit.search.storage import (
-    _why,
     cache_warning,
     connect,
     default_storage,
+    error_line,
     is_cache_fault,
     open_storage,
     sqlite_path,
@@ -148,7 +148,7 @@ class TrialRecorder:
             if not is_cache_fault(e):
                 raise
             self.broken = True
-            cache_warning(f"autofit cache {self.where} failed ({_why(e)}); going on without "
+            cache_warning(f"autofit cache {self.where} failed ({error_line(e)}); going on without "
                           "the cache")
             return default
 
@@ -328,7 +328,7 @@ def open_recorder(key: str, *, storage: str | None, space: SearchSpace, capacity
         if not is_cache_fault(e):
             raise
         where = sqlite_path(url) or url
-        cache_warning(f"autofit cache {where} cannot be used ({_why(e)}); running without "
+        cache_warning(f"autofit cache {where} cannot be used ({error_line(e)}); running without "
                       "the cache")
         return None
 
