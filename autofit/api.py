@@ -349,20 +349,31 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
 
     batches: dict[int, Any] = {}
 
+    def rows(b: int, collator: Any) -> Any:
+        return worst_case_batch(dataset, b, max_seq_len=max_seq_len,
+                                tokenizer=opts.get("tokenizer"), collator=collator,
+                                task=probed.task, text_column=opts.get("text_column"))
+
     def trial(config: TrainConfig) -> Any:
         from autofit.trial import measure  # looked up per call: tests count the calls
 
         b = config.micro_batch_size
         if b not in batches:
-            batches[b] = worst_case_batch(
-                dataset, b, max_seq_len=max_seq_len, tokenizer=opts.get("tokenizer"),
-                collator=opts.get("collator"), task=probed.task,
-                text_column=opts.get("text_column"))
+            batches[b] = rows(b, opts.get("collator"))
         return measure(probed.model, config, batches[b], device=probed.device, task=probed.task,
                        isolation=opts.get("isolation", "auto"),
                        timeout_s=opts.get("trial_timeout_s", 600.0),
                        attn_implementation=opts.get("attn_implementation"), lora=opts.get("lora"))
 
+    def digest(largest: int) -> str:
+        """The content of every batch a trial can be fed: the ``largest`` longest rows (each
+        smaller worst-case batch is their first rows), padded as the default collator does;
+        the collator itself is keyed apart (it may be random, e.g. masking)."""
+        from autofit.search.study import batch_digest
+
+        return batch_digest(rows(largest, None))
+
+    trial.digest = digest  # type: ignore[attr-defined]
     return trial
 
 
@@ -373,22 +384,29 @@ def _study(probed: _Probed, space: Any, margin: float, objective: str, runner: A
     from autofit.probe.model import fingerprint
     from autofit.probe.versions import library_versions
     from autofit.search import ENGINE_VERSION, cache_key
+    from autofit.search.study import collator_identity
 
     dev = probed.device
+    trials_run = runner is not None and dev.present
     key = cache_key({
         "model": fingerprint(probed.info), "seq_len": probed.seq_len,
         "samples": probed.data.num_samples,
+        # what the trials are fed: the worst-case rows' content, and the collator
+        "batch": runner.digest(space.micro_batches[-1]) if trials_run else None,
+        "collator": collator_identity(opts.get("collator")),
         "device": [dev.name, dev.product, dev.capacity_bytes], "versions": library_versions(),
         "space": space.describe(), "margin": margin, "method": opts.get("method", "analytic"),
         "objective": objective, "engine": ENGINE_VERSION,
     })
     cache = opts.get("cache", True)
-    if not cache or runner is None or not dev.present:
+    if not cache or not trials_run:
         return None, key
-    from autofit.search.study import TrialRecorder, default_storage
+    from autofit.search.study import open_recorder
 
-    storage = cache if isinstance(cache, str) else default_storage()
-    return TrialRecorder(key, storage=storage, space=space, capacity_bytes=dev.capacity_bytes), key
+    # a cache fault is one warning line and None: the run goes on without the cache
+    return open_recorder(key, storage=cache if isinstance(cache, str) else None, space=space,
+                         capacity_bytes=dev.capacity_bytes,
+                         claim_ttl_s=float(opts.get("trial_timeout_s", 600.0)) + 300.0), key
 
 
 def _search(probed: _Probed, space: Any, estimator: _Estimator, runner: Any, recorder: Any, *,
@@ -451,7 +469,12 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
                        reasons=tuple(reasons), confirmed=confirmed, device=dev.name,
                        candidates=rows, training_arguments_kwargs=kwargs, meta=meta,
                        eval_micro_batch=eval_micro)
-    if recorder is not None and confirmed and not outcome.stopped_early:
+    from autofit.search.study import is_failed
+
+    # an answer that rests on a failed trial (a crash, a timeout) is not kept: the next
+    # run measures that trial again and answers then
+    if (recorder is not None and confirmed and not outcome.stopped_early
+            and not any(is_failed(t) for t in outcome.trials)):
         recorder.store_result({"config": config.to_dict(), "reasons": list(reasons),
                                "candidates": list(rows), "meta": meta,
                                "eval_micro_batch": eval_micro})
@@ -483,8 +506,8 @@ def _result_from_cache(cached: dict, recorder: Any, probed: _Probed,
 
     dev = probed.device
     config = TrainConfig(**cached["config"])
-    reasons = ["answered from the cache: same model, data shape, device, library versions "
-               "and constraints; no trial run"] + list(cached["reasons"])
+    reasons = ["answered from the cache: same model, data (the worst-case rows and the "
+               "collator), device, library versions and constraints; no trial run"] + list(cached["reasons"])
     kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
     eval_micro = cached.get("eval_micro_batch")
     if eval_micro is not None:

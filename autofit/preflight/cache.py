@@ -7,7 +7,7 @@ checkpointing, optimizer and its arguments, world size) at the worst-case
 sequence length, the eval settings, the device (name, product, physical memory;
 for a capped CPU the cap is in the name) and the library versions. The entry is
 an optuna study ``autofit-check-<key>`` in the same storage as the tuning studies
-(``autofit.search.study.default_storage``), holding the trial, the estimate and the
+(``autofit.search.storage.default_storage``), holding the trial, the estimate and the
 model-level problems as user attributes, so a hit needs neither torch nor the model
 (with the default SQLite storage, a JSON copy per entry answers without opening the
 storage: see ``CheckCache``).
@@ -124,65 +124,103 @@ class CheckCache:
     ``<cache dir>/checks/<key>.json``, read first: opening the optuna storage
     (sqlalchemy + alembic imports, schema check) takes about a second, more than a
     cache hit may; the study stays the record.
+
+    A fault of the cache (a corrupt ``studies.db``, a read-only folder, a garbage
+    entry; see ``autofit.search.storage``) is one warning line: the check goes on
+    without the cache (a lookup misses, a store does nothing).
     """
 
     def __init__(self, storage: str | None = None) -> None:
-        from autofit.search.study import default_storage
+        from autofit.search.storage import default_storage, sqlite_path
 
         self.url = storage or default_storage()
         self._storage: Any = None
-        prefix = "sqlite:///"
-        self.index = (Path(self.url[len(prefix):]).parent / "checks"
-                      if self.url.startswith(prefix) else None)
+        path = sqlite_path(self.url)
+        self.index = path.parent / "checks" if path is not None else None
+        self.broken = False  # a cache fault was met: on without the cache
 
     @property
     def storage(self) -> Any:
         if self._storage is None:
             import optuna
-            from optuna.storages import RDBStorage
+
+            from autofit.search.storage import open_storage
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             if self.url not in _STORAGES:  # opening one checks the schema: once per process
-                _STORAGES[self.url] = (RDBStorage(self.url) if self.url.startswith("sqlite")
-                                       else self.url)
+                opened = open_storage(self.url)  # None: warned already
+                if opened is None:
+                    self.broken = True
+                    return None
+                _STORAGES[self.url] = opened
             self._storage = _STORAGES[self.url]
         return self._storage
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; a fault of the cache: one warning, then None and no cache."""
+        from autofit.search.storage import cache_warning, error_line, is_cache_fault
+
+        if self.broken:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:
+            if not is_cache_fault(e):
+                raise
+            self.broken = True
+            cache_warning(f"autofit check cache {self.index.parent if self.index else self.url} "
+                          f"failed ({error_line(e)}); going on without the cache")
+            return None
 
     def _load(self, name: str) -> Any:
         import optuna
 
+        storage = self.storage
+        if storage is None:
+            return None
         try:
-            return optuna.load_study(study_name=name, storage=self.storage)
+            return optuna.load_study(study_name=name, storage=storage)
         except KeyError:
             return None
 
     def lookup(self, key: str) -> dict[str, Any] | None:
         """The entry of ``key`` with its ``trial`` as a ``TrialResult``, or None."""
+        return self._guarded(self._lookup, key)
+
+    def _lookup(self, key: str) -> dict[str, Any] | None:
         raw = None
         side = self.index / f"{key}.json" if self.index is not None else None
         if side is not None and side.is_file():
             raw = side.read_text()
-        else:
+            if not _entry(raw):  # garbage (a torn copy): the study is the record
+                raw = None
+        if raw is None:
             study = self._load(f"autofit-check-{key}")
             if study is not None:
                 raw = study.user_attrs.get("entry")
                 if raw and side is not None:
                     self._write_index(key, raw)
-        if not raw:
+        entry = _entry(raw) if raw else None
+        if entry is None:
             return None
-        entry = json.loads(raw)
         entry["trial"] = trial_from_dict(entry["trial"]) if entry.get("trial") else None
         return entry
 
     def store(self, key: str, entry: dict[str, Any]) -> None:
         """Record ``entry`` (trial as a ``TrialResult``, estimates as dicts) under ``key``."""
+        self._guarded(self._store, key, entry)
+
+    def _store(self, key: str, entry: dict[str, Any]) -> None:
         import optuna
 
         data = dict(entry)
         if data.get("trial") is not None and hasattr(data["trial"], "to_dict"):
             data["trial"] = data["trial"].to_dict()
         raw = json.dumps(data, default=str)
-        study = optuna.create_study(study_name=f"autofit-check-{key}", storage=self.storage,
+        storage = self.storage
+        if storage is None:
+            return
+        study = optuna.create_study(study_name=f"autofit-check-{key}", storage=storage,
                                     load_if_exists=True)
         study.set_user_attr("entry", raw)
         if self.index is not None:
@@ -197,6 +235,9 @@ class CheckCache:
 
     def lookup_tune(self, tune_key: str, config: TrainConfig, seq_len: int, device: Any) -> Any:
         """A tuning trial of exactly ``config`` on ``device`` in study ``autofit-<tune_key>``."""
+        return self._guarded(self._lookup_tune, tune_key, config, seq_len, device)
+
+    def _lookup_tune(self, tune_key: str, config: TrainConfig, seq_len: int, device: Any) -> Any:
         import optuna
 
         study = self._load(f"autofit-{tune_key}")
@@ -211,3 +252,12 @@ class CheckCache:
                 if reusable(trial, device):
                     return trial
         return None
+
+
+def _entry(raw: str) -> dict[str, Any] | None:
+    """A stored entry, or None when the text is not one (a torn or edited file)."""
+    try:
+        entry = json.loads(raw)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None

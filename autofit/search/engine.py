@@ -17,11 +17,13 @@ measured to estimated, and their mean for combinations not tried yet). The final
 choice is the fastest *measured* candidate; within it, the largest micro batch
 that fits with the margin.
 
-Trials are recorded in an optuna study (ask-and-tell with enqueued candidates; an
-out-of-memory trial is a completed trial whose constraint
-``device_total - budget`` is positive, not a failure). With SQLite storage a
-tuning run resumes after a crash (finished trials are not run again) and a
-repeated run with the same cache key answers from the cache with no trials.
+Trials are recorded in an optuna study (``autofit.search.study``: an out-of-memory
+trial is a completed trial whose constraint ``device_total - budget`` is positive,
+not a failure; a trial that failed otherwise is not an answer and runs again next
+time). With SQLite storage a tuning run resumes after a crash (finished trials are
+not run again), runs on one cache at once share their trials (each waits for a trial
+the other is measuring), and a repeated run with the same cache key answers from the
+cache with no trials.
 
 Known limitations:
     NB: the micro batch limit is searched on the allowed sizes only (divisors of
@@ -286,17 +288,32 @@ class Engine:
 
     def _run_trial(self, c: Candidate, b: int) -> Any:
         config = self.config(c, b)
-        cached = self.recorder.lookup(config) if self.recorder is not None else None
+        waited: list[bool] = []
+
+        def waiting() -> None:  # another run on the same cache is measuring it: share
+            waited.append(True)
+            self._progress(f"trial {c.label()}, micro batch {b}: another autofit run on this "
+                           "cache is measuring it; waiting for its result")
+
+        cached, claim = (self.recorder.reserve(config, on_wait=waiting)
+                         if self.recorder is not None else (None, None))
         if cached is not None:
-            self._progress(f"trial {c.label()}, micro batch {b}: from the study (resumed)")
+            if not waited:
+                self._progress(f"trial {c.label()}, micro batch {b}: from the study (resumed)")
             result = cached
         else:
             noun = "trial" if self.trial_word == "measured" else "simulation"
             self._progress(f"{noun} {len(self.trials) + 1}: {c.label()}, micro batch {b} "
                            f"(estimate {_gib(self.estimated(c, b))})")
-            result = self._trial(config)
+            try:
+                result = self._trial(config)
+            except BaseException:
+                if self.recorder is not None:  # interrupted: the claim is given up
+                    self.recorder.release(claim)
+                raise
             if self.recorder is not None:
-                self.recorder.record(config, result, self._raw_estimate(c, b), self.budget)
+                self.recorder.record(config, result, self._raw_estimate(c, b), self.budget,
+                                     claim=claim)
         self.trials.append(result)
         if result.oom:
             self.ooms += 1
