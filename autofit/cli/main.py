@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -71,6 +72,24 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="peft")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    _warnings_on_stderr()
+
+
+def _warnings_on_stderr() -> None:
+    """autofit's own warnings (logger ``autofit``: a cache fault, a pre-flight fix) as one
+    line each on stderr, ``autofit: warning: ...``, unless the user routed the logger."""
+    import logging
+
+    log = logging.getLogger("autofit")
+    if not log.handlers:
+        log.addHandler(_StderrLines(logging.WARNING))
+
+
+class _StderrLines(logging.Handler):
+    """``autofit: warning: <message>`` on the stderr of the moment (tests swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"autofit: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
 
 
 class _Terminated(KeyboardInterrupt):
