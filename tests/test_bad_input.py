@@ -154,6 +154,7 @@ ROWS = [
         ("measure", "tiny-gpt2", "--batch-size", "1", "--seq-len", "2048", "--device", "cpu"),
         measured(seq_len=2048)),
     Bad("measure: float batch", "integer token ids", None, measured({"input_ids": [[0.5]]})),
+    Bad("measure: empty batch", "the batch is empty", None, measured({"input_ids": [[]]})),
     # -- the model (item 9, 11) --------------------------------------------------------------
     Bad("an uncached hub id, offline", "not found locally and no network",
         tune(model="nobody/does-not-exist-xyz"), fit(model="nobody/does-not-exist-xyz"),

@@ -534,12 +534,12 @@ def check_batch(batch: dict[str, Any], *, vocab_size: int | None = None,
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
     if not isinstance(ids, torch.Tensor):
         raise BadInputError("a batch is a dict with an input_ids tensor of token ids")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise BadInputError(f"the batch's input_ids must be integer token ids, got {ids.dtype}: "
-                            "tokenize the text first")
     if ids.numel() == 0:
         raise BadInputError(f"the batch's input_ids are empty (shape {tuple(ids.shape)}): "
                             "give at least one token per sample")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise BadInputError(f"the batch's input_ids must be integer token ids, got {ids.dtype}: "
+                            "tokenize the text first")
     rows = ids.reshape(ids.shape[0], -1) if ids.dim() > 1 else ids.reshape(1, -1)
     problems = []
     lo, hi = int(rows.min()), int(rows.max())
