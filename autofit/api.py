@@ -179,7 +179,8 @@ def autofit(
     import time
 
     started_at = time.monotonic()
-    opts = _check_options(constraints, objective)
+    opts = _check_options(constraints, objective, target_batch_size=target_batch_size,
+                          max_seq_len=max_seq_len, margin=margin, time_budget_s=time_budget_s)
     reasons: list[str] = []
     progress = _progress_printer(opts.get("progress", False))
     probed = _probe(model, dataset, device, max_seq_len, opts, reasons)
@@ -201,8 +202,9 @@ def autofit(
                    max_seq_len, opts, reasons)
 
 
-def _check_options(constraints: dict[str, Any], objective: str) -> dict[str, Any]:
-    """The keyword options, validated: every unknown name is one line naming the known ones."""
+def _check_options(constraints: dict[str, Any], objective: str, **numbers: Any) -> dict[str, Any]:
+    """The keyword options, validated before anything is built: every unknown name is one
+    line naming the known ones; every bad number is reported, all in one line."""
     known = _OPTIONS | set(knob_names())
     unknown = set(constraints) - known
     if unknown:
@@ -213,7 +215,48 @@ def _check_options(constraints: dict[str, Any], objective: str) -> dict[str, Any
     method = constraints.get("method", "analytic")
     if method not in METHODS:
         raise BadInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    problems = _number_problems({**numbers, **constraints})
+    if problems:
+        raise BadInputError("; ".join(problems))
     return dict(constraints)
+
+
+def _number_problems(values: dict[str, Any]) -> list[str]:
+    """What is wrong with the numeric options (None: the default), one phrase each."""
+    import math
+
+    from autofit.search.space import check_batch_size
+
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and not math.isnan(v)
+
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    problems = []
+    for name in ("target_batch_size", "max_micro_batch"):
+        try:
+            check_batch_size(name, values.get(name), optional=True)
+        except BadInputError as e:
+            problems.append(str(e))
+    margin = values.get("margin")
+    if margin is not None and not (number(margin) and 0 <= margin < 1):
+        problems.append(f"margin must be a fraction in [0, 1) of the capacity kept free "
+                        f"(e.g. 0.1), got {margin!r}")
+    time_budget = values.get("time_budget_s")
+    if time_budget is not None and not (number(time_budget) and time_budget > 0):
+        problems.append(f"time_budget_s must be a positive number of seconds (or None for no "
+                        f"limit), got {time_budget!r}")
+    timeout = values.get("trial_timeout_s")
+    if timeout is not None and not (number(timeout) and 0 < timeout < math.inf):
+        problems.append(f"trial_timeout_s must be a positive, finite number of seconds, "
+                        f"got {timeout!r}")
+    for name in ("max_trials", "confirm_top", "world_size", "max_seq_len",
+                 "generate_max_new_tokens"):
+        v = values.get(name)
+        if v is not None and not (whole(v) and v >= 1):
+            problems.append(f"{name} must be a positive integer, got {v!r}")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -239,7 +282,7 @@ def _probe(model: Any, dataset: Any, device: Any, max_seq_len: int | None,
     """Stage 1: resolve the device, build and describe the model, measure the data's lengths."""
     from autofit.errors import NoTrainableParametersError
     from autofit.probe.data import probe_data
-    from autofit.probe.model import build_model, describe
+    from autofit.probe.model import build_model, describe, token_limits
 
     dev = resolve_device(device)
     if dev.present and opts.get("load_in_4bit") and isinstance(model, str | os.PathLike):
@@ -255,8 +298,10 @@ def _probe(model: Any, dataset: Any, device: Any, max_seq_len: int | None,
     if info.trainable_params == 0:
         raise NoTrainableParametersError(
             f"{info.name} has no trainable parameter; unfreeze some or add LoRA (lora={{'r': 8}})")
+    vocab, positions = token_limits(module)  # the data is checked against them
     data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=opts.get("tokenizer"),
-                      text_column=opts.get("text_column"))
+                      text_column=opts.get("text_column"), vocab_size=vocab,
+                      max_positions=positions)
     reasons.append(f"sequence length {data.length_max}: the longest sample"
                    + (f" after truncation at {max_seq_len}" if data.num_truncated else "")
                    + f" (p50 {data.length_p50}, p99 {data.length_p99})")

@@ -363,3 +363,64 @@ def test_a_target_with_no_fitting_divisor_near_the_limit_says_which_would():
     sp48 = knob_space(("bf16-mixed",), (False,), ("adamw_torch",), micro_batch_options(48, 1, 256)[0], 48)
     out48 = make(sp48)[0].run()  # 16 divides 48: nothing to say
     assert not any("would keep micro batches" in r for r in out48.reasons)
+
+
+def test_nothing_fits_never_suggests_a_length_past_the_model_positions():
+    # issue 11 item 4: a rotary model trained on 256 positions, given 8192-token samples on a
+    # device where ~1000 tokens would fit: the suggestion stays within the 256 positions.
+    import dataclasses
+    import re
+
+    from autofit.config import TrainConfig
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.probe.model import probe_model
+    from autofit.search.suggest import nothing_fits
+
+    info = dataclasses.replace(probe_model("tiny-llama"), max_position_embeddings=256)
+    dev = resolve_device("cpu:1GiB")
+    seq = 8192
+    cfg = TrainConfig(micro_batch_size=1, precision="32-true", optimizer="adamw_torch")
+    cap = int(estimate_analytic(info, cfg, 1024, dev).device_total_bytes / 0.9) + 1
+
+    def est(c):
+        return estimate_analytic(info, c, seq, dev).device_total_bytes
+
+    sp = knob_space(("32-true",), (False,), ("adamw_torch",), (1, 2))
+    engine = Engine(sp, cap, estimate=est, speed=lambda c: 1.0, trial=None, seq_len=seq)
+    assert engine.run().config is None
+    msg = str(nothing_fits(info, sp, engine, seq, dev))
+    lengths = [int(x) for x in re.findall(r"max_seq_len=(\d+)", msg)]
+    assert lengths and max(lengths) <= 256, msg
+
+
+def test_batch_sizes_are_bounded_and_typed():
+    # issue 11 item 1: a target of 1000000007 grew past 22 GB listing divisor hints
+    from autofit.search.space import MAX_BATCH_SIZE, divisors
+
+    for bad in (1000000007, MAX_BATCH_SIZE + 1, 0, -4, True, "16", 7.5):
+        with pytest.raises(BadInputError, match="target_batch_size") as e:
+            micro_batch_options(bad, 1, 256)
+        assert "\n" not in str(e.value)
+    with pytest.raises(BadInputError, match="max_micro_batch"):
+        micro_batch_options(None, 1, 10**9)
+    opts, _ = micro_batch_options(MAX_BATCH_SIZE, 1, MAX_BATCH_SIZE)
+    assert opts == tuple(2**k for k in range(21))
+    assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 300))
+    assert divisors(2 * 999_983) == [1, 2, 999_983, 2 * 999_983]
+
+
+def test_divisor_hint_on_a_large_target_materialises_nothing():
+    # the hint searched range(b + 1, per + 1) as a list: O(target) memory
+    import tracemalloc
+
+    target = 1_048_573  # prime, below MAX_BATCH_SIZE: only 1 and itself divide it
+    sp = knob_space(("bf16-mixed",), (False,), ("adamw_torch",),
+                    micro_batch_options(target, 1, 256)[0], target)
+    engine = Engine(sp, 10 * GiB, estimate=true_bytes, speed=true_speed, trial=None, seq_len=128)
+    tracemalloc.start()
+    out = engine.run()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert out.config.micro_batch_size == 1
+    assert any("would keep micro batches of 16" in r for r in out.reasons)
+    assert peak < 2**20, peak  # under 1 MiB: no list of a million sizes

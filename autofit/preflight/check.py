@@ -69,7 +69,9 @@ def _learned_positions(info: Any) -> bool:
 
 
 def _divisors_below(n: int, below: int) -> list[int]:
-    return [d for d in range(below - 1, 0, -1) if n % d == 0]
+    from autofit.search.space import divisors  # O(sqrt n): n comes from the user's file
+
+    return [d for d in reversed(divisors(n)) if d < below]
 
 
 class _Checker:

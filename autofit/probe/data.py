@@ -21,7 +21,14 @@ is a dict with ``input_ids`` (list / tensor / array) and optionally
 ``attention_mask``, ``token_type_ids``, ``labels`` / ``label``; or a dict with a
 text field (``text`` by default) and a tokenizer.
 
+Every sample is read once and checked: integer token ids, not empty, no negative id;
+with the model's limits (``vocab_size=``, ``max_positions=``: the learned position
+table) no id at or above the vocabulary and no sample longer than the positions after
+truncation. All problems are reported at once, as one line that names the first
+offending sample (0-based) and what to do.
+
 Known limitations:
+    NB: labels are not checked against the vocabulary (only input_ids).
     NB: fewer samples than ``micro_batch_size``: the longest samples are repeated
     to fill the batch (the run would see smaller batches; the trial stays on the
     safe side).
@@ -34,13 +41,14 @@ from __future__ import annotations
 import heapq
 import math
 import statistics
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.errors import BadInputError, EmptyDatasetError, UnknownTaskError
 
-__all__ = ["DataInfo", "probe_data", "worst_case_batch", "random_batch"]
+__all__ = ["DataInfo", "probe_data", "worst_case_batch", "random_batch", "check_batch"]
 
 _TASKS = ("causal-lm", "masked-lm", "seq2seq", "seq-cls")
 _TEXT_COLUMNS = ("text", "content", "sentence", "prompt")
@@ -85,6 +93,97 @@ def _to_list(x: Any) -> list[int]:
     if isinstance(x, int):
         return [x]
     return [int(v) for v in x]
+
+
+def _ids_array(x: Any) -> array:
+    """Token ids as an int64 array (C speed); TypeError / OverflowError for anything else
+    (text, floats, nested lists, None)."""
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    if isinstance(x, int):
+        return array("q", [x])
+    if isinstance(x, (str, bytes)) or x is None:
+        raise TypeError(type(x).__name__)
+    return array("q", x)
+
+
+def _not_ids(x: Any) -> str:
+    """What a value that is not a list of token ids holds, for the message."""
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    if isinstance(x, (str, bytes, int, float)) or x is None or not hasattr(x, "__iter__"):
+        bad = x
+    else:
+        bad = next((v for v in x if isinstance(v, bool) or not isinstance(v, int)), x)
+    text = repr(bad)
+    return f"{type(bad).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+@dataclass
+class _Problems:
+    """What is wrong with the samples: per kind, how many, the first sample and a detail."""
+
+    found: dict[str, list[Any]] = field(default_factory=dict)  # kind -> [count, index, detail]
+
+    def add(self, kind: str, index: int, detail: str = "") -> None:
+        if kind in self.found:
+            self.found[kind][0] += 1
+        else:
+            self.found[kind] = [1, index, detail]
+
+    def raise_if_any(self, texts: dict[str, tuple[str, str]]) -> None:
+        """One line: per kind, ``sample i <what> (<detail>): <fix>`` (or ``N samples ...``)."""
+        parts = []
+        for kind, (count, index, detail) in self.found.items():
+            what, fix = texts[kind]
+            if count == 1:
+                head = f"sample {index} {what}" + (f" ({detail})" if detail else "")
+            else:  # the phrases are singular: "has ..." / "is ..."
+                verb, _, rest = what.partition(" ")
+                what = {"has": "have", "is": "are"}.get(verb, verb) + " " + rest
+                head = (f"{count} samples {what} (first: sample {index}"
+                        + (f", {detail}" if detail else "") + ")")
+            parts.append(f"{head}: {fix}")
+        if parts:
+            raise BadInputError("bad dataset: " + "; ".join(parts))
+
+
+@dataclass
+class _Scan:
+    """Per sample (dataset order): untruncated length, smallest and largest token id."""
+
+    lengths: list[int]
+    mins: list[int | None]
+    maxs: list[int | None]
+    problems: _Problems
+    unreadable: set[int]  # samples whose ids could not be read (length 0, not "empty")
+
+
+def _scan(ids_of_samples: Iterable[tuple[int, Any]]) -> _Scan:
+    """Read every sample's ids once; unreadable ones are problems (length 0)."""
+    scan = _Scan([], [], [], _Problems(), set())
+    lengths, mins, maxs = scan.lengths, scan.mins, scan.maxs
+    for i, ids in ids_of_samples:
+        try:
+            if ids is _MISSING:
+                scan.problems.add("missing", i)
+                raise ValueError
+            a = _ids_array(ids)
+        except (TypeError, ValueError, OverflowError):
+            if ids is not _MISSING:
+                scan.problems.add("type", i, f"got {_not_ids(ids)}")
+            scan.unreadable.add(i)
+            lengths.append(0)
+            mins.append(None)
+            maxs.append(None)
+            continue
+        lengths.append(len(a))
+        mins.append(min(a) if a else None)
+        maxs.append(max(a) if a else None)
+    return scan
+
+
+_MISSING = object()  # a sample without input_ids
 
 
 class _View:
@@ -136,35 +235,95 @@ class _View:
                     "(or --tokenizer) to tokenize it"
                 )
             self.text_column = col
+        self.scan: _Scan | None = None  # per-sample ids; None after the arrow fast path
+        self.id_range: tuple[int, int] | None = None  # (min, max) token id over all samples
         self.raw_lengths = self._lengths()
 
     def _lengths(self) -> list[int]:
+        if self.hf and self.text_column is None:
+            fast = self._arrow_lengths()
+            if fast is not None:
+                return fast
+        self.scan = _scan(self._all_ids())
+        ranges = [(lo, hi) for lo, hi in zip(self.scan.mins, self.scan.maxs, strict=True)
+                  if lo is not None and hi is not None]
+        if ranges:
+            self.id_range = (min(r[0] for r in ranges), max(r[1] for r in ranges))
+        return self.scan.lengths
+
+    def _all_ids(self) -> Iterable[tuple[int, Any]]:
+        """(index, input_ids) of every sample, tokenizing a text column in chunks of 1000."""
         if self.text_column is not None:
             texts = self._column(self.text_column)
-            out: list[int] = []
-            for i in range(0, len(texts), 1000):
-                enc = self.tokenizer(list(texts[i : i + 1000]), truncation=False)
-                out.extend(len(ids) for ids in enc["input_ids"])
-            return out
-        if self.hf:
-            try:  # fast path: arrow list lengths
-                import pyarrow.compute as pc
+            for start in range(0, len(texts), 1000):
+                enc = self.tokenizer(list(texts[start : start + 1000]), truncation=False)
+                yield from enumerate(enc["input_ids"], start)
+        elif self.hf:
+            yield from enumerate(self._column("input_ids"))
+        else:
+            for i in range(self.n):
+                sample = self.dataset[i]
+                yield i, (sample.get("input_ids", _MISSING) if isinstance(sample, dict)
+                          else sample)
 
-                col = self.dataset.with_format("arrow")[:]["input_ids"]
-                return [int(v) for v in pc.list_value_length(col).to_pylist()]
-            except Exception:  # noqa: BLE001 - any layout arrow cannot measure: read them
-                pass
-            return [len(ids) for ids in self._column("input_ids")]
-        return [len(_to_list(self._ids_of(self.dataset[i]))) for i in range(self.n)]
+    def _arrow_lengths(self) -> list[int] | None:
+        """Lengths and the id range of a tokenized ``datasets.Dataset`` from its arrow column;
+        None when the column is not a list of integers (then every sample is read)."""
+        try:
+            import pyarrow as pa
+            import pyarrow.compute as pc
+
+            col = self.dataset.with_format("arrow")[:]["input_ids"]
+            if col.null_count or not pa.types.is_integer(col.type.value_type):
+                return None
+            lengths = [int(v) for v in pc.list_value_length(col).to_pylist()]
+            mm = pc.min_max(pc.list_flatten(col)).as_py()
+        except Exception:  # noqa: BLE001 - any layout arrow cannot measure: read them
+            return None
+        if mm["min"] is not None:
+            self.id_range = (int(mm["min"]), int(mm["max"]))
+        return lengths
+
+    def validate(self, vocab_size: int | None = None, max_positions: int | None = None) -> None:
+        """Raise one BadInputError listing every problem of the samples (module docstring)."""
+        ids_bad = self.id_range is not None and (
+            self.id_range[0] < 0 or (vocab_size is not None and self.id_range[1] >= vocab_size))
+        if self.scan is None and ids_bad:  # the arrow fast path saw a bad id: find it
+            self.scan = _scan(self._all_ids())
+        problems = self.scan.problems if self.scan is not None else _Problems()
+        if self.scan is not None and ids_bad:
+            for i, (lo, hi) in enumerate(zip(self.scan.mins, self.scan.maxs, strict=True)):
+                if lo is not None and lo < 0:
+                    problems.add("negative", i, f"id {lo}")
+                if hi is not None and vocab_size is not None and hi >= vocab_size:
+                    problems.add("vocab", i, f"id {hi}")
+        unreadable = self.scan.unreadable if self.scan is not None else set()
+        for i, (raw, n) in enumerate(zip(self.raw_lengths, self.lengths(), strict=True)):
+            if raw == 0 and i not in unreadable:
+                problems.add("empty", i)
+            if max_positions is not None and n > max_positions:
+                problems.add("positions", i, f"{n} tokens" + (
+                    f" after truncation at {self.max_seq_len}" if self.max_seq_len else ""))
+        cut = max_positions or 0
+        problems.raise_if_any({
+            "type": ("has input_ids that are not integer token ids",
+                     "tokenize the text first (or pass tokenizer= / --tokenizer)"),
+            "missing": ("has no input_ids", "give every sample input_ids (or a text column "
+                        "and a tokenizer)"),
+            "empty": ("has no tokens", "drop empty samples before tuning"),
+            "negative": ("has a negative token id",
+                         "token ids index the vocabulary from 0: tokenize with the model's "
+                         "own tokenizer"),
+            "vocab": (f"has token ids at or above the model's vocabulary size {vocab_size}",
+                      "tokenize with the model's own tokenizer (or resize its embeddings)"),
+            "positions": (f"is longer than the model's {max_positions} learned positions",
+                          f"truncate with --max-seq-len {cut} / max_seq_len={cut}"),
+        })
 
     def _column(self, name: str) -> list[Any]:
         if self.hf:
             return list(self.dataset[name])
         return [self.dataset[i][name] for i in range(self.n)]
-
-    @staticmethod
-    def _ids_of(sample: Any) -> Any:
-        return sample["input_ids"] if isinstance(sample, dict) else sample
 
     def lengths(self) -> list[int]:
         m = self.max_seq_len
@@ -229,16 +388,26 @@ def probe_data(
     max_seq_len: int | None = None,
     tokenizer: Any = None,
     text_column: str | None = None,
+    vocab_size: int | None = None,
+    max_positions: int | None = None,
 ) -> DataInfo:
-    """Length statistics of ``dataset`` (tokens per sample after truncation).
+    """Length statistics of ``dataset`` (tokens per sample after truncation), every sample
+    checked (module docstring).
+
+    Args:
+        vocab_size: the model's vocabulary: every token id must be below it.
+        max_positions: the model's learned positions: no sample may be longer after
+            truncation (None for rotary / relative positions, which have no table).
 
     Raises:
         EmptyDatasetError: the dataset has no samples.
-        BadInputError: the samples cannot be read as token ids.
+        BadInputError: the samples cannot be read as token ids, or break the limits:
+            one line listing every problem.
     """
     _check_batch_size(micro_batch_size)
     _check_max_len(max_seq_len)
     view = _View(dataset, tokenizer, max_seq_len, text_column)
+    view.validate(vocab_size, max_positions)
     lengths = view.lengths()
     s = sorted(lengths)
     return DataInfo(
@@ -288,6 +457,7 @@ def worst_case_batch(
     _check_max_len(max_seq_len)
     t = _check_task(task)
     view = _View(dataset, tokenizer, max_seq_len, text_column)
+    view.validate()
     lengths = view.lengths()
     # the longest first; ties keep dataset order
     top = heapq.nlargest(
@@ -351,6 +521,43 @@ def _collate(features: list[dict[str, Any]], task: str, pad_id: int) -> dict[str
     else:
         batch["labels"] = _labels_from_ids(batch, task)
     return batch
+
+
+def check_batch(batch: dict[str, Any], *, vocab_size: int | None = None,
+                max_positions: int | None = None) -> None:
+    """A collated batch's ``input_ids`` are integer token ids the model can embed: none
+    negative or at/above ``vocab_size``, no row longer than ``max_positions`` (learned
+    positions). One BadInputError listing every problem.
+    """
+    import torch
+
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    if not isinstance(ids, torch.Tensor):
+        raise BadInputError("a batch is a dict with an input_ids tensor of token ids")
+    if ids.numel() == 0:
+        raise BadInputError(f"the batch's input_ids are empty (shape {tuple(ids.shape)}): "
+                            "give at least one token per sample")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise BadInputError(f"the batch's input_ids must be integer token ids, got {ids.dtype}: "
+                            "tokenize the text first")
+    rows = ids.reshape(ids.shape[0], -1) if ids.dim() > 1 else ids.reshape(1, -1)
+    problems = []
+    lo, hi = int(rows.min()), int(rows.max())
+    if lo < 0:
+        r = int((rows < 0).any(dim=1).nonzero()[0])
+        problems.append(f"row {r} has a negative token id ({lo}): token ids index the "
+                        "vocabulary from 0")
+    if vocab_size is not None and hi >= vocab_size:
+        r = int((rows >= vocab_size).any(dim=1).nonzero()[0])
+        problems.append(f"row {r} has token id {hi}, at or above the model's vocabulary size "
+                        f"{vocab_size}: tokenize with the model's own tokenizer")
+    length = int(rows.shape[-1])
+    if max_positions is not None and length > max_positions:
+        problems.append(f"{length} tokens per sample, more than the model's {max_positions} "
+                        f"learned positions: use seq_len={max_positions} (--seq-len "
+                        f"{max_positions}) or less")
+    if problems:
+        raise BadInputError("bad batch: " + "; ".join(problems))
 
 
 def random_batch(

@@ -42,6 +42,7 @@ __all__ = [
     "build_model",
     "probe_model",
     "default_task",
+    "token_limits",
 ]
 
 # Task name -> transformers Auto class.
@@ -184,21 +185,136 @@ def _bundled_path(name: str) -> Path | None:
     return None
 
 
+# Sizes a config gives as positive integers (a negative or zero one fails deep inside
+# the model's constructor: "Trying to create tensor with negative dimension").
+_DIMENSIONS = (
+    "vocab_size", "hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer",
+    "num_layers", "num_attention_heads", "n_head", "num_heads", "num_key_value_heads",
+    "intermediate_size", "n_inner", "d_ff", "ffn_dim", "head_dim", "d_kv",
+    "max_position_embeddings", "n_positions",
+)
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's message as one short line (transformers' are often several)."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    text = text.rstrip(".") or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _unknown_model_type(where: str, model_type: str) -> UnknownModelError:
+    import difflib
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
+    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close else
+            "list the known ones with python -c \"from transformers import CONFIG_MAPPING; "
+            "print(sorted(CONFIG_MAPPING))\", or upgrade transformers")
+    return UnknownModelError(f"{where}: model_type {model_type!r} is not known to transformers "
+                             f"{transformers.__version__}; {hint}")
+
+
+def _check_dimensions(config: Any, where: str) -> None:
+    """Every size the config gives (a config object or its dict) is a positive integer;
+    all problems in one line."""
+    problems = []
+    for name in _DIMENSIONS:
+        v = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if isinstance(v, str) or (isinstance(v, int) and (isinstance(v, bool) or v <= 0)):
+            problems.append(f"{name} must be a positive integer, got {v!r}")
+    if problems:
+        raise BadInputError(f"{where}: {'; '.join(problems)}; fix the config")
+
+
 def _config_from_json(path: Path) -> Any:
     from transformers import AutoConfig
 
-    with open(path) as f:
-        d = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnknownModelError(f"{path}: not a readable JSON config ({_one_line(e)}); give a "
+                                "transformers config.json") from None
+    if not isinstance(d, dict):
+        raise UnknownModelError(f"{path}: a config.json holds a JSON object, got "
+                                f"{type(d).__name__}; give a transformers config.json")
     d = {k: v for k, v in d.items() if not k.startswith("_autofit")}
     model_type = d.pop("model_type", None)
     if model_type is None:
         raise UnknownModelError(f"{path} has no 'model_type'; is it a transformers config.json?")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise _unknown_model_type(str(path), model_type)
+    _check_dimensions(d, str(path))  # before the config class divides by them
     try:
-        return AutoConfig.for_model(model_type, **d)
-    except (ValueError, KeyError) as e:
+        config = AutoConfig.for_model(model_type, **d)
+    except Exception as e:  # noqa: BLE001 - config classes validate with many error types
+        raise BadInputError(f"{path}: {_one_line(e)}; fix the config") from None
+    _check_dimensions(config, str(path))
+    return config
+
+
+def _hub_offline() -> str | None:
+    """Why the hub cannot be reached (a reason to print), or None when it may be.
+
+    HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE say so; otherwise one TCP connection to the
+    endpoint with a 3 s timeout (huggingface_hub itself retries for ~30 s).
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in {"1", "true", "yes", "on"}:
+            return f"{var} is set"
+    from huggingface_hub import constants
+
+    if getattr(constants, "HF_HUB_OFFLINE", False):
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname or "huggingface.co",
+                                  url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=3).close()
+    except OSError:
+        return f"{url.hostname} cannot be reached"
+    return None
+
+
+def _config_from_hub(ref: str) -> Any:
+    """A hub id's config: from the local cache, else (when the hub can be reached) the hub."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    from transformers import AutoConfig
+
+    try:
+        validate_repo_id(ref)
+    except HFValidationError:
         raise UnknownModelError(
-            f"{path}: model_type {model_type!r} is not known to this transformers version ({e})"
-        ) from None
+            f"cannot load model {ref!r}: not a local file or directory, not a bundled config "
+            f"({', '.join(bundled_models())}), and not a hub id (namespace/name)") from None
+    try:
+        config = AutoConfig.from_pretrained(ref, local_files_only=True)
+    except OSError:  # not in the local cache
+        config = None
+    except Exception as e:  # noqa: BLE001 - cached, but transformers cannot read it
+        raise UnknownModelError(f"cannot load model {ref!r}: {_one_line(e)}") from None
+    if config is None:
+        offline = _hub_offline()
+        if offline is not None:
+            raise UnknownModelError(
+                f"cannot load model {ref!r}: not found locally and no network ({offline}); give a local "
+                f"directory or config.json, a bundled name ({', '.join(bundled_models())}), "
+                "or download it first (huggingface-cli download)")
+        try:
+            config = AutoConfig.from_pretrained(ref)
+        except Exception as e:  # noqa: BLE001 - hub errors come in many types
+            raise UnknownModelError(
+                f"cannot load model {ref!r}: not a local path, not a bundled config, and the "
+                f"hub said: {_one_line(e)}") from None
+    _check_dimensions(config, ref)
+    return config
 
 
 def load_config(ref: str | os.PathLike) -> Any:
@@ -216,16 +332,7 @@ def load_config(ref: str | os.PathLike) -> Any:
         return _config_from_json(bundled)
     if ref_s.endswith(".json"):
         raise UnknownModelError(f"{ref_s}: no such file")
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(ref_s)
-    except Exception as e:  # noqa: BLE001 - hub errors come in many types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UnknownModelError(
-            f"cannot load model {ref_s!r}: not a local path, not a bundled config "
-            f"({', '.join(bundled_models())}), and the hub said: {first}"
-        ) from None
+    return _config_from_hub(ref_s)
 
 
 def default_task(config: Any) -> str:
@@ -350,8 +457,12 @@ def build_model(
             module = auto.from_config(config, **kwargs)
     except ValueError as e:
         raise UnknownTaskError(
-            f"{model} ({config.model_type}) cannot be built for task {t!r}: "
-            f"{str(e).splitlines()[0]}"
+            f"{model} ({config.model_type}) cannot be built for task {t!r}: {_one_line(e)}"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - a config the model class cannot be built from
+        raise BadInputError(
+            f"{model} ({config.model_type}) cannot be built from its config: "
+            f"{type(e).__name__}: {_one_line(e)}; fix the config"
         ) from None
     if load_in_4bit or load_in_8bit:
         _quantize_on_meta(module, 4 if load_in_4bit else 8)
@@ -656,6 +767,37 @@ def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
         dtype=dtype,
         supports_gradient_checkpointing=bool(getattr(base, "supports_gradient_checkpointing", False)),
     )
+
+
+def token_limits(module: Any) -> tuple[int | None, int | None]:
+    """(vocabulary size, learned positions) of a built model: a token id must stay below
+    the first, a sample's length at or below the second; None where there is no such limit.
+
+    The vocabulary is the input embedding's row count (``config.vocab_size`` if the
+    model has none). Positions limit only a learned table (GPT-2, BERT): an embedding
+    other than the input one with ``max_position_embeddings`` rows, less its padding
+    offset (RoBERTa's positions start after ``padding_idx``). Rotary / relative
+    positions have no table and no hard limit (pre-flight only warns).
+    """
+    import torch
+
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    config = getattr(base, "config", None)
+    try:
+        tokens = base.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        tokens = None
+    vocab = getattr(tokens, "num_embeddings", None) or (
+        _first(config, "vocab_size") if config is not None else None)
+    pos = _first(config, "max_position_embeddings", "n_positions") if config is not None else None
+    limit = None
+    if isinstance(pos, int) and pos > 0:
+        for m in base.modules():
+            if isinstance(m, torch.nn.Embedding) and m is not tokens and m.num_embeddings == pos:
+                offset = m.padding_idx + 1 if m.padding_idx is not None else 0
+                limit = pos - offset
+                break
+    return (int(vocab) if vocab else None), limit
 
 
 def fingerprint(info: ModelInfo) -> dict[str, Any]:

@@ -34,6 +34,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -249,10 +250,15 @@ class Engine:
 
     def _largest_fitting(self, c: Candidate, below: int | None = None,
                          sizes: Sequence[int] | None = None) -> int | None:
-        """Largest of ``sizes`` (default: the allowed micro batches) below ``below`` whose
-        calibrated estimate fits the budget."""
-        options = [b for b in (self.space.micro_batches if sizes is None else sizes)
-                   if below is None or b < below]
+        """Largest of ``sizes`` (ascending; default: the allowed micro batches) below
+        ``below`` whose calibrated estimate fits the budget.
+
+        ``sizes`` may be a ``range`` up to the target batch: it is cut and searched in
+        place (O(log n) estimates, nothing materialised).
+        """
+        options = self.space.micro_batches if sizes is None else sizes
+        if below is not None:
+            options = options[:bisect.bisect_left(options, below)]
         lo, hi, best = 0, len(options) - 1, None
         while lo <= hi:  # the estimate grows with the micro batch: binary search
             mid = (lo + hi) // 2

@@ -14,6 +14,7 @@ its defaults for the device, with their reason.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,15 @@ from typing import Any
 from autofit.errors import BadInputError
 from autofit.knobs import KNOBS, knob, restrict
 
-__all__ = ["SearchSpace", "build_space", "micro_batch_options"]
+__all__ = ["SearchSpace", "build_space", "micro_batch_options", "divisors", "check_batch_size",
+           "MAX_BATCH_SIZE"]
+
+# The largest effective batch (samples per optimizer step) and micro batch accepted.
+# Published large-batch runs stay below 2**17 samples per step (LAMB's BERT: 64k; LARS
+# on ImageNet: 32k-128k; LLM pre-training: ~4M tokens, a few thousand sequences), so
+# 2**20 leaves 8x headroom while keeping every loop over batch sizes small: a typo
+# such as 1000000007 is an error at once, not a search that exhausts the machine.
+MAX_BATCH_SIZE = 2**20
 
 
 @dataclass(frozen=True)
@@ -72,20 +81,52 @@ class SearchSpace:
             self.micro_batches[-1], self.target_batch_size, self.world_size, self.optim_args]
 
 
+def check_batch_size(name: str, value: Any, *, optional: bool = False) -> int | None:
+    """``value`` as a batch size (1 to ``MAX_BATCH_SIZE`` samples), or a BadInputError naming it.
+
+    ``True``, ``"16"`` and ``7.5`` are refused: a batch size is a whole number of samples.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadInputError(f"{name} must be a whole number of samples (an int), "
+                            f"got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise BadInputError(f"{name} must be at least 1, got {value}")
+    if value > MAX_BATCH_SIZE:
+        raise BadInputError(f"{name} {value} is more than {MAX_BATCH_SIZE} samples per step "
+                            f"(2**20, far above any published run); give a smaller {name}")
+    return int(value)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` (a positive int), ascending, in O(sqrt(n)) steps.
+
+        >>> divisors(12)
+        [1, 2, 3, 4, 6, 12]
+    """
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
+
+
 def micro_batch_options(
     target_batch_size: int | None, world_size: int, max_micro_batch: int
 ) -> tuple[tuple[int, ...], str | None]:
     """Allowed micro batch sizes, and a note when the target cannot be met exactly.
 
     With a target, the micro batch must divide ``target / world_size`` so that
-    ``micro * accumulation * world_size == target``.
+    ``micro * accumulation * world_size == target``. Both sizes are checked
+    (``check_batch_size``: whole numbers, at most ``MAX_BATCH_SIZE``).
     """
-    if max_micro_batch < 1:
-        raise BadInputError(f"max_micro_batch must be at least 1, got {max_micro_batch}")
+    check_batch_size("max_micro_batch", max_micro_batch)
     if target_batch_size is None:
         return tuple(range(1, max_micro_batch + 1)), None
-    if target_batch_size < 1:
-        raise BadInputError(f"target_batch_size must be positive, got {target_batch_size}")
+    check_batch_size("target_batch_size", target_batch_size)
     note = None
     per_device = target_batch_size // world_size
     if per_device * world_size != target_batch_size or per_device == 0:
@@ -94,7 +135,7 @@ def micro_batch_options(
             f"target batch {target_batch_size} is not a multiple of {world_size} devices; "
             f"using {per_device * world_size}, the nearest that is"
         )
-    options = tuple(d for d in range(1, min(per_device, max_micro_batch) + 1) if per_device % d == 0)
+    options = tuple(d for d in divisors(per_device) if d <= max_micro_batch)
     return options, note
 
 

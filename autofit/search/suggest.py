@@ -125,9 +125,13 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
             n = scaled(variant, thrifty, seq_len)
             if n <= budget:
                 ideas.append(f"{label} ~{format_bytes(n)}")
-    # the longest sequence (a multiple of 8) that fits with the smallest configuration
+    # the longest sequence (a multiple of 8) that fits with the smallest configuration,
+    # never past the positions the model has (learned: an IndexError; rotary: untrained)
     if info.is_transformer:
-        lo, hi = 0, (seq_len - 1) // 8
+        longest = seq_len - 1
+        if info.max_position_embeddings:
+            longest = min(longest, int(info.max_position_embeddings))
+        lo, hi = 0, longest // 8
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if scaled(info, smallest_cfg, 8 * mid) <= budget:

@@ -555,6 +555,11 @@ def measure(
         tokenizer=tokenizer,
         collator=collator,
     )
+    from autofit.probe.data import check_batch
+    from autofit.probe.model import token_limits
+
+    vocab, positions = token_limits(module)  # an id or length past them is an IndexError
+    check_batch(batch, vocab_size=vocab, max_positions=positions)
     if task_name == "seq2seq":
         batch = _with_decoder_inputs(batch, module)
     b, t = (int(s) for s in batch["input_ids"].shape)

@@ -158,3 +158,90 @@ def test_random_batch_is_reproducible_and_leaves_the_global_rng():
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], a["input_ids"])
     assert torch.equal(state, torch.get_rng_state())
     assert random_batch(3, 8, vocab_size=100, task="seq-cls")["labels"].shape == (3,)
+
+
+# -- issue 11: every sample checked, one line naming the first bad sample and the fix ------
+def _one_line_error(call) -> str:
+    with pytest.raises(BadInputError) as e:
+        call()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(("bad dataset", "bad batch")), msg
+    return msg
+
+
+@pytest.mark.parametrize("ids, needle", [
+    ([5, 99999], "sample 1 has token ids at or above the model's vocabulary size 1000 (id 99999)"),
+    ([5, -3], "sample 1 has a negative token id (id -3)"),
+    (["a", "b"], "sample 1 has input_ids that are not integer token ids (got str 'a')"),
+    ("hello world", "sample 1 has input_ids that are not integer token ids (got str 'hello world')"),
+    ([1.5, 2.0], "sample 1 has input_ids that are not integer token ids (got float 1.5)"),
+    ([[1, 2]], "not integer token ids (got list [1, 2])"),
+    (None, "not integer token ids (got NoneType None)"),
+    ([], "sample 1 has no tokens: drop empty samples"),
+])
+def test_bad_token_ids_name_the_sample_and_the_fix(ids, needle):
+    data = [{"input_ids": [1, 2, 3]}, {"input_ids": ids}, {"input_ids": [4]}]
+    assert needle in _one_line_error(lambda: probe_data(data, vocab_size=1000))
+
+
+def test_samples_longer_than_learned_positions_say_how_to_truncate():
+    data = samples([10, 300, 40, 500])
+    msg = _one_line_error(lambda: probe_data(data, max_positions=256))
+    assert ("2 samples are longer than the model's 256 learned positions (first: sample 1, "
+            "300 tokens)" in msg
+            and "truncate with --max-seq-len 256 / max_seq_len=256" in msg)
+    msg = _one_line_error(lambda: probe_data(data, max_seq_len=400, max_positions=256))
+    assert "after truncation at 400" in msg
+    assert probe_data(data, max_seq_len=256, max_positions=256).length_max == 256  # truncated: ok
+    assert probe_data(data).length_max == 500  # no limit given (rotary positions): ok
+
+
+def test_every_problem_at_once_in_one_line():
+    data = [{"input_ids": []}, {"input_ids": [1, 5000]}, {"input_ids": ["x"]},
+            {"input_ids": [1] * 600}, {"text": "no ids"}]
+    msg = _one_line_error(lambda: probe_data(data, vocab_size=1000, max_positions=512))
+    for part in ("sample 0 has no tokens", "sample 1 has token ids at or above",
+                 "sample 2 has input_ids that are not integer", "sample 3 is longer",
+                 "sample 4 has no input_ids"):
+        assert part in msg, (part, msg)
+
+
+def test_worst_case_batch_refuses_unreadable_ids():
+    # the trial's batch path: strings used to raise a raw ValueError from int()
+    assert "not integer token ids" in _one_line_error(
+        lambda: worst_case_batch([{"input_ids": ["a"]}], 1))
+    good = probe_data([{"input_ids": torch.tensor([1, 2, 3])}], vocab_size=4, max_positions=3)
+    assert good.length_max == 3  # tensors, the largest id and the full length are fine
+
+
+def test_text_column_ids_checked_against_the_vocabulary():
+    tok = _tokenizer()
+    data = [{"text": "w10 w11 w12"}, {"text": "w1 w2"}]
+    info = probe_data(data, tokenizer=tok, vocab_size=tok.vocab_size)
+    assert info.length_max == 3
+    msg = _one_line_error(lambda: probe_data(data, tokenizer=tok, vocab_size=10))
+    assert "sample 0 has token ids at or above the model's vocabulary size 10 (id 14)" in msg
+
+
+def test_check_batch():
+    from autofit.probe.data import check_batch
+
+    ok = {"input_ids": torch.tensor([[1, 2], [3, 0]])}
+    check_batch(ok, vocab_size=4, max_positions=2)
+    assert "row 1 has token id 7" in _one_line_error(
+        lambda: check_batch({"input_ids": torch.tensor([[1, 2], [7, 0]])}, vocab_size=4))
+    assert "negative" in _one_line_error(
+        lambda: check_batch({"input_ids": torch.tensor([[1, -2]])}, vocab_size=4))
+    assert "seq_len=2 (--seq-len 2)" in _one_line_error(
+        lambda: check_batch({"input_ids": torch.ones(1, 3, dtype=torch.long)}, max_positions=2))
+    with pytest.raises(BadInputError, match="integer token ids"):
+        check_batch({"input_ids": torch.ones(1, 3)})
+    with pytest.raises(BadInputError, match="empty"):
+        check_batch({"input_ids": torch.ones(1, 0, dtype=torch.long)})
+
+
+def test_hf_dataset_bad_ids_found_by_the_arrow_path():
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list(samples([4, 9, 6]) + [{"input_ids": [1, 2000]}])
+    assert probe_data(ds, vocab_size=2001).num_samples == 4
+    assert "sample 3 has token ids" in _one_line_error(lambda: probe_data(ds, vocab_size=2000))

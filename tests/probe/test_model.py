@@ -176,3 +176,96 @@ def test_describe_meta_module():
     assert next(module.parameters()).device.type == "meta"
     info = describe(module, task=task)
     assert info.is_encoder_decoder and len(info.blocks) == 2
+
+
+# -- issue 11: a bad config or hub id is one short line that says what to do ---------------
+def _config_dir(tmp_path, **changes):
+    d = json.loads((_BUNDLED / "tiny-llama.json").read_text())
+    d.pop("_autofit_name")
+    d.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    return str(tmp_path)
+
+
+_BUNDLED = __import__("pathlib").Path(__file__).resolve().parents[2] / "autofit/data/models"
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("garbage{", "not a readable JSON config"),
+    ("[1, 2]", "holds a JSON object, got list"),
+    ("\xff\xfe", "not a readable JSON config"),
+])
+def test_garbage_config_json(tmp_path, text, needle):
+    (tmp_path / "config.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(UnknownModelError, match=needle) as e:
+        probe_model(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"hidden_size": -64}, "hidden_size must be a positive integer, got -64"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers must be a positive integer, got -1"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+    ({"hidden_size": "big"}, "hidden_size must be a positive integer, got 'big'"),
+    ({"hidden_size": 65}, "not a multiple of the number of attention heads"),
+])
+def test_bad_dimensions_in_a_config(tmp_path, changes, needle):
+    with pytest.raises(BadInputError, match=needle) as e:
+        probe_model(_config_dir(tmp_path, **changes))
+    assert "\n" not in str(e.value) and "fix the config" in str(e.value)
+
+
+def test_unknown_model_type_is_one_short_line_with_close_matches(tmp_path):
+    with pytest.raises(UnknownModelError) as e:
+        probe_model(_config_dir(tmp_path, model_type="lama"))
+    msg = str(e.value)
+    assert "'lama' is not known" in msg and "did you mean 'llama'" in msg
+    assert len(msg) < 300 and "\n" not in msg  # not transformers' list of 800 types
+
+
+def test_uncached_hub_id_offline_fails_fast_with_one_line(monkeypatch):
+    import time
+
+    import transformers
+
+    calls = []
+    real = transformers.AutoConfig.from_pretrained
+
+    def spy(ref, *a, **kw):
+        calls.append(kw.get("local_files_only", False))
+        return real(ref, *a, **kw)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", spy)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cpu = time.process_time()
+    with pytest.raises(UnknownModelError) as e:
+        probe_model("nobody/does-not-exist-xyz")
+    assert time.process_time() - cpu < 5  # CPU seconds, not wall time
+    assert "not found locally and no network (HF_HUB_OFFLINE is set)" in str(e.value)
+    assert "\n" not in str(e.value) and calls == [True]  # never asked the hub
+    # no offline variable, but the endpoint cannot be reached: the same, without retries
+    from autofit.probe import model as model_mod
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(model_mod, "_hub_offline", lambda: "huggingface.co cannot be reached")
+    calls.clear()
+    with pytest.raises(UnknownModelError, match="not found locally and no network"):
+        probe_model("nobody/does-not-exist-xyz")
+    assert calls == [True]
+    with pytest.raises(UnknownModelError, match="not a hub id"):
+        probe_model("no such/model id")
+
+
+def test_token_limits():
+    from autofit.probe.model import build_model, token_limits
+
+    assert token_limits(build_model("tiny-gpt2")[0]) == (50257, 1024)  # learned positions
+    assert token_limits(build_model("tiny-llama")[0]) == (32000, None)  # rotary: no table
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    with torch.device("meta"):
+        roberta = AutoModelForMaskedLM.from_config(AutoConfig.for_model(
+            "roberta", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, vocab_size=100, max_position_embeddings=66))
+    assert token_limits(roberta) == (100, 64)  # positions start after padding_idx (1)
