@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autofit.config import TrainConfig
-from autofit.errors import BadInputError
+from autofit.errors import BadInputError, fix
 from autofit.knobs import KNOBS, choice_of, describe_choice, knob_names
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import DeviceInfo, resolve_device
@@ -221,6 +221,17 @@ def _check_options(constraints: dict[str, Any], objective: str, **numbers: Any) 
     return dict(constraints)
 
 
+# The command line's flag of each option that has one (messages name the caller's own).
+_FLAGS = {"target_batch_size": "--target-batch-size", "max_micro_batch": "--max-micro-batch",
+          "margin": "--margin", "time_budget_s": "--time-budget", "max_trials": "--max-trials",
+          "max_seq_len": "--max-seq-len"}
+
+
+def _named(option: str) -> str:
+    """``option`` as the caller spells it: its flag on the command line, else the keyword."""
+    return fix(_FLAGS[option], option) if option in _FLAGS else option
+
+
 def _number_problems(values: dict[str, Any]) -> list[str]:
     """What is wrong with the numeric options (None: the default), one phrase each."""
     import math
@@ -236,17 +247,17 @@ def _number_problems(values: dict[str, Any]) -> list[str]:
     problems = []
     for name in ("target_batch_size", "max_micro_batch"):
         try:
-            check_batch_size(name, values.get(name), optional=True)
+            check_batch_size(_named(name), values.get(name), optional=True)
         except BadInputError as e:
             problems.append(str(e))
     margin = values.get("margin")
     if margin is not None and not (number(margin) and 0 <= margin < 1):
-        problems.append(f"margin must be a fraction in [0, 1) of the capacity kept free "
+        problems.append(f"{_named('margin')} must be a fraction in [0, 1) of the capacity kept free "
                         f"(e.g. 0.1), got {margin!r}")
     time_budget = values.get("time_budget_s")
     if time_budget is not None and not (number(time_budget) and time_budget > 0):
-        problems.append(f"time_budget_s must be a positive number of seconds (or None for no "
-                        f"limit), got {time_budget!r}")
+        problems.append(f"{_named('time_budget_s')} must be a positive number of seconds "
+                        f"{fix('(or leave it out', '(or None')} for no limit), got {time_budget!r}")
     timeout = values.get("trial_timeout_s")
     if timeout is not None and not (number(timeout) and 0 < timeout < math.inf):
         problems.append(f"trial_timeout_s must be a positive, finite number of seconds, "
@@ -255,7 +266,7 @@ def _number_problems(values: dict[str, Any]) -> list[str]:
                  "generate_max_new_tokens"):
         v = values.get(name)
         if v is not None and not (whole(v) and v >= 1):
-            problems.append(f"{name} must be a positive integer, got {v!r}")
+            problems.append(f"{_named(name)} must be a positive integer, got {v!r}")
     return problems
 
 
@@ -297,7 +308,8 @@ def _probe(model: Any, dataset: Any, device: Any, max_seq_len: int | None,
     info = describe(module, task=task, name=model if isinstance(model, str) else None)
     if info.trainable_params == 0:
         raise NoTrainableParametersError(
-            f"{info.name} has no trainable parameter; unfreeze some or add LoRA (lora={{'r': 8}})")
+            f"{info.name} has no trainable parameter; unfreeze some or add LoRA "
+            f"({fix('--lora-r 8', 'lora=' + repr({'r': 8}))})")
     vocab, positions = token_limits(module)  # the data is checked against them
     data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=opts.get("tokenizer"),
                       text_column=opts.get("text_column"), vocab_size=vocab,
@@ -318,8 +330,13 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
     world_size = int(opts.get("world_size", 1))
     training_args = opts.get("training_args")
     if training_args is not None:
-        base_args = (training_args.to_dict() if hasattr(training_args, "to_dict")
-                     else dict(training_args))
+        if hasattr(training_args, "to_dict"):  # a TrainingArguments: already valid
+            base_args = training_args.to_dict()
+        else:  # a dict of its fields: what TrainingArguments would refuse, all at once
+            from autofit.emit.validate import check_training_arguments
+
+            check_training_arguments(training_args, source="training_args")
+            base_args = dict(training_args)
         if target_batch_size is None:
             target_batch_size = (int(base_args.get("per_device_train_batch_size", 8))
                                  * int(base_args.get("gradient_accumulation_steps", 1)) * world_size)

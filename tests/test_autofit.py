@@ -216,7 +216,8 @@ def test_nothing_fits_for_a_lora_model_suggests_its_base_in_bf16_or_4_bits():
     with pytest.raises(DoesNotFitError) as e:
         autofit("meta-llama/Llama-3.1-8B", rows, device="A100-40GB", lora={"r": 16})
     msg = str(e.value)
-    assert "--precision bf16-true" in msg and "--load-in-4bit" in msg
+    assert "precision=['bf16-true']" in msg and "load_in_4bit=True" in msg
+    assert "--precision" not in msg and "--load-in-4bit" not in msg  # Python names keywords
     r = autofit("meta-llama/Llama-3.1-8B", rows, device="A100-40GB", lora={"r": 16},
                 precision=["bf16-true"])
     assert r.config.precision == "bf16-true" and not r.confirmed

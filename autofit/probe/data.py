@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from autofit.errors import BadInputError, EmptyDatasetError, UnknownTaskError
+from autofit.errors import BadInputError, EmptyDatasetError, UnknownTaskError, fix
 
 __all__ = ["DataInfo", "probe_data", "worst_case_batch", "random_batch", "check_batch"]
 
@@ -227,12 +227,13 @@ class _View:
             if col is None or col not in self.columns:
                 raise BadInputError(
                     f"samples have neither input_ids nor a text column (columns: "
-                    f"{', '.join(self.columns) or 'none'}); tokenize them or name text_column="
+                    f"{', '.join(self.columns) or 'none'}); tokenize them or "
+                    + fix("call the text column 'text'", "name it with text_column=")
                 )
             if tokenizer is None:
                 raise BadInputError(
-                    f"the dataset has text in {col!r} but no input_ids; pass tokenizer= "
-                    "(or --tokenizer) to tokenize it"
+                    f"the dataset has text in {col!r} but no input_ids; pass "
+                    + fix("--tokenizer NAME", "tokenizer=") + " to tokenize it"
                 )
             self.text_column = col
         self.scan: _Scan | None = None  # per-sample ids; None after the arrow fast path
@@ -307,7 +308,8 @@ class _View:
         cut = max_positions or 0
         problems.raise_if_any({
             "type": ("has input_ids that are not integer token ids",
-                     "tokenize the text first (or pass tokenizer= / --tokenizer)"),
+                     "tokenize the text first (or pass "
+                     + fix("--tokenizer NAME", "tokenizer=") + ")"),
             "missing": ("has no input_ids", "give every sample input_ids (or a text column "
                         "and a tokenizer)"),
             "empty": ("has no tokens", "drop empty samples before tuning"),
@@ -317,7 +319,7 @@ class _View:
             "vocab": (f"has token ids at or above the model's vocabulary size {vocab_size}",
                       "tokenize with the model's own tokenizer (or resize its embeddings)"),
             "positions": (f"is longer than the model's {max_positions} learned positions",
-                          f"truncate with --max-seq-len {cut} / max_seq_len={cut}"),
+                          "truncate with " + fix(f"--max-seq-len {cut}", f"max_seq_len={cut}")),
         })
 
     def _column(self, name: str) -> list[Any]:

@@ -25,6 +25,7 @@ from autofit.errors import (
     MissingDependencyError,
     UnknownModelError,
     UnknownTaskError,
+    fix,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -389,7 +390,8 @@ def _quantize_on_meta(model: torch.nn.Module, bits: int) -> None:
         import bitsandbytes as bnb  # noqa: F401
     except ImportError:
         raise MissingDependencyError(
-            "--load-in-4bit/8bit needs bitsandbytes: pip install 'autofit[bnb]'"
+            fix("--load-in-4bit", "load_in_4bit/load_in_8bit")
+            + " needs bitsandbytes: pip install 'autofit[bnb]'"
         ) from None
     from transformers.integrations import bitsandbytes as hf_bnb
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from autofit.config import TrainConfig
-from autofit.errors import AutofitError, DoesNotFitError
+from autofit.errors import AutofitError, DoesNotFitError, fix
 from autofit.knobs import KNOBS
 from autofit.probe.device import format_bytes
 from autofit.probe.model import ModelInfo, ParamGroup
@@ -106,7 +106,7 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
             n = scaled(info, smallest_cfg.replace(**{k.name: v}), seq_len)
             if n <= budget:
                 note = k.note(v)
-                ideas.append(f"{k.describe(v)} ({k.flag(v)} / {k.name}=[{v!r}]"
+                ideas.append(f"{k.describe(v)} ({fix(k.flag(v), f'{k.name}=[{v!r}]')}"
                              + (f"; {note}" if note else "") + f") ~{format_bytes(n)}")
     # the memory-saving value of every knob, with a change of the model (PEFT, quantization)
     thrifty = smallest_cfg.replace(**{k.name: k.saving for k in KNOBS if k.saving is not None})
@@ -114,13 +114,15 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
         # a LoRA model whose frozen base is loaded in fp32 or 16 bits: a 4-bit base
         n = scaled(quantized_base(info), thrifty, seq_len)
         if n <= budget:
-            ideas.append(f"QLoRA: the base in 4 bits (--load-in-4bit / load_in_4bit=True) "
+            ideas.append(f"QLoRA: the base in 4 bits ({fix('--load-in-4bit', 'load_in_4bit=True')}) "
                          f"~{format_bytes(n)}")
     if info.peft is None and info.is_transformer:
-        for label, variant in (("LoRA r=16 on all linear layers (--lora-r 16 / lora={'r': 16})",
+        for label, variant in ((f"LoRA r=16 on all linear layers "
+                                f"({fix('--lora-r 16', 'lora=' + repr({'r': 16}))})",
                                 with_lora(info)),
-                               ("QLoRA: 4-bit base + LoRA r=16 (--lora-r 16 --load-in-4bit / "
-                                "load_in_4bit=True)",
+                               ("QLoRA: 4-bit base + LoRA r=16 ("
+                                + fix("--lora-r 16 --load-in-4bit",
+                                      "lora=" + repr({"r": 16}) + ", load_in_4bit=True") + ")",
                                 with_lora(info, quantize=True))):
             n = scaled(variant, thrifty, seq_len)
             if n <= budget:
@@ -140,6 +142,8 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
                 hi = mid - 1
         if 8 * lo >= 16:
             n = scaled(info, smallest_cfg, 8 * lo)
-            ideas.append(f"max_seq_len={8 * lo} (--max-seq-len {8 * lo}) ~{format_bytes(n)}")
+            ideas.append(f"sequences of {8 * lo} tokens "
+                         f"({fix(f'--max-seq-len {8 * lo}', f'max_seq_len={8 * lo}')}) "
+                         f"~{format_bytes(n)}")
     tail = ("; would fit: " + "; ".join(ideas)) if ideas else "; try a larger device or a smaller model"
     return DoesNotFitError(head + tail)

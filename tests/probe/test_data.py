@@ -189,7 +189,7 @@ def test_samples_longer_than_learned_positions_say_how_to_truncate():
     msg = _one_line_error(lambda: probe_data(data, max_positions=256))
     assert ("2 samples are longer than the model's 256 learned positions (first: sample 1, "
             "300 tokens)" in msg
-            and "truncate with --max-seq-len 256 / max_seq_len=256" in msg)
+            and "truncate with max_seq_len=256" in msg)  # Python names the keyword
     msg = _one_line_error(lambda: probe_data(data, max_seq_len=400, max_positions=256))
     assert "after truncation at 400" in msg
     assert probe_data(data, max_seq_len=256, max_positions=256).length_max == 256  # truncated: ok
