@@ -182,3 +182,14 @@ def test_tune_errors(tmp_path, capsys, monkeypatch, argv, code, needle):
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
     got, _, err = run(capsys, *argv)
     assert got == code and needle in err and err.count("\n") == 1
+
+
+def test_measure_exits_4_for_a_trial_that_failed_otherwise(capsys):
+    # a timeout is neither "fits" (0) nor "out of memory" (3) nor bad input (2) nor a bug (1)
+    code = main(["measure", "tiny-llama", "--batch-size", "1", "--seq-len", "16", "--device",
+                 "cpu", "--isolation", "in-process", "--timeout", "0.001", "--json"])
+    out = capsys.readouterr().out
+    import json as _json
+
+    r = _json.loads(out)
+    assert code == 4 and r["timed_out"] and not r["oom"] and "timeout" in r["error"]

@@ -5,8 +5,8 @@
 
 Exit codes: 0 the configuration fits, 3 it ran out of memory (the numbers
 measured up to the failure are printed, with what to try next), 2 bad input (one
-line on stderr, no traceback), 1 the trial failed otherwise (timeout, a model
-that does not run).
+line on stderr, no traceback), 4 the trial failed otherwise (a timeout, a model
+that does not run, a trial process killed from outside: the result says which).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from autofit.cli.options import (
     EXIT_DOES_NOT_FIT,
-    EXIT_FAILED,
+    EXIT_TRIAL_FAILED,
     EXIT_OK,
     add_config_options,
     tokenizer_for,
@@ -136,7 +136,7 @@ def run_measure(args: argparse.Namespace) -> int:
         _print_human(result, args)
     if result.fits:
         return EXIT_OK
-    return EXIT_OOM if result.oom else EXIT_FAILED
+    return EXIT_OOM if result.oom else EXIT_TRIAL_FAILED
 
 
 def _measure(args: argparse.Namespace) -> Any:

@@ -13,11 +13,14 @@ from typing import Any
 
 from autofit.knobs import KNOBS
 
-__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "add_model_options",
+__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "EXIT_TRIAL_FAILED",
+           "add_model_options",
            "add_adapter_options", "model_kwargs", "train_config", "tokenizer_for",
            "add_file_subject_options", "FileSubject", "file_subject", "add_config_options"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
+# a trial that neither fitted nor ran out of memory: a timeout, a crash, a killed process
+EXIT_TRIAL_FAILED = 4
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
