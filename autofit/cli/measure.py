@@ -18,8 +18,8 @@ from typing import Any
 
 from autofit.cli.options import (
     EXIT_DOES_NOT_FIT,
-    EXIT_TRIAL_FAILED,
     EXIT_OK,
+    EXIT_TRIAL_FAILED,
     add_config_options,
     tokenizer_for,
 )
