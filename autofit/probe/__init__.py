@@ -3,6 +3,7 @@
 from autofit.probe.data import DataInfo, probe_data, worst_case_batch
 from autofit.probe.device import DeviceInfo, resolve_device
 from autofit.probe.model import LoraSpec, ModelInfo, fingerprint, probe_model
+from autofit.probe.run import RunOrder, eval_order, run_order
 from autofit.probe.versions import library_versions
 
 __all__ = [
@@ -10,6 +11,9 @@ __all__ = [
     "DeviceInfo",
     "LoraSpec",
     "ModelInfo",
+    "RunOrder",
+    "eval_order",
+    "run_order",
     "fingerprint",
     "library_versions",
     "probe_data",

@@ -1,0 +1,202 @@
+"""The order of a training run: each micro batch's padded length, as the Trainer feeds them.
+
+A ``transformers.Trainer`` run is thousands of micro batches whose padded length
+varies, and the caching allocator's fragmentation depends on that sequence, not on
+the longest batch alone. The sequence is known before the run:
+
+* ``random`` sampling (the default): accelerate replaces the ``RandomSampler`` by its
+  ``SeedableRandomSampler``, whose permutation of epoch ``e`` is
+  ``torch.randperm(n, generator=Generator().manual_seed(seed + e))`` with ``seed`` the
+  run's ``data_seed`` or else ``seed`` (``Trainer`` seeds torch with it before it
+  builds the sampler, and ``set_epoch(e)`` is called at each epoch). Reproduced
+  exactly (tests compare with a real ``Trainer.train()``).
+* ``sequential``: the dataset's order, every epoch.
+* ``group_by_length``: ``get_length_grouped_indices`` (megabatches of
+  ``micro x accumulation`` samples sorted by length, the longest first) over a
+  permutation drawn from torch's *global* generator, whose state at that point
+  depends on everything the run drew before (dropout, initialisation): the order is
+  drawn here with ``seed + e`` — the same distribution, not the same sequence
+  (``RunOrder.exact`` is False and the note says so).
+* ``batch_rebalance``: not modelled yet; the random order stands in for it
+  (``exact`` False).
+
+Each micro batch's length is its longest sample after truncation at
+``max_seq_len``, rounded up to ``pad_to_multiple_of`` (``DataCollatorWithPadding``'s
+rule); a last, smaller micro batch is kept unless ``drop_last``.
+
+    >>> order = run_order([5, 9, 3, 7, 2, 8], micro_batch_size=2, sampling="sequential")
+    >>> order.lengths, order.sizes
+    ((9, 7, 8), (2, 2, 2))
+
+Known limitations:
+    NB: one process (``world_size`` 1); several ranks shard each batch (issue of the
+    distributed knobs).
+    NB: an ``IterableDataset`` has no order to know; ``max_steps`` then bounds the run
+    and the lengths are those of the probe.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autofit.errors import BadInputError
+
+__all__ = ["RunOrder", "run_order", "eval_order", "SAMPLINGS"]
+
+SAMPLINGS = ("random", "sequential", "group_by_length", "batch_rebalance")
+
+
+@dataclass(frozen=True)
+class RunOrder:
+    """The micro batches of a run, in order.
+
+    Attributes:
+        lengths: padded tokens per sample of each micro batch.
+        sizes: samples in each micro batch (the last of an epoch may be smaller).
+        epochs: how many epochs (or parts of one) the sequence covers.
+        exact: the Trainer's own sequence (True) or one of the same distribution.
+        note: how the order was obtained, for the reasons shown to the user.
+    """
+
+    lengths: tuple[int, ...]
+    sizes: tuple[int, ...]
+    epochs: float
+    exact: bool
+    note: str
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def distinct(self) -> list[tuple[int, int]]:
+        """The distinct ``(size, length)`` micro batches, longest first."""
+        return sorted(set(zip(self.sizes, self.lengths, strict=True)),
+                      key=lambda sl: (sl[1], sl[0]), reverse=True)
+
+
+def _padded(n: int, max_seq_len: int | None, multiple: int | None) -> int:
+    if max_seq_len is not None:
+        n = min(n, max_seq_len)
+    if multiple:
+        n = multiple * math.ceil(n / multiple)
+    return n
+
+
+def _check(name: str, value: int | None, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BadInputError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _permutation(n: int, seed: int) -> list[int]:
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def _epoch_indices(lengths: Sequence[int], sampling: str, seed: int, epoch: int,
+                   group: int) -> list[int]:
+    n = len(lengths)
+    if sampling == "sequential":
+        return list(range(n))
+    if sampling == "group_by_length":
+        import torch
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        return get_length_grouped_indices(list(lengths), group, generator=g)
+    return _permutation(n, seed + epoch)  # random, and batch_rebalance's stand-in
+
+
+def run_order(
+    sample_lengths: Sequence[int],
+    *,
+    micro_batch_size: int,
+    grad_accum_steps: int = 1,
+    epochs: float = 1.0,
+    max_steps: int | None = None,
+    seed: int = 42,
+    data_seed: int | None = None,
+    sampling: str = "random",
+    drop_last: bool = False,
+    pad_to_multiple_of: int | None = None,
+    max_seq_len: int | None = None,
+) -> RunOrder:
+    """The run's micro batches in the order the Trainer feeds them (see the module docstring).
+
+    Args:
+        sample_lengths: tokens of every training sample, in dataset order.
+        micro_batch_size: ``per_device_train_batch_size``.
+        grad_accum_steps: ``gradient_accumulation_steps`` (groups for ``group_by_length``).
+        epochs: ``num_train_epochs`` (a fraction stops inside the last epoch).
+        max_steps: ``max_steps`` (optimizer steps); overrides ``epochs`` when set.
+        seed: ``TrainingArguments.seed``; ``data_seed``: its ``data_seed``.
+        sampling: ``train_sampling_strategy``.
+        drop_last: ``dataloader_drop_last``.
+        pad_to_multiple_of: the collator's ``pad_to_multiple_of``.
+        max_seq_len: truncation length.
+    """
+    lengths = list(sample_lengths)
+    if not lengths:
+        raise BadInputError("no training samples: the run has no batches")
+    _check("micro_batch_size", micro_batch_size, optional=False)
+    _check("grad_accum_steps", grad_accum_steps, optional=False)
+    _check("max_steps", max_steps)
+    _check("pad_to_multiple_of", pad_to_multiple_of)
+    _check("max_seq_len", max_seq_len)
+    if sampling not in SAMPLINGS:
+        raise BadInputError(f"unknown sampling {sampling!r}; choose one of {', '.join(SAMPLINGS)}")
+    if not (isinstance(epochs, int | float) and not isinstance(epochs, bool) and epochs > 0
+            and math.isfinite(epochs)):
+        raise BadInputError(f"epochs must be a positive number, got {epochs!r}")
+    n = len(lengths)
+    per_epoch = n // micro_batch_size if drop_last else math.ceil(n / micro_batch_size)
+    if per_epoch == 0:
+        raise BadInputError(f"{n} samples make no full micro batch of {micro_batch_size} with "
+                            "drop_last: lower the micro batch or keep the last batch")
+    if max_steps is not None:
+        # an epoch is ceil(batches / accumulation) optimizer steps: its last one may
+        # accumulate fewer micro batches (the Trainer steps at the end of every epoch)
+        updates = math.ceil(per_epoch / grad_accum_steps)
+        full, rest = divmod(max_steps, updates)
+        total = full * per_epoch + min(rest * grad_accum_steps, per_epoch)
+    else:
+        total = math.ceil(epochs * per_epoch)
+    base = data_seed if data_seed is not None else seed
+    out_lengths: list[int] = []
+    out_sizes: list[int] = []
+    epoch = 0
+    while len(out_lengths) < total:
+        order = _epoch_indices(lengths, sampling, base, epoch,
+                               micro_batch_size * grad_accum_steps)
+        for k in range(per_epoch):
+            rows = order[k * micro_batch_size:(k + 1) * micro_batch_size]
+            out_lengths.append(_padded(max(lengths[i] for i in rows), max_seq_len,
+                                       pad_to_multiple_of))
+            out_sizes.append(len(rows))
+            if len(out_lengths) == total:
+                break
+        epoch += 1
+    exact = sampling in ("random", "sequential")
+    note = {
+        "random": f"the Trainer's order (seed {base}, one permutation per epoch)",
+        "sequential": "the dataset's order",
+        "group_by_length": (f"a group_by_length order drawn with seed {base}: the Trainer "
+                            "draws its own from torch's global generator (same distribution)"),
+        "batch_rebalance": "batch_rebalance is not modelled: a random order stands in for it",
+    }[sampling]
+    return RunOrder(tuple(out_lengths), tuple(out_sizes), len(out_lengths) / per_epoch, exact,
+                    note)
+
+
+def eval_order(sample_lengths: Sequence[int], *, eval_batch_size: int,
+               pad_to_multiple_of: int | None = None,
+               max_seq_len: int | None = None) -> RunOrder:
+    """An evaluation pass: the eval dataset in order (the Trainer's eval sampler is sequential)."""
+    return run_order(sample_lengths, micro_batch_size=eval_batch_size, sampling="sequential",
+                     pad_to_multiple_of=pad_to_multiple_of, max_seq_len=max_seq_len)
