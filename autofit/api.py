@@ -654,14 +654,15 @@ def _eval_micro_batch(info: Any, config: TrainConfig, seq_len: int, dev: DeviceI
     from autofit.memory.eval import tune_eval_batch
 
     try:
-        b = tune_eval_batch(info, seq_len, dev, margin, precision=config.precision,
+        b = tune_eval_batch(info, seq_len, dev, margin, training=config,
                             max_micro_batch=max_micro,
                             generate_max_new_tokens=generate_max_new_tokens)
     except (DoesNotFitError, BadInputError) as e:
         reasons.append(f"eval batch not tuned: {e}")
         return None
-    reasons.append(f"eval micro batch {b}: the largest whose evaluation step (no gradients, "
-                   "optimizer states or saved activations) is estimated to fit the same budget"
+    reasons.append(f"eval micro batch {b}: the largest whose evaluation step inside the run "
+                   f"(the {config.optimizer} states alive; no gradients or saved activations) "
+                   "is estimated to fit the same budget"
                    + (f", generating {generate_max_new_tokens} tokens"
                       if generate_max_new_tokens else ""))
     return b

@@ -16,7 +16,12 @@ Usage::
 Spec keys: ``model_type``, ``config`` (``AutoConfig.for_model`` kwargs), ``task``
 (``causal-lm`` | ``masked-lm`` | ``seq-cls``), ``batch``, ``seq``, ``precision``
 (``32-true`` | ``bf16-mixed`` | ``bf16-true``), optional ``attn_implementation``,
-``generate_max_new_tokens`` and ``num_beams``.
+``generate_max_new_tokens``, ``num_beams`` and ``in_training`` (``{"optimizer":
+"adamw_torch" | "sgd", "batch": B, "seq": T}``: the evaluation runs inside a
+training run, as the Trainer's ``eval_steps`` do — one real training step with
+that optimizer (torch's own class; foreach off, as on the CPU), ``zero_grad(set_to_none=True)``,
+then ``eval()``; the optimizer's states stay alive and are reported as
+``state_bytes``, counted from the optimizer's own tensors).
 
 Protocol (one configuration per fresh child process), as ``measure_cpu.py``: glibc
 set to mmap every block >= 64 KiB and trim on free, one arena, one thread; the
@@ -98,6 +103,16 @@ SPECS: list[dict[str, Any]] = [
     {"name": "llama-v256-gen-b8s64+448", "model_type": "llama", "config": LLAMA_V256,
      "task": "causal-lm", "batch": 8, "seq": 64, "precision": "32-true",
      "generate_max_new_tokens": 448},
+    # evaluation inside a training run: the optimizer's states stay alive
+    {"name": "llama-b8s256-in-training-adamw", "model_type": "llama", "config": LLAMA,
+     "task": "causal-lm", "batch": 8, "seq": 256, "precision": "32-true",
+     "in_training": {"optimizer": "adamw_torch", "batch": 2, "seq": 128}},
+    {"name": "gpt2-b8s256-bf16-in-training-adamw", "model_type": "gpt2", "config": GPT2,
+     "task": "causal-lm", "batch": 8, "seq": 256, "precision": "bf16-mixed",
+     "in_training": {"optimizer": "adamw_torch", "batch": 2, "seq": 128}},
+    {"name": "bert-mlm-b8s256-in-training-sgd", "model_type": "bert", "config": BERT,
+     "task": "masked-lm", "batch": 8, "seq": 256, "precision": "32-true",
+     "in_training": {"optimizer": "sgd", "batch": 2, "seq": 128}},
 ]
 
 
@@ -142,8 +157,28 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     precision = spec["precision"]
     if precision == "bf16-true":
         model.to(torch.bfloat16)
-    model.eval()
     mixed = precision == "bf16-mixed"
+    state_bytes = 0
+    training = spec.get("in_training")
+    if training:  # one real training step first: the optimizer's states stay alive
+        model.train()
+        if training["optimizer"] == "sgd":
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        g = torch.Generator().manual_seed(99)
+        ids = torch.randint(1, cfg.vocab_size, (training["batch"], training["seq"]), generator=g)
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
+        with ctx:
+            loss = model(input_ids=ids, labels=ids.clone()).loss
+        loss.float().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del loss, ids
+        state_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values()
+                          for v in s.values() if torch.is_tensor(v))
+        gc.collect()
+    model.eval()
     new_tokens = spec.get("generate_max_new_tokens")
     beams = int(spec.get("num_beams", 1))
 
@@ -190,7 +225,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in list(model.parameters()) + list(model.buffers())}
     return {"peak_bytes": int(peak), "steady_peak_bytes": int(steady_peak),
-            "weights_bytes": int(sum(storages.values())), "spec": spec}
+            "weights_bytes": int(sum(storages.values())), "state_bytes": int(state_bytes),
+            "spec": spec}
 
 
 def _estimate(spec: dict[str, Any]) -> dict[str, Any]:
@@ -198,6 +234,7 @@ def _estimate(spec: dict[str, Any]) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import transformers
 
+    from autofit.config import TrainConfig
     from autofit.memory.eval import estimate_eval
     from autofit.probe.device import resolve_device
     from autofit.probe.model import probe_model
@@ -213,8 +250,12 @@ def _estimate(spec: dict[str, Any]) -> dict[str, Any]:
             kwargs["attn_implementation"] = spec["attn_implementation"]
         module = getattr(transformers, TASK_CLASSES[spec["task"]]).from_config(cfg, **kwargs)
     info = probe_model(module, task=spec["task"])
+    training = spec.get("in_training")
     est = estimate_eval(info, spec["batch"], spec["seq"], resolve_device("cpu"),
                         precision=spec["precision"],
+                        training=TrainConfig(precision=spec["precision"],
+                                             optimizer=training["optimizer"])
+                        if training else None,
                         generate_max_new_tokens=spec.get("generate_max_new_tokens"),
                         num_beams=int(spec.get("num_beams", 1)))
     return est.to_dict()
@@ -226,8 +267,9 @@ def compare(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for spec in specs:
         m = measure(spec)
         est = _estimate(spec)
-        measured = m["peak_bytes"] + m["weights_bytes"]
-        steady = m["steady_peak_bytes"] + m["weights_bytes"]
+        held = m["weights_bytes"] + m.get("state_bytes", 0)  # inside the baseline
+        measured = m["peak_bytes"] + held
+        steady = m["steady_peak_bytes"] + held
         estimated = est["peak_allocated_bytes"]
         rows.append({"name": spec.get("name", ""), "measured_bytes": measured,
                      "steady_measured_bytes": steady, "estimated_bytes": estimated,

@@ -16,6 +16,11 @@ block's tensors die as soon as the next block starts. What is left is:
   compute dtype, the fp32 upcast ``ForCausalLMLoss`` makes of 16-bit logits, and the
   fp32 ``log_softmax`` of ``cross_entropy``; plus, when ``compute_metrics`` keeps
   them, the logits of earlier batches (``kept_logit_batches``);
+* **the training run around it** (``training=``, the evaluation ``Trainer`` runs
+  every ``eval_steps``): the optimizer states stay alive between the training steps
+  and the evaluation (gradients do not: ``zero_grad(set_to_none=True)`` freed them),
+  so they count against the same capacity. An eval batch tuned without them is the
+  one that died at the first evaluation of a real epoch;
 * **generation** (``predict_with_generate``) — the KV cache
   ``2 x layers x (B x beams) x (prompt + new tokens) x kv_heads x head_dim x dtype``,
   one layer's copy while ``DynamicCache`` concatenates, and the prefill's working
@@ -46,7 +51,12 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, DoesNotFitError
-from autofit.memory.analytic import _CUDA_FRAGMENTATION, _bytes, _linear_weight_numel
+from autofit.memory.analytic import (
+    _CUDA_FRAGMENTATION,
+    _bytes,
+    _linear_weight_numel,
+    optimizer_state_bytes,
+)
 from autofit.memory.analytic import weights_bytes as _train_weights_bytes
 from autofit.memory.breakdown import MemoryEstimate
 
@@ -119,6 +129,7 @@ def estimate_eval(
     num_beams: int = 1,
     kept_logit_batches: int = 0,
     with_loss: bool = True,
+    training: TrainConfig | None = None,
 ) -> MemoryEstimate:
     """Device memory of one evaluation step (see the module docstring).
 
@@ -133,10 +144,13 @@ def estimate_eval(
         kept_logit_batches: earlier batches whose logits stay on the device
             (``compute_metrics`` without ``eval_accumulation_steps``).
         with_loss: the batch has labels, so the loss is computed.
+        training: the training configuration when the evaluation runs inside a
+            training run (``Trainer`` with ``eval_steps``): its optimizer states stay
+            alive and its precision applies; None for a standalone evaluation.
 
     Returns:
-        A ``MemoryEstimate`` (``method="analytic-eval"``, gradients and optimizer
-        states 0).
+        A ``MemoryEstimate`` (``method="analytic-eval"``; gradients 0, optimizer
+        states 0 unless ``training`` is given).
 
     Raises:
         BadInputError: bad sizes, an unknown precision, generation on a model that
@@ -158,6 +172,8 @@ def estimate_eval(
                             f"{info.task}")
     if not info.is_transformer:
         raise BadInputError(f"{info.name} is not a transformer autofit recognises")
+    if training is not None:
+        precision = training.precision
     config = TrainConfig(micro_batch_size=micro_batch_size, precision=precision, seq_len=seq_len)
     spec = config.precision_spec
     act = _bytes(spec.param_dtype)  # residual stream: the parameters' dtype
@@ -210,7 +226,9 @@ def estimate_eval(
         phases["generate"] = (gen_total, kept)
 
     phase, (A, temps) = max(phases.items(), key=lambda kv: kv[1][0] + kv[1][1])
-    peak_alloc = int(W + A + temps)
+    # inside a training run the optimizer states outlive the step (gradients do not)
+    S = optimizer_state_bytes(info, training) if training is not None else 0
+    peak_alloc = int(W + S + A + temps)
     if device.allocator == "cuda":
         peak_reserved = int(peak_alloc * (1 + _CUDA_FRAGMENTATION) + 8 * 2**20)
     else:
@@ -225,6 +243,8 @@ def estimate_eval(
         act_part, temp_part = A, temps
     notes = [f"evaluation step ({'generation' if phase == 'generate' else 'forward + loss'}"
              f" under no_grad)"]
+    if training is not None:
+        notes.append(f"inside a training run: the {training.optimizer} states stay alive")
     if spec.autocast:
         notes.append("weights include autocast's 16-bit copies cached during the forward")
     return MemoryEstimate(
@@ -236,7 +256,7 @@ def estimate_eval(
         breakdown={
             "weights": int(W),
             "gradients": 0,
-            "optimizer_states": 0,
+            "optimizer_states": int(S),
             "activations": int(act_part),
             "temporaries": int(temp_part),
             "overhead": total - peak_alloc,
@@ -265,12 +285,14 @@ def tune_eval_batch(
     num_beams: int = 1,
     kept_logit_batches: int = 0,
     task: str | None = None,
+    training: TrainConfig | None = None,
 ) -> int:
     """The largest eval micro batch whose estimated step fits ``capacity x (1 - margin)``.
 
-    Tuned apart from the training batch: an evaluation step holds no gradients,
-    no optimizer states and no saved activations, so its batch is usually larger,
-    and an eval OOM never needs a smaller training batch.
+    Tuned apart from the training batch: an evaluation step holds no gradients and
+    no saved activations, so its batch is usually larger, and an eval OOM never needs
+    a smaller training batch. Inside a training run (``training=``) the optimizer
+    states are still there and count.
 
     Args:
         model: a ``ModelInfo``, an ``nn.Module`` or a model reference (bundled name,
@@ -284,6 +306,8 @@ def tune_eval_batch(
         num_beams: beams per sample when generating.
         kept_logit_batches: see ``estimate_eval``.
         task: the model's task for a reference (default: from its config).
+        training: the training configuration, when the evaluation runs inside the
+            training run (its optimizer states stay alive; see ``estimate_eval``).
 
     Returns:
         ``per_device_eval_batch_size``.
@@ -310,8 +334,8 @@ def tune_eval_batch(
     def need(b: int) -> int:
         return estimate_eval(info, b, seq_len, dev, precision=precision,
                              generate_max_new_tokens=generate_max_new_tokens,
-                             num_beams=num_beams,
-                             kept_logit_batches=kept_logit_batches).device_total_bytes
+                             num_beams=num_beams, kept_logit_batches=kept_logit_batches,
+                             training=training).device_total_bytes
 
     if need(1) > budget:
         raise DoesNotFitError(

@@ -221,7 +221,7 @@ class _Checker:
 
         try:
             return estimate_eval(self.info, self.eval_batch_size, self.eval_seq_len, self.dev,
-                                 precision=config.precision,
+                                 training=config,  # evaluation inside the training run
                                  generate_max_new_tokens=self.generate)
         except BadInputError:
             return None
@@ -441,8 +441,7 @@ def run_check(
 
         try:
             eval_batch = tune_eval_batch(checker.info, checker.eval_seq_len, dev,
-                                         max(margin, FIX_MARGIN),
-                                         precision=final.config.precision,
+                                         max(margin, FIX_MARGIN), training=final.config,
                                          max_micro_batch=max(1, eval_batch_size - 1),
                                          generate_max_new_tokens=generate_max_new_tokens)
         except DoesNotFitError as e:

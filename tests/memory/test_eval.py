@@ -119,7 +119,15 @@ def test_autofit_writes_the_eval_batch():
     r = autofit("tiny-llama", data, device="A100-80GB", target_batch_size=16)
     assert r.eval_micro_batch is not None and r.eval_micro_batch >= r.config.micro_batch_size
     assert r.training_arguments_kwargs["per_device_eval_batch_size"] == r.eval_micro_batch
-    assert any(x.startswith("eval micro batch") for x in r.reasons)
+    assert any(x.startswith("eval micro batch") and "states alive" in x for x in r.reasons)
+    # tuned inside the run: the chosen optimizer's states count against the budget
+    from autofit.memory.eval import estimate_eval
+    from autofit.probe.device import resolve_device
+    from autofit.probe.model import probe_model
+
+    inside = estimate_eval(probe_model("tiny-llama"), r.eval_micro_batch, 128,
+                           resolve_device("A100-80GB"), training=r.config)
+    assert inside.breakdown["optimizer_states"] > 0
 
 
 # ---------------------------------------------------------------- against a measurement
@@ -159,3 +167,31 @@ def test_estimate_matches_measured_eval_variants(extra):
             "batch": 8, "seq": 256, "precision": "32-true", **extra}
     row = _compare(spec)
     assert abs(row["steady_error"]) < 0.08, row
+
+
+def test_evaluation_inside_a_training_run_keeps_the_optimizer_states():
+    # Trainer evaluates every eval_steps between training steps: the optimizer's states are
+    # alive then (gradients are not), so an eval batch tuned without them does not fit.
+    from autofit.config import TrainConfig
+    from autofit.memory.analytic import optimizer_state_bytes
+    from autofit.memory.eval import estimate_eval, tune_eval_batch
+    from autofit.probe.device import resolve_device
+    from autofit.probe.model import probe_model
+
+    info = probe_model("tiny-llama")
+    dev = resolve_device("cpu")
+    alone = estimate_eval(info, 8, 256, dev, precision="bf16-mixed")
+    run = TrainConfig(precision="bf16-mixed", optimizer="adamw_torch")
+    inside = estimate_eval(info, 8, 256, dev, training=run)
+    states = optimizer_state_bytes(info, run)
+    assert states > 0 and inside.breakdown["optimizer_states"] == states
+    assert inside.breakdown["gradients"] == 0
+    assert inside.peak_allocated_bytes == alone.peak_allocated_bytes + states
+    assert any("states stay alive" in n for n in inside.notes)
+    # the training precision applies: bf16-true weights are half the fp32 ones
+    half = estimate_eval(info, 8, 256, dev, training=TrainConfig(precision="bf16-true"))
+    assert half.breakdown["weights"] < alone.breakdown["weights"]
+    # on a device where the states matter, the tuned eval batch is smaller
+    cap = f"cpu:{(alone.peak_allocated_bytes + states // 2) // 2**20}MiB"
+    assert (tune_eval_batch(info, 256, cap, precision="bf16-mixed", max_micro_batch=64)
+            > tune_eval_batch(info, 256, cap, training=run, max_micro_batch=64))
