@@ -72,6 +72,12 @@ class StorageRecorder(TorchDispatchMode):
         # mode, so that the tensors it creates are seen (e.g. bitsandbytes' CPU kernels)
         self.decompositions: dict[Any, Any] = {}
         self._decomposing = False
+        # (label, index into the log): where each micro step and optimizer step begins
+        self.marks: list[tuple[str, int]] = []
+
+    def mark(self, label: str) -> None:
+        """Note that ``label`` (e.g. ``"step1/micro0"``, ``"step1/optimizer"``) starts here."""
+        self.marks.append((label, len(self._log)))
 
     # ------------------------------------------------------------------ tracking
     def track(self, t: torch.Tensor, category: str | None = None) -> Record | None:

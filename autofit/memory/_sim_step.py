@@ -204,8 +204,9 @@ def run_steps(
         scaler = _FakeGradScaler()
         rec.keepalive.append(scaler)  # the Trainer's scaler outlives the steps
     base = unwrap(model)
-    for _ in range(steps):
-        for _micro in range(micro_steps):
+    for step in range(steps):
+        for micro in range(micro_steps):
+            rec.mark(f"step{step}/micro{micro}")
             rec.micro += 1
             rec.phase = "forward"
             batch = make_batch(base, task, config.micro_batch_size, seq_len)
@@ -238,6 +239,7 @@ def run_steps(
                     r = rec.record_of(p.grad)
                     if r is not None:
                         r.category = "gradients"
+        rec.mark(f"step{step}/optimizer")
         rec.phase = "optimizer"
         found_inf = scaler.unscale_(params) if scaler is not None else None
         if max_grad_norm > 0:
@@ -253,4 +255,5 @@ def run_steps(
         rec.mark_live("optimizer_states", phase="optimizer")
         if target.kind == "cuda":
             _mark_host_steps(optimizer, rec)
+    rec.mark("end")
     rec.phase = ""

@@ -133,6 +133,9 @@ class SimulationResult:
     replay: ReplayResult
     wall_s: float
     num_ops: int
+    # (label, index into events) where each micro step / optimizer step begins:
+    # "step0/micro0", ..., "step1/optimizer", "end"
+    marks: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -302,8 +305,10 @@ class Simulator:
                 )
             num_ops = rec.num_ops
             log = rec.events()
+            log_marks = list(rec.marks)
             del model, optimizer, weights
-        events = tuple(_to_events(log))
+        event_list, marks = _to_events(log, log_marks)
+        events = tuple(event_list)
         replay = _replay(events, self.device)
         notes = [f"target allocator: {self.device.allocator}"]
         if cuda is not None and cuda.backends:
@@ -316,6 +321,7 @@ class Simulator:
             replay=replay,
             wall_s=time.perf_counter() - t0,
             num_ops=num_ops,
+            marks=tuple(marks),
         )
 
     def _estimate(
@@ -469,11 +475,16 @@ def _count_params(model: torch.nn.Module) -> tuple[int, int]:
     return num, trainable
 
 
-def _to_events(log: list[tuple[str, Any, str]]) -> list[AllocEvent]:
+def _to_events(log: list[tuple[str, Any, str]], marks: list[tuple[str, int]] = ()
+               ) -> tuple[list[AllocEvent], list[tuple[str, int]]]:
+    """The device's events of a recorded log (host-side storages dropped), and the marks
+    moved from log positions to event positions."""
     from autofit.memory.allocator import AllocEvent
 
     out = []
-    for kind, rec, phase in log:
+    at = dict.fromkeys(range(len(log) + 1), 0)
+    for i, (kind, rec, phase) in enumerate(log):
+        at[i] = len(out)
         if rec.host:
             continue
         cat = rec.category or "temporaries"
@@ -481,7 +492,8 @@ def _to_events(log: list[tuple[str, Any, str]]) -> list[AllocEvent]:
             out.append(AllocEvent("alloc", rec.id, rec.size, rec.phase or phase, cat))
         else:
             out.append(AllocEvent("free", rec.id, rec.size, phase, cat))
-    return out
+    at[len(log)] = len(out)
+    return out, [(label, at[i]) for label, i in marks]
 
 
 def _replay(events: tuple[AllocEvent, ...], device: DeviceInfo) -> ReplayResult:

@@ -58,6 +58,8 @@ class RunOrder:
         epochs: how many epochs (or parts of one) the sequence covers.
         exact: the Trainer's own sequence (True) or one of the same distribution.
         note: how the order was obtained, for the reasons shown to the user.
+        steps: micro batches of each optimizer step, in order (the accumulation; the
+            last step of an epoch may have fewer: the Trainer steps at every epoch's end).
     """
 
     lengths: tuple[int, ...]
@@ -65,6 +67,7 @@ class RunOrder:
     epochs: float
     exact: bool
     note: str
+    steps: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -170,6 +173,7 @@ def run_order(
     base = data_seed if data_seed is not None else seed
     out_lengths: list[int] = []
     out_sizes: list[int] = []
+    steps: list[int] = []
     epoch = 0
     while len(out_lengths) < total:
         order = _epoch_indices(lengths, sampling, base, epoch,
@@ -179,6 +183,9 @@ def run_order(
             out_lengths.append(_padded(max(lengths[i] for i in rows), max_seq_len,
                                        pad_to_multiple_of))
             out_sizes.append(len(rows))
+            if k % grad_accum_steps == 0:
+                steps.append(0)
+            steps[-1] += 1
             if len(out_lengths) == total:
                 break
         epoch += 1
@@ -191,7 +198,7 @@ def run_order(
         "batch_rebalance": "batch_rebalance is not modelled: a random order stands in for it",
     }[sampling]
     return RunOrder(tuple(out_lengths), tuple(out_sizes), len(out_lengths) / per_epoch, exact,
-                    note)
+                    note, tuple(steps))
 
 
 def eval_order(sample_lengths: Sequence[int], *, eval_batch_size: int,

@@ -86,7 +86,11 @@ def test_group_by_length_is_the_same_distribution_not_the_same_sequence():
 def test_truncation_sizes_and_eval():
     order = run_order([5, 300, 7], micro_batch_size=2, sampling="sequential", max_seq_len=128,
                       pad_to_multiple_of=64)
-    assert order.lengths == (128, 64) and order.sizes == (2, 1)
+    assert order.lengths == (128, 64) and order.sizes == (2, 1) and order.steps == (1, 1)
+    # 5 micro batches per epoch in steps of 2: the epoch's last step has one
+    acc = run_order([1] * 10, micro_batch_size=2, grad_accum_steps=2, epochs=2,
+                    sampling="sequential")
+    assert acc.steps == (2, 2, 1, 2, 2, 1) and sum(acc.steps) == len(acc)
     ev = eval_order([3, 9, 4, 20, 1], eval_batch_size=2)
     assert ev.lengths == (9, 20, 1) and ev.sizes == (2, 2, 1)
     assert ev.distinct()[0] == (2, 20)

@@ -1,0 +1,121 @@
+"""The whole run replayed: the simulated step's pieces in the run's order, through the
+allocator model."""
+
+import random
+
+import pytest
+
+from autofit.config import TrainConfig
+from autofit.errors import BadInputError
+from autofit.memory.run import _least_capacity, _replay_run, bucket_edges, simulate_run
+from autofit.probe.run import run_order
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def sims():
+    from autofit.memory.simulate import Simulator
+    from autofit.probe.device import resolve_device
+    from autofit.probe.model import build_model
+
+    module, task = build_model("tiny-gpt2")
+    return {d: Simulator(module, task=task, device=resolve_device(d))
+            for d in ("A100-80GB", "cpu")}
+
+
+def _lengths(n=160, seed=0):
+    rng = random.Random(seed)
+    return [min(256, int(rng.lognormvariate(4, 0.8))) + 1 for _ in range(n)]
+
+
+def test_bucket_edges_round_every_length_up():
+    lengths = _lengths(500)
+    edges = bucket_edges(lengths, 5)
+    assert len(edges) <= 5 and edges[-1] == max(lengths)
+    assert all(any(e >= n for e in edges) for n in lengths)
+    assert bucket_edges([3, 3, 9], 8) == [3, 9]
+    with pytest.raises(BadInputError):
+        bucket_edges([1], 0)
+
+
+def test_a_run_of_one_length_needs_what_its_step_needs(sims):
+    # identical steps find the cache the first two left: the run is the step
+    cfg = TrainConfig(micro_batch_size=4, precision="bf16-mixed")
+    order = run_order([128] * 40, micro_batch_size=4)
+    r = simulate_run(sims["A100-80GB"], cfg, order)
+    step = sims["A100-80GB"].simulate(cfg, seq_len=128)
+    assert r.fragmentation_bytes == 0 and r.steps == 10
+    assert r.device_total_bytes == step.device_total_bytes
+    assert r.peak_allocated_bytes == step.peak_allocated_bytes
+    assert r.converged_step <= 2
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_varied_lengths_on_a_cuda_target(sims, accum):
+    sim = sims["A100-80GB"]
+    cfg = TrainConfig(micro_batch_size=4, grad_accum_steps=accum, precision="bf16-mixed")
+    order = run_order(_lengths(), micro_batch_size=4, grad_accum_steps=accum)
+    r = simulate_run(sim, cfg, order, max_buckets=4)
+    assert len(r.buckets) <= 4 and r.buckets[0][1] == max(order.lengths)
+    need = r.device_total_bytes - r.overhead_bytes
+    # never below the worst-case step (the longest batch throughout, what trials measure);
+    # above it only by what the run's own sequence needs, at most what it reserves unbounded
+    assert r.step_peak_reserved_bytes <= need
+    assert need <= max(r.step_peak_reserved_bytes, r.unlimited_peak_reserved_bytes)
+    assert len(r.reserved_by_step) == r.steps == len(order.steps)
+    assert list(r.reserved_by_step) == sorted(r.reserved_by_step)  # a peak only grows
+    assert r.oom_step is None and any("bucket" in n for n in r.notes)
+
+
+def test_the_need_is_the_least_capacity_the_run_goes_through(sims):
+    # the bisection's answer: the replay fits at it and runs out of memory 2 MiB below it
+    from autofit.memory.run import _cut
+
+    sim = sims["A100-80GB"]
+    cfg = TrainConfig(micro_batch_size=4, grad_accum_steps=2, precision="bf16-mixed")
+    order = run_order(_lengths(80), micro_batch_size=4, grad_accum_steps=2)
+    edges = bucket_edges(order.lengths, 3)
+    shapes = [(s, min(e for e in edges if e >= n)) for s, n in zip(order.sizes, order.lengths, strict=True)]
+    pieces = {sh: _cut(sim.run(cfg.replace(micro_batch_size=sh[0]), seq_len=sh[1]))
+              for sh in set(shapes)}
+    free = _replay_run(pieces, shapes, order.steps, "cuda", None)
+    need = _least_capacity(pieces, shapes, order.steps, "cuda", lo=free.peak_allocated,
+                           hi=free.peak_reserved)
+    assert _replay_run(pieces, shapes, order.steps, "cuda", need).oom_step is None
+    below = need - max(2 * MiB, need // 100)
+    assert below < free.peak_allocated or (
+        _replay_run(pieces, shapes, order.steps, "cuda", below).oom_step is not None)
+
+
+def test_on_the_cpu_nothing_is_cached(sims):
+    sim = sims["cpu"]
+    cfg = TrainConfig(micro_batch_size=4, grad_accum_steps=2)
+    order = run_order(_lengths(), micro_batch_size=4, grad_accum_steps=2)
+    r = simulate_run(sim, cfg, order, max_buckets=4)
+    assert r.fragmentation_bytes == 0
+    assert r.device_total_bytes - r.overhead_bytes == r.step_peak_reserved_bytes
+
+
+def test_a_run_too_big_for_the_card_says_at_which_step(sims):
+    # an A100 shrunk to 60% of what the 256-token step reserves: the run (one micro batch
+    # whose longest sample has 256 tokens) runs out at its first step, and says so
+    from dataclasses import replace
+
+    from autofit.memory.simulate import Simulator
+
+    base = sims["A100-80GB"]
+    cfg = TrainConfig(micro_batch_size=4, precision="bf16-mixed")
+    step = base.simulate(cfg, seq_len=256)
+    dev = replace(base.device, capacity_bytes=int(base.device.overhead_bytes
+                                                   + 0.6 * step.peak_reserved_bytes))
+    sim = Simulator(base.module, task=base.task, device=dev)
+    order = run_order([64, 64, 256, 64], micro_batch_size=4, sampling="sequential")
+    r = simulate_run(sim, cfg, order)
+    assert r.oom_step == 1 and r.device_total_bytes > dev.capacity_bytes
+
+
+def test_bad_arguments(sims):
+    cfg = TrainConfig(micro_batch_size=2)
+    with pytest.raises(BadInputError, match="max_steps"):
+        simulate_run(sims["cpu"], cfg, run_order([8, 8], micro_batch_size=2), max_steps=0)
