@@ -41,8 +41,14 @@ def estimate(
     lora: Any = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
+    dataset: Any = None,
+    max_seq_len: int | None = None,
+    tokenizer: Any = None,
+    epochs: float = 1.0,
+    seed: int = 42,
+    sampling: str = "random",
 ) -> MemoryEstimate:
-    """Estimate the device memory of one training step.
+    """Estimate the device memory of one training step (and, with a dataset, of the run).
 
     Args:
         model: an ``nn.Module`` / ``PreTrainedModel`` / ``PeftModel``, a hub id, a
@@ -59,6 +65,14 @@ def estimate(
         lora: a ``LoraSpec``, a dict of its fields or a ``peft.LoraConfig``, for a
             model built by name.
         load_in_4bit: QLoRA-style 4-bit base (bitsandbytes), for a model built by name.
+        dataset: the training samples: the step is the longest batch's (``seq_len``
+            defaults to the longest sample), and the whole run — its micro batches in
+            the Trainer's order (``epochs``, ``seed``, ``sampling``:
+            ``train_sampling_strategy``), replayed through the allocator model
+            (``autofit.memory.run``) — fills ``run_peak_reserved_bytes`` and
+            ``run_device_total_bytes``.
+        max_seq_len: truncation length of the dataset's samples.
+        tokenizer: for a dataset of text.
 
     Returns:
         A ``MemoryEstimate``.
@@ -81,9 +95,18 @@ def estimate(
         raise BadInputError(f"config must be a TrainConfig, got {type(config).__name__}")
     if method not in METHODS:
         raise BadInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    data = None
+    if dataset is not None:
+        from autofit.probe.data import probe_data
+
+        data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=tokenizer)
     seq = seq_len if seq_len is not None else config.seq_len
+    if seq is None and data is not None:
+        seq = data.length_max  # the longest batch: the worst step
     if seq is None:
-        raise BadInputError("give seq_len (tokens per sample), e.g. seq_len=1024")
+        raise BadInputError("give " + fix("--seq-len (tokens per sample), e.g. --seq-len 1024",
+                                          "seq_len (tokens per sample), e.g. seq_len=1024")
+                            + fix(" or --dataset", " or dataset="))
     if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
         raise BadInputError(f"seq_len must be a positive integer, got {seq!r}")
     dev = resolve_device(device)
@@ -99,11 +122,40 @@ def estimate(
     )
     name = model if isinstance(model, str) else None
     info = describe(module, task=t, name=str(name) if name else None)
-    if method == "simulate":
-        from autofit.memory.simulate import simulate
+    sim = None
+    if method == "simulate" or data is not None:
+        from autofit.memory.simulate import Simulator
 
-        return simulate(module, config, seq_len=seq, device=dev, task=t, model_name=info.name)
-    return estimate_analytic(info, config, seq, dev)
+        sim = Simulator(module, task=t, device=dev, model_name=info.name)
+    est = (sim.simulate(config, seq_len=seq) if method == "simulate"
+           else estimate_analytic(info, config, seq, dev))
+    if data is None:
+        return est
+    return _with_run(est, sim, config, data, epochs=epochs, seed=seed, sampling=sampling,
+                     max_seq_len=max_seq_len)
+
+
+def _with_run(est: MemoryEstimate, sim: Any, config: TrainConfig, data: Any, *, epochs: float,
+              seed: int, sampling: str, max_seq_len: int | None) -> MemoryEstimate:
+    """``est`` with the whole run's need: the run's order replayed through the allocator."""
+    import dataclasses
+
+    from autofit.memory.run import simulate_run
+    from autofit.probe.run import run_order
+
+    order = run_order(data.lengths, micro_batch_size=config.micro_batch_size,
+                      grad_accum_steps=config.grad_accum_steps, epochs=epochs, seed=seed,
+                      sampling=sampling, max_seq_len=max_seq_len)
+    run = simulate_run(sim, config, order)
+    # the run is never below this estimate's own step (an analytic step may sit above the
+    # simulated one): what the run adds is added to it
+    total = est.device_total_bytes + run.fragmentation_bytes
+    notes = (*est.notes, *run.notes,
+             f"whole run: {run.steps} optimizer steps replayed; the peak stopped growing at "
+             f"step {run.converged_step}")
+    return dataclasses.replace(
+        est, run_peak_reserved_bytes=max(run.peak_reserved_bytes, est.peak_reserved_bytes),
+        run_device_total_bytes=total, fits=total <= est.capacity_bytes, notes=notes)
 
 
 # Keyword options of autofit() besides the knobs (one keyword per knob restricts it).

@@ -18,6 +18,7 @@ from autofit.cli.options import (
     EXIT_OK,
     add_model_options,
     model_kwargs,
+    tokenizer_for,
     train_config,
 )
 
@@ -31,6 +32,13 @@ def add_estimate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("estimate", help="estimate the memory of one training configuration")
     add_model_options(p)
     p.add_argument("--method", choices=list(METHODS), default="analytic")
+    p.add_argument("--dataset", default=None,
+                   help="the training samples (.json/.jsonl, a save_to_disk directory or a "
+                        "bundled name): adds the whole run's need (run_* keys)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this length")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for a dataset with text")
+    p.add_argument("--epochs", type=float, default=1.0, help="epochs of the run (with --dataset)")
+    p.add_argument("--seed", type=int, default=42, help="the run's seed (its batch order)")
     p.set_defaults(func=run_estimate)
     return p
 
@@ -39,6 +47,13 @@ def run_estimate(args: argparse.Namespace) -> int:
     """Run ``autofit estimate``; returns the exit code."""
     from autofit.api import estimate
 
+    run: dict[str, Any] = {}
+    if args.dataset:
+        from autofit.cli.datasets import load_dataset_ref
+
+        data = load_dataset_ref(args.dataset)
+        run = dict(dataset=data, max_seq_len=args.max_seq_len, epochs=args.epochs,
+                   seed=args.seed, tokenizer=tokenizer_for(args, data))
     est = estimate(
         args.model,
         train_config(args),
@@ -46,11 +61,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         device=args.device,
         method=args.method,
         **model_kwargs(args),
+        **run,
     )
     if args.json:
         d = est.to_dict()
         keys = ["peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "breakdown",
-                "method", "fits", "capacity_bytes"]
+                "method", "fits", "capacity_bytes", "run_peak_reserved_bytes",
+                "run_device_total_bytes"]
         out = {k: d[k] for k in keys} | {k: v for k, v in d.items() if k not in keys}
         print(json.dumps(out, indent=2))
     else:

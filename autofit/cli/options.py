@@ -27,7 +27,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     """The options that describe the model and one training configuration."""
     p.add_argument("model", help="hub id, local directory, config.json path or bundled name")
     p.add_argument("--batch-size", type=int, required=True, help="micro batch size per device")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sample")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sample (default with --dataset: its longest sample)")
     add_config_options(p)
     add_adapter_options(p)
     p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")

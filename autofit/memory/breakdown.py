@@ -39,6 +39,11 @@ class MemoryEstimate:
         breakdown: component -> bytes at the peak (see ``COMPONENTS``).
         method: ``"analytic"`` or ``"simulate"``.
         peak_phase: ``"forward"``, ``"backward"`` or ``"optimizer"``.
+        run_peak_reserved_bytes: with a dataset: the most the allocator holds over the
+            whole run replayed in its order (``autofit.memory.run``); None otherwise.
+        run_device_total_bytes: with a dataset: what the whole run needs (the least
+            capacity it runs through, never below this step's), + context and
+            workspace; ``fits`` then compares it with the capacity. None otherwise.
     """
 
     peak_allocated_bytes: int
@@ -56,11 +61,26 @@ class MemoryEstimate:
     seq_len: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    run_peak_reserved_bytes: int | None = None
+    run_device_total_bytes: int | None = None
+
+    @property
+    def needed_bytes(self) -> int:
+        """What the device must have: the whole run's need when known, else this step's."""
+        return (self.run_device_total_bytes if self.run_device_total_bytes is not None
+                else self.device_total_bytes)
+
+    @property
+    def run_fragmentation_bytes(self) -> int | None:
+        """What the run needs above this step (fragmentation over the run), when known."""
+        if self.run_device_total_bytes is None:
+            return None
+        return max(0, self.run_device_total_bytes - self.device_total_bytes)
 
     @property
     def headroom_bytes(self) -> int:
-        """Capacity left above the peak (negative when it does not fit)."""
-        return self.capacity_bytes - self.device_total_bytes
+        """Capacity left above the need (negative when it does not fit)."""
+        return self.capacity_bytes - self.needed_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -74,6 +74,8 @@ class DataInfo:
     micro_batch_size: int
     worst_case_batch_shape: tuple[int, int]  # (B, T) of worst_case_batch
     text_column: str | None = None  # set when lengths came from a tokenizer
+    # every sample's tokens after truncation, in dataset order (the run's order uses them)
+    lengths: tuple[int, ...] = field(default=(), repr=False)
 
     def batch_shape(self, micro_batch_size: int) -> tuple[int, int]:
         """(B, T) of the worst-case batch for another micro batch size."""
@@ -427,6 +429,7 @@ def probe_data(
         micro_batch_size=micro_batch_size,
         worst_case_batch_shape=(micro_batch_size, s[-1]),
         text_column=view.text_column,
+        lengths=tuple(lengths),
     )
 
 

@@ -55,6 +55,12 @@ def estimate_renderable(est: MemoryEstimate) -> RenderableType:
     table.add_row("peak allocated", "", format_bytes(est.peak_allocated_bytes), "", "")
     table.add_row("peak reserved", "", format_bytes(est.peak_reserved_bytes), "", "")
     table.add_row(Text("device total", style="bold"), "", Text(format_bytes(est.device_total_bytes), style="bold"), "", "")
+    if est.run_device_total_bytes is not None:  # the whole run, replayed in its order
+        frag = est.run_fragmentation_bytes or 0
+        table.add_row("fragmentation over the run", "", format_bytes(frag), "",
+                      f"+{100 * frag / total:.1f}%")
+        table.add_row(Text("run device total", style="bold"), "",
+                      Text(format_bytes(est.run_device_total_bytes), style="bold"), "", "")
     table.add_row("capacity", "", format_bytes(est.capacity_bytes), "", "")
     head = est.headroom_bytes
     pct = 100 * head / max(est.capacity_bytes, 1)

@@ -119,3 +119,32 @@ def test_bad_arguments(sims):
     cfg = TrainConfig(micro_batch_size=2)
     with pytest.raises(BadInputError, match="max_steps"):
         simulate_run(sims["cpu"], cfg, run_order([8, 8], micro_batch_size=2), max_steps=0)
+
+
+def test_estimate_with_a_dataset_adds_the_run(capsys):
+    # Python and the CLI: run_* fields/keys, and the breakdown's own line
+    import json
+
+    from autofit import estimate
+    from autofit.cli import main
+    from autofit.cli.datasets import load_dataset_ref
+
+    cfg = TrainConfig(micro_batch_size=8, grad_accum_steps=2, precision="bf16-mixed")
+    data = load_dataset_ref("tiny-samples")
+    est = estimate("tiny-gpt2", cfg, device="A100-80GB", dataset=data)
+    assert est.seq_len == max(len(s["input_ids"]) for s in data)  # the longest batch's step
+    assert est.run_device_total_bytes >= est.device_total_bytes
+    assert est.run_peak_reserved_bytes >= est.peak_reserved_bytes
+    assert est.fits == (est.run_device_total_bytes <= est.capacity_bytes)
+    assert any("optimizer steps replayed" in n for n in est.notes)
+    plain = estimate("tiny-gpt2", cfg, device="A100-80GB", seq_len=est.seq_len)
+    assert plain.run_device_total_bytes is None and plain.device_total_bytes == est.device_total_bytes
+    argv = ["estimate", "tiny-gpt2", "--batch-size", "8", "--grad-accum", "2", "--precision",
+            "bf16-mixed", "--device", "A100-80GB", "--dataset", "tiny-samples"]
+    assert main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["run_device_total_bytes"] == est.run_device_total_bytes
+    assert d["run_peak_reserved_bytes"] == est.run_peak_reserved_bytes
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fragmentation" in out and "over the run" in out and "run device total" in out
