@@ -137,7 +137,11 @@ class CheckCache:
         self._storage: Any = None
         path = sqlite_path(self.url)
         self.index = path.parent / "checks" if path is not None else None
-        self.broken = False  # a cache fault was met: on without the cache
+        from autofit.search.storage import FaultGuard
+
+        # the first cache fault: one warning, then on without the cache
+        where = self.index.parent if self.index is not None else self.url
+        self._guarded = FaultGuard(f"autofit check cache {where}")
 
     @property
     def storage(self) -> Any:
@@ -150,27 +154,11 @@ class CheckCache:
             if self.url not in _STORAGES:  # opening one checks the schema: once per process
                 opened = open_storage(self.url)  # None: warned already
                 if opened is None:
-                    self.broken = True
+                    self._guarded.broken = True
                     return None
                 _STORAGES[self.url] = opened
             self._storage = _STORAGES[self.url]
         return self._storage
-
-    def _guarded(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``; a fault of the cache: one warning, then None and no cache."""
-        from autofit.search.storage import cache_warning, error_line, is_cache_fault
-
-        if self.broken:
-            return None
-        try:
-            return fn(*args)
-        except Exception as e:
-            if not is_cache_fault(e):
-                raise
-            self.broken = True
-            cache_warning(f"autofit check cache {self.index.parent if self.index else self.url} "
-                          f"failed ({error_line(e)}); going on without the cache")
-            return None
 
     def _load(self, name: str) -> Any:
         import optuna
@@ -185,7 +173,7 @@ class CheckCache:
 
     def lookup(self, key: str) -> dict[str, Any] | None:
         """The entry of ``key`` with its ``trial`` as a ``TrialResult``, or None."""
-        return self._guarded(self._lookup, key)
+        return self._guarded(None, self._lookup, key)
 
     def _lookup(self, key: str) -> dict[str, Any] | None:
         raw = None
@@ -208,7 +196,7 @@ class CheckCache:
 
     def store(self, key: str, entry: dict[str, Any]) -> None:
         """Record ``entry`` (trial as a ``TrialResult``, estimates as dicts) under ``key``."""
-        self._guarded(self._store, key, entry)
+        self._guarded(None, self._store, key, entry)
 
     def _store(self, key: str, entry: dict[str, Any]) -> None:
         import optuna
@@ -235,7 +223,7 @@ class CheckCache:
 
     def lookup_tune(self, tune_key: str, config: TrainConfig, seq_len: int, device: Any) -> Any:
         """A tuning trial of exactly ``config`` on ``device`` in study ``autofit-<tune_key>``."""
-        return self._guarded(self._lookup_tune, tune_key, config, seq_len, device)
+        return self._guarded(None, self._lookup_tune, tune_key, config, seq_len, device)
 
     def _lookup_tune(self, tune_key: str, config: TrainConfig, seq_len: int, device: Any) -> Any:
         import optuna

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["default_storage", "open_storage", "connect", "sqlite_path", "is_cache_fault",
+           "FaultGuard",
            "cache_warning", "error_line", "BUSY_TIMEOUT_S"]
 
 logger = logging.getLogger("autofit")
@@ -80,6 +81,30 @@ def is_cache_fault(e: BaseException) -> bool:
         SQLAlchemyError = ()  # type: ignore[assignment,misc]  # noqa: N806
     return isinstance(e, (SQLAlchemyError, sqlite3.Error, OSError,
                           optuna.exceptions.StorageInternalError))
+
+
+class FaultGuard:
+    """Runs a cache's operations: the first cache fault is one warning, then the cache is off.
+
+    ``guard(default, fn, *args)`` is ``fn(*args)``, or ``default`` once the cache broke;
+    errors that are not cache faults pass through.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # "autofit cache <path>": how the warning names the cache
+        self.broken = False
+
+    def __call__(self, default: Any, fn: Any, *args: Any) -> Any:
+        if self.broken:
+            return default
+        try:
+            return fn(*args)
+        except Exception as e:
+            if not is_cache_fault(e):
+                raise
+            self.broken = True
+            cache_warning(f"{self.what} failed ({error_line(e)}); going on without the cache")
+            return default
 
 
 def error_line(e: BaseException) -> str:

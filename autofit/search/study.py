@@ -42,6 +42,7 @@ from typing import Any
 from autofit.config import TrainConfig
 from autofit.search.space import SearchSpace
 from autofit.search.storage import (
+    FaultGuard,
     cache_warning,
     connect,
     default_storage,
@@ -135,22 +136,8 @@ class TrialRecorder:
             "micro_batch_size": D.IntDistribution(1, max(1, space.micro_batches[-1])),
         }
         self._held: dict[int, int] = {}  # number -> trial id of this run's open claims
-        self.broken = False  # a cache fault was met: on without the cache
-
-    # -- faults ------------------------------------------------------------------------
-    def _guarded(self, default: Any, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``; a fault of the storage: one warning, then on without the cache."""
-        if self.broken:
-            return default
-        try:
-            return fn(*args)
-        except Exception as e:
-            if not is_cache_fault(e):
-                raise
-            self.broken = True
-            cache_warning(f"autofit cache {self.where} failed ({error_line(e)}); going on without "
-                          "the cache")
-            return default
+        # the first cache fault: one warning, then on without the cache
+        self._guarded = FaultGuard(f"autofit cache {self.where}")
 
     # -- cache ---------------------------------------------------------------------------
     def cached_result(self) -> dict[str, Any] | None:
