@@ -462,6 +462,7 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
     from autofit.probe.data import worst_case_batch
 
     batches: dict[int, Any] = {}
+    longest: dict[str, Any] = {}  # the largest worst-case batch the key hashed (no collator)
 
     def rows(b: int, collator: Any) -> Any:
         return worst_case_batch(dataset, b, max_seq_len=max_seq_len,
@@ -473,7 +474,13 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
 
         b = config.micro_batch_size
         if b not in batches:
-            batches[b] = rows(b, opts.get("collator"))
+            sliceable = longest and all(hasattr(v, "clone") for v in longest.values())
+            if opts.get("collator") is None and sliceable and b <= len(longest["input_ids"]):
+                # its first b rows are the worst-case batch of b: no new pass over the data
+                # (copied, so that a trial holds and ships b rows, not the whole storage)
+                batches[b] = {k: v[:b].clone() for k, v in longest.items()}
+            else:
+                batches[b] = rows(b, opts.get("collator"))
         return measure(probed.model, config, batches[b], device=probed.device, task=probed.task,
                        isolation=opts.get("isolation", "auto"),
                        timeout_s=opts.get("trial_timeout_s", 600.0),
@@ -485,7 +492,9 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
         the collator itself is keyed apart (it may be random, e.g. masking)."""
         from autofit.search.study import batch_digest
 
-        return batch_digest(rows(largest, None))
+        longest.clear()
+        longest.update(rows(largest, None))
+        return batch_digest(longest)
 
     trial.digest = digest  # type: ignore[attr-defined]
     return trial
