@@ -148,3 +148,47 @@ def test_estimate_with_a_dataset_adds_the_run(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "fragmentation" in out and "over the run" in out and "run device total" in out
+
+
+def test_evaluations_and_saves_between_the_steps(sims):
+    # 16 optimizer steps: every 5th evaluates (3 times), every 7th saves (twice); an
+    # interval longer than the run still evaluates once, at its end
+    sim = sims["cpu"]
+    cfg = TrainConfig(micro_batch_size=2)
+    order = run_order(_lengths(32), micro_batch_size=2)
+    plain = simulate_run(sim, cfg, order)
+    r = simulate_run(sim, cfg, order, eval_steps=5, eval_bytes=MiB, save_steps=7)
+    assert (r.evaluations, r.saves) == (3, 2)
+    assert simulate_run(sim, cfg, order, eval_steps=1000, eval_bytes=MiB).evaluations == 1
+    # a small evaluation fits in the room the training steps leave: the run is unchanged
+    assert r.device_total_bytes == plain.device_total_bytes and r.peak_phase == "train"
+
+
+def test_an_evaluation_larger_than_a_step_decides_the_run(sims):
+    # on the CPU nothing is cached: an evaluation's need is what the run keeps between
+    # steps (weights, optimizer states) + its working set, exactly, byte for byte
+    sim = sims["cpu"]
+    cfg = TrainConfig(micro_batch_size=2)
+    order = run_order(_lengths(32), micro_batch_size=2)
+    big = [simulate_run(sim, cfg, order, eval_steps=4, eval_bytes=n * 1024 * MiB)
+           for n in (2, 3)]
+    assert all(r.peak_phase == "eval" for r in big)
+    assert big[1].device_total_bytes - big[0].device_total_bytes == 1024 * MiB
+    assert big[0].device_total_bytes > simulate_run(sim, cfg, order).device_total_bytes
+    # a save that allocates on the device (the CPU's copy) decides it the same way
+    saved = simulate_run(sim, cfg, order, save_steps=4, save_bytes=2048 * MiB)
+    assert saved.peak_phase == "save" and saved.device_total_bytes == big[0].device_total_bytes
+
+
+def test_on_a_card_an_evaluation_after_the_steps_costs_more_than_its_bytes(sims):
+    # the cache the training steps left is not where a large eval block fits: the run
+    # needs at least the live bytes + the eval block, and the replay says how much
+    sim = sims["A100-80GB"]
+    cfg = TrainConfig(micro_batch_size=2, precision="bf16-mixed")
+    order = run_order(_lengths(32), micro_batch_size=2)
+    plain = simulate_run(sim, cfg, order)
+    r = simulate_run(sim, cfg, order, eval_steps=4, eval_bytes=1024 * MiB)
+    assert r.device_total_bytes >= plain.device_total_bytes
+    assert r.device_total_bytes >= 1024 * MiB + plain.overhead_bytes
+    with pytest.raises(BadInputError, match="eval_steps"):
+        simulate_run(sim, cfg, order, eval_steps=0)
