@@ -195,8 +195,10 @@ def autofit(
         target_batch_size: the effective batch to keep (micro x accumulation x
             devices); default: a user's ``training_args=`` batch, else none.
         max_seq_len: truncation length of the samples.
-        margin: fraction of the capacity kept free (default 10%, above the
-            allocated peak plus the fragmentation measured in trials).
+        margin: fraction of the capacity kept free above the measured peak (default:
+            what the run replayed in the Trainer's order needs above its longest step
+            — 0 on the CPU — + a 3% safety, ``autofit.search.margin``; the reasons
+            say how much and why).
         objective: ``"throughput"`` (the only one so far).
         time_budget_s: stop starting trials after this long; the best confirmed
             candidate so far is returned.
@@ -239,10 +241,9 @@ def autofit(
     space, base_args = _space(probed, target_batch_size, opts, reasons)
     estimator = _estimator(probed, opts, progress, reasons)
     runner = _trial_runner(probed, dataset, max_seq_len, opts, estimator, reasons)
-    from autofit.search import DEFAULT_MARGIN
-
     add_fragmentation = margin is None  # the default margin also reports measured fragmentation
-    margin = DEFAULT_MARGIN if margin is None else margin
+    kept = _margin(probed, space, estimator, margin, base_args, opts, progress)
+    margin = kept.fraction
     recorder, key = _study(probed, space, margin, objective, runner, opts)
     cached = recorder.cached_result() if recorder is not None else None
     if cached is not None:
@@ -250,7 +251,7 @@ def autofit(
     outcome, engine = _search(probed, space, estimator, runner, recorder, margin=margin,
                               add_fragmentation=add_fragmentation, time_budget_s=time_budget_s,
                               started_at=started_at, progress=progress, opts=opts)
-    return _result(probed, space, engine, outcome, runner, recorder, key, base_args, margin,
+    return _result(probed, space, engine, outcome, runner, recorder, key, base_args, kept,
                    max_seq_len, opts, reasons)
 
 
@@ -500,6 +501,106 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
     return trial
 
 
+@dataclass(frozen=True)
+class _RunPlan:
+    """What the Trainer's arguments say of the run beyond one step: its order and its
+    evaluations and saves (the defaults when no ``training_args`` are given)."""
+
+    epochs: float = 1.0
+    max_steps: int | None = None
+    seed: int = 42
+    data_seed: int | None = None
+    sampling: str = "random"
+    drop_last: bool = False
+    eval_steps: int | None = None  # None: the run does not evaluate
+    save_steps: int | None = None  # None: the run does not save
+    assumed: bool = True  # no training_args: one evaluation and one save assumed
+
+    @classmethod
+    def of(cls, base_args: dict[str, Any] | None) -> _RunPlan:
+        if base_args is None:  # autofit writes an eval batch: assume the run evaluates
+            return cls(eval_steps=10**9, save_steps=10**9)
+        a = base_args
+
+        def every(strategy_key: str, steps_key: str) -> int | None:
+            strategy = str(a.get(strategy_key) or "no").split(".")[-1].lower()
+            if strategy in ("no", "none"):
+                return None
+            if strategy == "steps":
+                n = a.get(steps_key) or a.get("logging_steps") or 500
+                return max(1, int(n)) if float(n) >= 1 else None  # a fraction: at the end
+            return 10**9  # epoch / best: at the end of the (first) epoch, modelled once
+        max_steps = a.get("max_steps")
+        return cls(epochs=float(a.get("num_train_epochs") or 1.0),
+                   max_steps=int(max_steps) if max_steps and int(max_steps) > 0 else None,
+                   seed=int(a.get("seed") or 42), data_seed=a.get("data_seed"),
+                   sampling=str(a.get("train_sampling_strategy") or "random"),
+                   drop_last=bool(a.get("dataloader_drop_last")),
+                   eval_steps=every("eval_strategy", "eval_steps"),
+                   save_steps=every("save_strategy", "save_steps"), assumed=False)
+
+    def order(self, lengths: Any, config: TrainConfig, max_seq_len: int | None) -> Any:
+        from autofit.probe.run import run_order
+
+        return run_order(lengths, micro_batch_size=config.micro_batch_size,
+                         grad_accum_steps=config.grad_accum_steps, epochs=self.epochs,
+                         max_steps=self.max_steps, seed=self.seed, data_seed=self.data_seed,
+                         sampling=self.sampling if self.sampling in ("random", "sequential",
+                                                                     "group_by_length")
+                         else "random",
+                         drop_last=self.drop_last, max_seq_len=max_seq_len)
+
+
+def _eval_working_set(info: Any, config: TrainConfig, seq_len: int, dev: DeviceInfo,
+                      eval_micro: int | None, generate_max_new_tokens: int | None) -> int:
+    """Bytes an evaluation with ``eval_micro`` adds between the training steps of ``config``."""
+    if eval_micro is None:
+        return 0
+    from autofit.memory.analytic import weights_bytes
+    from autofit.memory.eval import estimate_eval
+    from autofit.memory.run import eval_working_set
+
+    ev = estimate_eval(info, eval_micro, seq_len, dev, training=config,
+                       generate_max_new_tokens=generate_max_new_tokens)
+    return eval_working_set(ev, weights_bytes(info, config))
+
+
+def _margin(probed: _Probed, space: Any, estimator: _Estimator, margin: float | None,
+            base_args: dict[str, Any] | None, opts: dict[str, Any], progress: Any) -> Any:
+    """Stage 4b: the margin kept free. Given: as given. Else from evidence
+    (``autofit.search.margin``): the run the estimate alone would choose, replayed in the
+    Trainer's order with its evaluations and saves, above its longest step, + a safety."""
+    from autofit.search.margin import SAFETY, given_margin, run_margin
+
+    dev = probed.device
+    if margin is not None:
+        return given_margin(margin, dev)
+    if dev.allocator != "cuda":
+        return run_margin(None, None, None, dev)
+    from autofit.memory.simulate import Simulator
+    from autofit.search import Engine
+
+    plan = Engine(space, dev.capacity_bytes, estimate=estimator.total, speed=estimator.speed,
+                  trial=None, seq_len=probed.seq_len, margin=SAFETY).run()
+    if plan.config is None:
+        return run_margin(None, None, None, dev)
+    config = plan.config
+    if progress is not None:
+        progress(f"replaying the run of micro batch {config.micro_batch_size} × "
+                 f"{config.grad_accum_steps} in the Trainer's order (for the margin)")
+    run = _RunPlan.of(base_args)
+    eval_micro = _eval_micro_batch(probed.info, config, probed.seq_len, dev, SAFETY,
+                                   int(opts.get("max_micro_batch", 256)),
+                                   opts.get("generate_max_new_tokens"), [])
+    sim = Simulator(probed.module, task=probed.task, device=dev, model_name=probed.info.name)
+    return run_margin(sim, config, run.order(probed.data.lengths, config, None), dev,
+                      eval_steps=run.eval_steps,
+                      eval_bytes=_eval_working_set(probed.info, config, probed.seq_len, dev,
+                                                   eval_micro,
+                                                   opts.get("generate_max_new_tokens")),
+                      save_steps=run.save_steps)
+
+
 def _study(probed: _Probed, space: Any, margin: float, objective: str, runner: Any,
            opts: dict[str, Any]) -> tuple[Any, str]:
     """Stage 5: the cache key of this question, and the optuna study that records the trials
@@ -550,7 +651,7 @@ def _search(probed: _Probed, space: Any, estimator: _Estimator, runner: Any, rec
 
 
 def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any, recorder: Any,
-            key: str, base_args: dict[str, Any] | None, margin: float,
+            key: str, base_args: dict[str, Any] | None, kept: Any,
             max_seq_len: int | None, opts: dict[str, Any], reasons: list[str]):
     """Stage 7: the ``FitResult`` (estimate, reasons, TrainingArguments, eval batch, the
     candidates), stored in the cache when confirmed; or "nothing fits" with suggestions."""
@@ -561,6 +662,7 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
     from autofit.result import FitResult
 
     info, dev, seq = probed.info, probed.device, probed.seq_len
+    margin = kept.fraction
     if outcome.config is None:
         from autofit.search.suggest import nothing_fits
 
@@ -581,17 +683,21 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
                                    opts.get("generate_max_new_tokens"), reasons)
     if eval_micro is not None:
         kwargs["per_device_eval_batch_size"] = eval_micro
+    at = next((i + 1 for i, r in enumerate(reasons) if r.startswith("margin:")), len(reasons))
+    reasons.insert(at, kept.reason)  # why that margin, beside the engine's line
+    est, predicted_run = _whole_run(probed, engine, outcome, est, kept, eval_micro, base_args,
+                                    opts, reasons)
     rows = tuple(candidate_row(c) for c in outcome.candidates)
     model = probed.model
     meta = {"model": probed.name, "task": probed.task, "seq_len": seq, "device": dev.name,
             "margin": margin, "cache_key": key, "target_batch_size": space.target_batch_size,
             "max_seq_len": max_seq_len,
             "model_id": model_identity(probed.module if hasattr(model, "parameters") else model),
-            "versions": library_versions()}
+            "versions": library_versions(), "predicted_run_bytes": predicted_run}
     result = FitResult(config=config, estimate=est, trials=() if simulated else tuple(outcome.trials),
                        reasons=tuple(reasons), confirmed=confirmed, device=dev.name,
                        candidates=rows, training_arguments_kwargs=kwargs, meta=meta,
-                       eval_micro_batch=eval_micro)
+                       eval_micro_batch=eval_micro, predicted_run_bytes=predicted_run)
     from autofit.search.study import is_failed
 
     # an answer that rests on a failed trial (a crash, a timeout) is not kept: the next
@@ -602,6 +708,54 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
                                "candidates": list(rows), "meta": meta,
                                "eval_micro_batch": eval_micro})
     return result
+
+
+def _whole_run(probed: _Probed, engine: Any, outcome: Any, est: MemoryEstimate, kept: Any,
+               eval_micro: int | None, base_args: dict[str, Any] | None,
+               opts: dict[str, Any], reasons: list[str]) -> tuple[MemoryEstimate, int]:
+    """The chosen configuration's whole run: ``est`` with its run fields (the estimate's
+    step + what the modelled run adds; an evaluation when it needs more), and the
+    predicted run need (the same, from the trial's measured step when there is one)."""
+    import dataclasses
+
+    from autofit.memory.eval import estimate_eval
+    from autofit.probe.device import format_bytes
+
+    config, dev, info, seq = outcome.config, probed.device, probed.info, probed.seq_len
+    run = kept.run
+    if dev.allocator == "cuda" and kept.config is not None and kept.config != config:
+        from autofit.memory.simulate import Simulator
+        from autofit.search.margin import run_margin
+
+        plan = _RunPlan.of(base_args)
+        sim = Simulator(probed.module, task=probed.task, device=dev, model_name=info.name)
+        run = run_margin(sim, config, plan.order(probed.data.lengths, config, None), dev,
+                         eval_steps=plan.eval_steps,
+                         eval_bytes=_eval_working_set(info, config, seq, dev, eval_micro,
+                                                      opts.get("generate_max_new_tokens")),
+                         save_steps=plan.save_steps).run
+    extra = run.fragmentation_bytes if run is not None else 0
+    best = outcome.choice
+    b = config.micro_batch_size
+    measured = best.measured.get(b) if best is not None and outcome.confirmed else None
+    step = measured if measured is not None else (
+        engine.estimated(best, b) if best is not None else est.device_total_bytes)
+    evaluation = (estimate_eval(info, eval_micro, seq, dev, training=config,
+                                generate_max_new_tokens=opts.get("generate_max_new_tokens"))
+                  .device_total_bytes if eval_micro is not None else 0)
+    predicted = max(step + extra, evaluation)
+    total = max(est.device_total_bytes + extra, evaluation)
+    est = dataclasses.replace(est, run_device_total_bytes=total,
+                              run_peak_reserved_bytes=total - dev.overhead_bytes,
+                              fits=total <= est.capacity_bytes)
+    source = f"{'measured' if measured is not None else 'estimated'} step {format_bytes(step)}"
+    parts = [source] + ([f"+ {format_bytes(extra)} over the run"] if extra else [])
+    reasons.append(f"whole run: needs ~{format_bytes(predicted)} of "
+                   f"{format_bytes(dev.capacity_bytes)} ({' '.join(parts)}"
+                   + (f"; an evaluation at eval batch {eval_micro} needs "
+                      f"~{format_bytes(evaluation)}" if eval_micro is not None else "")
+                   + ")")
+    return est, int(predicted)
 
 
 def candidate_row(c: Any) -> dict[str, Any]:
@@ -647,6 +801,7 @@ def _result_from_cache(cached: dict, recorder: Any, probed: _Probed,
         meta=cached["meta"],
         from_cache=True,
         eval_micro_batch=eval_micro,
+        predicted_run_bytes=cached["meta"].get("predicted_run_bytes"),
     )
 
 

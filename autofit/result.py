@@ -38,6 +38,10 @@ class FitResult:
         from_cache: answered from the study cache, with no trial.
         eval_micro_batch: ``per_device_eval_batch_size``, tuned apart from training
             (``autofit.memory.eval.tune_eval_batch``); None when not tuned.
+        predicted_run_bytes: what the whole run is predicted to need on the device:
+            the confirmed trial's measured step (else the calibrated estimate) + what
+            the modelled run adds above it (``autofit.memory.run``), or an evaluation
+            when it needs more; None when not known (an answer from an old cache).
     """
 
     config: TrainConfig
@@ -51,6 +55,7 @@ class FitResult:
     meta: dict[str, Any] = field(default_factory=dict)
     from_cache: bool = False
     eval_micro_batch: int | None = None
+    predicted_run_bytes: int | None = None
 
     @property
     def training_arguments(self) -> Any:

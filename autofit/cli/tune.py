@@ -35,7 +35,8 @@ def add_tune_parser(sub: Any) -> argparse.ArgumentParser:
     t.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this length")
     t.add_argument("--margin", type=float, default=None,
                    help="fraction of capacity kept free above the measured reserved peak "
-                        "(allocated + fragmentation; default 0.10)")
+                        "(default: what the modelled run needs above its longest step, "
+                        "+ 0.03 safety; the reasons say how much)")
     t.add_argument("--time-budget", type=float, default=None, help="seconds; best so far after it")
     t.add_argument("-o", "--output", default="tuned.yaml", help="tuned file (.yaml or .json)")
     for k in KNOBS:  # each knob's own options restrict it (--precision, --optim, ...)

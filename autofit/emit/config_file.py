@@ -213,6 +213,7 @@ _META_KEYS: dict[str, tuple[Any, str]] = {
     "max_seq_len": (_optional(_count), "a positive whole number"),
     "target_batch_size": (_optional(_count), "a positive whole number"),
     "eval_micro_batch": (_optional(_count), "a positive whole number"),
+    "predicted_run_bytes": (_optional(_count), "a positive whole number of bytes"),
     "margin": (_optional(lambda v: _number(v) and 0 <= v < 1), "a fraction in [0, 1)"),
     "cache_key": (_optional(_text), "text"),
     "model_id": (_optional(_text), "text"),

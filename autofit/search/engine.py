@@ -51,8 +51,9 @@ DEFAULT_MARGIN = 0.10
 SPEED_TIE = 0.05  # measured throughputs this close are a tie (step-time noise)
 # Part of the cache key: bump it when a change to the search makes cached answers stale
 # (2: the margin no longer subtracts measured fragmentation twice; line calibration;
-# 3: study parameters and candidate rows per knob, rows carry the uncalibrated estimate).
-ENGINE_VERSION = 3
+# 3: study parameters and candidate rows per knob, rows carry the uncalibrated estimate;
+# 4: the default margin from the modelled run + a 3% safety, answers carry the run's need).
+ENGINE_VERSION = 4
 
 
 @dataclass
