@@ -240,9 +240,10 @@ def autofit(
     probed = _probe(model, dataset, device, max_seq_len, opts, reasons)
     space, base_args = _space(probed, target_batch_size, opts, reasons)
     estimator = _estimator(probed, opts, progress, reasons)
-    runner = _trial_runner(probed, dataset, max_seq_len, opts, estimator, reasons)
     add_fragmentation = margin is None  # the default margin also reports measured fragmentation
     kept = _margin(probed, space, estimator, margin, base_args, opts, progress)
+    runner = _trial_runner(probed, dataset, max_seq_len, opts, estimator, reasons, kept,
+                           base_args)
     margin = kept.fraction
     recorder, key = _study(probed, space, margin, objective, runner, opts)
     cached = recorder.cached_result() if recorder is not None else None
@@ -437,13 +438,14 @@ def _estimator(probed: _Probed, opts: dict[str, Any], progress: Any,
 
 
 def _trial_runner(probed: _Probed, dataset: Any, max_seq_len: int | None, opts: dict[str, Any],
-                  estimator: _Estimator, reasons: list[str]) -> Any:
+                  estimator: _Estimator, reasons: list[str], kept: Any = None,
+                  base_args: dict[str, Any] | None = None) -> Any:
     """Stage 4: ``config -> TrialResult``: real micro-steps on a present device; simulated
     steps for an absent card with ``method='simulate'`` (then ``.simulator`` is set); None
     for a plan from the estimate alone."""
     dev = probed.device
     if dev.present:
-        return _device_trials(probed, dataset, max_seq_len, opts)
+        return _device_trials(probed, dataset, max_seq_len, opts, kept, base_args)
     if opts.get("method", "analytic") == "simulate":
         reasons.append(f"{dev.name} is not present here: the best candidates were bracketed by "
                        "simulating their training step on fake tensors with the allocator "
@@ -458,8 +460,12 @@ def _trial_runner(probed: _Probed, dataset: Any, max_seq_len: int | None, opts: 
 
 
 def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
-                   opts: dict[str, Any]) -> Callable[[TrainConfig], Any]:
-    """Real trials: ``measure`` on the worst-case batch of each micro batch size."""
+                   opts: dict[str, Any], kept: Any = None,
+                   base_args: dict[str, Any] | None = None) -> Callable[[TrainConfig], Any]:
+    """Real trials: ``measure`` on the worst-case batch of each micro batch size, with the
+    run around it (``trial_run``): an evaluation step at the eval batch the estimate gives
+    that configuration and, where the modelled run fragments a caching allocator, the run's
+    first lengths in its order before the measured steps."""
     from autofit.probe.data import worst_case_batch
 
     batches: dict[int, Any] = {}
@@ -485,7 +491,8 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
         return measure(probed.model, config, batches[b], device=probed.device, task=probed.task,
                        isolation=opts.get("isolation", "auto"),
                        timeout_s=opts.get("trial_timeout_s", 600.0),
-                       attn_implementation=opts.get("attn_implementation"), lora=opts.get("lora"))
+                       attn_implementation=opts.get("attn_implementation"), lora=opts.get("lora"),
+                       run=trial_run(probed, config, kept, base_args, opts))
 
     def digest(largest: int) -> str:
         """The content of every batch a trial can be fed: the ``largest`` longest rows (each
@@ -601,6 +608,39 @@ def _margin(probed: _Probed, space: Any, estimator: _Estimator, margin: float | 
                       save_steps=run.save_steps)
 
 
+RUN_TRIAL_STEPS = 6  # micro batches of the run's order a trial replays on a caching allocator
+
+
+def trial_run(probed: _Probed, config: TrainConfig, kept: Any,
+              base_args: dict[str, Any] | None, opts: dict[str, Any]) -> Any:
+    """The short run a trial of ``config`` replays besides its worst-case steps
+    (``autofit.trial.step.RunSpec``), or None.
+
+    - an evaluation step at the eval batch the estimate gives ``config`` (inside the run:
+      the optimizer states alive), measured apart, so that the eval batch written is one
+      that ran (not when evaluating by generation: a trial runs the forward only);
+    - on a caching allocator whose modelled run needs more than its longest step
+      (``kept.run_bytes``), the first ``RUN_TRIAL_STEPS`` micro batches of the run's
+      order, each cut to its padded length, before the measured steps.
+    """
+    from autofit.search.margin import SAFETY
+    from autofit.trial.step import RunSpec
+
+    dev, seq = probed.device, probed.seq_len
+    margin = kept.fraction if kept is not None else SAFETY
+    eval_b = None
+    if not opts.get("generate_max_new_tokens"):
+        eval_b = _eval_micro_batch(probed.info, config, seq, dev, margin,
+                                   int(opts.get("max_micro_batch", 256)), None, [])
+    lengths: tuple[int, ...] = ()
+    if dev.allocator == "cuda" and kept is not None and kept.run_bytes > 0:
+        order = _RunPlan.of(base_args).order(probed.data.lengths, config, None)
+        lengths = tuple(order.lengths[:RUN_TRIAL_STEPS])
+    if eval_b is None and not lengths:
+        return None
+    return RunSpec(lengths=lengths, eval_batch_size=eval_b, eval_length=seq)
+
+
 def _study(probed: _Probed, space: Any, margin: float, objective: str, runner: Any,
            opts: dict[str, Any]) -> tuple[Any, str]:
     """Stage 5: the cache key of this question, and the optuna study that records the trials
@@ -681,12 +721,14 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
     eval_micro = _eval_micro_batch(info, config, seq, dev, margin,
                                    int(opts.get("max_micro_batch", 256)),
                                    opts.get("generate_max_new_tokens"), reasons)
+    eval_micro, eval_measured = _eval_from_trial(outcome, config, eval_micro, info, seq, dev,
+                                                 margin, opts, reasons)
     if eval_micro is not None:
         kwargs["per_device_eval_batch_size"] = eval_micro
     at = next((i + 1 for i, r in enumerate(reasons) if r.startswith("margin:")), len(reasons))
     reasons.insert(at, kept.reason)  # why that margin, beside the engine's line
     est, predicted_run = _whole_run(probed, engine, outcome, est, kept, eval_micro, base_args,
-                                    opts, reasons)
+                                    opts, reasons, eval_measured)
     rows = tuple(candidate_row(c) for c in outcome.candidates)
     model = probed.model
     meta = {"model": probed.name, "task": probed.task, "seq_len": seq, "device": dev.name,
@@ -712,7 +754,8 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
 
 def _whole_run(probed: _Probed, engine: Any, outcome: Any, est: MemoryEstimate, kept: Any,
                eval_micro: int | None, base_args: dict[str, Any] | None,
-               opts: dict[str, Any], reasons: list[str]) -> tuple[MemoryEstimate, int]:
+               opts: dict[str, Any], reasons: list[str],
+               eval_measured: int | None = None) -> tuple[MemoryEstimate, int]:
     """The chosen configuration's whole run: ``est`` with its run fields (the estimate's
     step + what the modelled run adds; an evaluation when it needs more), and the
     predicted run need (the same, from the trial's measured step when there is one)."""
@@ -743,7 +786,7 @@ def _whole_run(probed: _Probed, engine: Any, outcome: Any, est: MemoryEstimate, 
     evaluation = (estimate_eval(info, eval_micro, seq, dev, training=config,
                                 generate_max_new_tokens=opts.get("generate_max_new_tokens"))
                   .device_total_bytes if eval_micro is not None else 0)
-    predicted = max(step + extra, evaluation)
+    predicted = max(step + extra, eval_measured if eval_measured is not None else evaluation)
     total = max(est.device_total_bytes + extra, evaluation)
     est = dataclasses.replace(est, run_device_total_bytes=total,
                               run_peak_reserved_bytes=total - dev.overhead_bytes,
@@ -752,10 +795,53 @@ def _whole_run(probed: _Probed, engine: Any, outcome: Any, est: MemoryEstimate, 
     parts = [source] + ([f"+ {format_bytes(extra)} over the run"] if extra else [])
     reasons.append(f"whole run: needs ~{format_bytes(predicted)} of "
                    f"{format_bytes(dev.capacity_bytes)} ({' '.join(parts)}"
-                   + (f"; an evaluation at eval batch {eval_micro} needs "
-                      f"~{format_bytes(evaluation)}" if eval_micro is not None else "")
+                   + (f"; an evaluation at eval batch {eval_micro} "
+                      + (f"measured {format_bytes(eval_measured)}" if eval_measured is not None
+                         else f"needs ~{format_bytes(evaluation)}")
+                      if eval_micro is not None else "")
                    + ")")
     return est, int(predicted)
+
+
+def _eval_from_trial(outcome: Any, config: TrainConfig, eval_micro: int | None, info: Any,
+                     seq: int, dev: DeviceInfo, margin: float, opts: dict[str, Any],
+                     reasons: list[str]) -> tuple[int | None, int | None]:
+    """The eval batch checked against the evaluation step the chosen configuration's trial
+    ran (``trial_run``): kept when it fitted the budget, else re-tuned with the estimate
+    scaled to what the trial measured. Returns the eval batch and its measured bytes
+    (None when no trial ran it, or when the batch was re-tuned)."""
+    from autofit.memory.eval import estimate_eval
+    from autofit.probe.device import format_bytes
+
+    ran = [t for t in outcome.trials if getattr(t, "eval_device_total_bytes", None) is not None
+           and not t.oom and t.config.get("micro_batch_size") == config.micro_batch_size
+           and all(t.config.get(k.name) == getattr(config, k.name) for k in KNOBS)]
+    if eval_micro is None or not ran:
+        return eval_micro, None
+    t = ran[-1]
+    measured = int(t.eval_device_total_bytes)
+    budget = int(dev.capacity_bytes * (1 - margin))
+    if not t.eval_oom and measured <= budget:
+        reasons.append(f"eval micro batch {eval_micro}: its evaluation step measured "
+                       f"{format_bytes(measured)} in the trial, inside the run "
+                       f"(≤ budget {format_bytes(budget)})")
+        return eval_micro, measured
+    estimated = estimate_eval(info, eval_micro, seq, dev, training=config).device_total_bytes
+    # what the trial saw, as a ratio to the estimate (an OOM: at least the capacity)
+    ratio = max(1.0, (dev.capacity_bytes * 1.05 if t.eval_oom else measured) / estimated)
+    scaled = 1 - (1 - margin) / ratio  # need x ratio <= budget  <=>  need <= cap x (1 - scaled)
+    what = ("ran out of memory" if t.eval_oom else f"measured {format_bytes(measured)} > "
+            f"budget {format_bytes(budget)}")
+    smaller = _eval_micro_batch(info, config, seq, dev, min(scaled, 0.99),
+                                min(eval_micro - 1, int(opts.get("max_micro_batch", 256)))
+                                if eval_micro > 1 else 1, None, [])
+    if smaller is None or smaller >= eval_micro:
+        reasons.append(f"eval batch not tuned: the evaluation step at eval batch {eval_micro} "
+                       f"{what} in the trial, and no smaller one is estimated to fit")
+        return None, None
+    reasons.append(f"eval micro batch {smaller}: the trial's evaluation step at {eval_micro} "
+                   f"{what} inside the run; the estimate scaled x{ratio:.2f} to it")
+    return smaller, None
 
 
 def candidate_row(c: Any) -> dict[str, Any]:

@@ -72,6 +72,7 @@ def main(argv: list[str]) -> int:
         device,
         warmup_steps=int(payload["warmup_steps"]),
         measure_steps=int(payload["measure_steps"]),
+        run=payload.get("run"),
         cap_bytes=payload.get("cap_bytes"),
         deadline=deadline,
     )

@@ -31,8 +31,10 @@ import torch
 from autofit.trial import procmem
 from autofit.trial.oom import is_oom
 from autofit.trial.step import (
+    RunSpec,
     Stepper,
     StepPlan,
+    cut_batch,
     free_grads,
     move_batch,
     prepare_model,
@@ -66,6 +68,10 @@ class RawTrial:
     recovered: bool | None = None
     notes: list[str] = field(default_factory=list)
     killed_by: str | None = None  # subprocess: the outside signal that ended the child
+    run_steps: int = 0  # steps of the run's other lengths replayed (RunSpec.lengths)
+    eval_device_total_bytes: int | None = None  # the evaluation step (RunSpec.eval_batch_size)
+    eval_oom: bool = False
+    eval_error: str | None = None
 
     @property
     def step_time_s(self) -> float | None:
@@ -240,6 +246,23 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {head}"[:500]
 
 
+def _evaluate(stepper: Stepper, batch: dict[str, torch.Tensor], run: RunSpec, meter: Any,
+              raw: RawTrial) -> None:
+    """The evaluation step of ``run``, its peak measured apart from the training's (which
+    is read first and kept in ``raw``)."""
+    raw.peak_allocated_bytes, raw.peak_reserved_bytes, raw.device_total_bytes = meter.peaks()
+    length = run.eval_length or int(batch["input_ids"].shape[1])
+    error = None
+    meter.reset_peak()
+    try:
+        stepper.evaluate(cut_batch(batch, length, rows=run.eval_batch_size))
+    except Exception as exc:  # noqa: BLE001 - an eval failure is part of the result
+        raw.eval_oom = is_oom(exc)
+        error = f"evaluation step: {_first_line(exc)}"
+    raw.eval_error = error
+    raw.eval_device_total_bytes = meter.peaks()[2]
+
+
 def run_steps(
     model: torch.nn.Module,
     batch: dict[str, torch.Tensor],
@@ -251,9 +274,14 @@ def run_steps(
     cap_bytes: int | None = None,
     excluded_bytes: int = 0,
     deadline: float | None = None,
+    run: RunSpec | None = None,
 ) -> RawTrial:
     """Prepare ``model`` (mutated: the caller owns a copy or a snapshot) and measure.
 
+    ``run``: the run's other lengths (one step each, after the warm-up, before the timed
+    steps: their peak counts) and an evaluation step after the timed steps, measured
+    apart (``eval_device_total_bytes``; an out-of-memory there is ``eval_oom``, not
+    the training's).
     ``cap_bytes``: a CPU cap (weights + buffers + batch + the steps' memory).
     ``excluded_bytes``: accelerator bytes that belong to no part of the run (the
     user's original model when the trial runs on a copy beside it).
@@ -313,6 +341,15 @@ def run_steps(
             phase = "measured"
             if not raw.timed_out:
                 meter.reset_peak()
+                for length in (run.lengths if run is not None else ()):
+                    phase = f"run (length {length})"
+                    stepper.step(cut_batch(batch, length))
+                    raw.run_steps += 1
+                    if deadline is not None and time.monotonic() > deadline:
+                        raw.timed_out = True
+                        break
+                phase = "measured"
+            if not raw.timed_out:
                 for _ in range(measure_steps):
                     _sync(device)
                     t0 = time.perf_counter()
@@ -322,6 +359,8 @@ def run_steps(
                     if deadline is not None and time.monotonic() > deadline:
                         raw.timed_out = len(raw.step_times_s) < measure_steps
                         break
+            if run is not None and run.eval_batch_size and not raw.timed_out:
+                _evaluate(stepper, batch, run, meter, raw)
         finally:
             meter.disarm()
     except Exception as exc:  # noqa: BLE001 - every failure becomes part of the result
@@ -331,7 +370,7 @@ def run_steps(
     if error is not None:
         raw.oom = oom
         raw.error = error
-    if meter is not None and meter.base is not None:
+    if meter is not None and meter.base is not None and raw.eval_device_total_bytes is None:
         raw.peak_allocated_bytes, raw.peak_reserved_bytes, raw.device_total_bytes = meter.peaks()
     # 5. free what the trial made, then check the baseline
     if stepper is not None:

@@ -45,6 +45,10 @@ class TrialResult:
     leaked_bytes: int | None = None
     notes: tuple[str, ...] = ()
     killed_by: str | None = None  # "SIGKILL", ...: ended the trial process (and its retry)
+    run_steps: int = 0  # steps of the run's other lengths replayed before the measured ones
+    eval_device_total_bytes: int | None = None  # the evaluation step, with the states alive
+    eval_oom: bool = False  # the evaluation step ran out of memory (the training did not)
+    eval_error: str | None = None
 
     @property
     def fits(self) -> bool:

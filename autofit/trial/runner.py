@@ -257,6 +257,7 @@ def _run_in_process(
     warmup_steps: int,
     measure_steps: int,
     deadline: float | None,
+    run: Any = None,
 ) -> Any:
     from autofit.trial.loop import run_steps
     from autofit.trial.model import ModelRef, materialize
@@ -293,6 +294,7 @@ def _run_in_process(
             cap_bytes=cap,
             excluded_bytes=excluded,
             deadline=deadline,
+            run=run,
         )
     finally:
         if snapshot is not None:
@@ -355,6 +357,7 @@ def _run_subprocess(
     warmup_steps: int,
     measure_steps: int,
     timeout_s: float | None,
+    run: Any = None,
 ) -> Any:
     """The trial in a fresh child (``autofit.trial.process``), retried once if killed.
 
@@ -375,6 +378,7 @@ def _run_subprocess(
             "warmup_steps": warmup_steps,
             "measure_steps": measure_steps,
             "deadline_wall": deadline,
+            "run": run,
         }
         try:
             torch.save(payload, work / "payload.pt")
@@ -461,6 +465,7 @@ def measure(
     collator: Any = None,
     attn_implementation: str | None = None,
     lora: Any = None,
+    run: Any = None,
 ) -> TrialResult:
     """Run ``warmup_steps`` + ``measure_steps`` real training steps and measure them.
 
@@ -485,6 +490,9 @@ def measure(
         collator: replaces the default pad-to-longest collation.
         attn_implementation: ``eager`` | ``sdpa`` for a model given by reference.
         lora: a ``LoraSpec`` (or dict) to put on a model given by reference.
+        run: a ``autofit.trial.step.RunSpec``: a short run around the measured steps
+            (the run's other lengths before them, whose peak counts; an evaluation
+            step after them, measured apart: ``eval_device_total_bytes``, ``eval_oom``).
 
     Returns:
         A ``TrialResult``; an out-of-memory step gives ``oom=True`` (not an exception);
@@ -580,6 +588,7 @@ def measure(
                 warmup_steps=warmup_steps,
                 measure_steps=measure_steps,
                 timeout_s=timeout_s,
+                run=run,
             )
         except _Unpicklable as e:
             if isolation != "auto":
@@ -611,6 +620,7 @@ def measure(
             warmup_steps=warmup_steps,
             measure_steps=measure_steps,
             deadline=None if timeout_s is None else time.monotonic() + float(timeout_s),
+            run=run,
         )
     notes = list(raw.notes)
     if mode == "in-process" and raw.recovered is False:
@@ -650,6 +660,10 @@ def measure(
         leaked_bytes=raw.leaked_bytes if mode == "in-process" else None,
         notes=tuple(notes),
         killed_by=raw.killed_by,
+        run_steps=raw.run_steps,
+        eval_device_total_bytes=raw.eval_device_total_bytes,
+        eval_oom=raw.eval_oom,
+        eval_error=raw.eval_error,
     )
 
 

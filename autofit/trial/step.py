@@ -221,6 +221,41 @@ def build_optimizer(model: torch.nn.Module, plan: StepPlan) -> torch.optim.Optim
     return optimizer
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """What a trial replays of the run besides the worst-case steps (all optional).
+
+    Attributes:
+        lengths: padded lengths of micro batches in the run's order, each one optimizer
+            step on the worst-case rows cut to that length, run after the warm-up and
+            before the timed steps (what a caching allocator fragments on).
+        eval_batch_size: ``per_device_eval_batch_size``: one evaluation step after the
+            timed steps, with the optimizer states alive (as inside ``Trainer.train``).
+        eval_length: tokens per sample of the evaluation batch (default: the batch's).
+    """
+
+    lengths: tuple[int, ...] = ()
+    eval_batch_size: int | None = None
+    eval_length: int | None = None
+
+
+def cut_batch(batch: dict[str, torch.Tensor], length: int,
+              rows: int | None = None) -> dict[str, torch.Tensor]:
+    """``batch`` cut to ``length`` tokens, and to ``rows`` rows (repeated when more)."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            if rows is not None:
+                reps = -(-rows // v.shape[0])
+                v = v.repeat(reps, *([1] * (v.dim() - 1)))[:rows] if reps > 1 else v[:rows]
+            if v.dim() >= 2:
+                v = v[:, :length]
+            out[k] = v.contiguous()
+        else:
+            out[k] = v
+    return out
+
+
 def tiny_batch(batch: dict[str, torch.Tensor], length: int = 8) -> dict[str, torch.Tensor]:
     """One sample, ``length`` tokens: the set-up step run before the baseline."""
     out = {}
@@ -324,6 +359,21 @@ class Stepper:
         if not stepped:
             self.skipped_steps += 1
         return stepped
+
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> None:
+        """One evaluation step as ``Trainer.prediction_step`` runs it inside training: eval
+        mode, no gradients, the same autocast, forward with labels; the loss and logits
+        are dropped (no ``compute_metrics``: the Trainer keeps only the loss)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self._autocast_ctx():
+                out = self.model(**batch)
+                loss = _loss_of(out).detach()
+                del out
+            del loss
+        finally:
+            self.model.train(was_training)
 
     def close(self) -> None:
         """Drop the optimizer, its state and every gradient."""
