@@ -159,9 +159,9 @@ CONFIG_TIMEOUT_S = 150.0  # one measuring child
 OOM_TIMEOUT_S = 150.0  # the OOM-boundary child
 OOM_RESERVE_S = 75.0  # kept for the OOM check when the matrix runs long
 SOAK_RESERVE_S = 90.0  # kept for the soak (after the OOM check) when the matrix runs long
-SOAK_TIMEOUT_S = 75.0  # one soak child (~25 s on the H200)
+SOAK_TIMEOUT_S = {"cuda": 75.0, "cpu": 300.0}  # one soak child (~25 s on the H200)
 SOAK_MIN_S = 30.0  # a soak starts only with this much time left before the budget
-SOAK_PREDICT_TIMEOUT_S = 240.0  # one soak's prediction (its own process, no CUDA)
+SOAK_PREDICT_TIMEOUT_S = {"cuda": 240.0, "cpu": 600.0}  # one soak's prediction (no CUDA)
 WRITE_MARGIN_S = 15.0  # kept for writing the results
 
 # CPU children (dry run): glibc returns freed blocks, so RSS follows the tensors.
@@ -964,7 +964,8 @@ def _markdown(d: dict[str, Any]) -> str:
     head = ("| config | B×T | measured alloc / reserved / used (GiB) | "
             + " | ".join(f"{m} alloc / reserved / total (error)" for m in methods)
             + " | peak: measured / sim | step s |")
-    lines += [head, "|---|---|---|" + "---|" * len(methods) + "---|---|"]
+    if d["rows"]:  # none with --soak-only
+        lines += [head, "|---|---|---|" + "---|" * len(methods) + "---|---|"]
     for r in d["rows"]:
         m = r.get("measured") or {}
         if m.get("error") and not m.get("peak_allocated_bytes"):
@@ -1242,7 +1243,7 @@ def main(argv: list[str] | None = None) -> int:
     def run_soaks() -> None:
         for i, soak in enumerate(soaks, 1):
             now = run.elapsed()
-            timeout = min(SOAK_TIMEOUT_S, args.budget_s - WRITE_MARGIN_S - now)
+            timeout = min(SOAK_TIMEOUT_S[args.device], args.budget_s - WRITE_MARGIN_S - now)
             if now > args.guard_s or timeout < SOAK_MIN_S:
                 with run.lock:
                     run.data["skipped"].append({"name": soak.name,
@@ -1270,7 +1271,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 job = json.dumps({"soak": asdict(soak), "target": asdict(target)})
                 p = _run_json_child(["--soak-predict-child", job, "--device", args.device],
-                                    args.device, min(SOAK_PREDICT_TIMEOUT_S,
+                                    args.device, min(SOAK_PREDICT_TIMEOUT_S[args.device],
                                                      args.budget_s - WRITE_MARGIN_S - now),
                                     env_extra={"CUDA_VISIBLE_DEVICES": ""})
             with run.lock:
@@ -1325,8 +1326,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_table(d: dict[str, Any]) -> None:
     methods = d["settings"]["methods"]
-    print("\nconfig                                   measured alloc/resv/used GiB   "
-          + "   ".join(f"{m} err alloc/resv/total" for m in methods), flush=True)
+    if d["rows"]:
+        print("\nconfig                                   measured alloc/resv/used GiB   "
+              + "   ".join(f"{m} err alloc/resv/total" for m in methods), flush=True)
     for r in d["rows"]:
         m = r.get("measured") or {}
         meas = "/".join(f"{(m.get(k) or 0) / GiB:.2f}" for k in (
