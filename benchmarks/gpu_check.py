@@ -7,12 +7,13 @@ to its children through ``PYTHONPATH``)::
     run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT",
         timeout_s=570)
 
-The script stops starting configurations at 5:45 (the 7-minute guard ``--guard-s``
-less 75 s kept for the OOM check), starts nothing after 7 minutes and ends within 8
-(``--budget-s``); it rewrites ``$OUT/gpu_check.json`` and ``gpu_check.md`` after
-every configuration, so a run cut short still brings its results back. Copy them to
-``benchmarks/results/`` to keep them. Without ``--out`` it writes to ``$OUT`` when
-that is set, else to ``benchmarks/results/``.
+The script stops starting configurations at 4:15 (the 7-minute guard ``--guard-s``
+less 75 s kept for the OOM check and 90 s for the soak; 5:45 with ``--no-soak``),
+starts the OOM check by 5:30 and a soak only with 30 s left, starts nothing after 7
+minutes and ends within 8 (``--budget-s``); it rewrites ``$OUT/gpu_check.json`` and
+``gpu_check.md`` after every configuration, so a run cut short still brings its
+results back. Copy them to ``benchmarks/results/`` to keep them. Without ``--out`` it
+writes to ``$OUT`` when that is set, else to ``benchmarks/results/``.
 
 bitsandbytes is not in the device's image (KINDS.md), so the two ``adamw_bnb_8bit``
 configurations are skipped there with a note; to include them, carry a Python 3.12
@@ -24,7 +25,8 @@ start the command with ``python3 -m pip install -q --no-index --no-deps --no-com
 On this (CPU-only) machine::
 
     python benchmarks/gpu_check.py --dry-run                 # every config, tiny shapes
-    python benchmarks/gpu_check.py --dry-run --limit 2 --out /tmp/gc
+    python benchmarks/gpu_check.py --dry-run --limit 2 --no-soak --out /tmp/gc
+    python benchmarks/gpu_check.py --dry-run --soak-only --out /tmp/gc   # ~4 min here
 
 What it does:
 
@@ -72,18 +74,39 @@ What it does:
    configuration in a fresh process (``isolation="subprocess"``): peak allocated
    within 1 %. Where the estimate misplaces the boundary the batches step by one
    until the real boundary is found, and both boundaries are reported.
-5. Writes ``gpu_check.json`` (every number) and ``gpu_check.md`` (tables) with the
+5. **Whole-run soak** (``gpu_soak.SOAKS``, 3 runs, after the OOM check; ``--no-soak``
+   skips it, ``--soak-only`` runs only it, ``--soak-names`` picks): tiny-llama
+   bf16-mixed micro batch 8 with accumulation 1 and 4, tiny-gpt2 bf16-mixed micro
+   batch 8, each in a fresh child (``--soak-child``): the real ``Trainer.train()``
+   for 200 optimizer steps over one epoch of seeded log-normal lengths up to 1024
+   tokens (``DataCollatorForLanguageModeling`` padding to the longest, the Trainer's
+   sampler with seed 42), an evaluation every 50 steps, a checkpoint every 100 (a
+   temporary folder, ``save_total_limit=1``), never ``empty_cache``; a callback reads
+   ``max_memory_reserved`` / ``max_memory_allocated`` / ``memory_reserved`` after each
+   step, evaluation and save; then the longest micro batch's two steps alone from an
+   emptied cache (the worst step: 4.5-7 GiB). Predicted in a process that sees no
+   CUDA device, overlapping the matrix: ``estimate(..., method="simulate",
+   dataset=<the same samples>, epochs=1, seed=42)`` (one epoch is the run's
+   ``max_steps``). Reported: run peak reserved measured vs predicted
+   (``run_peak_reserved_bytes``), the step's, over the run (run peak - worst step)
+   measured vs predicted, where the reserved peak stopped growing, what evaluation
+   and saving added, ``mem_get_info`` total - free at the end next to
+   ``run_device_total_bytes``, and whether the collated order is autofit's. About
+   25 s of device time each (imports and context ~10 s), ~75 s in all, 90 s kept.
+6. Writes ``gpu_check.json`` (every number) and ``gpu_check.md`` (tables) with the
    environment: GPU name, memory, compute capability, driver, CUDA, torch,
    transformers, peft, bitsandbytes and accelerate versions.
 
 ``--dry-run`` (same as ``--device cpu``) runs the whole pipeline on the CPU with
 tiny shapes: every model is replaced by a micro config of its family
 (``DRY_CONFIGS``: 2 layers, hidden 64, vocabulary 2048), every batch by 2 x 64
-tokens; the child measures peak RSS (``VmHWM`` after a reset, minus the RSS before
-the model was built) instead of the CUDA counters; the OOM check runs a micro GPT-2
-with a 50257-token vocabulary at 256 tokens on a capped CPU (``cpu:<cap>``, an
-address-space limit). Its numbers exercise the code; they validate nothing (the
-RSS includes one-time allocations of tens of MiB, larger than the micro models).
+tokens (the soak: micro batch 2, lengths up to 64, 8 steps, an evaluation every 4, a
+save at 8); the child measures peak RSS (``VmHWM`` after a reset, minus the RSS before
+the model was built; the soak: before ``train()``) instead of the CUDA counters; the
+OOM check runs a micro GPT-2 with a 50257-token vocabulary at 256 tokens on a capped
+CPU (``cpu:<cap>``, an address-space limit). Its numbers exercise the code; they
+validate nothing (the RSS includes one-time allocations of tens of MiB, larger than
+the micro models).
 
 Packages missing where it runs (bitsandbytes, peft) make their configurations
 skipped with a note, never a crash.
@@ -95,6 +118,8 @@ Known limitations:
     NB: ``device_total`` measured is read after the steps (allocator cache still
     held, so reserved then equals its peak unless the allocator had to free cache:
     ``num_alloc_retries`` says so).
+    NB: the soak's evaluations and saves are in its measured run peak, not in autofit's
+    run replay: what each added is reported apart (``gpu_soak.py``).
 """
 
 from __future__ import annotations
@@ -133,6 +158,10 @@ GUARD_S = 420.0  # no configuration or check starts after this (7 minutes)
 CONFIG_TIMEOUT_S = 150.0  # one measuring child
 OOM_TIMEOUT_S = 150.0  # the OOM-boundary child
 OOM_RESERVE_S = 75.0  # kept for the OOM check when the matrix runs long
+SOAK_RESERVE_S = 90.0  # kept for the soak (after the OOM check) when the matrix runs long
+SOAK_TIMEOUT_S = {"cuda": 75.0, "cpu": 300.0}  # one soak child (~25 s on the H200)
+SOAK_MIN_S = 30.0  # a soak starts only with this much time left before the budget
+SOAK_PREDICT_TIMEOUT_S = {"cuda": 240.0, "cpu": 600.0}  # one soak's prediction (no CUDA)
 WRITE_MARGIN_S = 15.0  # kept for writing the results
 
 # CPU children (dry run): glibc returns freed blocks, so RSS follows the tensors.
@@ -258,6 +287,8 @@ def _read_config(model: str) -> Any:
             return transformers.AutoConfig.for_model(d.pop("model_type"), **d)
     raise ValueError(f"no bundled config named {model!r} in {MODELS_DIR}")
 
+
+from benchmarks import gpu_soak  # noqa: E402 - the soak's specs, child and table
 
 # the kernel's counters, as the CPU training measurement reads them
 from benchmarks.measure_cpu import _hwm_bytes as _hwm  # noqa: E402
@@ -781,12 +812,14 @@ def _child_env(device_kind: str) -> dict[str, str]:
     return env
 
 
-def _run_json_child(argv: list[str], device_kind: str, timeout_s: float) -> dict[str, Any]:
+def _run_json_child(argv: list[str], device_kind: str, timeout_s: float,
+                    env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     """Run this file with ``argv`` in a fresh process; its result line, or an error dict."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=_child_env(device_kind), capture_output=True, text=True,
+        proc = subprocess.run(cmd, env={**_child_env(device_kind), **(env_extra or {})},
+                              capture_output=True, text=True,
                               timeout=max(1.0, timeout_s), cwd=str(REPO))
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")[-1500:]
@@ -843,6 +876,7 @@ class Run:
                          "methods": args.methods,
                          "fp32_outputs": not args.no_fp32_outputs},
             "environment": {}, "rows": [], "skipped": [], "notes": [], "oom_check": None,
+            "soak": [],
             "summary": {}, "finished": False,
         }
 
@@ -930,7 +964,8 @@ def _markdown(d: dict[str, Any]) -> str:
     head = ("| config | B×T | measured alloc / reserved / used (GiB) | "
             + " | ".join(f"{m} alloc / reserved / total (error)" for m in methods)
             + " | peak: measured / sim | step s |")
-    lines += [head, "|---|---|---|" + "---|" * len(methods) + "---|---|"]
+    if d["rows"]:  # none with --soak-only
+        lines += [head, "|---|---|---|" + "---|" * len(methods) + "---|---|"]
     for r in d["rows"]:
         m = r.get("measured") or {}
         if m.get("error") and not m.get("peak_allocated_bytes"):
@@ -979,6 +1014,7 @@ def _markdown(d: dict[str, Any]) -> str:
                              f" | {_gib(t['allocated_after_bytes'])} |")
         if oc.get("error"):
             lines += ["", f"Error: {oc['error']}"]
+    lines += gpu_soak.markdown(d.get("soak") or [], d["device"] == "cuda")
     if d.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in d["notes"]]
     return "\n".join(lines) + "\n"
@@ -1018,6 +1054,23 @@ def select_specs(args: argparse.Namespace) -> list[Spec]:
     return specs
 
 
+def select_soaks(args: argparse.Namespace) -> list[gpu_soak.SoakSpec]:
+    if args.no_soak:
+        return []
+    soaks = list(gpu_soak.SOAKS)
+    if args.soak_names:
+        wanted = [n.strip() for n in args.soak_names.split(",") if n.strip()]
+        by_name = {s.name: s for s in soaks}
+        unknown = [n for n in wanted if n not in by_name]
+        if unknown:
+            raise SystemExit(f"unknown soak names {unknown}; known: {', '.join(by_name)}")
+        soaks = [by_name[n] for n in wanted]
+    if args.device == "cpu":
+        models = dry_models_dir(Path(tempfile.mkdtemp(prefix="gpu-check-soak-models-")))
+        soaks = [gpu_soak.dry_soak(s, models) for s in soaks]
+    return soaks
+
+
 def _missing(spec: Spec) -> list[str]:
     return [p for p in spec.needs() if importlib.util.find_spec(p) is None]
 
@@ -1032,6 +1085,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="only the first N configurations")
     ap.add_argument("--methods", default="simulate,analytic")
     ap.add_argument("--no-oom-check", action="store_true")
+    ap.add_argument("--no-soak", action="store_true", help="skip the whole-run soak (its "
+                    "reserved time goes to the matrix)")
+    ap.add_argument("--soak-only", action="store_true", help="only the soak (no matrix, no "
+                    "OOM check)")
+    ap.add_argument("--soak-names", default=None, help="comma-separated subset of SOAKS names")
     ap.add_argument("--no-fp32-outputs", action="store_true",
                     help="bf16-mixed: skip accelerate's fp32 copy of the outputs (the step "
                     "autofit.trial and the simulator run) instead of the Trainer's")
@@ -1042,9 +1100,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--probe-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--oom-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--soak-child", help=argparse.SUPPRESS)
+    ap.add_argument("--soak-predict-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.dry_run:
         args.device = "cpu"
+    if args.soak_only:
+        args.no_oom_check = True
     args.methods = [m for m in args.methods.split(",") if m in ("simulate", "analytic")]
 
     # ------------------------------------------------------------- child modes
@@ -1060,6 +1122,20 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT_MARK + json.dumps(oom_check(args.device, args.oom_method), default=str),
               flush=True)
         return 0
+    if args.soak_child:
+        spec = json.loads(args.soak_child)
+        res = gpu_soak.run_soak_child(spec, "cuda:0" if args.device == "cuda" else "cpu",
+                                      _read_config(spec["model"]))
+        print(RESULT_MARK + json.dumps(res, default=str), flush=True)
+        return 0
+    if args.soak_predict_child:
+        from autofit.probe.device import DeviceInfo
+
+        job = json.loads(args.soak_predict_child)
+        res = gpu_soak.predict_soak(gpu_soak.SoakSpec(**job["soak"]),
+                                    DeviceInfo(**job["target"]))
+        print(RESULT_MARK + json.dumps(res, default=str), flush=True)
+        return 0
 
     # ------------------------------------------------------------- parent
     t0 = time.monotonic()
@@ -1067,9 +1143,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     out_dir = Path(args.out or os.environ.get("OUT") or (HERE / "results"))
     run = Run(args, out_dir, t0)
-    specs = select_specs(args)
-    print(f"gpu_check: {len(specs)} configurations on {args.device}, writing to {out_dir}",
-          flush=True)
+    specs = [] if args.soak_only else select_specs(args)
+    soaks = select_soaks(args)
+    print(f"gpu_check: {len(specs)} configurations and {len(soaks)} soaks on {args.device}, "
+          f"writing to {out_dir}", flush=True)
 
     # 1. environment + the target DeviceInfo (a child on CUDA: this process stays
     #    without a CUDA context, so each measuring child has the device to itself)
@@ -1108,9 +1185,16 @@ def main(argv: list[str] | None = None) -> int:
         rows[spec.name] = row
         run.data["rows"].append(row)
         runnable.append(spec)
+    soak_rows: dict[str, dict[str, Any]] = {}
+    for soak in soaks:
+        soak_rows[soak.name] = gpu_soak.soak_row(soak)
+        run.data["soak"].append(soak_rows[soak.name])
     run.write()
 
-    guard_matrix = args.guard_s - (0 if args.no_oom_check else OOM_RESERVE_S)
+    # what runs after the matrix keeps its time: the OOM check, then the soak
+    soak_reserve = SOAK_RESERVE_S if soaks else 0.0
+    guard_oom = args.guard_s - soak_reserve
+    guard_matrix = guard_oom - (0 if args.no_oom_check else OOM_RESERVE_S)
 
     # 2. the measuring children, one after the other, in a thread
     def measure_all() -> None:
@@ -1139,10 +1223,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.no_oom_check:  # 4. the OOM boundary + recovery check, next on the device
             run_oom_check()
+        run_soaks()  # 5. the whole-run soak, last
 
     def run_oom_check() -> None:
         now = run.elapsed()
-        if now > args.guard_s:
+        if now > guard_oom:
             with run.lock:
                 run.data["oom_check"] = {"error": f"skipped: time guard ({now:.0f}s used)"}
             return
@@ -1155,8 +1240,55 @@ def main(argv: list[str] | None = None) -> int:
             run.data["oom_check"] = res
         run.write()
 
+    def run_soaks() -> None:
+        for i, soak in enumerate(soaks, 1):
+            now = run.elapsed()
+            timeout = min(SOAK_TIMEOUT_S[args.device], args.budget_s - WRITE_MARGIN_S - now)
+            if now > args.guard_s or timeout < SOAK_MIN_S:
+                with run.lock:
+                    run.data["skipped"].append({"name": soak.name,
+                                                "reason": f"time guard ({now:.0f}s used)"})
+                    soak_rows[soak.name]["measured"] = {"error": "skipped: time guard"}
+                continue
+            print(f"soak {soak.name} [{now:.0f}s]", flush=True)
+            res = _run_json_child(["--soak-child", json.dumps(asdict(soak)), "--device",
+                                   args.device], args.device, timeout)
+            with run.lock:
+                soak_rows[soak.name]["measured"] = res
+                gpu_soak.compare(soak_rows[soak.name])
+            run.write()
+            print(f"[soak {i}/{len(soaks)}] measured {soak.name}: run reserved "
+                  f"{_gib(res.get('run_peak_reserved_bytes'))}, step alone "
+                  f"{_gib(res.get('step_peak_reserved_bytes'))}, {res.get('steps_done')} steps"
+                  + (f" ERROR {res['error']}" if res.get("error") else "")
+                  + f" ({res.get('child_wall_s', 0):.1f}s) [{run.elapsed():.0f}s]", flush=True)
+
+    def predict_soaks() -> None:  # a process of its own: in parallel with the matrix's
+        for soak in soaks:
+            now = run.elapsed()
+            if now > args.guard_s:
+                p: dict[str, Any] = {"error": "skipped: time guard"}
+            else:
+                job = json.dumps({"soak": asdict(soak), "target": asdict(target)})
+                p = _run_json_child(["--soak-predict-child", job, "--device", args.device],
+                                    args.device, min(SOAK_PREDICT_TIMEOUT_S[args.device],
+                                                     args.budget_s - WRITE_MARGIN_S - now),
+                                    env_extra={"CUDA_VISIBLE_DEVICES": ""})
+            with run.lock:
+                soak_rows[soak.name]["predicted"] = p
+                gpu_soak.compare(soak_rows[soak.name])
+            run.write()
+            print(f"  predicted {soak.name}: run reserved "
+                  f"{_gib(p.get('run_peak_reserved_bytes'))} step "
+                  f"{_gib(p.get('peak_reserved_bytes'))} need "
+                  f"{_gib(p.get('run_device_total_bytes'))} "
+                  f"({p.get('wall_s', p.get('child_wall_s', 0)):.1f}s)"
+                  + (f" ERROR {p['error']}" if "error" in p else ""), flush=True)
+
     worker = threading.Thread(target=measure_all, name="measure", daemon=True)
     worker.start()
+    predictor = threading.Thread(target=predict_soaks, name="predict-soak", daemon=True)
+    predictor.start()
 
     # 3. the predictions, here, meanwhile
     for spec in runnable:
@@ -1174,10 +1306,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_gib(e.get('device_total_bytes'))} ({e['wall_s']:.1f}s)"
                   + (f" ERROR {e['error']}" if "error" in e else ""), flush=True)
         run.write()
-    worker.join(timeout=max(1.0, args.budget_s - 5.0 - run.elapsed()))
-    if worker.is_alive():
-        with run.lock:
-            run.data["notes"].append("the measuring thread did not finish within the budget")
+    for thread, what in ((worker, "measuring"), (predictor, "soak-predicting")):
+        thread.join(timeout=max(1.0, args.budget_s - 5.0 - run.elapsed()))
+        if thread.is_alive():
+            with run.lock:
+                run.data["notes"].append(f"the {what} thread did not finish within the budget")
     if args.device == "cuda":
         import torch
 
@@ -1193,8 +1326,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_table(d: dict[str, Any]) -> None:
     methods = d["settings"]["methods"]
-    print("\nconfig                                   measured alloc/resv/used GiB   "
-          + "   ".join(f"{m} err alloc/resv/total" for m in methods), flush=True)
+    if d["rows"]:
+        print("\nconfig                                   measured alloc/resv/used GiB   "
+              + "   ".join(f"{m} err alloc/resv/total" for m in methods), flush=True)
     for r in d["rows"]:
         m = r.get("measured") or {}
         meas = "/".join(f"{(m.get(k) or 0) / GiB:.2f}" for k in (
@@ -1219,6 +1353,14 @@ def _print_table(d: dict[str, Any]) -> None:
         print(f"OOM check: checks {oc.get('checks')} passed={oc.get('passed')} "
               f"boundary est {oc.get('estimated_boundary')} measured {oc.get('measured_boundary')}"
               + (f" error {oc['error']}" if oc.get("error") else ""), flush=True)
+    for r in d.get("soak") or []:
+        m, c = r.get("measured") or {}, r.get("compare") or {}
+        print(f"soak {r['name']}: run reserved {_gib(m.get('run_peak_reserved_bytes'))} "
+              f"(predicted {_pct(c.get('run_peak_reserved_err'))}), over the run measured "
+              f"{_gib(c.get('over_the_run_measured_bytes'))} predicted "
+              f"{_gib(c.get('over_the_run_predicted_bytes'))}, order "
+              f"{'same' if c.get('order_matches') else '-'}"
+              + (f" error {m['error']}" if m.get("error") else ""), flush=True)
 
 
 if __name__ == "__main__":

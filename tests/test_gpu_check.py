@@ -66,8 +66,8 @@ def test_matrix_peaks_are_between_1_and_60_gib_on_the_h200():
 
 def test_dry_run_writes_every_result(tmp_path):
     names = f"{gpu_check.MATRIX[0].name},{gpu_check.MATRIX[3].name}"  # llama (1B -> micro), gpt2
-    code = gpu_check.main(["--dry-run", "--names", names, "--no-oom-check", "--out",
-                           str(tmp_path)])
+    code = gpu_check.main(["--dry-run", "--names", names, "--no-oom-check", "--no-soak",
+                           "--out", str(tmp_path)])
     assert code == 0
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     md = (tmp_path / "gpu_check.md").read_text()
@@ -106,7 +106,117 @@ def test_time_guard_and_missing_packages_skip_with_a_note(tmp_path, monkeypatch)
     assert data["rows"][0]["measured"]["error"] == "skipped: time guard"
     assert data["rows"][0]["simulate"]["error"] == "skipped: time guard"
     assert data["oom_check"]["error"].startswith("skipped: time guard")
+    assert len(data["soak"]) == len(gpu_check.gpu_soak.SOAKS)
+    for r in data["soak"]:
+        assert r["measured"]["error"] == "skipped: time guard"
+        assert r["predicted"]["error"] == "skipped: time guard"
+        assert reasons[r["name"].split("-dry-")[0]].startswith("time guard")
     assert "Skipped:" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_soaks_are_one_epoch_of_max_steps_and_several_gib_on_the_h200():
+    from autofit import TrainConfig
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.probe.device import resolve_device
+    from autofit.probe.model import build_model, describe
+    from autofit.probe.run import run_order
+
+    soak = gpu_check.gpu_soak
+    h200 = resolve_device("H200")
+    assert len({s.name for s in soak.SOAKS}) == len(soak.SOAKS) >= 2
+    assert {1, 4} <= {s.accumulation for s in soak.SOAKS}
+    assert {"tiny-llama", "tiny-gpt2"} <= {s.model for s in soak.SOAKS}
+    for s in soak.SOAKS:
+        lengths = soak.sample_lengths(s.samples, s.seq, s.data_seed)
+        assert max(lengths) == s.seq and min(lengths) >= 2  # the longest batch is seq tokens
+        kw = dict(micro_batch_size=s.batch, grad_accum_steps=s.accumulation, seed=soak.SOAK_SEED)
+        # the Trainer's max_steps run is one epoch: estimate(epochs=1) replays the same order
+        by_steps = run_order(lengths, max_steps=s.steps, **kw)
+        by_epoch = run_order(lengths, epochs=1.0, **kw)
+        assert by_steps == by_epoch and len(by_epoch.steps) == s.steps
+        assert s.eval_steps < s.steps and s.save_steps <= s.steps
+        module, task = build_model(s.model)
+        cfg = TrainConfig(micro_batch_size=s.batch, grad_accum_steps=s.accumulation,
+                          precision=s.precision, optimizer=s.optimizer)
+        est = estimate_analytic(describe(module, task=task, name=s.model), cfg, s.seq, h200)
+        assert 2 * GiB <= est.device_total_bytes <= 60 * GiB, (s.name, est.device_total_bytes)
+
+
+def test_soak_growth_is_attributed_to_steps_evals_and_saves():
+    steps = [{"max_reserved": v} for v in (10, 12, 12, 15, 15)]
+    events = [{"kind": "eval", "step": 2, "max_reserved": 13},
+              {"kind": "save", "step": 4, "max_reserved": 15},
+              {"kind": "eval", "step": 5, "max_reserved": 16}]
+    g = gpu_check.gpu_soak.growth(4, steps, events)
+    assert g["growth_by_kind"] == {"step": 6 + 2 + 2, "eval": 1 + 1, "save": 0}
+    assert g["converged_step"] == 4 and g["last_growth"] == "eval 5"
+
+
+def test_dry_soak_measures_a_trainer_run_in_the_order_autofit_replays(tmp_path):
+    """The soak child in this process (one Trainer run of a micro model, ~10 s); the
+    prediction itself (fake-tensor simulations, ~1 min here) is the slow test's."""
+    import dataclasses
+
+    import torch
+
+    from autofit.probe.run import run_order
+
+    soak = gpu_check.gpu_soak
+    spec = soak.dry_soak(soak.SOAKS[1], gpu_check.dry_models_dir(tmp_path))  # accumulation 4
+    assert (spec.batch, spec.seq, spec.steps, spec.accumulation) == (2, 64, 8, 4)
+    threads = torch.get_num_threads()
+    try:
+        m = soak.run_soak_child(dataclasses.asdict(spec), "cpu",
+                                gpu_check._read_config(spec.model))
+    finally:
+        torch.set_num_threads(threads)
+    assert m["error"] is None, m
+    assert m["steps_done"] == spec.steps and len(m["by_step"]["max_reserved"]) == spec.steps
+    assert m["order_sizes"] == [spec.batch] * (spec.steps * spec.accumulation)
+    assert [(e["kind"], e["step"]) for e in m["events"]] == [("eval", 4), ("eval", 8),
+                                                              ("save", 8)]
+    assert m["checkpoints"] == ["checkpoint-8"] and m["loss_finite"]
+    assert m["empty_cache_calls_during_run"] == 0
+    longest = max(m["order_lengths"])
+    assert m["alone_lengths"] == [longest] * (2 * spec.accumulation)
+    assert m["run_peak_reserved_bytes"] > 0 and m["step_peak_reserved_bytes"] is not None
+    assert m["over_the_run_bytes"] == m["run_peak_reserved_bytes"] - m["step_peak_reserved_bytes"]
+    assert 1 <= m["converged_step"] <= spec.steps
+
+    # the order estimate(dataset=..., epochs=1, seed=42) replays is the one the Trainer fed
+    lengths = [len(s["input_ids"]) for s in soak.soak_samples(spec)]
+    order = run_order(lengths, micro_batch_size=spec.batch, grad_accum_steps=spec.accumulation,
+                      epochs=1.0, seed=soak.SOAK_SEED)
+    assert list(order.lengths) == m["order_lengths"] and len(order.steps) == spec.steps
+    predicted = {"order_lengths": list(order.lengths), "steps": len(order.steps),
+                 "run_peak_reserved_bytes": 2 * m["run_peak_reserved_bytes"],
+                 "peak_reserved_bytes": m["step_peak_reserved_bytes"] or 1,
+                 "over_the_run_bytes": 0}
+    row = {**soak.soak_row(spec), "measured": m, "predicted": predicted}
+    soak.compare(row)
+    assert row["compare"]["order_matches"] and row["compare"]["steps_match"]
+    assert row["compare"]["run_peak_reserved_err"] == pytest.approx(1.0)
+    md = "\n".join(soak.markdown([row], cuda=False))
+    assert spec.name in md and "| same |" in md and "+100.0%" in md
+
+
+@pytest.mark.slow  # 3-8 min on a busy 2-core machine: the whole dry run of the soak (three
+# Trainer children, three prediction children)
+def test_dry_run_soak_writes_its_rows(tmp_path):
+    code = gpu_check.main(["--dry-run", "--soak-only", "--budget-s", "1500", "--guard-s",
+                           "1400", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["finished"] and data["rows"] == [] and data["oom_check"] is None
+    assert len(data["soak"]) == len(gpu_check.gpu_soak.SOAKS)
+    for r in data["soak"]:
+        m, p, c = r["measured"], r["predicted"], r["compare"]
+        assert m.get("error") is None, m
+        assert "error" not in p, p
+        assert m["steps_done"] == p["steps"] == r["steps"]
+        assert c["order_matches"] and c["run_peak_reserved_err"] is not None
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "## Whole-run soak" in md and data["soak"][0]["name"] in md
 
 
 @pytest.mark.slow  # ~20 s: a child, four trials and one more child
