@@ -47,6 +47,9 @@ def estimate(
     epochs: float = 1.0,
     seed: int = 42,
     sampling: str = "random",
+    eval_steps: int | None = None,
+    eval_batch_size: int | None = None,
+    save_steps: int | None = None,
 ) -> MemoryEstimate:
     """Estimate the device memory of one training step (and, with a dataset, of the run).
 
@@ -73,6 +76,11 @@ def estimate(
             ``run_device_total_bytes``.
         max_seq_len: truncation length of the dataset's samples.
         tokenizer: for a dataset of text.
+        eval_steps, eval_batch_size: the run evaluates every ``eval_steps`` optimizer
+            steps with ``eval_batch_size`` samples at the longest length (with a dataset;
+            an interval longer than the run evaluates once, at its end).
+        save_steps: the run saves a checkpoint every ``save_steps`` optimizer steps (to
+            the host: no device memory on a GPU).
 
     Returns:
         A ``MemoryEstimate``.
@@ -131,12 +139,22 @@ def estimate(
            else estimate_analytic(info, config, seq, dev))
     if data is None:
         return est
+    if (eval_steps is None) != (eval_batch_size is None):
+        raise BadInputError("give " + fix("--eval-steps and --eval-batch-size",
+                                          "eval_steps and eval_batch_size") + " together")
+    for name, v in (("eval_steps", eval_steps), ("eval_batch_size", eval_batch_size),
+                    ("save_steps", save_steps)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise BadInputError(f"{name} must be a positive integer, got {v!r}")
+    eval_bytes = _eval_working_set(info, config, seq, dev, eval_batch_size, None)
     return _with_run(est, sim, config, data, epochs=epochs, seed=seed, sampling=sampling,
-                     max_seq_len=max_seq_len)
+                     max_seq_len=max_seq_len, eval_steps=eval_steps, eval_bytes=eval_bytes,
+                     save_steps=save_steps)
 
 
 def _with_run(est: MemoryEstimate, sim: Any, config: TrainConfig, data: Any, *, epochs: float,
-              seed: int, sampling: str, max_seq_len: int | None) -> MemoryEstimate:
+              seed: int, sampling: str, max_seq_len: int | None, eval_steps: int | None = None,
+              eval_bytes: int = 0, save_steps: int | None = None) -> MemoryEstimate:
     """``est`` with the whole run's need: the run's order replayed through the allocator."""
     import dataclasses
 
@@ -146,13 +164,14 @@ def _with_run(est: MemoryEstimate, sim: Any, config: TrainConfig, data: Any, *, 
     order = run_order(data.lengths, micro_batch_size=config.micro_batch_size,
                       grad_accum_steps=config.grad_accum_steps, epochs=epochs, seed=seed,
                       sampling=sampling, max_seq_len=max_seq_len)
-    run = simulate_run(sim, config, order)
+    run = simulate_run(sim, config, order, eval_steps=eval_steps, eval_bytes=eval_bytes,
+                       save_steps=save_steps)
     # the run is never below this estimate's own step (an analytic step may sit above the
     # simulated one): what the run adds is added to it
     total = est.device_total_bytes + run.fragmentation_bytes
     notes = (*est.notes, *run.notes,
              f"whole run: {run.steps} optimizer steps replayed; the peak stopped growing at "
-             f"step {run.converged_step}")
+             f"step {run.converged_step}; its need is decided in the {run.peak_phase} phase")
     return dataclasses.replace(
         est, run_peak_reserved_bytes=max(run.peak_reserved_bytes, est.peak_reserved_bytes),
         run_device_total_bytes=total, fits=total <= est.capacity_bytes, notes=notes)

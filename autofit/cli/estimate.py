@@ -39,6 +39,12 @@ def add_estimate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer for a dataset with text")
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the run (with --dataset)")
     p.add_argument("--seed", type=int, default=42, help="the run's seed (its batch order)")
+    p.add_argument("--eval-steps", type=int, default=None,
+                   help="the run evaluates every N optimizer steps (with --eval-batch-size)")
+    p.add_argument("--eval-batch-size", type=int, default=None,
+                   help="per_device_eval_batch_size of those evaluations")
+    p.add_argument("--save-steps", type=int, default=None,
+                   help="the run saves a checkpoint every N optimizer steps")
     p.set_defaults(func=run_estimate)
     return p
 
@@ -53,7 +59,9 @@ def run_estimate(args: argparse.Namespace) -> int:
 
         data = load_dataset_ref(args.dataset)
         run = dict(dataset=data, max_seq_len=args.max_seq_len, epochs=args.epochs,
-                   seed=args.seed, tokenizer=tokenizer_for(args, data))
+                   seed=args.seed, tokenizer=tokenizer_for(args, data),
+                   eval_steps=args.eval_steps, eval_batch_size=args.eval_batch_size,
+                   save_steps=args.save_steps)
     est = estimate(
         args.model,
         train_config(args),

@@ -1,0 +1,92 @@
+"""Trials that see the run: the run's other lengths before the measured steps, and an
+evaluation step after them measured apart (autofit.trial.step.RunSpec)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from autofit import TrainConfig, measure
+from autofit.api import _eval_from_trial, trial_run
+from autofit.probe.device import resolve_device
+from autofit.probe.model import probe_model
+from autofit.trial.step import RunSpec, cut_batch
+
+CAP = "cpu:1GiB"
+
+
+def test_cut_batch_cuts_lengths_and_repeats_rows():
+    import torch
+
+    b = {"input_ids": torch.arange(12).reshape(3, 4), "labels": torch.ones(3, 4, dtype=torch.long)}
+    c = cut_batch(b, 2, rows=7)
+    assert c["input_ids"].shape == (7, 2) and c["input_ids"][3].tolist() == [0, 1]
+    assert cut_batch(b, 4, rows=2)["input_ids"].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("isolation", ["subprocess", "in-process"])
+def test_an_evaluation_is_measured_apart_from_the_training(isolation):
+    cfg = TrainConfig(micro_batch_size=2)
+    plain = measure("tiny-llama", cfg, seq_len=64, device=CAP, isolation=isolation)
+    r = measure("tiny-llama", cfg, seq_len=64, device=CAP, isolation=isolation,
+                run=RunSpec(lengths=(16, 32, 48), eval_batch_size=4))
+    assert not r.oom and r.run_steps == 3 and r.steps == plain.steps
+    assert not r.eval_oom and r.eval_error is None
+    # the evaluation keeps the weights and the AdamW states (what the run holds between
+    # its steps), so it needs more than them; 4 x 64 tokens of fp32 logits fit the cap
+    resident = r.resident_bytes
+    assert resident < r.eval_device_total_bytes < resident * 4 + (400 << 20)
+    # an evaluation too large for the cap is its own out-of-memory, not the training's
+    big = measure("tiny-llama", cfg, seq_len=64, device=CAP, isolation=isolation,
+                  run=RunSpec(eval_batch_size=512))
+    assert big.eval_oom and not big.oom and "evaluation step" in big.eval_error
+    assert big.fits and big.device_total_bytes == pytest.approx(plain.device_total_bytes,
+                                                                rel=0.1)
+
+
+def test_what_a_trial_replays_of_the_run():
+    from autofit.api import _Probed, _RunPlan
+    from autofit.probe.model import build_model
+    from autofit.search.margin import RunMargin
+
+    module, task = build_model("tiny-llama")
+    info = probe_model(module)
+    data = SimpleNamespace(lengths=tuple(range(10, 200, 3)))
+    cfg = TrainConfig(micro_batch_size=4)
+    on_cpu = _Probed("tiny-llama", module, task, info, data, resolve_device("cpu:2GiB"), 197)
+    spec = trial_run(on_cpu, cfg, None, None, {})
+    assert spec.lengths == () and spec.eval_batch_size >= 1 and spec.eval_length == 197
+    assert trial_run(on_cpu, cfg, None, None, {"generate_max_new_tokens": 8}) is None
+    # a card whose modelled run fragments (a present one is not here: the rule is the same)
+    card = _Probed("tiny-llama", module, task, info, data, resolve_device("A100-80GB"), 197)
+    kept = RunMargin(0.05, 1 << 30, "why")
+    spec = trial_run(card, cfg, kept, None, {})
+    order = _RunPlan.of(None).order(data.lengths, cfg, None)
+    assert spec.lengths == tuple(order.lengths[:6]) and len(set(spec.lengths)) > 1
+    assert trial_run(card, cfg, RunMargin(0.03, 0, "why"), None, {}).lengths == ()
+
+
+def _outcome(cfg, eval_bytes, eval_oom=False):
+    t = SimpleNamespace(eval_device_total_bytes=eval_bytes, eval_oom=eval_oom, oom=False,
+                        config=cfg.to_dict())
+    return SimpleNamespace(trials=[t])
+
+
+def test_the_eval_batch_written_is_the_one_the_trial_ran():
+    info = probe_model("tiny-llama")
+    dev = resolve_device("cpu:1GiB")
+    cfg = TrainConfig(micro_batch_size=2)
+    reasons = []
+    b, measured = _eval_from_trial(_outcome(cfg, 600 << 20), cfg, 16, info, 128, dev, 0.03, {},
+                                   reasons)
+    assert (b, measured) == (16, 600 << 20) and "measured 600 MiB in the trial" in reasons[-1]
+    # measured over the budget: re-tuned smaller, from the estimate scaled to the trial
+    b, measured = _eval_from_trial(_outcome(cfg, 1000 << 20), cfg, 16, info, 128, dev, 0.03, {},
+                                   reasons)
+    assert b is not None and b < 16 and measured is None
+    assert "scaled x" in reasons[-1] and "measured 1000 MiB > budget" in reasons[-1]
+    b2, _ = _eval_from_trial(_outcome(cfg, 0, eval_oom=True), cfg, 16, info, 128, dev, 0.03,
+                             {}, reasons)
+    assert b2 is not None and b2 < 16 and "ran out of memory" in reasons[-1]
+    # no trial ran an evaluation of this configuration: the estimate's batch stands
+    other = TrainConfig(micro_batch_size=3)
+    assert _eval_from_trial(_outcome(other, 1), cfg, 16, info, 128, dev, 0.03, {}, []) == (16, None)
