@@ -424,3 +424,39 @@ def test_divisor_hint_on_a_large_target_materialises_nothing():
     assert out.config.micro_batch_size == 1
     assert any("would keep micro batches of 16" in r for r in out.reasons)
     assert peak < 2**20, peak  # under 1 MiB: no list of a million sizes
+
+
+def test_a_suggested_max_seq_len_is_a_real_cut():
+    # 64-token cuts of 65-token samples were suggested (seq_len - 1, then a multiple of 8):
+    # a suggestion is at most ~90% of the length, a multiple of 8 (64 from 512 up), or none.
+    import re
+
+    from autofit.config import TrainConfig
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.probe.model import probe_model
+    from autofit.search.suggest import _shorter_length, nothing_fits
+
+    assert _shorter_length(65, None, lambda n: True) == 56
+    assert _shorter_length(16, None, lambda n: True) is None  # 14 -> 8: too short to offer
+    assert _shorter_length(8192, None, lambda n: n <= 3000) == 2944  # 46 x 64
+    assert _shorter_length(1000, None, lambda n: True) == 896  # 900 -> 14 x 64
+    assert _shorter_length(8192, 300, lambda n: True) == 296
+    assert _shorter_length(4096, None, lambda n: n <= 12) is None
+    info = probe_model("tiny-llama")
+    dev = resolve_device("cpu:1GiB")
+    # micro batch 64: activations matter at 65 tokens (at 1 the weights' step dominates)
+    cfg = TrainConfig(micro_batch_size=64, precision="32-true", optimizer="adamw_torch")
+
+    def need(length):
+        return estimate_analytic(info, cfg, length, dev).device_total_bytes
+
+    # 65-token samples, 64 fit: 56; 17-token samples, 16 fit: no cut of 10% is 16 or more
+    for seq, fitting in ((65, 64), (17, 16)):
+        cap = int((need(fitting) + need(fitting + 1)) / 2 / 0.9)
+        sp = knob_space(("32-true",), (False,), ("adamw_torch",), (64,))
+        engine = Engine(sp, cap, estimate=lambda c, seq=seq: estimate_analytic(
+            info, c, seq, dev).device_total_bytes, speed=lambda c: 1.0, trial=None, seq_len=seq)
+        assert engine.run().config is None
+        msg = str(nothing_fits(info, sp, engine, seq, dev))
+        lengths = [int(x) for x in re.findall(r"max_seq_len=(\d+)", msg)]
+        assert lengths == ([56] if seq == 65 else []), msg

@@ -5,7 +5,9 @@ silently; autofit estimates them and puts those that would fit in the error: eac
 knob's memory-saving value the search was not allowed to try and the values it
 offers (``Knob.saving``, ``Knob.suggest``: e.g. bf16 weights, an 8-bit optimizer),
 LoRA on every linear layer, QLoRA (a 4-bit base plus LoRA; for a model that
-already has LoRA: its base in 4 bits), and the longest sequence that would fit.
+already has LoRA: its base in 4 bits), and the longest shorter sequence that would fit
+(a real cut: at most ~90% of the samples' length, a multiple of 8, or of 64 from 512
+tokens up; none when no such length fits).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from autofit.probe.model import ModelInfo, ParamGroup
 __all__ = ["with_lora", "quantized_base", "nothing_fits"]
 
 _LORA_R = 16
+SEQ_CUT = 0.9  # a suggested max_seq_len cuts at least ~10% of the samples' length
 
 
 def _block_linear(g: ParamGroup, info: ModelInfo) -> bool:
@@ -57,6 +60,36 @@ def quantized_base(info: ModelInfo) -> ModelInfo:
     params = tuple(replace(g, quantized="4bit") if _block_linear(g, info) and not g.trainable
                    else g for g in info.params)
     return replace(info, params=params, quantization="4bit")
+
+
+def _shorter_length(seq_len: int, positions: int | None, fits: Any) -> int | None:
+    """The ``max_seq_len`` to suggest: the longest length that ``fits`` (a predicate,
+    monotone in the length), at most ``SEQ_CUT`` of ``seq_len`` and of the model's
+    positions, a multiple of 8 (of 64 from 512 tokens up); None when none of at least 16
+    tokens fits.
+
+    A cut of one token is no suggestion: 64 for 65-token samples saves nothing that
+    matters, so a length within ~10% of ``seq_len`` is never offered.
+
+        >>> _shorter_length(65, None, lambda n: True), _shorter_length(16, None, lambda n: True)
+        (56, None)
+        >>> _shorter_length(8192, None, lambda n: n <= 3000)
+        2944
+    """
+    longest = int(seq_len * SEQ_CUT)
+    if positions:
+        longest = min(longest, int(positions))
+    lo, hi = 0, longest // 8  # in multiples of 8: the largest that fits (lengths grow the need)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(8 * mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    length = 8 * lo
+    if length >= 512:
+        length -= length % 64
+    return length if length >= 16 else None
 
 
 def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: Any) -> DoesNotFitError:
@@ -127,23 +160,15 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
             n = scaled(variant, thrifty, seq_len)
             if n <= budget:
                 ideas.append(f"{label} ~{format_bytes(n)}")
-    # the longest sequence (a multiple of 8) that fits with the smallest configuration,
-    # never past the positions the model has (learned: an IndexError; rotary: untrained)
+    # the longest sequence that fits with the smallest configuration: a real cut, never past
+    # the positions the model has (learned: an IndexError; rotary: untrained)
     if info.is_transformer:
-        longest = seq_len - 1
-        if info.max_position_embeddings:
-            longest = min(longest, int(info.max_position_embeddings))
-        lo, hi = 0, longest // 8
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if scaled(info, smallest_cfg, 8 * mid) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        if 8 * lo >= 16:
-            n = scaled(info, smallest_cfg, 8 * lo)
-            ideas.append(f"sequences of {8 * lo} tokens "
-                         f"({fix(f'--max-seq-len {8 * lo}', f'max_seq_len={8 * lo}')}) "
+        length = _shorter_length(seq_len, info.max_position_embeddings,
+                                 lambda n: scaled(info, smallest_cfg, n) <= budget)
+        if length is not None:
+            n = scaled(info, smallest_cfg, length)
+            ideas.append(f"sequences of {length} tokens "
+                         f"({fix(f'--max-seq-len {length}', f'max_seq_len={length}')}) "
                          f"~{format_bytes(n)}")
     tail = ("; would fit: " + "; ".join(ideas)) if ideas else "; try a larger device or a smaller model"
     return DoesNotFitError(head + tail)
