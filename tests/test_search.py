@@ -460,3 +460,104 @@ def test_a_suggested_max_seq_len_is_a_real_cut():
         msg = str(nothing_fits(info, sp, engine, seq, dev))
         lengths = [int(x) for x in re.findall(r"max_seq_len=(\d+)", msg)]
         assert lengths == ([56] if seq == 65 else []), msg
+
+
+def _sizes(text):
+    """Every byte count in a message (format_bytes' '802 MiB', '2.64 GiB'), in bytes."""
+    import re
+
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    return [float(n) * units[u] for n, u in re.findall(r"([\d.]+) (B|KiB|MiB|GiB|TiB)\b", text)]
+
+
+def _ideas(msg):
+    """'would fit' suggestions of a "nothing fits" message: {label: bytes}."""
+    import re
+
+    tail = msg.split("; would fit: ", 1)[1] if "; would fit: " in msg else ""
+    found = re.findall(r"(.*?) ~([\d.]+ (?:B|KiB|MiB|GiB|TiB))(?:; |$)", tail)
+    assert "".join(f"{a} ~{b}; " for a, b in found) == tail + "; " if tail else True, tail
+    return {label: _sizes(size)[0] for label, size in found}
+
+
+def test_nothing_fits_quotes_calibrated_numbers_everywhere():
+    # Trials measure 1.3x the estimate. Every number of the message is the measured or
+    # calibrated one: the smallest candidate's need and each alternative's (checkpointing,
+    # other precisions and optimizers, LoRA, QLoRA, a shorter sequence) at 1.3x its
+    # estimate; the same search with an exact estimate on a device 1.3x smaller offers the
+    # same alternatives at the uncalibrated numbers.
+    from autofit.config import TrainConfig
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.probe.device import format_bytes
+    from autofit.probe.model import probe_model
+    from autofit.search.suggest import nothing_fits
+
+    info = probe_model("tiny-llama")
+    dev = resolve_device("cpu:8GiB")
+    seq = 1024
+
+    def est(c):
+        return estimate_analytic(info, c, seq, dev).device_total_bytes
+
+    one = est(TrainConfig(micro_batch_size=1, precision="32-true", optimizer="adamw_torch"))
+    cap = int(1.2 * one / 0.9)  # the estimate fits the budget; 1.3x does not
+    measured = {}
+
+    def trial(c):
+        measured[c.micro_batch_size] = int(1.3 * est(c))
+        return FakeTrial(False, measured[c.micro_batch_size], 100.0)
+
+    sp = knob_space(("32-true",), (False,), ("adamw_torch",), tuple(range(1, 9)))
+    engine = Engine(sp, cap, estimate=est, speed=lambda c: 1.0, trial=trial, seq_len=seq)
+    assert engine.run().config is None and measured
+    msg = str(nothing_fits(info, sp, engine, seq, dev))
+    head = msg.split("; would fit: ")[0]
+    need = measured.get(1, int(1.3 * one))
+    assert _sizes(head) == pytest.approx([engine.budget, cap, need], rel=0.006), msg
+    assert (f"measured {format_bytes(need)}" if 1 in measured else
+            f"needs ~{format_bytes(need)} (the estimate x1.30, as trials measured)") in head
+
+    ref = Engine(sp, int(cap / 1.3), estimate=est, speed=lambda c: 1.0, trial=None, seq_len=seq)
+    assert ref.run().config is None
+    raw = _ideas(str(nothing_fits(info, sp, ref, seq, dev)))
+    got = _ideas(msg)
+    assert len(got) >= 4 and any("max_seq_len" in k for k in got), msg
+    assert got.keys() == raw.keys(), msg
+    for label, n in got.items():
+        assert n == pytest.approx(1.3 * raw[label], rel=0.012), label
+
+
+def test_nothing_fits_says_what_its_numbers_come_from():
+    # The engine's own estimate (e.g. the simulated step) is 1.3x the closed form and no
+    # trial ran: the message quotes the engine's number, and no "as trials measured"
+    # (nothing was measured). Simulated trials are called simulated, not measured.
+    from autofit.config import TrainConfig
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.probe.device import format_bytes
+    from autofit.probe.model import probe_model
+    from autofit.search.suggest import nothing_fits
+
+    info = probe_model("tiny-llama")
+    dev = resolve_device("cpu:8GiB")
+    seq = 1024
+
+    def est(c):
+        return int(1.3 * estimate_analytic(info, c, seq, dev).device_total_bytes)
+
+    one = est(TrainConfig(micro_batch_size=1, precision="32-true", optimizer="adamw_torch"))
+    sp = knob_space(("32-true",), (False,), ("adamw_torch",), tuple(range(1, 9)))
+    engine = Engine(sp, int(one / 1.1 / 0.9), estimate=est, speed=lambda c: 1.0, trial=None,
+                    seq_len=seq)
+    assert engine.run().config is None
+    msg = str(nothing_fits(info, sp, engine, seq, dev))
+    assert f"needs ~{format_bytes(one)}; would fit" in msg and "measured" not in msg, msg
+
+    def simulated(c):
+        return FakeTrial(False, int(1.5 * est(c)), 100.0)
+
+    cap = int(1.2 * one / 0.9)
+    engine = Engine(sp, cap, estimate=est, speed=lambda c: 1.0, trial=simulated, seq_len=seq,
+                    trial_word="simulated")
+    assert engine.run().config is None
+    msg = str(nothing_fits(info, sp, engine, seq, dev))
+    assert f"simulated {format_bytes(int(1.5 * one))}" in msg and "measured" not in msg, msg

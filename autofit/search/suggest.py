@@ -96,9 +96,12 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
     """The DoesNotFitError for a search where no candidate fits, with suggestions.
 
     Every number is the engine's calibrated one: a trial's measured peak where a
-    trial ran at that size, else the estimate scaled as the trials calibrated it.
-    The alternatives (LoRA, QLoRA, a shorter sequence) are estimated analytically
-    and scaled by the same measured/estimated ratio as the smallest candidate.
+    trial ran at that size, else the engine's estimate scaled as the trials calibrated
+    it (said only when trials did). The alternatives (knob values, LoRA, QLoRA, a
+    shorter sequence) are estimated analytically and scaled by the smallest
+    candidate's need over its analytic estimate: the trials' calibration and the
+    engine estimator's own difference from the closed form (the simulated step).
+    Simulated trials (``engine.trial_word``) are called simulated, not measured.
     """
     from autofit.memory.analytic import estimate_analytic
 
@@ -109,13 +112,20 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
     need = need_of[smallest.key]
     raw = estimate_analytic(info, smallest_cfg, seq_len, dev).device_total_bytes
     scale = need / raw if raw else 1.0
+    # what the trials did to the engine's own estimate (1.0 when none ran)
+    own = engine._raw_estimate(smallest, b0)
+    calibration = need / own if own else 1.0
+    word = engine.trial_word  # "measured", or "simulated" for simulated steps
+    trials = "trials" if word == "measured" else "simulated steps"
     if b0 in smallest.measured:
-        how = f"measured {format_bytes(need)}"
+        how = f"{word} {format_bytes(need)}"
     elif smallest.oom_micro_batch == b0:
-        how = f"ran out of memory in a trial (needs more than {format_bytes(engine.capacity)})"
+        how = (f"ran out of memory in a {trials[:-1]} "
+               f"(needs more than {format_bytes(engine.capacity)})")
     else:
         how = f"needs ~{format_bytes(need)}" + (
-            f" (the estimate x{scale:.2f}, as trials measured)" if abs(scale - 1) > 0.01 else "")
+            f" (the estimate x{calibration:.2f}, as {trials} measured)"
+            if engine.trials and abs(calibration - 1) > 0.01 else "")
     budget = engine.budget
     head = (f"no configuration fits in {format_bytes(budget)} "
             f"({100 * (1 - engine.margin):.0f}% of {format_bytes(engine.capacity)} on {dev.name}): "
