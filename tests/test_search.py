@@ -561,3 +561,62 @@ def test_nothing_fits_says_what_its_numbers_come_from():
     assert engine.run().config is None
     msg = str(nothing_fits(info, sp, engine, seq, dev))
     assert f"simulated {format_bytes(int(1.5 * one))}" in msg and "measured" not in msg, msg
+
+
+def _bracket(need, micro, est=lambda b: 5 * GiB, max_trials=12):
+    """A search of one combination whose device total is ``need(b)`` (OOM above 10 GiB,
+    budget 9 GiB) and whose estimate is ``est(b)``: (outcome, sizes tried in order)."""
+    tried = []
+
+    def trial(c):
+        b = c.micro_batch_size
+        tried.append(b)
+        if need(b) > 10 * GiB:
+            return FakeTrial(True, None, None, "CUDA out of memory. Tried to allocate 2.00 GiB")
+        return FakeTrial(False, int(need(b)), 100.0 * b)
+
+    sp = knob_space(("bf16-mixed",), (False,), ("adamw_torch",), micro)
+    out = Engine(sp, 10 * GiB, estimate=lambda c: int(est(c.micro_batch_size)),
+                 speed=true_speed, trial=trial, seq_len=128, max_trials=max_trials).run()
+    return out, tried
+
+
+def test_a_flat_estimate_bisects_between_fit_and_failure():
+    # The estimate is flat in the micro batch (a frozen base whose weights dominate); the
+    # need grows 0.1 GiB per sample: 40 is the limit. Calibrated by the OOM at 256, every
+    # size looked like 10 GiB: the combination was rejected after one trial ("nothing
+    # fits"); measured flat, it stepped down one size per failure. The bracket halves
+    # (geometric midpoint): O(log n) trials.
+    import math
+
+    out, tried = _bracket(lambda b: (5 + 0.1 * b) * GiB, tuple(range(1, 257)))
+    assert out.config.micro_batch_size == 40 and out.confirmed
+    assert tried == [256, 16, 64, 32, 45, 38, 41, 39, 40]
+    for n, per in ((4096, 0.004), (65536, 0.0001)):  # limit 1000, 40000
+        out, tried = _bracket(lambda b, per=per: (5 + per * b) * GiB, tuple(range(1, n + 1)),
+                              max_trials=64)
+        assert out.config.micro_batch_size == round(4 / per)
+        assert len(tried) <= math.log2(n) + math.log2(math.log2(n)) + 1, tried
+    # allowed sizes that are divisors of a target: the same bracket over them
+    out, tried = _bracket(lambda b: (5 + 0.1 * b) * GiB, micro_batch_options(720, 1, 720)[0])
+    assert out.config.micro_batch_size == 40 and tried == [720, 24, 120, 48, 36, 40, 45]
+
+
+def test_a_peak_flat_until_an_oom_bisects_and_keeps_the_measured_fits():
+    # Flat estimate, flat peak (6 GiB) up to 99, out of memory from 100: after a fit the
+    # calibrated estimate says every size fits, the failed one too; bisected, not walked.
+    out, tried = _bracket(lambda b: 6 * GiB if b < 100 else 11 * GiB, tuple(range(1, 257)))
+    assert out.config.micro_batch_size == 99
+    assert tried == [256, 16, 64, 128, 91, 108, 99, 103, 101, 100]
+    # A growing estimate, a peak that jumps past the capacity above 40: the OOM at 41 used
+    # to raise the ratio over the fit measured at 7, condemning 8..40 (7 was chosen).
+    out, tried = _bracket(lambda b: 5 * GiB if b <= 40 else 11 * GiB, tuple(range(1, 257)),
+                          est=lambda b: (5 + 0.01 * b) * GiB)
+    assert out.config.micro_batch_size == 40 and tried[-3:] == [34, 39, 40]
+
+
+def test_a_flat_peak_over_the_margin_everywhere_is_rejected_in_log_n_trials():
+    out, tried = _bracket(lambda b: 9.5 * GiB if b < 100 else 11 * GiB, tuple(range(1, 257)))
+    assert out.config is None and tried == [256, 16, 4, 2, 1]
+    c = out.candidates[0]
+    assert c.status == "rejected" and "nothing smaller is allowed" in c.reason
