@@ -490,18 +490,33 @@ class Engine:
     def _fastest_measured(self, confirmed: list[Candidate], reasons: list[str]) -> Candidate:
         """The fastest measured candidate; within measurement noise, the one predicted fastest.
 
-        A few micro-steps time a step to a few percent (CPU trials here repeat within
-        +-10%); candidates measured within ``SPEED_TIE`` of the fastest are ranked by
-        the throughput model, which does not vary from run to run.
+        A trial's speed is the median of its timed steps (``autofit.trial.measure``: 3
+        on the CPU, where single steps vary by +-10% here); candidates measured within
+        ``SPEED_TIE`` of the fastest are a tie that the noisy number does not decide: the
+        throughput model (which does not vary from run to run) ranks them, then the
+        lower measured peak. The reasons say so whenever there is a tie.
         """
         top = max(c.measured_tokens_per_s or 0.0 for c in confirmed)
         tied = [c for c in confirmed if (c.measured_tokens_per_s or 0.0) >= (1 - SPEED_TIE) * top]
-        best = max(tied, key=lambda c: (c.predicted_tokens_per_s or 0.0, c.measured_tokens_per_s or 0.0))
+        best = max(tied, key=lambda c: (c.predicted_tokens_per_s or 0.0, -(c.measured_bytes or 0),
+                                        c.measured_tokens_per_s or 0.0))
         fastest = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0)
-        if best is not fastest:
-            reasons.append(f"{best.label()} and {fastest.label()} {self.trial_word} within "
-                           f"{100 * SPEED_TIE:.0f}% of each other (step-time noise); the "
-                           "throughput model breaks the tie")
+        if len(tied) > 1:
+            rest = [c for c in tied if c is not best]
+            predicted = best.predicted_tokens_per_s or 0.0
+            if all((c.predicted_tokens_per_s or 0.0) < predicted for c in rest):
+                why = "the throughput model predicts it fastest"
+            elif all((c.measured_bytes or 0) > (best.measured_bytes or 0) for c in rest
+                     if (c.predicted_tokens_per_s or 0.0) == predicted):
+                why = f"predicted as fast, it {self.trial_word} the least memory"
+            else:
+                why = "predicted as fast with as much memory: the faster measured"
+            noted = ("" if best is fastest else
+                     f"; {fastest.label()} {self.trial_word} {fastest.measured_tokens_per_s:,.0f} "
+                     f"vs {best.measured_tokens_per_s or 0.0:,.0f} tokens/s")
+            reasons.append(f"{', '.join(c.label() for c in tied)}: {self.trial_word} within "
+                           f"{100 * SPEED_TIE:.0f}% of each other (step-time noise), so the "
+                           f"measured speed does not decide; {best.label()}: {why}{noted}")
         return best
 
     def _outcome(self, best: Candidate, reasons: list[str], *, confirmed: bool,
