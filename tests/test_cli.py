@@ -193,3 +193,24 @@ def test_measure_exits_4_for_a_trial_that_failed_otherwise(capsys):
 
     r = _json.loads(out)
     assert code == 4 and r["timed_out"] and not r["oom"] and "timeout" in r["error"]
+
+
+def test_measure_exits_4_for_a_trial_that_crashed(capsys, monkeypatch):
+    # a step that raises something other than out-of-memory (a model that does not run)
+    # is exit 4 with the error, neither 3 (out of memory) nor 1 (a bug in autofit)
+    from autofit.trial import loop
+
+    def crash(self, batch):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (16x64 and 32x64)")
+
+    monkeypatch.setattr(loop.Stepper, "step", crash)
+    code = main(["measure", "tiny-llama", "--batch-size", "1", "--seq-len", "16", "--device",
+                 "cpu", "--isolation", "in-process", "--json"])
+    import json as _json
+
+    r = _json.loads(capsys.readouterr().out)
+    assert code == 4 and not r["oom"] and not r["timed_out"] and "shapes cannot be multiplied" in r["error"]
+    code = main(["measure", "tiny-llama", "--batch-size", "1", "--seq-len", "16", "--device",
+                 "cpu", "--isolation", "in-process"])
+    out = capsys.readouterr().out
+    assert code == 4 and "trial failed" in out and "shapes cannot be multiplied" in out

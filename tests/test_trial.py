@@ -126,7 +126,8 @@ def test_fits_on_capped_cpu(tiny_path):
     assert isinstance(r, TrialResult)
     assert r.fits and not r.oom and r.error is None
     assert r.isolation == "subprocess" and "capped" in r.isolation_reason
-    assert r.batch_shape == (4, 128) and r.steps == 2 and r.warmup_steps == 1
+    # 3 timed steps by default (their median is the step time: one slow step does not decide)
+    assert r.batch_shape == (4, 128) and r.steps == 3 and r.warmup_steps == 1
     # weights (~2.3 MiB fp32) + AdamW state + activations + (4, 128, 1000) logits
     assert 4 * MiB < r.peak_allocated_bytes < 256 * MiB
     assert r.peak_allocated_bytes == r.peak_reserved_bytes == r.device_total_bytes
@@ -632,3 +633,19 @@ def test_no_warning_leaks_from_a_clean_trial(tiny_path):
         measure(
             tiny_path, TrainConfig(micro_batch_size=1), seq_len=16, device="cpu", measure_steps=1
         )
+
+
+def test_a_trial_step_time_is_the_median_of_at_least_3_steps():
+    # issue 12: with 2 timed steps the "median" was their mean, and one slow step on a busy
+    # CPU moved a candidate's speed by half its slowness
+    import inspect
+
+    from autofit.cli import build_parser
+    from autofit.trial import MEASURE_STEPS
+    from autofit.trial.loop import RawTrial
+
+    assert MEASURE_STEPS >= 3
+    assert inspect.signature(measure).parameters["measure_steps"].default == MEASURE_STEPS
+    args = build_parser().parse_args(["measure", "tiny-llama", "--batch-size", "1", "--seq-len", "8"])
+    assert args.measure_steps is None  # the CLI passes nothing: the API's default applies
+    assert RawTrial(step_times_s=[0.10, 0.31, 0.11]).step_time_s == 0.11

@@ -66,7 +66,8 @@ def add_measure_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cpu:4GiB | cuda | cuda:N")
     p.add_argument("--isolation", choices=["auto", "in-process", "subprocess"], default="auto")
     p.add_argument("--warmup-steps", type=int, default=1)
-    p.add_argument("--measure-steps", type=int, default=2)
+    p.add_argument("--measure-steps", type=int, default=None,
+                   help="timed steps; the step time is their median (default 3)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole trial")
     p.add_argument("--json", action="store_true", help="print one JSON object (TrialResult)")
     p.set_defaults(func=run_measure)
@@ -176,7 +177,8 @@ def _measure(args: argparse.Namespace) -> Any:
         task=args.task,
         isolation=args.isolation,
         warmup_steps=args.warmup_steps,
-        measure_steps=args.measure_steps,
+        # the API's default (autofit.trial.MEASURE_STEPS) unless given
+        **({} if args.measure_steps is None else {"measure_steps": args.measure_steps}),
         timeout_s=args.timeout,
         tokenizer=tokenizer,
         attn_implementation=args.attn_implementation,

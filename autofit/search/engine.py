@@ -11,7 +11,11 @@ For every combination of the knobs' values (``autofit.knobs``: precision, gradie
 checkpointing, optimizer, ...) the estimate gives the largest micro batch whose device
 total fits ``capacity * (1 - margin)``; the throughput model (``autofit.search.speed``)
 ranks the combinations at their limits; trials confirm the best few at their
-predicted limit and bracket the true limit by bisection in a narrow window;
+predicted limit and bracket the true limit between the largest size that fit and
+the smallest that failed: at the calibrated estimate's guess where it can place the
+limit, else at the bracket's geometric midpoint (a peak flat in the micro batch: the
+trials stay O(log n), and no combination is rejected on one number above its
+smallest size);
 measured peaks recalibrate the estimate of the rest (a per-combination ratio of
 measured to estimated, and their mean for combinations not tried yet). The final
 choice is the fastest *measured* candidate; within it, the largest micro batch
@@ -35,6 +39,7 @@ Known limitations:
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,8 +57,9 @@ SPEED_TIE = 0.05  # measured throughputs this close are a tie (step-time noise)
 # Part of the cache key: bump it when a change to the search makes cached answers stale
 # (2: the margin no longer subtracts measured fragmentation twice; line calibration;
 # 3: study parameters and candidate rows per knob, rows carry the uncalibrated estimate;
-# 4: the default margin from the modelled run + a 3% safety, answers carry the run's need).
-ENGINE_VERSION = 4
+# 4: the default margin from the modelled run + a 3% safety, answers carry the run's need;
+# 5: a flat peak is bracketed by bisection, an OOM keeps a measured ratio).
+ENGINE_VERSION = 5
 
 
 @dataclass
@@ -341,8 +347,11 @@ class Engine:
                 c.status, c.reason = "rejected", f"trial failed: {r.error}"
                 return
             if r.oom:
-                # the true need is above the capacity: calibrate to at least that
-                c.calibration = max(self._calibration(c), self.capacity / raw)
+                # the true need is above the capacity: calibrate to at least that; once a
+                # size was measured, its ratio stays (the pivot in ``estimated`` carries
+                # the OOM above it; raising the ratio condemned the measured fits too)
+                if not c.measured:
+                    c.calibration = max(self._calibration(c), self.capacity / raw)
                 c.failed_micro_batch = b if c.failed_micro_batch is None else min(c.failed_micro_batch, b)
                 c.oom_micro_batch = b if c.oom_micro_batch is None else min(c.oom_micro_batch, b)
             else:
@@ -358,7 +367,7 @@ class Engine:
                     c.failed_micro_batch = b if c.failed_micro_batch is None else min(c.failed_micro_batch, b)
             b = self._next_size(c, best_fit)
         if best_fit is None:
-            if c.failed_micro_batch is not None and self._largest_fitting(c, c.failed_micro_batch) is None:
+            if b is None and c.failed_micro_batch is not None:  # the bracket closed: none fits
                 c.status = "rejected"
                 smaller = [x for x in self.space.micro_batches if x < c.failed_micro_batch]
                 c.reason = (f"micro batch {c.failed_micro_batch} did not fit in a trial; "
@@ -377,14 +386,27 @@ class Engine:
         c.predicted_tokens_per_s = self._speed(self.config(c, best_fit))
 
     def _next_size(self, c: Candidate, best_fit: int | None) -> int | None:
-        """The next micro batch to try: bracket the limit between best_fit and failed."""
+        """The next micro batch to try: bracket the limit between best_fit and failed.
+
+        Below a failure the calibrated estimate proposes the largest size it expects
+        to fit; where it cannot place the limit (``_places_limit``: a peak flat in the
+        micro batch) the next size halves the bracket instead (geometric midpoint), so
+        the trials stay O(log n), not one size down per failure.
+        """
         upper = c.failed_micro_batch
         if upper is not None:
+            options = self.space.micro_batches
+            lo = 0 if best_fit is None else bisect.bisect_right(options, best_fit)
+            hi = bisect.bisect_left(options, upper)
+            if lo >= hi:  # nothing allowed between the best fit and the failure
+                return None
             # below a failure: the largest calibrated fit between best_fit and upper
             b = self._largest_fitting(c, below=upper)
-            if b is None or (best_fit is not None and b <= best_fit):
-                return None
-            return b
+            if b is not None and best_fit is not None and b <= best_fit:
+                b = None
+            if self._places_limit(c, options[lo], upper, b, best_fit):
+                return b
+            return _geometric_midpoint(options, lo, hi, best_fit, upper)
         # no failure yet: go up only if the calibrated estimate says the next size fits
         if best_fit is None:
             return None
@@ -392,6 +414,24 @@ class Engine:
         if bigger and self.estimated(c, bigger[0]) <= self.budget:
             return self._largest_fitting(c)
         return None
+
+    def _places_limit(self, c: Candidate, first: int, upper: int, proposal: int | None,
+                      best_fit: int | None) -> bool:
+        """Whether the calibrated estimate can say where between ``first`` (the smallest
+        untried size above the best fit) and the failure at ``upper`` the limit is.
+
+        It cannot when it does not grow over the bracket (a flat estimate, e.g. a
+        frozen base whose weights dominate: calibrated, every size needs the same), when
+        it still says the failed size fits (a flat pivot after an OOM: it would step
+        down one size per trial), or when it would reject the combination on one
+        number (one OOM or one measurement, nothing seen to fit): an OOM bounds the
+        need at that size only.
+        """
+        if self.estimated(c, upper) <= self.budget:
+            return False
+        if self._raw_estimate(c, first) >= self._raw_estimate(c, upper):
+            return False
+        return not (proposal is None and best_fit is None and len(c.measured) < 2)
 
     # -- the search ----------------------------------------------------------------
     def run(self) -> SearchOutcome:
@@ -451,18 +491,33 @@ class Engine:
     def _fastest_measured(self, confirmed: list[Candidate], reasons: list[str]) -> Candidate:
         """The fastest measured candidate; within measurement noise, the one predicted fastest.
 
-        A few micro-steps time a step to a few percent (CPU trials here repeat within
-        +-10%); candidates measured within ``SPEED_TIE`` of the fastest are ranked by
-        the throughput model, which does not vary from run to run.
+        A trial's speed is the median of its timed steps (``autofit.trial.measure``: 3
+        on the CPU, where single steps vary by +-10% here); candidates measured within
+        ``SPEED_TIE`` of the fastest are a tie that the noisy number does not decide: the
+        throughput model (which does not vary from run to run) ranks them, then the
+        lower measured peak. The reasons say so whenever there is a tie.
         """
         top = max(c.measured_tokens_per_s or 0.0 for c in confirmed)
         tied = [c for c in confirmed if (c.measured_tokens_per_s or 0.0) >= (1 - SPEED_TIE) * top]
-        best = max(tied, key=lambda c: (c.predicted_tokens_per_s or 0.0, c.measured_tokens_per_s or 0.0))
+        best = max(tied, key=lambda c: (c.predicted_tokens_per_s or 0.0, -(c.measured_bytes or 0),
+                                        c.measured_tokens_per_s or 0.0))
         fastest = max(confirmed, key=lambda c: c.measured_tokens_per_s or 0.0)
-        if best is not fastest:
-            reasons.append(f"{best.label()} and {fastest.label()} {self.trial_word} within "
-                           f"{100 * SPEED_TIE:.0f}% of each other (step-time noise); the "
-                           "throughput model breaks the tie")
+        if len(tied) > 1:
+            rest = [c for c in tied if c is not best]
+            predicted = best.predicted_tokens_per_s or 0.0
+            if all((c.predicted_tokens_per_s or 0.0) < predicted for c in rest):
+                why = "the throughput model predicts it fastest"
+            elif all((c.measured_bytes or 0) > (best.measured_bytes or 0) for c in rest
+                     if (c.predicted_tokens_per_s or 0.0) == predicted):
+                why = f"predicted as fast, it {self.trial_word} the least memory"
+            else:
+                why = "predicted as fast with as much memory: the faster measured"
+            noted = ("" if best is fastest else
+                     f"; {fastest.label()} {self.trial_word} {fastest.measured_tokens_per_s:,.0f} "
+                     f"vs {best.measured_tokens_per_s or 0.0:,.0f} tokens/s")
+            reasons.append(f"{', '.join(c.label() for c in tied)}: {self.trial_word} within "
+                           f"{100 * SPEED_TIE:.0f}% of each other (step-time noise), so the "
+                           f"measured speed does not decide; {best.label()}: {why}{noted}")
         return best
 
     def _outcome(self, best: Candidate, reasons: list[str], *, confirmed: bool,
@@ -504,6 +559,18 @@ class Engine:
                                "the nearest the device count allows")
         return SearchOutcome(best, config, self._candidates, self.trials, reasons, confirmed,
                              ooms=self.ooms, stopped_early=stopped)
+
+
+def _geometric_midpoint(options: Sequence[int], lo: int, hi: int, best_fit: int | None,
+                        upper: int) -> int:
+    """The allowed size in ``options[lo:hi]`` (ascending, not empty) nearest in ratio to
+    ``sqrt(low * upper)``, ``low`` the best fit or else the smallest size in the bracket:
+    1..256 with no fit tries 16, then 64 or 4; the bracket's ratio halves in log."""
+    low = best_fit if best_fit is not None else options[lo]
+    mid = math.sqrt(low * upper)
+    k = bisect.bisect_left(options, mid, lo, hi)  # options[k] >= mid, or k == hi
+    near = [i for i in (k - 1, k) if lo <= i < hi]
+    return options[min(near, key=lambda i: abs(math.log(options[i] / mid)))]
 
 
 def _fit_line(pts: list[tuple[float, float]]) -> tuple[float, float] | None:

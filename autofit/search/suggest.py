@@ -5,7 +5,9 @@ silently; autofit estimates them and puts those that would fit in the error: eac
 knob's memory-saving value the search was not allowed to try and the values it
 offers (``Knob.saving``, ``Knob.suggest``: e.g. bf16 weights, an 8-bit optimizer),
 LoRA on every linear layer, QLoRA (a 4-bit base plus LoRA; for a model that
-already has LoRA: its base in 4 bits), and the longest sequence that would fit.
+already has LoRA: its base in 4 bits), and the longest shorter sequence that would fit
+(a real cut: at most ~90% of the samples' length, a multiple of 8, or of 64 from 512
+tokens up; none when no such length fits).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from autofit.probe.model import ModelInfo, ParamGroup
 __all__ = ["with_lora", "quantized_base", "nothing_fits"]
 
 _LORA_R = 16
+SEQ_CUT = 0.9  # a suggested max_seq_len cuts at least ~10% of the samples' length
 
 
 def _block_linear(g: ParamGroup, info: ModelInfo) -> bool:
@@ -59,13 +62,46 @@ def quantized_base(info: ModelInfo) -> ModelInfo:
     return replace(info, params=params, quantization="4bit")
 
 
+def _shorter_length(seq_len: int, positions: int | None, fits: Any) -> int | None:
+    """The ``max_seq_len`` to suggest: the longest length that ``fits`` (a predicate,
+    monotone in the length), at most ``SEQ_CUT`` of ``seq_len`` and of the model's
+    positions, a multiple of 8 (of 64 from 512 tokens up); None when none of at least 16
+    tokens fits.
+
+    A cut of one token is no suggestion: 64 for 65-token samples saves nothing that
+    matters, so a length within ~10% of ``seq_len`` is never offered.
+
+        >>> _shorter_length(65, None, lambda n: True), _shorter_length(16, None, lambda n: True)
+        (56, None)
+        >>> _shorter_length(8192, None, lambda n: n <= 3000)
+        2944
+    """
+    longest = int(seq_len * SEQ_CUT)
+    if positions:
+        longest = min(longest, int(positions))
+    lo, hi = 0, longest // 8  # in multiples of 8: the largest that fits (lengths grow the need)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(8 * mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    length = 8 * lo
+    if length >= 512:
+        length -= length % 64
+    return length if length >= 16 else None
+
+
 def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: Any) -> DoesNotFitError:
     """The DoesNotFitError for a search where no candidate fits, with suggestions.
 
     Every number is the engine's calibrated one: a trial's measured peak where a
-    trial ran at that size, else the estimate scaled as the trials calibrated it.
-    The alternatives (LoRA, QLoRA, a shorter sequence) are estimated analytically
-    and scaled by the same measured/estimated ratio as the smallest candidate.
+    trial ran at that size, else the engine's estimate scaled as the trials calibrated
+    it (said only when trials did). The alternatives (knob values, LoRA, QLoRA, a
+    shorter sequence) are estimated analytically and scaled by the smallest
+    candidate's need over its analytic estimate: the trials' calibration and the
+    engine estimator's own difference from the closed form (the simulated step).
+    Simulated trials (``engine.trial_word``) are called simulated, not measured.
     """
     from autofit.memory.analytic import estimate_analytic
 
@@ -76,13 +112,20 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
     need = need_of[smallest.key]
     raw = estimate_analytic(info, smallest_cfg, seq_len, dev).device_total_bytes
     scale = need / raw if raw else 1.0
+    # what the trials did to the engine's own estimate (1.0 when none ran)
+    own = engine._raw_estimate(smallest, b0)
+    calibration = need / own if own else 1.0
+    word = engine.trial_word  # "measured", or "simulated" for simulated steps
+    trials = "trials" if word == "measured" else "simulated steps"
     if b0 in smallest.measured:
-        how = f"measured {format_bytes(need)}"
+        how = f"{word} {format_bytes(need)}"
     elif smallest.oom_micro_batch == b0:
-        how = f"ran out of memory in a trial (needs more than {format_bytes(engine.capacity)})"
+        how = (f"ran out of memory in a {trials[:-1]} "
+               f"(needs more than {format_bytes(engine.capacity)})")
     else:
         how = f"needs ~{format_bytes(need)}" + (
-            f" (the estimate x{scale:.2f}, as trials measured)" if abs(scale - 1) > 0.01 else "")
+            f" (the estimate x{calibration:.2f}, as {trials} measured)"
+            if engine.trials and abs(calibration - 1) > 0.01 else "")
     budget = engine.budget
     head = (f"no configuration fits in {format_bytes(budget)} "
             f"({100 * (1 - engine.margin):.0f}% of {format_bytes(engine.capacity)} on {dev.name}): "
@@ -127,23 +170,15 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
             n = scaled(variant, thrifty, seq_len)
             if n <= budget:
                 ideas.append(f"{label} ~{format_bytes(n)}")
-    # the longest sequence (a multiple of 8) that fits with the smallest configuration,
-    # never past the positions the model has (learned: an IndexError; rotary: untrained)
+    # the longest sequence that fits with the smallest configuration: a real cut, never past
+    # the positions the model has (learned: an IndexError; rotary: untrained)
     if info.is_transformer:
-        longest = seq_len - 1
-        if info.max_position_embeddings:
-            longest = min(longest, int(info.max_position_embeddings))
-        lo, hi = 0, longest // 8
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if scaled(info, smallest_cfg, 8 * mid) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        if 8 * lo >= 16:
-            n = scaled(info, smallest_cfg, 8 * lo)
-            ideas.append(f"sequences of {8 * lo} tokens "
-                         f"({fix(f'--max-seq-len {8 * lo}', f'max_seq_len={8 * lo}')}) "
+        length = _shorter_length(seq_len, info.max_position_embeddings,
+                                 lambda n: scaled(info, smallest_cfg, n) <= budget)
+        if length is not None:
+            n = scaled(info, smallest_cfg, length)
+            ideas.append(f"sequences of {length} tokens "
+                         f"({fix(f'--max-seq-len {length}', f'max_seq_len={length}')}) "
                          f"~{format_bytes(n)}")
     tail = ("; would fit: " + "; ".join(ideas)) if ideas else "; try a larger device or a smaller model"
     return DoesNotFitError(head + tail)

@@ -9,7 +9,7 @@ through the measuring loop (``loop``) and the process-memory counters
 
 from autofit.trial.oom import OOM_MESSAGES, is_oom
 from autofit.trial.result import TrialResult, trial_from_dict
-from autofit.trial.runner import DEFAULT_TIMEOUT_S, ISOLATIONS, measure
+from autofit.trial.runner import DEFAULT_TIMEOUT_S, ISOLATIONS, MEASURE_STEPS, measure
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ISOLATIONS", "OOM_MESSAGES", "TrialResult", "is_oom", "measure",
-           "trial_from_dict"]
+__all__ = ["DEFAULT_TIMEOUT_S", "ISOLATIONS", "MEASURE_STEPS", "OOM_MESSAGES", "TrialResult",
+           "is_oom", "measure", "trial_from_dict"]

@@ -107,10 +107,15 @@ from autofit.trial.oom import is_oom
 from autofit.trial.process import describe_signal
 from autofit.trial.result import TrialResult
 
-__all__ = ["measure", "ISOLATIONS", "DEFAULT_TIMEOUT_S"]
+__all__ = ["measure", "ISOLATIONS", "DEFAULT_TIMEOUT_S", "MEASURE_STEPS"]
 
 ISOLATIONS = ("auto", "in-process", "subprocess")
 DEFAULT_TIMEOUT_S = 600.0
+# Timed steps per trial: the step time is their median, so one slow step (page faults, a
+# neighbour on a shared CPU: single CPU steps vary by +-10% here) does not decide between
+# close candidates. 3 costs one step more than 2 (warm-up 1 + 3 timed: ~+1/3 of a trial's
+# stepping; starting the process and building the model are unchanged).
+MEASURE_STEPS = 3
 
 
 def _kill_grace_s(timeout_s: float) -> float:
@@ -459,7 +464,7 @@ def measure(
     task: str | None = None,
     isolation: str = "auto",
     warmup_steps: int = 1,
-    measure_steps: int = 2,
+    measure_steps: int = MEASURE_STEPS,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     tokenizer: Any = None,
     collator: Any = None,
@@ -484,7 +489,8 @@ def measure(
         task: ``causal-lm`` | ``masked-lm`` | ``seq2seq`` | ``seq-cls`` (default: the model's).
         isolation: ``"auto"`` | ``"in-process"`` | ``"subprocess"`` (module docstring).
         warmup_steps: unmeasured steps first (the optimizer state appears).
-        measure_steps: timed steps whose peak is reported.
+        measure_steps: timed steps whose peak is reported; the step time is their
+            median (``MEASURE_STEPS``, 3: one slow step does not decide).
         timeout_s: wall-clock limit; see the module docstring (no exception).
         tokenizer: for a dataset with a text column.
         collator: replaces the default pad-to-longest collation.
