@@ -23,7 +23,7 @@ def test_on_the_cpu_the_margin_is_the_safety_alone():
     m = run_margin(None, None, None, resolve_device("cpu:4GiB"))
     assert (m.fraction, m.run_bytes, m.run) == (SAFETY, 0, None)
     assert m.reason.startswith("margin 3% of 4.00 GiB: a stated safety")
-    assert "keeps no cache" in m.reason
+    assert "not cached" in m.reason and "replays the run's first lengths" in m.reason
 
 
 def test_a_given_margin_is_kept_as_given():

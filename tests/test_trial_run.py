@@ -53,15 +53,21 @@ def test_what_a_trial_replays_of_the_run():
     data = SimpleNamespace(lengths=tuple(range(10, 200, 3)))
     cfg = TrainConfig(micro_batch_size=4)
     on_cpu = _Probed("tiny-llama", module, task, info, data, resolve_device("cpu:2GiB"), 197)
+    order = _RunPlan.of(None).order(data.lengths, cfg, None)
     spec = trial_run(on_cpu, cfg, None, None, {})
-    assert spec.lengths == () and spec.eval_batch_size >= 1 and spec.eval_length == 197
-    assert trial_run(on_cpu, cfg, None, None, {"generate_max_new_tokens": 8}) is None
+    # on the CPU the run's first lengths (short batches fragment glibc's heap) and an eval
+    assert spec.lengths == tuple(order.lengths[:12]) and len(set(spec.lengths)) > 1
+    assert spec.eval_batch_size >= 1 and spec.eval_length == 197
+    assert trial_run(on_cpu, cfg, None, None, {"generate_max_new_tokens": 8}).eval_batch_size is None
+    same = _Probed("tiny-llama", module, task, info, SimpleNamespace(lengths=(64,) * 40),
+                   resolve_device("cpu:2GiB"), 64)
+    assert trial_run(same, cfg, None, None, {}).lengths == ()  # one length: nothing to replay
+    assert trial_run(same, cfg, None, None, {"generate_max_new_tokens": 8}) is None
     # a card whose modelled run fragments (a present one is not here: the rule is the same)
     card = _Probed("tiny-llama", module, task, info, data, resolve_device("A100-80GB"), 197)
     kept = RunMargin(0.05, 1 << 30, "why")
     spec = trial_run(card, cfg, kept, None, {})
-    order = _RunPlan.of(None).order(data.lengths, cfg, None)
-    assert spec.lengths == tuple(order.lengths[:6]) and len(set(spec.lengths)) > 1
+    assert spec.lengths == tuple(order.lengths[:12]) and len(set(spec.lengths)) > 1
     assert trial_run(card, cfg, RunMargin(0.03, 0, "why"), None, {}).lengths == ()
 
 

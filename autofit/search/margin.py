@@ -14,9 +14,11 @@ fragmentation its steps met, and its calibration carries it to the rest.
     >>> m.fraction, m.run_bytes
     (0.03, 0)
 
-On the CPU the allocator keeps no cache (each large block is its own mapping,
-returned when freed), so the run needs exactly its largest step — replaying it adds
-nothing (``benchmarks/results/run_replay.md``) — and the margin is the safety alone.
+On the CPU large blocks are not cached (each is its own mapping, returned when
+freed), so the allocator model's replay adds nothing (``benchmarks/results/run_replay.md``)
+and the margin is the safety alone; what it does not model — small blocks of short
+batches fragmenting glibc's heap — is measured instead: a trial replays the run's
+first lengths before its longest step (``autofit.api.trial_run``).
 On a caching allocator (CUDA) the replay runs once, for the configuration the
 estimate alone would pick; what it adds above that configuration's longest step
 is kept free for every candidate.
@@ -88,8 +90,9 @@ def run_margin(simulator: Any, config: TrainConfig | None, order: RunOrder | Non
     """
     cap = format_bytes(device.capacity_bytes)
     if device.allocator != "cuda" or config is None or order is None or simulator is None:
-        why = ("on the CPU the allocator keeps no cache, so the run needs its longest "
-               "step (which the trials measure) and nothing more"
+        why = ("on the CPU large blocks are not cached (each is its own mapping), and what "
+               "short batches leave fragmented on the heap is measured: every trial replays "
+               "the run's first lengths before its longest step"
                if device.allocator != "cuda" else "nothing fits the estimate to replay a run of")
         return RunMargin(safety, 0, f"margin {100 * safety:g}% of {cap}: a stated safety; "
                          f"{why}")
