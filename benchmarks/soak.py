@@ -52,6 +52,12 @@ Known limitations:
     cores; the profiles (what dominates the peak) are kept.
     NB: RSS counts resident pages; a page mapped before the baseline and touched
     later counts in the peak without counting against RLIMIT_AS (a few MiB).
+    NB: the cap bounds *address space* (RLIMIT_AS), as for autofit's trials, so every
+    mark also records the address space mapped since the cap was set. oneDNN's
+    primitive cache keeps a JIT kernel per input shape (GELU here: 256 KiB of code
+    space each, mostly not resident, up to 1024 kernels), so on variable-length batches
+    the mapped address space grows step after step while RSS stays flat, and a run
+    can die with its resident peak well below the cap ("address space" deaths).
     NB: a child killed by a signal (e.g. a Rust allocation failure in
     safetensors aborts the process) leaves no result; its events file gives the
     last step and phase, and it is reported as killed, with the signal.
@@ -205,10 +211,16 @@ class _Meter:
         self.seq: int | None = None  # padded length of the current step's batch
         self.rows: int | None = None  # samples in it
         self.attempt = 0
+        self.vm_base = procmem.vm_size_bytes() or 0  # address space when the cap was set
 
     def write(self, **kw: Any) -> None:
         self.events.write(json.dumps(kw) + "\n")
         self.events.flush()
+
+    def vm_used(self, vm: int | None = None) -> int:
+        """Address space mapped since the cap was set (RLIMIT_AS allows cap - resident)."""
+        vm = self.procmem.vm_size_bytes() if vm is None else vm
+        return (vm or 0) - self.vm_base
 
     def enter(self, phase: str) -> None:
         self.phase = phase
@@ -218,10 +230,11 @@ class _Meter:
     def mark(self, phase: str, step: int) -> dict[str, Any]:
         hwm = self.procmem.peak_rss_bytes() or 0
         rss = self.procmem.rss_bytes() or 0
+        vm = self.procmem.vm_size_bytes() or 0
         ev = {"kind": "mark", "phase": phase, "step": step, "attempt": self.attempt,
               "t": round(time.monotonic() - self.t0, 3),
               "peak": max(0, hwm - self.base) + self.resident,
-              "rss": max(0, rss - self.base) + self.resident}
+              "rss": max(0, rss - self.base) + self.resident, "vm": self.vm_used(vm)}
         if phase == "train" and self.seq is not None:
             ev["seq"] = self.seq
             ev["rows"] = self.rows
@@ -348,12 +361,13 @@ def _attempt_record(m: _Meter, batch: Any, failed: dict[str, Any] | None) -> dic
     """One run of the training loop: how far it got, its peak, how it ended."""
     hwm = m.procmem.peak_rss_bytes() or 0
     last = max(0, hwm - m.base) + m.resident  # the interval it ended in
+    vm = m.vm_used()  # NB: while the exception unwinds, the failed step's tensors are alive
     rec = {"batch": batch, "peak": max(m.peak, last), "peak_at": m.peak_at,
-           "steps": m.step, "survived": failed is None}
+           "steps": m.step, "survived": failed is None, "vm_end": vm}
     if failed is not None:
         step = m.step + 1 if m.phase == "train" else m.step
-        rec.update(failed, died_step=step, died_phase=m.phase, died_peak=last)
-        m.write(kind="died", attempt=m.attempt, step=step, phase=m.phase, peak=last,
+        rec.update(failed, died_step=step, died_phase=m.phase, died_peak=last, died_vm=vm)
+        m.write(kind="died", attempt=m.attempt, step=step, phase=m.phase, peak=last, vm=vm,
                 **failed)
     else:
         m.write(kind="done", attempt=m.attempt, steps=m.step)
@@ -497,10 +511,13 @@ def _run_trainer(job: dict[str, Any], prepared: dict[str, Any], meter: _Meter) -
     last = attempts[-1] if attempts else {}
     out = {"attempts": attempts, "survived": error is None, "oom": oom, "error": error,
            "batch": last.get("batch"), "steps": last.get("steps"),
+           "vm_allowance": job["cap_bytes"] - meter.resident,
+           "vm_end": last.get("vm_end"),
            "planned_steps": trainer.state.max_steps, "peak": last.get("peak"),
            "peak_at": last.get("peak_at")}
     if error is not None and attempts and not attempts[-1]["survived"]:
-        out.update(died_step=last["died_step"], died_phase=last["died_phase"])
+        out.update(died_step=last["died_step"], died_phase=last["died_phase"],
+                   died_peak=last["died_peak"], died_vm=last["died_vm"])
     return out
 
 
@@ -718,6 +735,7 @@ def _curve(events: list[dict[str, Any]]) -> dict[str, list[Any]]:
         marks = [e for e in marks if e.get("attempt", 0) == last]
     return {"step": [e["step"] for e in marks], "phase": [e["phase"] for e in marks],
             "peak": [e["peak"] for e in marks], "rss": [e["rss"] for e in marks],
+            "vm": [e.get("vm") for e in marks],
             "seq": [e.get("seq") for e in marks], "t": [e["t"] for e in marks]}
 
 
@@ -888,7 +906,8 @@ def bench_model(spec: tuners.Spec, workdir: Path, *, quick: bool) -> dict[str, A
             row["soak"] = {k: r.get(k) for k in ("survived", "oom", "error", "batch", "steps",
                                                  "planned_steps", "peak", "peak_at",
                                                  "died_step", "died_phase", "wall_s",
-                                                 "killed")}
+                                                 "killed", "died_peak", "died_vm",
+                                                 "vm_allowance")}
             row["restarts"] = [a for a in r.get("attempts", []) if not a["survived"]]
             _say(f"    {len(row['restarts'])} restarts; final batch {row['choice']}: "
                  + _soak_line(r))
@@ -902,7 +921,8 @@ def bench_model(spec: tuners.Spec, workdir: Path, *, quick: bool) -> dict[str, A
                 row["soak"] = {k: s.get(k) for k in ("survived", "oom", "error", "batch",
                                                      "steps", "planned_steps", "peak",
                                                      "peak_at", "died_step", "died_phase",
-                                                     "wall_s", "killed")}
+                                                     "wall_s", "killed", "died_peak",
+                                                     "died_vm", "vm_allowance")}
         peers[mode] = row
     out["peers"] = peers
     out["soaks"] = {str(b): soaks.done[b] for b in soaks.order}
@@ -956,12 +976,26 @@ def _pct(x: float | None, signed: bool = False) -> str:
     return f"{100 * x:+.1f}%" if signed else f"{100 * x:.0f}%"
 
 
-def _fate(s: dict[str, Any] | None) -> str:
+def death_cause(s: dict[str, Any], cap: int) -> str | None:
+    """What ran out: the cap on *address space* (RLIMIT_AS) while the resident peak was
+    well below the cap, or memory itself. None when it did not die or is not known."""
+    if s.get("survived") or s.get("died_vm") is None or s.get("died_peak") is None:
+        return None
+    if s["died_peak"] < cap - 8 * MiB:
+        return "address space"
+    return "memory"
+
+
+def _fate(s: dict[str, Any] | None, cap: int | None = None) -> str:
     if not s:
         return "-"
     if s.get("survived"):
         return f"survived ({s.get('steps')} steps)"
     how = "OOM" if s.get("oom") else (s.get("killed") or "failed")
+    cause = death_cause(s, cap) if cap else None
+    if cause == "address space":
+        how += (f": address space, {s['died_vm'] / MiB:.0f} of {s['vm_allowance'] / MiB:.0f} MiB "
+                f"mapped, resident {s['died_peak'] / MiB:.0f} MiB")
     return f"**died** at step {s.get('died_step')} ({s.get('died_phase')}, {how})"
 
 
@@ -1012,11 +1046,13 @@ def markdown(results: dict[str, Any]) -> str:
         at = t.get("peak_at") or {}
         where = (f"{at.get('phase')}, step {at.get('step')}"
                  + (f", T={at['seq']}" if at.get("seq") else "")) if at else "-"
+        if not m["autofit_soak"]["survived"]:
+            where = "- (died)"
         kind = "run" if af["predicted_run_bytes"] is not None else "step"
         lines.append(
             f"| {s['name']} | {s['cap'].split(':')[1]} | {af['micro']} ({af['eval_batch']}) | "
             f"{t['largest_surviving']} ({t['first_death']}) | {_pct(t['choice_vs_largest'])} | "
-            f"{_fate(m['autofit_soak'])} | {_mib(af['predicted_bytes'])} ({kind}) | "
+            f"{_fate(m['autofit_soak'], m['cap_bytes'])} | {_mib(af['predicted_bytes'])} ({kind}) | "
             f"{_mib(af['trial_bytes'])} | {_mib(t['measured_run_peak_bytes'])} | "
             f"{_pct(t['peak_error'], signed=True)} | {where} |")
     lines += ["", "Targets (issue 12): 0 OOM for autofit's choice; predicted run peak within 5% "
@@ -1048,16 +1084,18 @@ def _peer_row(m: dict[str, Any], mode: str, row: dict[str, Any]) -> str:
         restarts = "; ".join(f"{a['batch']}: {a.get('died_step')}, {a.get('died_phase')}"
                              for a in atts if not a["survived"] and a.get("died_step", 0) > 1)
         early = sum(1 for a in atts if not a["survived"] and a.get("died_step", 0) <= 1)
-        restarts = (f"{early} at step 1" + ("; " + restarts if restarts else "")) if early \
-            else (restarts or "none")
+        restarts = (f"{early} died at step 1" + ("; then " + restarts if restarts else "")) \
+            if early else (restarts or "none")
     else:
         tried = ", ".join(f"{a['batch']}" + ("✗" if a.get("oom") else "") for a in atts)
-        at_choice = [a for a in atts if a["batch"] == row.get("choice")]
-        seen = str(at_choice[-1]["seq"]) if at_choice else "-"
+        passed = [a for a in atts if not a.get("oom") and a["batch"] >= (row.get("choice") or 0)]
+        seen = (f"{min(passed, key=lambda a: a['batch'])['seq']}"
+                + ("" if min(a["batch"] for a in passed) == row.get("choice")
+                   else f" (at {min(a['batch'] for a in passed)})")) if passed else "-"
         restarts = "-"
     soak = row.get("soak")
-    fate = _fate(soak) + (" (reused)" if row.get("soak_reused") else "")
-    if probe.get("error") and not row.get("choice"):
+    fate = _fate(soak, m["cap_bytes"]) + (" (reused)" if row.get("soak_reused") else "")
+    if probe.get("error") and (not row.get("choice") or mode == "transformers"):
         fate = f"gave up: {probe['error'][:80]}"
     return (f"| {m['spec']['name']} | {row['peer']} | {tried} | {seen} | {row.get('choice')} | "
             f"{fate} | {restarts} |")
@@ -1077,9 +1115,11 @@ def _model_section(m: dict[str, Any]) -> list[str]:
     ]
     out += [f"- {r}" for r in af["reasons"]]
     out += ["", "Soaks (every one a fresh capped process; peak = VmHWM − baseline + weights; "
-            "per phase, the largest peak of its intervals):", "",
+            "per phase, the largest peak of its intervals; *mapped*: address space mapped "
+            "since the cap was set, at the end or at the death, of the `RLIMIT_AS` allowance "
+            "cap − weights):", "",
             "| micro batch | steps (planned) | result | run peak MiB | at | train max | eval max "
-            "| save max | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+            "| save max | mapped MiB | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for b, r in sorted(m["soaks"].items(), key=lambda kv: int(kv[0])):
         at = r.get("peak_at") or {}
         pp = _phase_peaks(r)
@@ -1087,9 +1127,12 @@ def _model_section(m: dict[str, Any]) -> list[str]:
         if not r.get("survived"):  # its peak is where it died
             where = f"{r.get('died_phase')} {r.get('died_step')} (died)"
         tag = " (autofit)" if int(b) == af["micro"] else ""
-        out.append(f"| {b}{tag} | {r.get('steps')} ({r.get('planned_steps')}) | {_fate(r)} | "
-                   f"{_mib(r.get('peak'))} | {where} | {_mib(pp['train'])} | "
-                   f"{_mib(pp['eval'])} | {_mib(pp['save'])} | {r.get('wall_s') or '-'} |")
+        vm = r.get("died_vm") if not r.get("survived") else r.get("vm_end")
+        mapped = "-" if vm is None else f"{_mib(vm)} / {_mib(r.get('vm_allowance'))}"
+        out.append(f"| {b}{tag} | {r.get('steps')} ({r.get('planned_steps')}) | "
+                   f"{_fate(r, m['cap_bytes'])} | {_mib(r.get('peak'))} | {where} | "
+                   f"{_mib(pp['train'])} | {_mib(pp['eval'])} | {_mib(pp['save'])} | {mapped} | "
+                   f"{r.get('wall_s') or '-'} |")
     return out
 
 
@@ -1118,6 +1161,15 @@ def _notes(results: dict[str, Any]) -> list[str]:
         "- A soak that dies ends at its first OOM (the step and phase are the Trainer's: the "
         "step being trained, or the step after which it evaluated or saved); its run peak is "
         "where it died. Each size is soaked once.",
+        "- The cap is on address space (`RLIMIT_AS` := VmSize + cap − weights, as in autofit's "
+        "trials), the peak is resident memory. *mapped* is the address space mapped since the "
+        "cap was set; a death marked *address space* ran out of it with its resident peak "
+        "more than 8 MiB below the cap. oneDNN's primitive cache keeps a JIT kernel per input "
+        "shape (BERT's GELU: 256 KiB of code space each, hardly resident, up to 1024 of "
+        "them), so on variable-length batches the mapped address space grows step after step "
+        "(with `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` it stays flat: checked by hand on "
+        "bert-bigvocab at micro batch 3, 175 steps: +45 MiB mapped with the cache, +16 MiB "
+        "without, RSS +10 MiB either way).",
         "- The models are tuners.py's scaled down (per model above) so that one soak takes "
         "about a minute on this machine; the profile of each (what dominates the peak) is "
         "kept.",
@@ -1151,6 +1203,13 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         if tr:
             top.plot([x for x, _ in tr], [y for _, y in tr], color="#3b6ea5", lw=0.7,
                      label="peak of each step")
+        res = soak.get("resident_bytes") or 0
+        vm = [(s, (v + res) / MiB) for s, v, ph in zip(steps, c.get("vm", []), phases,
+                                                      strict=False)
+              if ph == "train" and v is not None]
+        if vm:
+            top.plot([x for x, _ in vm], [y for _, y in vm], color="#8e5ea2", lw=1.2,
+                     label="address space (mapped + weights)")
         for ph, mk, col in (("eval", "^", "#2a9d8f"), ("save", "s", "#e9a23b")):
             pts = [(s, p / MiB) for s, p, x in zip(steps, peaks, phases, strict=False) if x == ph]
             if pts:
@@ -1180,7 +1239,10 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         for mode, row in m["peers"].items():
             label = mode + (f" ({len(row.get('restarts', []))} restarts)"
                             if mode == "transformers" else "")
-            rows.append((label, row.get("choice"), row.get("soak")))
+            soak_row = row.get("soak")
+            if mode == "transformers" and row["probe"].get("error"):
+                soak_row = dict(soak_row or {}, survived=False)
+            rows.append((label, row.get("choice"), soak_row))
         ys = list(range(len(rows)))
         colors = ["#4c9a5a" if (s or {}).get("survived") else "#c8442f" for _, _, s in rows]
         bottom.barh(ys, [b or 0 for _, b, _ in rows], color=colors)
