@@ -1225,6 +1225,9 @@ def plot(results: dict[str, Any], path: Path) -> bool:
                         label=f"trial {af['trial_bytes'] / MiB:.1f} MiB")
         if not soak.get("survived") and soak.get("died_step") is not None:
             top.axvline(soak["died_step"], color="#c8442f", ls="-.", lw=1)
+            if soak.get("died_peak") is not None:
+                top.scatter([soak["died_step"]], [soak["died_peak"] / MiB], marker="x",
+                            color="#c8442f", zorder=4, label="resident peak at the death")
             top.text(soak["died_step"], cap * 0.5, f" died: step {soak['died_step']} "
                      f"({soak.get('died_phase')})", color="#c8442f", fontsize=8)
         top.set_ylim(0, cap * 1.4)
@@ -1235,21 +1238,26 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         top.legend(fontsize=7, loc="upper center", ncol=2)
         rows = [("autofit", af["micro"], soak)]
         rows.append(("largest surviving", m["search"]["largest"],
-                     m["soaks"].get(str(m["search"]["largest"]))))
+                     m["soaks"].get(str(m["search"]["largest"]))
+                     or {"survived": False, "none": True}))
         for mode, row in m["peers"].items():
             label = mode + (f" ({len(row.get('restarts', []))} restarts)"
                             if mode == "transformers" else "")
             soak_row = row.get("soak")
             if mode == "transformers" and row["probe"].get("error"):
-                soak_row = dict(soak_row or {}, survived=False)
+                soak_row = {"survived": False, "gave_up": True}
             rows.append((label, row.get("choice"), soak_row))
         ys = list(range(len(rows)))
         colors = ["#4c9a5a" if (s or {}).get("survived") else "#c8442f" for _, _, s in rows]
         bottom.barh(ys, [b or 0 for _, b, _ in rows], color=colors)
         for y, (_, b, s) in zip(ys, rows, strict=True):
-            txt = (f" {b}: survived" if (s or {}).get("survived") else
-                   f" {b}: died at step {(s or {}).get('died_step')} "
-                   f"({(s or {}).get('died_phase')})" if s else f" {b}")
+            s = s or {}
+            txt = (f" {b}: survived" if s.get("survived") else
+                   " none survives" if s.get("none") else
+                   f" gave up after {b}" if s.get("gave_up") else
+                   f" {b}: died at step {s.get('died_step')} ({s.get('died_phase')})"
+                   + (", address space" if death_cause(s, m["cap_bytes"]) == "address space"
+                      else ""))
             bottom.text((b or 0) + 0.1, y, txt, va="center", fontsize=8)
         bottom.set_yticks(ys, [r[0] for r in rows], fontsize=8)
         bottom.invert_yaxis()
