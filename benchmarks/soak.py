@@ -976,12 +976,24 @@ def _pct(x: float | None, signed: bool = False) -> str:
     return f"{100 * x:+.1f}%" if signed else f"{100 * x:.0f}%"
 
 
+def requested_bytes(error: str | None) -> int | None:
+    """The failed request of torch's CPU allocator ("you tried to allocate N bytes")."""
+    import re
+
+    m = re.search(r"tried to allocate (\d+) bytes", error or "")
+    return int(m.group(1)) if m else None
+
+
 def death_cause(s: dict[str, Any], cap: int) -> str | None:
-    """What ran out: the cap on *address space* (RLIMIT_AS) while the resident peak was
-    well below the cap, or memory itself. None when it did not die or is not known."""
-    if s.get("survived") or s.get("died_vm") is None or s.get("died_peak") is None:
+    """What ran out: *address space* when the resident peak of the dying interval plus the
+    failed request is more than 8 MiB below the cap (RLIMIT_AS refused what resident
+    memory had room for), else memory. None when it did not die or is not known."""
+    if s.get("survived") or s.get("died_peak") is None:
         return None
-    if s["died_peak"] < cap - 8 * MiB:
+    request = requested_bytes(s.get("error"))
+    if request is None:
+        return None
+    if s["died_peak"] + request < cap - 8 * MiB:
         return "address space"
     return "memory"
 
@@ -994,8 +1006,8 @@ def _fate(s: dict[str, Any] | None, cap: int | None = None) -> str:
     how = "OOM" if s.get("oom") else (s.get("killed") or "failed")
     cause = death_cause(s, cap) if cap else None
     if cause == "address space":
-        how += (f": address space, {s['died_vm'] / MiB:.0f} of {s['vm_allowance'] / MiB:.0f} MiB "
-                f"mapped, resident {s['died_peak'] / MiB:.0f} MiB")
+        how += (f": address space; resident peak {s['died_peak'] / MiB:.0f} + request "
+                f"{requested_bytes(s.get('error')) / MiB:.0f} MiB < cap")
     return f"**died** at step {s.get('died_step')} ({s.get('died_phase')}, {how})"
 
 
@@ -1163,8 +1175,10 @@ def _notes(results: dict[str, Any]) -> list[str]:
         "where it died. Each size is soaked once.",
         "- The cap is on address space (`RLIMIT_AS` := VmSize + cap − weights, as in autofit's "
         "trials), the peak is resident memory. *mapped* is the address space mapped since the "
-        "cap was set; a death marked *address space* ran out of it with its resident peak "
-        "more than 8 MiB below the cap. oneDNN's primitive cache keeps a JIT kernel per input "
+        "cap was set (at a death: when the error reached the Trainer's loop, the failed "
+        "step's buffers partly freed, so a lower bound); a death marked *address space* was "
+        "refused a request that resident memory had room for (resident peak of the dying "
+        "interval + the failed request more than 8 MiB below the cap). oneDNN's primitive cache keeps a JIT kernel per input "
         "shape (BERT's GELU: 256 KiB of code space each, hardly resident, up to 1024 of "
         "them), so on variable-length batches the mapped address space grows step after step "
         "(with `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` it stays flat: checked by hand on "

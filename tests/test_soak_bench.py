@@ -99,3 +99,15 @@ def test_lengths_skewed_with_three_at_the_max(soak):
     assert lengths.count(128) >= 3 and max(lengths) == 128 and min(lengths) >= 4
     assert sum(x <= 16 for x in lengths) / len(lengths) > 0.9
     assert soak.soak_lengths(2000, 128, seed=0) == lengths  # seeded
+
+
+def test_death_cause_separates_address_space_from_memory(soak):
+    cap = 128 * MiB
+    err = ("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+           f"{15 * MiB} bytes. Error code 12 (Cannot allocate memory)")
+    died = {"survived": False, "error": err}
+    assert soak.requested_bytes(err) == 15 * MiB
+    assert soak.death_cause(dict(died, died_peak=90 * MiB), cap) == "address space"
+    assert soak.death_cause(dict(died, died_peak=110 * MiB), cap) == "memory"
+    assert soak.death_cause({"survived": True}, cap) is None
+    assert soak.death_cause(dict(died, error="killed by SIGABRT", died_peak=1), cap) is None
