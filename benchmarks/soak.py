@@ -1006,8 +1006,8 @@ def _fate(s: dict[str, Any] | None, cap: int | None = None) -> str:
     how = "OOM" if s.get("oom") else (s.get("killed") or "failed")
     cause = death_cause(s, cap) if cap else None
     if cause == "address space":
-        how += (f": address space; resident peak {s['died_peak'] / MiB:.0f} + request "
-                f"{requested_bytes(s.get('error')) / MiB:.0f} MiB < cap")
+        how += (f": address space; resident peak {s['died_peak'] / MiB:.1f} + request "
+                f"{requested_bytes(s.get('error')) / MiB:.1f} MiB < cap")
     return f"**died** at step {s.get('died_step')} ({s.get('died_phase')}, {how})"
 
 
@@ -1223,7 +1223,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
               if ph == "train" and v is not None]
         if vm:
             top.plot([x for x, _ in vm], [y for _, y in vm], color="#8e5ea2", lw=1.2,
-                     label="address space (mapped + weights)")
+                     label="address space between steps (mapped + weights)")
         for ph, mk, col in (("eval", "^", "#2a9d8f"), ("save", "s", "#e9a23b")):
             pts = [(s, p / MiB) for s, p, x in zip(steps, peaks, phases, strict=False) if x == ph]
             if pts:
@@ -1244,7 +1244,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
                             color="#c8442f", zorder=4, label="resident peak at the death")
             top.text(soak["died_step"], cap * 0.5, f" died: step {soak['died_step']} "
                      f"({soak.get('died_phase')})", color="#c8442f", fontsize=8)
-        top.set_ylim(0, cap * 1.4)
+        top.set_ylim(0, cap * 1.5)
         top.set_xlabel("optimizer step")
         top.set_ylabel("MiB (VmHWM − baseline + weights)")
         top.set_title(f"{m['spec']['name']} on {m['spec']['cap']}: autofit's micro batch "
