@@ -136,7 +136,7 @@ def prepare(env: dict[str, str]) -> None:
         return
     with _LOCK:
         try:
-            _current(env, start=True)
+            _current(env)
         except Exception as e:  # noqa: BLE001 - never fail a trial because of the server
             _give_up_locked(_SERVER, f"could not be started ({type(e).__name__}: {e})")
 
@@ -152,7 +152,7 @@ def start_child(work: Path, *, env: dict[str, str], until: float | None) -> Chil
         return None
     with _LOCK:
         try:
-            srv = _current(env, start=True)
+            srv = _current(env)
         except Exception as e:  # noqa: BLE001 - never fail a trial because of the server
             _give_up_locked(_SERVER, f"could not be started ({type(e).__name__}: {e})")
             return None
@@ -179,7 +179,7 @@ def shutdown() -> None:
         srv.kill()
 
 
-def _current(env: dict[str, str], *, start: bool) -> _Server | None:
+def _current(env: dict[str, str]) -> _Server | None:
     """This process's server for ``env`` (``_LOCK`` held): restarted when the key changed."""
     global _SERVER, _ATEXIT
     if _GIVEN_UP is not None:
@@ -191,7 +191,7 @@ def _current(env: dict[str, str], *, start: bool) -> _Server | None:
     if srv is not None and srv.key != key and srv.busy.acquire(blocking=False):
         srv.kill()  # idle, but started with another environment
         srv = _SERVER = None
-    if srv is None and start:
+    if srv is None:
         try:
             srv = _SERVER = _Server(key, env)
         except OSError as e:
