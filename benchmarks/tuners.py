@@ -23,7 +23,7 @@ allocation failure), for small models with different memory profiles, compare:
 
 Every attempt of every tuner is one ``autofit.trial.measure`` call on the
 model's worst-case batch (the ``B`` longest samples padded to the longest): a
-fresh capped child process, 1 warm-up + 2 measured optimizer steps (Lightning's
+fresh capped child process (forked from autofit's trial server), 1 warm-up + 2 measured optimizer steps (Lightning's
 ``steps_per_trial=3``; for accelerate / transformers, the first 3 steps of the
 training the decorated function would run). An OOM comes back as the
 exception a peer would have seen in-process (type and message), which the
@@ -43,12 +43,19 @@ batch, same step kind); it is not timed against them.
     python benchmarks/tuners.py --models llama-vocab --skip-unrestricted
 
 Writes ``benchmarks/results/tuners.md``, ``tuners.json`` and ``tuners.png`` (``--replot``
-redraws the last two from the JSON). Run by hand, not in CI.
+redraws the last two from the JSON). Run by hand, not in CI. The JSON it replaces is
+read first: its date, total and per-row wall times and its trial cost are kept
+under ``previous`` and shown beside this run's (*wall s before*, **Trial cost**).
+The trial server is started before the first tuner (no row pays it), and after
+the first model the same out-of-memory attempt runs three times each way,
+alternately forked from the server and in a fresh process (``side_by_side``).
 
 Known limitations:
-    NB: each attempt pays a process start-up (~5 s here: importing torch and
-    transformers), the same for every tuner. In-process retries on a GPU cost
-    less per attempt, so wall-time ratios here follow the attempt counts.
+    NB: each attempt pays a process start-up, the same for every tuner: a fork of
+    the pre-imported trial server (``autofit.trial.server``), tenths of a second;
+    runs before it started a fresh interpreter per attempt (~5 s here importing
+    torch, and seconds more of transformers' lazy imports in the child). The
+    attempts' own steps now dominate, as with in-process retries on a GPU.
     NB: the peers are tried on the worst-case batch, the most favourable setting
     for them (as if the data were sorted longest-first for the search); with
     their own shuffled loader they meet the longest samples only by chance.
@@ -792,6 +799,93 @@ def summarise(model: dict[str, Any]) -> dict[str, Any]:
     return {"fastest_peer": fastest["tuner"] if fastest else None, "rows": rows}
 
 
+def trial_cost(results: dict[str, Any]) -> tuple[float | None, int]:
+    """Median wall of the peers' attempts that ran out of memory in their first step
+    (almost all process start-up), and how many there were."""
+    walls = [a["wall_s"] for m in results.get("models", []) for r in m["rows"]
+             for a in r.get("attempt_log", []) if a["oom"] and a["steps"] == 0 and a["wall_s"]]
+    return (statistics.median(walls) if walls else None), len(walls)
+
+
+def previous_run(path: Path) -> dict[str, Any] | None:
+    """What the committed results at ``path`` (the run this one replaces) said, in brief."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not old.get("models"):
+        return None
+    cost, n = trial_cost(old)
+    return {"date": old.get("date"), "machine": old.get("machine"), "wall_s": old.get("wall_s"),
+            "oom_attempt_s": cost, "oom_attempts": n,
+            "rows": {m["spec"]["name"]: {r["tuner"]: r["wall_s"] for r in m["rows"]}
+                     for m in old["models"]}}
+
+
+def _autofit_wall(results: dict[str, Any], rows: dict[str, dict[str, float]] | None = None
+                  ) -> float:
+    """Seconds of autofit's restricted runs (the four rows), every model."""
+    if rows is None:
+        rows = {m["spec"]["name"]: {r["tuner"]: r["wall_s"] for r in m["rows"]}
+                for m in results["models"]}
+    return sum(w for m in results["models"] for t, w in rows.get(m["spec"]["name"], {}).items()
+               if t.startswith("autofit"))
+
+
+def trial_start_side_by_side(spec: Spec, model_dir: Path, dataset: list[dict[str, Any]],
+                             rounds: int = 3) -> dict[str, Any]:
+    """The same attempt, alternately forked from the trial server and in a fresh process.
+
+    Micro batch ``ACCELERATE_START`` (accelerate's first attempt): it runs out of
+    memory in its first step, so its wall time is almost all start-up. A fresh
+    process is what ``AUTOFIT_TRIAL_SERVER=0`` gives: ``python -m autofit.trial.child``.
+    """
+    device = Device(spec, model_dir, dataset)  # its own: nothing recorded for the truth
+    walls: dict[str, list[float]] = {"server": [], "fresh": []}
+    for _ in range(rounds):
+        for mode in walls:
+            if mode == "fresh":
+                os.environ["AUTOFIT_TRIAL_SERVER"] = "0"
+            try:
+                a = device.attempt(ACCELERATE_START)
+            finally:
+                os.environ.pop("AUTOFIT_TRIAL_SERVER", None)
+            walls[mode].append(a.wall_s)
+    return {"model": spec.name, "size": ACCELERATE_START, "walls_s": walls,
+            "median_s": {k: statistics.median(v) for k, v in walls.items()}}
+
+
+def _cost_lines(results: dict[str, Any]) -> list[str]:
+    cost, n = trial_cost(results)
+    prev = results.get("previous")
+    if cost is None:
+        return []
+    line = (f"**Trial cost.** A capped attempt that runs out of memory in its first step is "
+            f"almost all start-up: median {cost:.2f} s here ({n} such attempts), the child "
+            "forked from autofit's pre-imported trial server")
+    start = results.get("server_start_s")
+    line += "." if start is None else (f" (started once before the first tuner, in "
+                                       f"{start:.0f} s, counted in no row).")
+    ab = results.get("side_by_side")
+    if ab:
+        med = ab["median_s"]
+        line += (f" Side by side in this run ({ab['model']}, micro batch {ab['size']}, "
+                 f"{len(ab['walls_s']['server'])} attempts each way, alternating): "
+                 f"{med['server']:.2f} s forked from the server, {med['fresh']:.2f} s in a fresh "
+                 f"`python -m autofit.trial.child` ({med['fresh'] / med['server']:.1f}×).")
+    if prev and prev.get("oom_attempt_s"):
+        before = _autofit_wall(results, prev["rows"])
+        line += (f" The previous committed run ({prev['date']}, {prev.get('machine') or '?'}; a "
+                 f"fresh process per attempt) took {prev['oom_attempt_s']:.2f} s per such "
+                 f"attempt ({prev['oom_attempts']} attempts); autofit's four restricted runs "
+                 f"{before:.0f} s in all, {_autofit_wall(results):.0f} s here; the whole "
+                 f"benchmark {prev['wall_s'] / 60:.1f} min, {results['wall_s'] / 60:.1f} min here "
+                 "(*wall s before* in the tables). Runs on different days share the machine "
+                 "with other work (the load average): the side-by-side figure is the like-for-"
+                 "like one.")
+    return [line, ""]
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = [
         "# Tuner benchmark: autofit vs accelerate, Lightning and transformers",
@@ -801,6 +895,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['wall_s'] / 60:.1f} min.",
         "",
         "Every attempt of every tuner is one `autofit.trial.measure` call: a fresh process "
+        "(forked from autofit's trial server, which imported torch and transformers once) "
         "capped with `RLIMIT_AS` at the device's cap, 1 warm-up + 2 measured optimizer steps "
         "on the worst-case batch (the B longest samples padded to the longest). Wall times "
         "are measured side by side in this run and given as a ratio to autofit's "
@@ -810,6 +905,7 @@ def markdown(results: dict[str, Any]) -> str:
         "![attempts, OOMs and choices per tuner and model](tuners.png)",
         "",
     ]
+    lines += _cost_lines(results)
     probe = results["recognition_probe"]
     peers = [r for m in results["models"] for r in m["rows"] if "wrapped" in r]
     wrapped = sum(r["wrapped"] for r in peers)
@@ -826,12 +922,12 @@ def markdown(results: dict[str, Any]) -> str:
         "",
     ]
     for m in results["models"]:
-        lines += _model_section(m)
+        lines += _model_section(m, (results.get("previous") or {}).get("rows", {}))
     lines += _summary_section(results)
     return "\n".join(lines) + "\n"
 
 
-def _model_section(m: dict[str, Any]) -> list[str]:
+def _model_section(m: dict[str, Any], previous: dict[str, dict[str, float]]) -> list[str]:
     s, truth, ls = m["spec"], m["truth"], m["lengths"]
     ref = next(r for r in m["rows"] if r["tuner"] == "autofit")["wall_s"]
     out = [
@@ -852,10 +948,11 @@ def _model_section(m: dict[str, Any]) -> list[str]:
         f"checked, {len(truth['reused_accumulated']) + len(truth['reused_plain'])} of them "
         f"measured by a tuner first; {truth['wall_s']:.0f} s more.)",
         "",
-        "| tuner | attempts | OOMs | steps | wall s | wall / autofit | micro | accum | "
-        "effective (kept?) | true max | choice / true max | sizes tried |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tuner | attempts | OOMs | steps | wall s | wall s before | wall / autofit | micro | "
+        "accum | effective (kept?) | true max | choice / true max | sizes tried |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    before = previous.get(s["name"], {})
     for r in m["rows"]:
         wall, ratio = _fmt_wall(r, ref)
         micro = "failed" if r["micro"] is None else str(r["micro"])
@@ -868,8 +965,10 @@ def _model_section(m: dict[str, Any]) -> list[str]:
         if "sizes" in r:
             fails = {a["size"] for a in r["attempt_log"] if a["oom"]}
             sizes_s = ", ".join(f"{x}✗" if x in fails else str(x) for x in sizes)
+        was = before.get(r["tuner"])
+        was_s = "-" if was is None else f"{was:.0f}"
         out.append(f"| {r['tuner']} | {r['attempts']} | {r['ooms']} | {r['steps']} | {wall} | "
-                   f"{ratio} | {micro} | {r['accum']} | {eff} | {r['true_max']} | {share} | "
+                   f"{was_s} | {ratio} | {micro} | {r['accum']} | {eff} | {r['true_max']} | {share} | "
                    f"{sizes_s} |")
     seen = {r["micro"]: r["loader_lengths"] for r in m["rows"] if r.get("loader_lengths")}
     if seen:
@@ -979,10 +1078,10 @@ def _notes(results: dict[str, Any]) -> list[str]:
         "loader their trial steps meet the longest samples only by chance (for this data and "
         "seed, see the lengths per model above), and when they do not, the size they settle "
         "on can fail later, on the first long batch.",
-        "- Each attempt (for every tuner) starts a fresh capped process (~5-8 s of imports here "
-        "before the first step), so the wall-time ratios mostly follow the attempt counts; "
-        "in-process retries on a GPU are cheaper per attempt for the peers, and for autofit's "
-        "trials alike.",
+        "- Each attempt (for every tuner) is a fresh capped process forked from autofit's trial "
+        "server (see **Trial cost** above: runs before the server paid a new interpreter's "
+        "imports, ~5-8 s here, per attempt); the wall-time ratios follow the attempt counts "
+        "and the steps each attempt runs, as for in-process retries on a GPU.",
         "",
     ]
 
@@ -1008,6 +1107,20 @@ def _warm_up() -> None:
 
     import autofit.api  # noqa: F401
     import autofit.trial  # noqa: F401
+
+
+def _start_trial_server() -> float | None:
+    """Start autofit's trial server (one trial of a tiny model), so that no tuner pays it;
+    seconds, None if the server is off."""
+    from autofit.config import TrainConfig
+    from autofit.trial import measure, server
+
+    if not server.enabled():
+        return None
+    t = time.perf_counter()
+    measure("tiny-gpt2", TrainConfig(micro_batch_size=1), seq_len=8, device="cpu:1GiB",
+            measure_steps=1)
+    return time.perf_counter() - t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1040,6 +1153,10 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "models": [],
     }
+    previous = previous_run(args.out.with_suffix(".json"))  # the run this one replaces
+    if previous is not None:
+        results["previous"] = previous
+    results["server_start_s"] = _start_trial_server()
     with tempfile.TemporaryDirectory(prefix="tuners-") as tmp:
         for spec in SPECS:
             if spec.name not in args.models:
@@ -1047,6 +1164,10 @@ def main(argv: list[str] | None = None) -> int:
             m = bench_model(spec, Path(tmp), unrestricted=not args.skip_unrestricted)
             m["summary"] = summarise(m)
             results["models"].append(m)
+            if "side_by_side" not in results:
+                _say(f"{spec.name}: trial start-up, forked from the server vs a fresh process")
+                results["side_by_side"] = trial_start_side_by_side(
+                    spec, Path(tmp) / spec.name, make_dataset(spec))
             _write(results, args.out, time.perf_counter() - t0)  # partial results survive
     _write(results, args.out, time.perf_counter() - t0)
     print(args.out.with_suffix(".md").read_text())

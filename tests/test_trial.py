@@ -461,6 +461,7 @@ def test_a_child_that_dies_is_judged_by_its_stderr(tiny_path, tmp_path, monkeypa
     )
     fake.chmod(0o755)
     monkeypatch.setattr(trial_runner.sys, "executable", str(fake))
+    monkeypatch.setenv("AUTOFIT_TRIAL_SERVER", "0")  # the fake stands in for a fresh child
     r = measure(tiny_path, TrainConfig(micro_batch_size=1), seq_len=8, device="cpu:1GiB")
     assert r.oom and "SIGABRT" in r.error and "bad_alloc" in r.error
 

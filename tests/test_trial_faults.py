@@ -84,20 +84,25 @@ def _alive(pid: int) -> bool:
     return fields is not None and fields[0] not in ("Z", "X")  # a zombie has ended
 
 
-def _trial_children(parent: int) -> list[int]:
+def _processes() -> list[tuple[int, int, bytes]]:
+    """(pid, parent pid, command line) of every process."""
     out = []
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        fields = _stat(int(d.name))
+        fields = _stat(int(d.name)) if d.name.isdigit() else None
         try:
-            if fields and int(fields[1]) == parent and b"autofit.trial.child" in (
-                d / "cmdline"
-            ).read_bytes():
-                out.append(int(d.name))
+            if fields:
+                out.append((int(d.name), int(fields[1]), (d / "cmdline").read_bytes()))
         except OSError:
             continue
     return out
+
+
+def _trial_children(parent: int) -> list[int]:
+    """``parent``'s trial children: fresh ones, and those its trial server forked."""
+    procs = _processes()
+    servers = {pid for pid, ppid, cmd in procs if ppid == parent and b"autofit.trial.server" in cmd}
+    return [pid for pid, ppid, cmd in procs
+            if (ppid == parent and b"autofit.trial.child" in cmd) or ppid in servers]
 
 
 def _capped(pid: int) -> bool:
@@ -148,6 +153,7 @@ def test_a_child_killed_twice_is_reported_killed_not_oom(
 ):
     fake, starts = _fake_python(tmp_path, f"kill -{sig} $$")
     monkeypatch.setattr(trial_runner.sys, "executable", str(fake))
+    monkeypatch.setenv("AUTOFIT_TRIAL_SERVER", "0")  # the fake stands in for a fresh child
     r = measure(tiny_path, TrainConfig(micro_batch_size=1), seq_len=8, device="cpu:1GiB")
     name = f"SIG{sig}"
     number = int(signal.Signals[name])
@@ -192,6 +198,7 @@ def test_a_child_killed_once_is_retried_and_the_retry_measures(
 def test_a_child_that_crashes_by_itself_is_not_retried(tiny_path, tmp_path, own_tmp, monkeypatch):
     fake, starts = _fake_python(tmp_path, "echo 'Segmentation fault' >&2\nkill -SEGV $$")
     monkeypatch.setattr(trial_runner.sys, "executable", str(fake))
+    monkeypatch.setenv("AUTOFIT_TRIAL_SERVER", "0")  # the fake stands in for a fresh child
     r = measure(tiny_path, TrainConfig(micro_batch_size=1), seq_len=8, device="cpu:1GiB")
     assert _count(starts) == 1 and not r.oom and r.killed_by is None
     assert "SIGSEGV (signal 11)" in r.error

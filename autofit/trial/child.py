@@ -1,4 +1,4 @@
-"""The trial child: ``python -m autofit.trial.child WORKDIR [PARENT_PID]``.
+"""The trial child: ``python -m autofit.trial.child WORKDIR [PARENT_PID [OWNER_PID]]``.
 
 Started by ``autofit.trial`` with glibc's allocator set to measure
 (``_procmem.CHILD_MALLOC_ENV``). Reads ``WORKDIR/payload.pt`` (a ``torch.save``
@@ -10,6 +10,11 @@ too; a child that dies without a result is judged by its exit status and stderr.
 First of all (before torch is imported, seconds) the child ties its life to the
 parent's: should ``PARENT_PID`` die, it removes ``WORKDIR`` (the payload with it)
 and exits (``autofit.trial.process.guard_parent``).
+
+A CPU trial's child is usually forked by the trial server (``autofit.trial.server``)
+with torch and transformers already imported, and runs ``main`` there: its parent
+is then the server and ``OWNER_PID`` the autofit process whose ``WORKDIR`` it is
+(kept while that process lives, which reruns the trial in a fresh child).
 """
 
 from __future__ import annotations
@@ -33,7 +38,11 @@ def main(argv: list[str]) -> int:
     workdir = Path(argv[1])
     from autofit.trial.process import guard_parent
 
-    guard_parent(workdir, int(argv[2]) if len(argv) > 2 else os.getppid())
+    guard_parent(
+        workdir,
+        int(argv[2]) if len(argv) > 2 else os.getppid(),
+        owner_pid=int(argv[3]) if len(argv) > 3 else None,
+    )
     import torch
 
     torch.set_num_threads(1)

@@ -17,6 +17,12 @@ the parent, however it ends:
   dir and exits with its group (``guard_parent``, set up before torch is imported);
 - work dirs whose owner is dead are removed at the next start (``sweep``).
 
+A CPU trial child may instead be forked by the trial server
+(``autofit.trial.server``), itself a child of the parent: the child then guards
+against the server's death (``guard_parent(work, server_pid, owner_pid=parent)``)
+and removes its work dir only when the parent is gone too; the server dies with
+the parent, taking its running child and that child's work dir along.
+
     >>> from autofit.trial.process import describe_signal
     >>> describe_signal(9)
     'SIGKILL (signal 9)'
@@ -51,6 +57,7 @@ __all__ = [
     "describe_signal",
     "guard_parent",
     "killed_by",
+    "pid_alive",
     "start",
     "stop",
     "sweep",
@@ -124,7 +131,10 @@ def start(args: list[str], *, env: dict[str, str], log: Any) -> subprocess.Popen
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Kill a child still running, with its process group, and reap it. Idempotent."""
+    """Kill a child still running, with its process group, and reap it. Idempotent.
+
+    ``proc``: a ``Popen``, or a trial server's child (``server.Child``, alike).
+    """
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # the group the child leads (start())
@@ -171,6 +181,21 @@ def sweep(tmp: str | os.PathLike | None = None, *, force: bool = False) -> list[
     return removed
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: kill() said it exists
+    return state not in ("Z", "X")
+
+
 def _owner_alive(pid: int, changed: float) -> bool:
     """Whether process ``pid`` lives and is the one that wrote a dir last changed at ``changed``."""
     try:
@@ -199,12 +224,15 @@ def _start_time(pid: int) -> float | None:
 # ---------------------------------------------------------------- the child's side
 
 
-def guard_parent(work: Path, parent_pid: int) -> None:
+def guard_parent(work: Path, parent_pid: int, *, owner_pid: int | None = None) -> None:
     """In the child: when ``parent_pid`` dies, remove ``work`` and exit with the group.
 
     Call first thing in the child's main thread, before the slow imports.
+    ``owner_pid``: the process whose work dir ``work`` is, when it is not the parent
+    (a child forked by the trial server): ``work`` is then removed only if the owner
+    is gone too (a live owner reruns the trial from it).
     """
-    guard = _Guard(work, parent_pid)
+    guard = _Guard(work, parent_pid, owner_pid)
     if PARENT_DEATH_SIGNAL is not None:
         signal.signal(PARENT_DEATH_SIGNAL, guard.on_signal)
         _request_parent_death_signal()
@@ -224,9 +252,10 @@ def _request_parent_death_signal() -> bool:
 
 
 class _Guard:
-    def __init__(self, work: Path, parent_pid: int) -> None:
+    def __init__(self, work: Path, parent_pid: int, owner_pid: int | None = None) -> None:
         self.work = work
         self.parent_pid = parent_pid
+        self.owner_pid = owner_pid
 
     def orphaned(self) -> bool:
         return os.getppid() != self.parent_pid
@@ -246,7 +275,8 @@ class _Guard:
             self.check()
 
     def die(self) -> None:
-        if self.work.name.startswith(PREFIX):  # never anything but a trial's work dir
+        owner_gone = self.owner_pid is None or not pid_alive(self.owner_pid)
+        if owner_gone and self.work.name.startswith(PREFIX):  # never anything but a work dir
             shutil.rmtree(self.work, ignore_errors=True)
         with contextlib.suppress(OSError):
             if os.getpgid(0) == os.getpid():  # we lead our group (start()): take it along

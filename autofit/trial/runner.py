@@ -40,6 +40,11 @@ Isolation (``isolation=``):
 - ``"subprocess"``: a fresh process (fresh allocator, no fragmentation carried over).
   The model travels by ``torch.save`` (pickle) through a temporary file, or by
   reference (a name or path is rebuilt in the child); the result comes back as JSON.
+  On a CPU the process is forked from the trial server (``autofit.trial.server``),
+  started by the first such trial, which has imported torch and transformers once
+  and allocated no tensor: a trial starts in a fraction of a second, not the
+  seconds of a new interpreter's imports. Should the server fail, trials start a
+  new interpreter each (one warning says so).
 - ``"in-process"``: this process; on a capped CPU the address-space limit is set
   on this process for the duration of the steps and lifted afterwards.
 
@@ -372,7 +377,12 @@ def _run_subprocess(
     """
     import torch
 
+    from autofit.trial import server
+
     deadline = None if timeout_s is None else time.time() + float(timeout_s)
+    fork = tdev.type == "cpu" and server.enabled()  # accelerators: fresh children only
+    if fork:
+        server.prepare(_child_env())  # it imports while the payload is written
     with process.workdir() as work:
         payload = {
             "model": model,
@@ -392,11 +402,11 @@ def _run_subprocess(
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from None
         del payload
-        raw = _run_child(work, deadline, timeout_s)
+        raw = _run_child(work, deadline, timeout_s, fork=fork)
         first = raw.killed_by
         if first is None or (deadline is not None and time.time() >= deadline):
             return raw
-        raw = _run_child(work, deadline, timeout_s)  # once more, in a fresh process
+        raw = _run_child(work, deadline, timeout_s, fork=fork)  # once more, in a fresh process
         if raw.killed_by is not None:
             raw.error = _killed_message(raw.killed_by, retried=True)
         else:
@@ -407,32 +417,49 @@ def _run_subprocess(
         return raw
 
 
-def _run_child(work: Path, deadline: float | None, timeout_s: float | None) -> Any:
-    """One child process over the payload in ``work``; its ``RawTrial``."""
+def _run_child(
+    work: Path, deadline: float | None, timeout_s: float | None, *, fork: bool = False
+) -> Any:
+    """One child process over the payload in ``work``; its ``RawTrial``.
+
+    ``fork``: forked by the trial server (``autofit.trial.server``) when it can;
+    otherwise, and again when the server dies under the trial, a fresh
+    ``python -m autofit.trial.child``.
+    """
+    from autofit.trial import server
     from autofit.trial.loop import RawTrial
 
     for stale in ("result.json", "child.log"):  # a killed attempt's leftovers
         (work / stale).unlink(missing_ok=True)
     log = open(work / "child.log", "wb")  # noqa: SIM115 - closed below
     proc = None
+    lost = False
     try:
-        proc = process.start(
-            [sys.executable, "-m", "autofit.trial.child", str(work), str(os.getpid())],
-            env=_child_env(),
-            log=log,
-        )
-        wait = None
+        env = _child_env()
+        until = None  # wall clock: the deadline and the child's grace to write its result
         if deadline is not None and timeout_s is not None:
-            wait = max(0.0, deadline - time.time()) + _kill_grace_s(timeout_s)
+            until = deadline + _kill_grace_s(timeout_s)
         try:
-            proc.wait(timeout=wait)
+            if fork:
+                proc = server.start_child(work, env=env, until=until)
+            if proc is None:
+                proc = process.start(
+                    [sys.executable, "-m", "autofit.trial.child", str(work), str(os.getpid())],
+                    env=env,
+                    log=log,
+                )
+            proc.wait(timeout=None if until is None else max(0.0, until - time.time()))
         except subprocess.TimeoutExpired:
             return RawTrial(timed_out=True, error=f"timeout after {timeout_s:g}s")
+        except server.Lost:
+            lost = True  # warned once; the child is killed below
     finally:
         if proc is not None:
             process.stop(proc)  # every exit path: timeout, Ctrl-C, SIGTERM (cli)
         log.close()
     result = work / "result.json"
+    if lost and not result.is_file():
+        return _run_child(work, deadline, timeout_s)  # a fresh process, as without the server
     if result.is_file():
         with open(result) as f:
             data = json.load(f)
