@@ -769,14 +769,14 @@ def run_autofit(spec: tuners.Spec, model_dir: Path, train: list[Any]) -> dict[st
     chosen = [x for x in r.trials if x.fits and x.config.get("micro_batch_size") == micro
               and x.config.get("grad_accum_steps") == accum]
     est = r.estimate
-    run = est.run_device_total_bytes
+    run = getattr(r, "predicted_run_bytes", None) or est.run_device_total_bytes
     return {
         "micro": micro, "accum": accum, "eval_batch": r.eval_micro_batch,
         "confirmed": r.confirmed, "wall_s": round(wall, 1), "reasons": list(r.reasons),
         "predicted_step_bytes": est.device_total_bytes, "predicted_run_bytes": run,
         "predicted_bytes": run if run is not None else est.device_total_bytes,
-        "predicted_kind": "run_device_total_bytes" if run is not None
-        else "device_total_bytes (run_device_total_bytes is None)",
+        "predicted_kind": "predicted_run_bytes" if run is not None
+        else "device_total_bytes (no run prediction)",
         "breakdown": dict(est.breakdown), "estimate_notes": list(est.notes),
         "trial_bytes": chosen[-1].device_total_bytes if chosen else None,
         "trials": [{"micro": x.config.get("micro_batch_size"), "fits": x.fits, "oom": x.oom,
