@@ -38,14 +38,21 @@ __all__ = [
     "restore_address_space",
 ]
 
-# glibc settings for a measuring child (DESIGN.md, "Truth and measurement"):
-# every allocation >= 64 KiB is its own mmap, freed memory goes straight back to
-# the kernel, and one arena, so RSS follows the live tensors closely.
+# The environment of a measuring child (DESIGN.md, "Truth and measurement"):
+# glibc: every allocation >= 64 KiB is its own mmap, freed memory goes straight back
+# to the kernel, and one arena, so RSS follows the live tensors closely.
+# oneDNN: no primitive cache. It keeps a JIT kernel per input shape (up to 1024, a
+# BERT GELU's is 256 KiB of code space), so on the run's variable lengths the address
+# space grows step after step: address space a capped CPU's RLIMIT_AS counts and a
+# GPU does not have. Measured (tests/test_procmem.py): 60 new lengths of a tiny BERT
+# map +35 MiB with the cache, +0.8 MiB without; a whole soak (benchmarks/soak.py)
+# died of it at every micro batch. The cost is time: a kernel is JIT-compiled per call.
 CHILD_MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "65536",
     "MALLOC_TRIM_THRESHOLD_": "0",
     "MALLOC_ARENA_MAX": "1",
     "OMP_NUM_THREADS": "1",
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0",
 }
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -1,0 +1,51 @@
+"""A measuring child's environment (``procmem.CHILD_MALLOC_ENV``): its address space
+does not grow with the run's variable lengths, so a capped CPU's ``RLIMIT_AS`` bounds
+the tensors, not oneDNN's per-shape JIT kernels (which a GPU does not have)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from autofit.trial import runner
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="reads VmSize from /proc")
+
+MiB = 1 << 20
+# a tiny BERT (GELU runs through oneDNN) trained on 40 lengths it has not seen
+NEW_LENGTHS = """
+import torch, transformers
+from autofit.trial.procmem import vm_size_bytes
+torch.manual_seed(0)
+cfg = transformers.AutoConfig.for_model("bert", vocab_size=1000, hidden_size=32,
+    num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+m = transformers.BertForSequenceClassification(cfg)
+def step(t):
+    m(input_ids=torch.randint(0, 1000, (2, t)), labels=torch.zeros(2, dtype=torch.long)).loss.backward()
+for t in (8, 9, 10):
+    step(t)
+before = vm_size_bytes()
+for t in range(11, 51):
+    step(t)
+print(vm_size_bytes() - before)
+"""
+
+
+def _growth(env: dict[str, str]) -> int:
+    out = subprocess.run([sys.executable, "-c", NEW_LENGTHS], env=env, capture_output=True,
+                         text=True, timeout=300, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_measuring_childs_address_space_does_not_grow_with_new_lengths():
+    env = runner._child_env()  # what a trial child (and the trial server) is started with
+    grown = _growth(env)
+    # the same steps with oneDNN's primitive cache at its default: the growth this prevents
+    cached = dict(env)
+    cached.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    grown_cached = _growth(cached)
+    assert grown < 4 * MiB, f"{grown / MiB:.1f} MiB mapped over 40 new lengths"
+    assert grown_cached > 3 * grown + 8 * MiB, (grown / MiB, grown_cached / MiB)
