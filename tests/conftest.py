@@ -33,3 +33,18 @@ def tiny_llama(tiny_llama_config):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_llama_config)
+
+
+@pytest.fixture()
+def own_tmp(tmp_path, monkeypatch):
+    """Work dirs of this process's trials go under tmp_path/tmp (where we can look)."""
+    import tempfile
+
+    from autofit.trial.process import _SWEPT
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    _SWEPT.clear()
+    yield tmp
+    _SWEPT.clear()

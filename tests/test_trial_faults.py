@@ -19,12 +19,22 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from proc_watch import (
+    GONE_WITHIN_S,
+    REPO,
+    alive,
+    capped,
+    leftovers,
+    processes,
+    script_env,
+    stat,
+    wait_for,
+)
 
 from autofit.config import TrainConfig
 from autofit.trial import TrialResult, measure, trial_from_dict
@@ -35,7 +45,6 @@ pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads /proc to find the trial processes"
 )
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = {
     "model_type": "llama",
     "hidden_size": 64,
@@ -47,7 +56,6 @@ TINY = {
     "max_position_embeddings": 128,
     "architectures": ["LlamaForCausalLM"],
 }
-GONE_WITHIN_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -57,78 +65,15 @@ def tiny_path(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture()
-def own_tmp(tmp_path, monkeypatch):
-    """Work dirs of this process's trials go under tmp_path/tmp (where we can look)."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    trial_process._SWEPT.clear()
-    yield tmp
-    trial_process._SWEPT.clear()
-
-
 # ---------------------------------------------------------------- /proc helpers
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name (state first), None if gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")  # a zombie has ended
-
-
-def _processes() -> list[tuple[int, int, bytes]]:
-    """(pid, parent pid, command line) of every process."""
-    out = []
-    for d in Path("/proc").iterdir():
-        fields = _stat(int(d.name)) if d.name.isdigit() else None
-        try:
-            if fields:
-                out.append((int(d.name), int(fields[1]), (d / "cmdline").read_bytes()))
-        except OSError:
-            continue
-    return out
 
 
 def _trial_children(parent: int) -> list[int]:
     """``parent``'s trial children: fresh ones, and those its trial server forked."""
-    procs = _processes()
+    procs = processes()
     servers = {pid for pid, ppid, cmd in procs if ppid == parent and b"autofit.trial.server" in cmd}
     return [pid for pid, ppid, cmd in procs
             if (ppid == parent and b"autofit.trial.child" in cmd) or ppid in servers]
-
-
-def _capped(pid: int) -> bool:
-    """The child has set RLIMIT_AS: it is in the measured steps (autofit.trial.loop)."""
-    try:
-        for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
-            if line.startswith("Max address space"):
-                return line.split()[3] != "unlimited"
-    except OSError:
-        pass
-    return False
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-
-
-def _leftovers(tmp: Path) -> list[str]:
-    """autofit's entries in a temp dir (work dirs, TrainingArguments' output dirs...)."""
-    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("autofit-"))
 
 
 # ---------------------------------------------------------------- item 3: a killed child
@@ -161,7 +106,7 @@ def test_a_child_killed_twice_is_reported_killed_not_oom(
     assert not r.oom and not r.fits and r.killed_by == name
     assert f"killed by {name} (signal {number})" in r.error
     assert "out-of-memory killer or another process" in r.error and "\n" not in r.error
-    assert _leftovers(own_tmp) == []
+    assert leftovers(own_tmp) == []
 
 
 def test_a_child_killed_once_is_retried_and_the_retry_measures(
@@ -192,7 +137,7 @@ def test_a_child_killed_once_is_retried_and_the_retry_measures(
     assert len(killed) == 1 and len(starts) == 2
     assert r.fits and not r.oom and r.killed_by is None and r.peak_allocated_bytes
     assert any("killed by SIGKILL (signal 9)" in n for n in r.notes)
-    assert _leftovers(own_tmp) == []
+    assert leftovers(own_tmp) == []
 
 
 def test_a_child_that_crashes_by_itself_is_not_retried(tiny_path, tmp_path, own_tmp, monkeypatch):
@@ -219,26 +164,19 @@ def test_killed_by_round_trips_and_old_dicts_load():
 # ---------------------------------------------------------------- item 5: the parent dies
 
 
-def _env(tmp: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(TMPDIR=str(tmp), AUTOFIT_CACHE_DIR=str(tmp.parent / "cache"),
-               PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    return env
-
-
 def _kill(parent: subprocess.Popen, child: int | None) -> None:
     """A failed test leaves no process running on the shared cores."""
     if parent.poll() is None:
         parent.kill()
         parent.wait()
-    if child is not None and _alive(child):
+    if child is not None and alive(child):
         os.kill(child, signal.SIGKILL)
 
 
 def _assert_child_gone_and_nothing_left(child: int, tmp: Path) -> None:
-    _wait_for(lambda: not _alive(child), GONE_WITHIN_S, f"the trial child {child} to end")
-    _wait_for(lambda: _leftovers(tmp) == [], GONE_WITHIN_S,
-              f"the work dir to be removed (left: {_leftovers(tmp)})")
+    wait_for(lambda: not alive(child), GONE_WITHIN_S, f"the trial child {child} to end")
+    wait_for(lambda: leftovers(tmp) == [], GONE_WITHIN_S,
+              f"the work dir to be removed (left: {leftovers(tmp)})")
 
 
 MEASURE_FOREVER = """
@@ -252,13 +190,13 @@ measure({model!r}, TrainConfig(micro_batch_size=1), seq_len=16, device="cpu:1GiB
 def test_a_script_killed_mid_trial_takes_its_child_and_payload_along(sig, tiny_path, own_tmp):
     parent = subprocess.Popen(
         [sys.executable, "-c", MEASURE_FOREVER.format(model=tiny_path)],
-        env=_env(own_tmp), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=script_env(own_tmp), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     child = None
     try:
-        child = _wait_for(lambda: _trial_children(parent.pid), 120, "a trial child")[0]
-        _wait_for(lambda: _capped(child), 120, "the child's measured steps")
-        assert any((own_tmp / d / "payload.pt").exists() for d in _leftovers(own_tmp)
+        child = wait_for(lambda: _trial_children(parent.pid), 120, "a trial child")[0]
+        wait_for(lambda: capped(child), 120, "the child's measured steps")
+        assert any((own_tmp / d / "payload.pt").exists() for d in leftovers(own_tmp)
                    if d.startswith("autofit-trial-"))
         parent.send_signal(sig)
         parent.wait(timeout=60)
@@ -272,12 +210,12 @@ def test_cli_tune_stopped_by_a_signal_cleans_up(sig, code, own_tmp):
     parent = subprocess.Popen(
         [sys.executable, "-m", "autofit", "tune", "tiny-gpt2", "--dataset", "tiny-samples",
          "--device", "cpu:1GiB", "-o", str(own_tmp.parent / "tuned.yaml")],
-        env=_env(own_tmp), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=script_env(own_tmp), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True,
     )
     child = None
     try:
-        child = _wait_for(lambda: _trial_children(parent.pid), 120, "a trial child")[0]
+        child = wait_for(lambda: _trial_children(parent.pid), 120, "a trial child")[0]
         parent.send_signal(sig)
         _, err = parent.communicate(timeout=60)
         assert parent.returncode == code, err
@@ -314,15 +252,15 @@ def test_without_a_parent_death_signal_the_child_polls_its_parent(tmp_path):
     (work / "payload.pt").write_bytes(b"pickled model")
     parent = subprocess.Popen(
         [sys.executable, "-c", STAND_IN_PARENT, GUARDED_WITHOUT_PDEATHSIG, str(work)],
-        env=_env(tmp_path),
+        env=script_env(tmp_path),
     )
     child = None
     try:
-        _wait_for(lambda: (work / "guarded").exists(), 60, "the child's guard")
+        wait_for(lambda: (work / "guarded").exists(), 60, "the child's guard")
         (child,) = _children(parent.pid)
         parent.kill()
         parent.wait()
-        _wait_for(lambda: not _alive(child), GONE_WITHIN_S, "the orphaned child to end")
+        wait_for(lambda: not alive(child), GONE_WITHIN_S, "the orphaned child to end")
         assert not work.exists()
     finally:
         _kill(parent, child)
@@ -331,7 +269,7 @@ def test_without_a_parent_death_signal_the_child_polls_its_parent(tmp_path):
 def _children(parent: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
-        fields = _stat(int(d.name)) if d.name.isdigit() else None
+        fields = stat(int(d.name)) if d.name.isdigit() else None
         if fields and int(fields[1]) == parent:
             out.append(int(d.name))
     return out

@@ -24,23 +24,29 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from proc_watch import (
+    GONE_WITHIN_S,
+    REPO,
+    alive,
+    capped,
+    leftovers,
+    processes,
+    script_env,
+    wait_for,
+)
 
 from autofit.config import TrainConfig
 from autofit.trial import measure
-from autofit.trial import process as trial_process
 from autofit.trial import server as trial_server
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the trial server is Linux only (/proc, prctl)"
 )
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = {
     "model_type": "llama",
     "hidden_size": 128,
@@ -56,7 +62,6 @@ FITS = {"config": TrainConfig(micro_batch_size=2), "seq_len": 64, "device": "cpu
         "measure_steps": 1}
 # the (16, 512, 1000) fp32 logits alone are 32 MiB
 OOM = {"config": TrainConfig(micro_batch_size=16), "seq_len": 512, "device": "cpu:64MiB"}
-GONE_WITHIN_S = 5.0
 MiB = 1 << 20
 
 
@@ -65,17 +70,6 @@ def tiny_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "tiny-llama-128.json"
     path.write_text(json.dumps(TINY))
     return str(path)
-
-
-@pytest.fixture()
-def own_tmp(tmp_path, monkeypatch):
-    """Work dirs of this process's trials go under tmp_path/tmp (where we can look)."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    trial_process._SWEPT.clear()
-    yield tmp
-    trial_process._SWEPT.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -104,61 +98,13 @@ def _no_server_left():
 # ---------------------------------------------------------------- /proc helpers
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
-
-
-def _processes() -> list[tuple[int, int, bytes]]:
-    out = []
-    for d in Path("/proc").iterdir():
-        fields = _stat(int(d.name)) if d.name.isdigit() else None
-        try:
-            if fields:
-                out.append((int(d.name), int(fields[1]), (d / "cmdline").read_bytes()))
-        except OSError:
-            continue
-    return out
-
-
 def _servers(parent: int) -> list[int]:
-    return [pid for pid, ppid, cmd in _processes()
-            if ppid == parent and b"autofit.trial.server" in cmd and _alive(pid)]
+    return [pid for pid, ppid, cmd in processes()
+            if ppid == parent and b"autofit.trial.server" in cmd and alive(pid)]
 
 
 def _forked(server: int) -> list[int]:
-    return [pid for pid, ppid, _ in _processes() if ppid == server and _alive(pid)]
-
-
-def _capped(pid: int) -> bool:
-    try:
-        for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
-            if line.startswith("Max address space"):
-                return line.split()[3] != "unlimited"
-    except OSError:
-        pass
-    return False
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-
-
-def _leftovers(tmp: Path) -> list[str]:
-    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("autofit-"))
+    return [pid for pid, ppid, _ in processes() if ppid == server and alive(pid)]
 
 
 def _server_warnings(caplog) -> list[str]:
@@ -223,7 +169,7 @@ def test_a_forked_trial_gives_what_a_fresh_child_gives(case, tiny_path, own_tmp,
     assert forked.fits is (case is FITS) and forked.oom is (case is OOM)
     # the same steps on the same tensors: the peaks above the baseline agree closely
     assert abs(forked.peak_allocated_bytes - fresh.peak_allocated_bytes) < 16 * MiB
-    assert _leftovers(own_tmp) == []
+    assert leftovers(own_tmp) == []
 
 
 # ---------------------------------------------------------------- falling back
@@ -253,7 +199,7 @@ def test_a_server_that_cannot_start_is_given_up_with_one_warning(
     assert "could not be started" in warning and "exit status 3" in warning
     assert "no server here" in warning and "fresh process" in warning
     assert server_on == [None, None]
-    assert _leftovers(own_tmp) == []
+    assert leftovers(own_tmp) == []
 
 
 def test_a_server_killed_while_idle_is_given_up_with_one_warning(
@@ -262,7 +208,7 @@ def test_a_server_killed_while_idle_is_given_up_with_one_warning(
     assert measure(tiny_path, **FITS).fits
     (srv,) = _servers(os.getpid())
     os.kill(srv, signal.SIGKILL)
-    _wait_for(lambda: not _alive(srv), GONE_WITHIN_S, "the server to die")
+    wait_for(lambda: not alive(srv), GONE_WITHIN_S, "the server to die")
     with caplog.at_level(logging.WARNING, logger="autofit"):
         second = measure(tiny_path, **FITS)
         third = measure(tiny_path, **FITS)
@@ -271,7 +217,7 @@ def test_a_server_killed_while_idle_is_given_up_with_one_warning(
     assert "died (killed by SIGKILL (signal 9))" in warning and "fresh process" in warning
     assert server_on[1:] == [None, None]
     assert _servers(os.getpid()) == []
-    assert _leftovers(own_tmp) == []
+    assert leftovers(own_tmp) == []
 
 
 def test_a_server_killed_under_a_trial_reruns_it_in_a_fresh_child(
@@ -284,8 +230,8 @@ def test_a_server_killed_under_a_trial_reruns_it_in_a_fresh_child(
     assert r.fits and not r.oom and r.killed_by is None and r.peak_allocated_bytes
     (warning,) = _server_warnings(caplog)
     assert "died" in warning or "stopped answering" in warning
-    _wait_for(lambda: not _alive(k.seen[0]), GONE_WITHIN_S, "the forked child to end")
-    assert _leftovers(own_tmp) == []
+    wait_for(lambda: not alive(k.seen[0]), GONE_WITHIN_S, "the forked child to end")
+    assert leftovers(own_tmp) == []
 
 
 def test_a_forked_child_killed_twice_is_reported_killed_and_the_server_stays(
@@ -299,24 +245,16 @@ def test_a_forked_child_killed_twice_is_reported_killed_and_the_server_stays(
     assert _server_warnings(caplog) == [] and trial_server._GIVEN_UP is None
     again = measure(tiny_path, **FITS)
     assert again.fits and isinstance(server_on[-1], trial_server.Child)
-    assert _leftovers(own_tmp) == []
+    assert leftovers(own_tmp) == []
 
 
 # ---------------------------------------------------------------- nothing outlives the parent
 
 
-def _env(tmp: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("AUTOFIT_TRIAL_SERVER", None)
-    env.update(TMPDIR=str(tmp), AUTOFIT_CACHE_DIR=str(tmp.parent / "cache"),
-               PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    return env
-
-
 def _kill_all(*pids: int | None) -> None:
     """A failed test leaves no process running on the shared cores."""
     for pid in pids:
-        if pid is not None and _alive(pid):
+        if pid is not None and alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -331,19 +269,19 @@ measure({model!r}, TrainConfig(micro_batch_size=1), seq_len=16, device="cpu:1GiB
 def test_a_parent_killed_mid_trial_takes_server_and_child_along(sig, tiny_path, own_tmp):
     parent = subprocess.Popen(
         [sys.executable, "-c", MEASURE_FOREVER.format(model=tiny_path)],
-        env=_env(own_tmp), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=script_env(own_tmp), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     srv = child = None
     try:
-        srv = _wait_for(lambda: _servers(parent.pid), 180, "the trial server")[0]
-        child = _wait_for(lambda: _forked(srv), 180, "a forked trial child")[0]
-        _wait_for(lambda: _capped(child), 120, "the child's measured steps")
+        srv = wait_for(lambda: _servers(parent.pid), 180, "the trial server")[0]
+        child = wait_for(lambda: _forked(srv), 180, "a forked trial child")[0]
+        wait_for(lambda: capped(child), 120, "the child's measured steps")
         parent.send_signal(sig)
         parent.wait(timeout=60)
-        _wait_for(lambda: not _alive(child), GONE_WITHIN_S, "the trial child to end")
-        _wait_for(lambda: not _alive(srv), GONE_WITHIN_S, "the server to end")
-        _wait_for(lambda: _leftovers(own_tmp) == [], GONE_WITHIN_S,
-                  f"the work dir to be removed (left: {_leftovers(own_tmp)})")
+        wait_for(lambda: not alive(child), GONE_WITHIN_S, "the trial child to end")
+        wait_for(lambda: not alive(srv), GONE_WITHIN_S, "the server to end")
+        wait_for(lambda: leftovers(own_tmp) == [], GONE_WITHIN_S,
+                  f"the work dir to be removed (left: {leftovers(own_tmp)})")
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -366,17 +304,17 @@ def test_an_idle_server_ends_with_its_parent(end, tiny_path, own_tmp):
     parent = subprocess.Popen(
         [sys.executable, "-c", MEASURE_ONCE.format(model=tiny_path),
          "stay" if end == "SIGKILL" else "go"],
-        env=_env(own_tmp), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=script_env(own_tmp), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     srv = None
     try:
-        srv = _wait_for(lambda: _servers(parent.pid), 180, "the trial server")[0]
+        srv = wait_for(lambda: _servers(parent.pid), 180, "the trial server")[0]
         assert parent.stdout.readline().strip() == "True"
         if end == "SIGKILL":
             parent.kill()
         parent.wait(timeout=60)
-        _wait_for(lambda: not _alive(srv), GONE_WITHIN_S, "the server to end")
-        assert _leftovers(own_tmp) == []
+        wait_for(lambda: not alive(srv), GONE_WITHIN_S, "the server to end")
+        assert leftovers(own_tmp) == []
     finally:
         if parent.poll() is None:
             parent.kill()
