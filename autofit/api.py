@@ -260,9 +260,10 @@ def autofit(
     space, base_args = _space(probed, target_batch_size, opts, reasons)
     estimator = _estimator(probed, opts, progress, reasons)
     add_fragmentation = margin is None  # the default margin also reports measured fragmentation
-    kept = _margin(probed, space, estimator, margin, base_args, opts, progress)
+    whole = _WholeRun(probed, base_args, opts)
+    kept = _margin(probed, space, estimator, margin, whole, progress)
     runner = _trial_runner(probed, dataset, max_seq_len, opts, estimator, reasons, kept,
-                           base_args)
+                           whole)
     margin = kept.fraction
     recorder, key = _study(probed, space, margin, objective, runner, opts)
     cached = recorder.cached_result() if recorder is not None else None
@@ -271,8 +272,8 @@ def autofit(
     outcome, engine = _search(probed, space, estimator, runner, recorder, margin=margin,
                               add_fragmentation=add_fragmentation, time_budget_s=time_budget_s,
                               started_at=started_at, progress=progress, opts=opts)
-    return _result(probed, space, engine, outcome, runner, recorder, key, base_args, kept,
-                   max_seq_len, opts, reasons)
+    return _result(probed, space, engine, outcome, runner, recorder, key, whole, kept,
+                   max_seq_len, reasons)
 
 
 def _check_options(constraints: dict[str, Any], objective: str, **numbers: Any) -> dict[str, Any]:
@@ -458,13 +459,13 @@ def _estimator(probed: _Probed, opts: dict[str, Any], progress: Any,
 
 def _trial_runner(probed: _Probed, dataset: Any, max_seq_len: int | None, opts: dict[str, Any],
                   estimator: _Estimator, reasons: list[str], kept: Any = None,
-                  base_args: dict[str, Any] | None = None) -> Any:
+                  whole: _WholeRun | None = None) -> Any:
     """Stage 4: ``config -> TrialResult``: real micro-steps on a present device; simulated
     steps for an absent card with ``method='simulate'`` (then ``.simulator`` is set); None
     for a plan from the estimate alone."""
     dev = probed.device
     if dev.present:
-        return _device_trials(probed, dataset, max_seq_len, opts, kept, base_args)
+        return _device_trials(probed, dataset, max_seq_len, opts, kept, whole)
     if opts.get("method", "analytic") == "simulate":
         reasons.append(f"{dev.name} is not present here: the best candidates were bracketed by "
                        "simulating their training step on fake tensors with the allocator "
@@ -480,13 +481,14 @@ def _trial_runner(probed: _Probed, dataset: Any, max_seq_len: int | None, opts: 
 
 def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
                    opts: dict[str, Any], kept: Any = None,
-                   base_args: dict[str, Any] | None = None) -> Callable[[TrainConfig], Any]:
+                   whole: _WholeRun | None = None) -> Callable[[TrainConfig], Any]:
     """Real trials: ``measure`` on the worst-case batch of each micro batch size, with the
     run around it (``trial_run``): an evaluation step at the eval batch the estimate gives
     that configuration and, where the modelled run fragments a caching allocator, the run's
     first lengths in its order before the measured steps."""
     from autofit.probe.data import worst_case_batch
 
+    whole = whole if whole is not None else _WholeRun(probed, None, opts)
     batches: dict[int, Any] = {}
     longest: dict[str, Any] = {}  # the largest worst-case batch the key hashed (no collator)
 
@@ -511,7 +513,7 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
                        isolation=opts.get("isolation", "auto"),
                        timeout_s=opts.get("trial_timeout_s", 600.0),
                        attn_implementation=opts.get("attn_implementation"), lora=opts.get("lora"),
-                       run=trial_run(probed, config, kept, base_args, opts))
+                       run=trial_run(probed, config, kept, None, opts, whole))
 
     def digest(largest: int) -> str:
         """The content of every batch a trial can be fed: the ``largest`` longest rows (each
@@ -591,8 +593,59 @@ def _eval_working_set(info: Any, config: TrainConfig, seq_len: int, dev: DeviceI
     return eval_working_set(ev, weights_bytes(info, config))
 
 
+class _WholeRun:
+    """The run around the step, for one ``autofit`` call: its plan (``_RunPlan`` of the
+    user's training arguments), the eval batch the estimate gives a configuration at a
+    margin (memoised: the margin, every trial and the result ask for it), and the replay
+    of a configuration's run through the target's allocator model (one ``Simulator``,
+    built when first needed)."""
+
+    def __init__(self, probed: _Probed, base_args: dict[str, Any] | None,
+                 opts: dict[str, Any]) -> None:
+        self.probed, self.base_args, self.opts = probed, base_args, opts
+        self.plan = _RunPlan.of(base_args)
+        self._eval: dict[tuple[TrainConfig, float], tuple[int | None, list[str]]] = {}
+        self._sim: Any = None
+
+    def order(self, config: TrainConfig) -> Any:
+        return self.plan.order(self.probed.data.lengths, config, None)
+
+    def eval_batch(self, config: TrainConfig, margin: float,
+                   reasons: list[str] | None = None) -> int | None:
+        """``_eval_micro_batch`` of ``config`` at ``margin``; its reason line goes to
+        ``reasons`` when given. None when evaluating by generation is not sized here."""
+        key = (config, float(margin))
+        if key not in self._eval:
+            lines: list[str] = []
+            p = self.probed
+            b = _eval_micro_batch(p.info, config, p.seq_len, p.device, margin,
+                                  int(self.opts.get("max_micro_batch", 256)),
+                                  self.opts.get("generate_max_new_tokens"), lines)
+            self._eval[key] = (b, lines)
+        b, lines = self._eval[key]
+        if reasons is not None:
+            reasons.extend(lines)
+        return b
+
+    def replay(self, config: TrainConfig, eval_micro: int | None) -> Any:
+        """``search.margin.run_margin`` of ``config``'s run (evaluating at ``eval_micro``)."""
+        from autofit.memory.simulate import Simulator
+        from autofit.search.margin import run_margin
+
+        p = self.probed
+        if self._sim is None:
+            self._sim = Simulator(p.module, task=p.task, device=p.device,
+                                  model_name=p.info.name)
+        gen = self.opts.get("generate_max_new_tokens")
+        return run_margin(self._sim, config, self.order(config), p.device,
+                          eval_steps=self.plan.eval_steps,
+                          eval_bytes=_eval_working_set(p.info, config, p.seq_len, p.device,
+                                                       eval_micro, gen),
+                          save_steps=self.plan.save_steps)
+
+
 def _margin(probed: _Probed, space: Any, estimator: _Estimator, margin: float | None,
-            base_args: dict[str, Any] | None, opts: dict[str, Any], progress: Any) -> Any:
+            whole: _WholeRun, progress: Any) -> Any:
     """Stage 4b: the margin kept free. Given: as given. Else from evidence
     (``autofit.search.margin``): the run the estimate alone would choose, replayed in the
     Trainer's order with its evaluations and saves, above its longest step, + a safety."""
@@ -603,7 +656,6 @@ def _margin(probed: _Probed, space: Any, estimator: _Estimator, margin: float | 
         return given_margin(margin, dev)
     if dev.allocator != "cuda":
         return run_margin(None, None, None, dev)
-    from autofit.memory.simulate import Simulator
     from autofit.search import Engine
 
     plan = Engine(space, dev.capacity_bytes, estimate=estimator.total, speed=estimator.speed,
@@ -614,24 +666,15 @@ def _margin(probed: _Probed, space: Any, estimator: _Estimator, margin: float | 
     if progress is not None:
         progress(f"replaying the run of micro batch {config.micro_batch_size} × "
                  f"{config.grad_accum_steps} in the Trainer's order (for the margin)")
-    run = _RunPlan.of(base_args)
-    eval_micro = _eval_micro_batch(probed.info, config, probed.seq_len, dev, SAFETY,
-                                   int(opts.get("max_micro_batch", 256)),
-                                   opts.get("generate_max_new_tokens"), [])
-    sim = Simulator(probed.module, task=probed.task, device=dev, model_name=probed.info.name)
-    return run_margin(sim, config, run.order(probed.data.lengths, config, None), dev,
-                      eval_steps=run.eval_steps,
-                      eval_bytes=_eval_working_set(probed.info, config, probed.seq_len, dev,
-                                                   eval_micro,
-                                                   opts.get("generate_max_new_tokens")),
-                      save_steps=run.save_steps)
+    return whole.replay(config, whole.eval_batch(config, SAFETY))
 
 
 RUN_TRIAL_STEPS = 12  # micro batches of the run's order a trial replays before its steps
 
 
 def trial_run(probed: _Probed, config: TrainConfig, kept: Any,
-              base_args: dict[str, Any] | None, opts: dict[str, Any]) -> Any:
+              base_args: dict[str, Any] | None, opts: dict[str, Any],
+              whole: _WholeRun | None = None) -> Any:
     """The short run a trial of ``config`` replays besides its worst-case steps
     (``autofit.trial.step.RunSpec``), or None.
 
@@ -650,17 +693,16 @@ def trial_run(probed: _Probed, config: TrainConfig, kept: Any,
     from autofit.trial.step import RunSpec
 
     dev, seq = probed.device, probed.seq_len
+    whole = whole if whole is not None else _WholeRun(probed, base_args, opts)
     margin = kept.fraction if kept is not None else SAFETY
     eval_b = None
     if not opts.get("generate_max_new_tokens"):
-        eval_b = _eval_micro_batch(probed.info, config, seq, dev, margin,
-                                   int(opts.get("max_micro_batch", 256)), None, [])
+        eval_b = whole.eval_batch(config, margin)
     lengths: tuple[int, ...] = ()
     fragments = (kept is not None and kept.run_bytes > 0 if dev.allocator == "cuda"
                  else len(set(probed.data.lengths)) > 1)
     if fragments:
-        order = _RunPlan.of(base_args).order(probed.data.lengths, config, None)
-        lengths = tuple(order.lengths[:RUN_TRIAL_STEPS])
+        lengths = tuple(whole.order(config).lengths[:RUN_TRIAL_STEPS])
     if eval_b is None and not lengths:
         return None
     return RunSpec(lengths=lengths, eval_batch_size=eval_b, eval_length=seq)
@@ -716,8 +758,8 @@ def _search(probed: _Probed, space: Any, estimator: _Estimator, runner: Any, rec
 
 
 def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any, recorder: Any,
-            key: str, base_args: dict[str, Any] | None, kept: Any,
-            max_seq_len: int | None, opts: dict[str, Any], reasons: list[str]):
+            key: str, whole: _WholeRun, kept: Any, max_seq_len: int | None,
+            reasons: list[str]):
     """Stage 7: the ``FitResult`` (estimate, reasons, TrainingArguments, eval batch, the
     candidates), stored in the cache when confirmed; or "nothing fits" with suggestions."""
     from autofit.emit import training_arguments_dict
@@ -727,6 +769,7 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
     from autofit.result import FitResult
 
     info, dev, seq = probed.info, probed.device, probed.seq_len
+    base_args, opts = whole.base_args, whole.opts
     margin = kept.fraction
     if outcome.config is None:
         from autofit.search.suggest import nothing_fits
@@ -743,17 +786,15 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
     reasons = outcome.reasons + reasons
     reasons += [n for k in KNOBS if (n := k.note(getattr(config, k.name)))]
     kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
-    eval_micro = _eval_micro_batch(info, config, seq, dev, margin,
-                                   int(opts.get("max_micro_batch", 256)),
-                                   opts.get("generate_max_new_tokens"), reasons)
+    eval_micro = whole.eval_batch(config, margin, reasons)
     eval_micro, eval_measured = _eval_from_trial(outcome, config, eval_micro, info, seq, dev,
                                                  margin, opts, reasons)
     if eval_micro is not None:
         kwargs["per_device_eval_batch_size"] = eval_micro
     at = next((i + 1 for i, r in enumerate(reasons) if r.startswith("margin:")), len(reasons))
     reasons.insert(at, kept.reason)  # why that margin, beside the engine's line
-    est, predicted_run = _whole_run(probed, engine, outcome, est, kept, eval_micro, base_args,
-                                    opts, reasons, eval_measured)
+    est, predicted_run = _whole_run(probed, engine, outcome, est, kept, eval_micro, whole,
+                                    reasons, eval_measured)
     rows = tuple(candidate_row(c) for c in outcome.candidates)
     model = probed.model
     meta = {"model": probed.name, "task": probed.task, "seq_len": seq, "device": dev.name,
@@ -778,8 +819,7 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
 
 
 def _whole_run(probed: _Probed, engine: Any, outcome: Any, est: MemoryEstimate, kept: Any,
-               eval_micro: int | None, base_args: dict[str, Any] | None,
-               opts: dict[str, Any], reasons: list[str],
+               eval_micro: int | None, whole: _WholeRun, reasons: list[str],
                eval_measured: int | None = None) -> tuple[MemoryEstimate, int]:
     """The chosen configuration's whole run: ``est`` with its run fields (the estimate's
     step + what the modelled run adds; an evaluation when it needs more), and the
@@ -790,18 +830,10 @@ def _whole_run(probed: _Probed, engine: Any, outcome: Any, est: MemoryEstimate, 
     from autofit.probe.device import format_bytes
 
     config, dev, info, seq = outcome.config, probed.device, probed.info, probed.seq_len
+    opts = whole.opts
     run = kept.run
     if dev.allocator == "cuda" and kept.config is not None and kept.config != config:
-        from autofit.memory.simulate import Simulator
-        from autofit.search.margin import run_margin
-
-        plan = _RunPlan.of(base_args)
-        sim = Simulator(probed.module, task=probed.task, device=dev, model_name=info.name)
-        run = run_margin(sim, config, plan.order(probed.data.lengths, config, None), dev,
-                         eval_steps=plan.eval_steps,
-                         eval_bytes=_eval_working_set(info, config, seq, dev, eval_micro,
-                                                      opts.get("generate_max_new_tokens")),
-                         save_steps=plan.save_steps).run
+        run = whole.replay(config, eval_micro).run  # the chosen configuration's own run
     extra = run.fragmentation_bytes if run is not None else 0
     best = outcome.choice
     b = config.micro_batch_size

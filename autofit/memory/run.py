@@ -348,8 +348,7 @@ def _replay_run(pieces: dict[tuple[int, int], _Pieces], shapes: list[tuple[int, 
                 extras: dict[int, list[tuple[str, int]]] | None = None) -> _Replayed:
     """One replay of the run's steps through a fresh allocator model of ``capacity``,
     with the evaluations and saves of ``extras`` (``_between_steps``) between them."""
-    from autofit.memory.allocator import AllocEvent
-    from autofit.memory.allocator import CpuAllocatorModel, CudaCachingAllocatorModel
+    from autofit.memory.allocator import AllocEvent, CpuAllocatorModel, CudaCachingAllocatorModel
 
     model: Any = (CudaCachingAllocatorModel(capacity) if allocator == "cuda"
                   else CpuAllocatorModel(capacity))
