@@ -650,3 +650,23 @@ def test_a_trial_step_time_is_the_median_of_at_least_3_steps():
     args = build_parser().parse_args(["measure", "tiny-llama", "--batch-size", "1", "--seq-len", "8"])
     assert args.measure_steps is None  # the CLI passes nothing: the API's default applies
     assert RawTrial(step_times_s=[0.10, 0.31, 0.11]).step_time_s == 0.11
+
+
+def test_the_set_up_step_is_one_sample_at_the_batchs_full_length(monkeypatch):
+    """The first real-size step maps memory a process keeps (a one-time cost the set-up
+    step pays before the baseline and the cap, ``step.setup_batch``): one row, full length."""
+    from autofit.trial import step as trial_step
+
+    shapes: list[tuple[int, ...]] = []
+    real_step = trial_step.Stepper.step
+
+    def recorded(self, batch):
+        shapes.append(tuple(batch["input_ids"].shape))
+        return real_step(self, batch)
+
+    monkeypatch.setattr(trial_step.Stepper, "step", recorded)
+    r = measure(tiny_module(), TrainConfig(micro_batch_size=4), seq_len=96, device="cpu",
+                isolation="in-process", measure_steps=1)
+    assert r.fits
+    assert shapes[0] == (1, 96)  # the set-up step
+    assert shapes[1:] == [(4, 96)] * (r.warmup_steps + r.steps)

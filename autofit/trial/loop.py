@@ -3,9 +3,10 @@
 Shared by the in-process runner (``trial.py``) and the trial child
 (``autofit/trial/child.py``). The protocol (DESIGN.md, "Truth and measurement"):
 
-1. prepare the model as the Trainer does; one set-up step on a tiny batch
-   (1 sample, 8 tokens) and free it: autograd and kernel one-time set-up, lazy
-   imports and first-touch pages happen here, not in the measurement;
+1. prepare the model as the Trainer does; one set-up step on one sample at the
+   batch's full length (``step.setup_batch``) and free it: autograd and kernel
+   one-time set-up, lazy imports, first-touch pages and the mappings a process
+   keeps after its first real-size step happen here, not in the measurement;
 2. baseline: CPU - RSS after ``malloc_trim``; accelerator - ``memory_allocated``;
 3. capped CPU only: ``RLIMIT_AS`` := VmSize + (cap - resident tensors), so the
    cap bounds weights + buffers + batch + everything the steps allocate;
@@ -38,8 +39,8 @@ from autofit.trial.step import (
     free_grads,
     move_batch,
     prepare_model,
+    setup_batch,
     storage_bytes,
-    tiny_batch,
 )
 
 __all__ = ["RawTrial", "run_steps", "CPU_LEAK_TOLERANCE", "ACCEL_LEAK_TOLERANCE"]
@@ -297,9 +298,9 @@ def run_steps(
     try:
         prepare_model(model, plan)
         raw.notes.extend(plan.notes)
-        # 1. the set-up step on a tiny batch, then free it
+        # 1. the set-up step on one sample at full length, then free it
         stepper = Stepper(model, plan, device)
-        stepper.step(tiny_batch(batch))
+        stepper.step(setup_batch(batch))
         stepper.close()
         stepper = None
         # 2. baseline
