@@ -176,13 +176,10 @@ def _write_markdown(path: Path, rows, summary, methods) -> None:
 
 
 def _plot(path: Path, rows, methods) -> None:
-    try:
-        import matplotlib
+    from plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover
-        print("matplotlib missing: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 6))
     meas = [r["measured"] / 2**20 for r in rows]

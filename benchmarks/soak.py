@@ -1194,13 +1194,10 @@ def _notes(results: dict[str, Any]) -> list[str]:
 def plot(results: dict[str, Any], path: Path) -> bool:
     """Per model: autofit's soak (peak of every step, eval, save) against the cap and the
     prediction; below, the micro batch of every tuner, survived or died."""
-    try:
-        import matplotlib
+    from plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return False
     models = results["models"]
     if not models:

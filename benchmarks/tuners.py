@@ -1185,13 +1185,10 @@ def _write(results: dict[str, Any], out: Path, wall: float) -> None:
 def plot(results: dict[str, Any], path: Path) -> bool:
     """One panel per model: every tuner's attempts (OOMs in red) on a log wall-time axis,
     and its choice against the true maximum. False when matplotlib is missing."""
-    try:
-        import matplotlib
+    from plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return False
     models = results["models"]
     if not models:
