@@ -85,7 +85,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE.parent))
+for _p in (str(HERE.parent), str(HERE)):  # autofit, and the benchmarks' own modules
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 MiB = 1 << 20
 DEFAULT_MARGIN = 0.10  # autofit's (autofit.search.DEFAULT_MARGIN)
