@@ -53,11 +53,13 @@ Known limitations:
     NB: RSS counts resident pages; a page mapped before the baseline and touched
     later counts in the peak without counting against RLIMIT_AS (a few MiB).
     NB: the cap bounds *address space* (RLIMIT_AS), as for autofit's trials, so every
-    mark also records the address space mapped since the cap was set. oneDNN's
-    primitive cache keeps a JIT kernel per input shape (GELU here: 256 KiB of code
-    space each, mostly not resident, up to 1024 kernels), so on variable-length batches
-    the mapped address space grows step after step while RSS stays flat, and a run
-    can die with its resident peak well below the cap ("address space" deaths).
+    mark also records the address space mapped since the cap was set; a death whose
+    resident peak was well below the cap is marked an "address space" death. The
+    children run with autofit's measuring environment (``CHILD_MALLOC_ENV``), which
+    turns oneDNN's primitive cache off: it keeps a JIT kernel per input shape (GELU:
+    256 KiB of code space each, mostly not resident, up to 1024 kernels), so on
+    variable-length batches the address space grew step after step while RSS stayed
+    flat (on 2026-11-30, before the change, every bert-bigvocab soak died of it).
     NB: a child killed by a signal (e.g. a Rust allocation failure in
     safetensors aborts the process) leaves no result; its events file gives the
     last step and phase, and it is reported as killed, with the signal.
@@ -1178,12 +1180,14 @@ def _notes(results: dict[str, Any]) -> list[str]:
         "cap was set (at a death: when the error reached the Trainer's loop, the failed "
         "step's buffers partly freed, so a lower bound); a death marked *address space* was "
         "refused a request that resident memory had room for (resident peak of the dying "
-        "interval + the failed request more than 8 MiB below the cap). oneDNN's primitive cache keeps a JIT kernel per input "
-        "shape (BERT's GELU: 256 KiB of code space each, hardly resident, up to 1024 of "
-        "them), so on variable-length batches the mapped address space grows step after step "
-        "(with `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` it stays flat: checked by hand on "
-        "bert-bigvocab at micro batch 3, 175 steps: +45 MiB mapped with the cache, +16 MiB "
-        "without, RSS +10 MiB either way).",
+        "interval + the failed request more than 8 MiB below the cap). The soaks, like "
+        "autofit's trials, run with oneDNN's primitive cache off "
+        "(`ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` in `CHILD_MALLOC_ENV`): it keeps a JIT kernel "
+        "per input shape (BERT's GELU: 256 KiB of code space each, hardly resident, up to "
+        "1024 of them), so on variable-length batches the mapped address space grew step "
+        "after step (`tests/test_procmem.py`: +35 MiB over 60 new lengths with the cache, "
+        "under 1 MiB without); before it was turned off every bert-bigvocab soak died of it, "
+        "resident peaks 99-110 MiB of 128.",
         "- The models are tuners.py's scaled down (per model above) so that one soak takes "
         "about a minute on this machine; the profile of each (what dominates the peak) is "
         "kept.",
