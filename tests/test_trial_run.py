@@ -39,8 +39,14 @@ def test_an_evaluation_is_measured_apart_from_the_training(isolation):
     big = measure("tiny-llama", cfg, seq_len=64, device=CAP, isolation=isolation,
                   run=RunSpec(eval_batch_size=512))
     assert big.eval_oom and not big.oom and "evaluation step" in big.eval_error
-    assert big.fits and big.device_total_bytes == pytest.approx(plain.device_total_bytes,
-                                                                rel=0.1)
+    assert big.fits
+    # its training peak is the plain one's: the evaluation's failed request is not in it.
+    # In-process the peak is the RSS of a process that has run other trials (and, in the
+    # suite, other tests): measured again after ``big`` too, ``big`` lies within 10% of one
+    again = measure("tiny-llama", cfg, seq_len=64, device=CAP, isolation=isolation)
+    assert any(big.device_total_bytes == pytest.approx(p.device_total_bytes, rel=0.1)
+               for p in (plain, again)), (plain.device_total_bytes, big.device_total_bytes,
+                                          again.device_total_bytes)
 
 
 def test_what_a_trial_replays_of_the_run():
