@@ -331,12 +331,14 @@ def loss_chunk_rows(tokens: int, vocab: int, hidden: int, *, halved: bool) -> in
 
 
 def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: DeviceInfo,
-                       *, accumulating: bool = False) -> int:
+                       *, accumulating: bool = False, head_trainable: bool = True) -> int:
     """Bytes the chunked causal-LM loss holds at its peak: the end of its forward, or the
     start of backward, where the precomputed head-weight gradient is handed to autograd,
     which copies it into ``.grad`` (it cannot steal a tensor the op still references: two
     (V, h) gradients for a moment; with accumulation it is added into the existing
-    ``.grad``: one) beside the (B*T, h) input gradient.
+    ``.grad``: one) beside the (B*T, h) input gradient. A frozen head (LoRA) has no
+    weight gradient. For few tokens this is more than the full logits' need (the (V, h)
+    gradient is precomputed): torch's chunking pays off from about B*T >= h tokens.
 
     torch's chunked op computes the gradients of its input (B*T, h) and of the head's
     weight (V, h) in the forward and keeps them until backward, and works in one (rows, V)
@@ -354,16 +356,15 @@ def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: D
     rows = loss_chunk_rows(tokens, vocab, hidden, halved=cuda or not half)
     chunk = rows * vocab * 4 + rows * hidden * 4
     grad_in = tokens * hidden * (4 if half and not cuda else act)  # CPU 16-bit: fp32
-    grad_w = vocab * hidden * act
+    grad_w = vocab * hidden * act if head_trainable else 0
     handed = (1 if accumulating else 2) * grad_w + grad_in  # backward start
-    if not half:
+    if not half or cuda:
         return max(grad_in + grad_w + chunk, handed)
-    if cuda:
-        return max(grad_in + grad_w + chunk, handed)
-    # CPU, 16-bit input ("accurate"): + an fp32 copy of the weight and an fp32 scratch, and
-    # per chunk the scratch subtracted from the 16-bit gradient, which the CPU kernel does
-    # through two fp32 (V, h) temporaries
-    return max(grad_in + grad_w + 4 * vocab * hidden * 4 + chunk, handed)
+    # CPU, 16-bit input ("accurate"): + an fp32 copy of the weight; with a weight gradient an
+    # fp32 scratch, and per chunk the scratch subtracted from the 16-bit gradient, which the
+    # CPU kernel does through two fp32 (V, h) temporaries
+    extra = (4 if head_trainable else 1) * vocab * hidden * 4
+    return max(grad_in + grad_w + extra + chunk, handed)
 
 
 def estimate_analytic(
@@ -450,7 +451,9 @@ def estimate_analytic(
     G_held = G if config.grad_accum_steps > 1 else 0
     loss_temp = max(loss_grads, (0 if G_held else head_grad_in_G) + N * V * 4)
     if chunked:
-        loss_temp = chunked_loss_bytes(N, V, h, act, device, accumulating=bool(G_held))
+        head_trainable = any(g.trainable and tuple(g.shape) == (V, h) for g in info.params)
+        loss_temp = chunked_loss_bytes(N, V, h, act, device, accumulating=bool(G_held),
+                                       head_trainable=head_trainable)
     phases = {
         # all activations alive; the loss backward's fp32 (N, V) gradients
         "backward": (W + copies + S + A + G_held + loss_temp,
