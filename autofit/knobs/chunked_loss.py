@@ -38,7 +38,7 @@ def liger_offered(args: dict[str, Any]) -> bool:
 
 class ChunkedLossKnob:
     name = "chunked_loss"
-    title = "chunk"
+    title = "loss"  # the candidates table: 4 columns wide, as "ckpt" (80 columns in all)
     values = (False, True)
     fields = (_LIGER,)
     saving = True
@@ -60,7 +60,7 @@ class ChunkedLossKnob:
         return "chunked loss" if value else "full logits"
 
     def short(self, value: bool) -> str:
-        return "yes" if value else "no"
+        return "chnk" if value else "full"
 
     def flag(self, value: bool) -> str:
         return "--chunked-loss" if value else "--no-chunked-loss"
