@@ -243,6 +243,11 @@ def test_not_offered_for_sequence_classification():
     with pytest.raises(BadInputError, match="chunked loss"):
         estimate("tiny-llama", TrainConfig(chunked_loss=True), seq_len=32, device="cpu",
                  task="seq-cls")
+    from autofit import measure
+
+    with pytest.raises(BadInputError, match="chunked loss"):
+        measure("tiny-llama", TrainConfig(chunked_loss=True), seq_len=32, device="cpu",
+                task="seq-cls")
 
     class Probed:  # what _space reads of the probed model
         device = __import__("autofit.probe.device", fromlist=["x"]).resolve_device("cpu")
