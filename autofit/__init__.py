@@ -9,6 +9,7 @@
 from autofit.api import autofit, estimate
 from autofit.config import TrainConfig
 from autofit.errors import AutofitError, DoesNotFitError
+from autofit.knobs.loss import causal_lm_chunked_loss
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.preflight import PreflightError, PreflightReport, preflight
 from autofit.result import FitResult
@@ -17,6 +18,7 @@ from autofit.trial import TrialResult, is_oom, measure
 __all__ = [
     "AutofitCallback",
     "AutofitError",
+    "ChunkedLossTrainer",
     "DoesNotFitError",
     "FitResult",
     "MemoryEstimate",
@@ -25,6 +27,7 @@ __all__ = [
     "TrainConfig",
     "TrialResult",
     "autofit",
+    "causal_lm_chunked_loss",
     "estimate",
     "is_oom",
     "measure",
@@ -39,4 +42,9 @@ def __getattr__(name: str):
         import sys
 
         return getattr(sys.modules["autofit.preflight"], name)
+    # ChunkedLossTrainer subclasses transformers.Trainer: built on first use
+    if name == "ChunkedLossTrainer":
+        from autofit.knobs.loss import trainer_class
+
+        return trainer_class()
     raise AttributeError(f"module 'autofit' has no attribute {name!r}")

@@ -21,6 +21,7 @@ from typing import Any
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, fix
 from autofit.knobs import KNOBS, choice_of, describe_choice, knob_names
+from autofit.knobs.loss import unsupported_reason
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import DeviceInfo, resolve_device
 
@@ -129,6 +130,7 @@ def estimate(
         load_in_8bit=load_in_8bit,
     )
     name = model if isinstance(model, str) else None
+    check_chunked_loss(config.chunked_loss, module, t)
     info = describe(module, task=t, name=str(name) if name else None)
     sim = None
     if method == "simulate" or data is not None:
@@ -419,10 +421,17 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
     max_micro = int(opts.get("max_micro_batch", 256))
     if target_batch_size is None:  # no target: more samples than the dataset has gain nothing
         max_micro = min(max_micro, max(probed.data.num_samples, 1))
+    allowed = {k.name: opts.get(k.name) for k in KNOBS}
+    why = unsupported_reason(probed.module, probed.task)
+    if why is not None:  # the knob has one value for this model: say why
+        asked = allowed.get("chunked_loss")
+        check_chunked_loss(asked if isinstance(asked, bool) else
+                           any(bool(v) for v in (asked or ())), probed.module, probed.task)
+        allowed["chunked_loss"] = False
+        reasons.append(f"no chunked loss: {why}")
     space = build_space(probed.device, max_micro_batch=max_micro,
                         target_batch_size=target_batch_size, world_size=world_size,
-                        optim_args=opts.get("optim_args"), reasons=reasons,
-                        **{k.name: opts.get(k.name) for k in KNOBS})
+                        optim_args=opts.get("optim_args"), reasons=reasons, **allowed)
     return space, base_args
 
 
@@ -757,6 +766,28 @@ def _search(probed: _Probed, space: Any, estimator: _Estimator, runner: Any, rec
     return engine.run(), engine
 
 
+def check_chunked_loss(asked: bool, module: Any, task: str) -> None:
+    """Raise ``BadInputError`` when the chunked loss is asked for a model that cannot use it."""
+    if not asked:
+        return
+    why = unsupported_reason(module, task)
+    if why is not None:
+        raise BadInputError(f"chunked loss: {why}; drop "
+                            + fix("--chunked-loss", "chunked_loss=True"))
+
+
+def _chunked_loss_saving(info: Any, config: TrainConfig, seq: int, dev: Any) -> str:
+    """The reason line of a chosen chunked loss: what it saves, by the closed form."""
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.probe.device import format_bytes as _gib
+
+    on = estimate_analytic(info, config, seq, dev).device_total_bytes
+    off = estimate_analytic(info, config.replace(chunked_loss=False), seq, dev).device_total_bytes
+    return (f"chunked loss: saves ~{_gib(off - on)} at micro batch {config.micro_batch_size} "
+            f"(estimated {_gib(off)} -> {_gib(on)}: no (B, T, V) logits, their fp32 "
+            "log-softmax or their gradients)")
+
+
 def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any, recorder: Any,
             key: str, whole: _WholeRun, kept: Any, max_seq_len: int | None,
             reasons: list[str]):
@@ -785,6 +816,8 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
     confirmed = outcome.confirmed and not simulated
     reasons = outcome.reasons + reasons
     reasons += [n for k in KNOBS if (n := k.note(getattr(config, k.name)))]
+    if config.chunked_loss:
+        reasons.append(_chunked_loss_saving(info, config, seq, dev))
     kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
     eval_micro = whole.eval_batch(config, margin, reasons)
     eval_micro, eval_measured = _eval_from_trial(outcome, config, eval_micro, info, seq, dev,

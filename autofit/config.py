@@ -154,6 +154,8 @@ class TrainConfig:
         optim_args: ``TrainingArguments.optim_args``, e.g. ``"momentum=0.9"``.
         seq_len: sequence length of the worst-case batch, when known.
         world_size: data-parallel processes; estimates are always per device.
+        chunked_loss: compute the causal-LM loss without the full (B, T, V) logits
+            (``autofit.causal_lm_chunked_loss``; train with ``autofit.ChunkedLossTrainer``).
 
     Example:
         >>> TrainConfig(micro_batch_size=2, grad_accum_steps=8).effective_batch_size
@@ -168,6 +170,7 @@ class TrainConfig:
     optim_args: str | None = None
     seq_len: int | None = None
     world_size: int = 1
+    chunked_loss: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -175,6 +178,8 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 problems.append(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.chunked_loss, bool):
+            problems.append(f"chunked_loss must be True or False, got {self.chunked_loss!r}")
         if self.seq_len is not None and (
             isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len <= 0
         ):

@@ -52,6 +52,7 @@ def _estimate(spec: dict, method: str, tmp: Path):
         gradient_checkpointing=spec.get("gradient_checkpointing", False),
         optimizer=spec["optimizer"],
         optim_args=spec.get("optim_args"),
+        chunked_loss=bool(spec.get("chunked_loss", False)),
     )
     t = time.perf_counter()
     est = estimate(str(cfg_path), config, seq_len=spec["seq"], device="cpu", method=method,
@@ -66,6 +67,8 @@ def _describe(spec: dict) -> str:
         parts.append("ckpt")
     if spec.get("lora"):
         parts.append(f"lora r{spec['lora']['r']}")
+    if spec.get("chunked_loss"):
+        parts.append("chunked loss")
     if spec.get("attn_implementation") == "eager":
         parts.append("eager")
     return " ".join(parts)

@@ -86,9 +86,10 @@ def spec(
     optim_args: str | None = None,
     attn: str = "sdpa",
     lora: dict[str, Any] | None = None,
+    chunked: bool = False,
 ) -> dict[str, Any]:
-    """One spec dict with exactly the project-wide keys."""
-    return {
+    """One spec dict with exactly the project-wide keys (``chunked_loss`` only when on)."""
+    out = {
         "name": name,
         "model_type": model_type,
         "config": dict(config),
@@ -102,6 +103,9 @@ def spec(
         "attn_implementation": attn,
         "lora": None if lora is None else dict(lora),
     }
+    if chunked:
+        out["chunked_loss"] = True
+    return out
 
 
 def _llama(name: str, batch: int = 4, seq: int = 256, **kw: Any) -> dict[str, Any]:
@@ -126,6 +130,11 @@ CONFIGS: list[dict[str, Any]] = [
     _llama("llama-b4s256-sgdm", optimizer="sgd", optim_args="momentum=0.9"),
     _llama("llama-b4s256-adafactor", optimizer="adafactor"),
     _llama("llama-b4s256-bnb8", optimizer="adamw_bnb_8bit"),
+    # llama, chunked loss (torch's linear_cross_entropy: no (B, T, V) logits)
+    _llama("llama-b4s256-chunk", chunked=True),
+    _llama("llama-b4s256-bf16m-chunk", precision="bf16-mixed", chunked=True),
+    _llama("llama-b4s256-bf16t-chunk", precision="bf16-true", chunked=True),
+    _llama("llama-b2s512-gc-chunk", batch=2, seq=512, gc=True, chunked=True),
     # llama, other shapes
     _llama("llama-b1s128", batch=1, seq=128),
     _llama("llama-b2s512", batch=2, seq=512),
@@ -162,6 +171,8 @@ CONFIGS: list[dict[str, Any]] = [
     _gpt2("gpt2-b2s256-eager", batch=2, attn="eager"),
     _gpt2("gpt2-b4s256-bf16m-gc", precision="bf16-mixed", gc=True),
     _gpt2("gpt2-b4s256-bf16t-sgd", precision="bf16-true", optimizer="sgd"),
+    _gpt2("gpt2-b2s256-chunk", batch=2, chunked=True),
+    _gpt2("gpt2-b4s256-bf16m-gc-chunk", precision="bf16-mixed", gc=True, chunked=True),
     _gpt2("gpt2-b2s256-fused", batch=2, optimizer="adamw_torch_fused"),
     _gpt2("gpt2-b1s512-adafactor", batch=1, seq=512, optimizer="adafactor"),
     _gpt2("gpt2-b1s128-bnb8", batch=1, seq=128, optimizer="adamw_bnb_8bit"),

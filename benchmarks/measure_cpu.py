@@ -23,7 +23,9 @@ Spec (a JSON-able dict; the project-wide format)::
      "precision": "32-true" | "bf16-mixed" | "bf16-true" | "16-mixed" | "16-true",
      "gradient_checkpointing": false, "optimizer": "adamw_torch", "optim_args": null,
      "attn_implementation": "sdpa" | "eager",
-     "lora": null | {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}}
+     "lora": null | {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0},
+     "chunked_loss": false}   # optional: the causal-LM loss by torch's chunked
+                              # linear_cross_entropy (backbone + head weight, no full logits)
 
 Protocol (one configuration per fresh child process, so nothing leaks between runs):
 
@@ -125,6 +127,7 @@ SPEC_KEYS = (
     "attn_implementation",
     "lora",
 )
+OPTIONAL_KEYS = ("chunked_loss",)
 
 TASK_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",
@@ -154,7 +157,7 @@ def check_spec(spec: dict[str, Any]) -> None:
     """Raise ValueError listing every problem of ``spec`` (missing/unknown keys, bad values)."""
     problems = []
     missing = [k for k in SPEC_KEYS if k not in spec]
-    unknown = [k for k in spec if k not in SPEC_KEYS]
+    unknown = [k for k in spec if k not in SPEC_KEYS + OPTIONAL_KEYS]
     if missing:
         problems.append(f"missing keys {missing}")
     if unknown:
@@ -165,6 +168,8 @@ def check_spec(spec: dict[str, Any]) -> None:
         problems.append(f"precision {spec.get('precision')!r} not in {sorted(PRECISIONS)}")
     if spec.get("attn_implementation") not in ("eager", "sdpa"):
         problems.append("attn_implementation must be 'eager' or 'sdpa'")
+    if spec.get("chunked_loss") and spec.get("task") != "causal-lm":
+        problems.append("chunked_loss needs task causal-lm")
     lora = spec.get("lora")
     if lora is not None and not {"r", "alpha", "target_modules"} <= set(lora):
         problems.append("lora needs r, alpha, target_modules (and optionally dropout)")
@@ -351,7 +356,24 @@ def _half_to_fp32(obj):
     return obj
 
 
-def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None) -> float:
+def _chunked_loss(model, batch):
+    """The causal-LM loss without the full logits, written here from torch's API alone: the
+    backbone's last hidden states (B, T, h), labels shifted left (-100 padded at the end),
+    ``F.linear_cross_entropy`` with the head's weight and chunking options (mean)."""
+    import torch.nn.functional as F
+    from torch.nn import LinearCrossEntropyOptions
+
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
+    labels = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    head = model.get_output_embeddings()
+    return F.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
+                                  labels.reshape(-1), linear_bias=head.bias,
+                                  ignore_index=-100, options=LinearCrossEntropyOptions())
+
+
+def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None,
+          chunked=False) -> float:
     """One Trainer training step + optimizer step; returns the loss. ``mark(phase)`` hooks."""
     import torch
 
@@ -362,14 +384,18 @@ def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None) ->
         if autocast_dtype
         else contextlib.nullcontext()
     )
-    with ctx:
-        outputs = model(**batch)
-    if autocast_dtype:
-        # Trainer (accelerate's prepare_model) wraps forward as convert_outputs_to_fp32(
-        # autocast(forward)): half outputs get an fp32 copy, e.g. (B, T, V) fp32 logits.
-        outputs = _half_to_fp32(outputs)
-    loss = outputs["loss"]
-    del outputs  # compute_loss returns the loss only: logits etc. are dropped here
+    if chunked:  # the backbone and the loss under the same autocast, the loss a scalar
+        with ctx:
+            loss = _chunked_loss(model, batch)
+    else:
+        with ctx:
+            outputs = model(**batch)
+        if autocast_dtype:
+            # Trainer (accelerate's prepare_model) wraps forward as convert_outputs_to_fp32(
+            # autocast(forward)): half outputs get an fp32 copy, e.g. (B, T, V) fp32 logits.
+            outputs = _half_to_fp32(outputs)
+        loss = outputs["loss"]
+        del outputs  # compute_loss returns the loss only: logits etc. are dropped here
     mark("backward")
     if scaler is not None:
         scaler.scale(loss).backward()
@@ -418,7 +444,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     # Warm-up: same kind of step, tiny batch, throwaway optimizer; then free everything.
     warm_batch = _make_batch(spec, config, WARMUP_BATCH, WARMUP_SEQ)
     warm_opt = _make_optimizer(model, opt_cls, opt_kwargs, args.weight_decay)
-    _step(model, warm_batch, warm_opt, params, autocast_dtype, new_scaler())
+    chunked = bool(spec.get("chunked_loss"))
+    _step(model, warm_batch, warm_opt, params, autocast_dtype, new_scaler(), chunked=chunked)
     model.zero_grad(set_to_none=True)
     warm_opt.state.clear()
     del warm_opt, warm_batch
@@ -431,14 +458,16 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     baseline = _rss_bytes()  # bytes; weights, batch and imports already resident
     _reset_hwm()
-    _step(model, batch, optimizer, params, autocast_dtype, scaler)  # optimizer state appears
+    _step(model, batch, optimizer, params, autocast_dtype, scaler,
+          chunked=chunked)  # optimizer state appears
     first_step_peak = _hwm_bytes() - baseline
 
     _reset_hwm()
     t0 = time.perf_counter()
-    _step(model, batch, optimizer, params, autocast_dtype, scaler)
+    _step(model, batch, optimizer, params, autocast_dtype, scaler, chunked=chunked)
     marks = _PhaseMarks(baseline)
-    loss = _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=marks)
+    loss = _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=marks,
+                 chunked=chunked)
     step_time_s = (time.perf_counter() - t0) / 2
     # VmHWM is a running max, so the peak over both steps is the high-water mark up to
     # the last step's first reset (read by `marks`) or any phase peak after it.

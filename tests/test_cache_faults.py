@@ -36,8 +36,10 @@ from autofit.trial.result import TrialResult
 
 DEVICE = "cpu:1GiB"
 ROOT = Path(__file__).resolve().parent.parent
-TWO = dict(precision=["32-true"], optimizer=["adamw_torch", "sgd"], gradient_checkpointing=False)
-ONE = dict(precision=["32-true"], optimizer=["adamw_torch"], gradient_checkpointing=False)
+TWO = dict(precision=["32-true"], optimizer=["adamw_torch", "sgd"], gradient_checkpointing=False,
+           chunked_loss=False)
+ONE = dict(precision=["32-true"], optimizer=["adamw_torch"], gradient_checkpointing=False,
+           chunked_loss=False)
 
 
 @pytest.fixture(autouse=True)
@@ -444,7 +446,7 @@ trial_mod.measure = counting
 while time.time() < float(sys.argv[1]):
     time.sleep(0.01)
 r = autofit(model, rows, device="cpu:1GiB", target_batch_size=16, precision=["32-true"],
-            optimizer=["adamw_torch", "sgd"], gradient_checkpointing=False)
+            optimizer=["adamw_torch", "sgd"], gradient_checkpointing=False, chunked_loss=False)
 print(json.dumps({"config": r.config.to_dict(), "ran": len(ran), "trials": len(r.trials),
                   "from_cache": r.from_cache}))
 """

@@ -158,11 +158,13 @@ def test_tune_on_capped_cpu_json(tmp_path, capsys, monkeypatch):
     code, stdout, _ = run(capsys, "tune", "tiny-llama", "--dataset", "tiny-samples", "--device",
                           "cpu:1GiB", "--target-batch-size", "8", "--max-seq-len", "64",
                           "--precision", "32-true", "--optim", "sgd",
-                          "--no-gradient-checkpointing", "--json", "-o", str(out))
+                          "--no-gradient-checkpointing", "--no-chunked-loss", "--json", "-o",
+                          str(out))
     d = json.loads(stdout)
     assert code == 0 and d["confirmed"] and d["trials"] and out.is_file()
     cfg = d["config"]
     assert cfg["micro_batch_size"] * cfg["grad_accum_steps"] == 8 and cfg["optimizer"] == "sgd"
+    assert cfg["chunked_loss"] is False and {t["config"]["chunked_loss"] for t in d["trials"]} == {False}
     assert json.loads(out.read_text())["per_device_train_batch_size"] == cfg["micro_batch_size"]
 
 

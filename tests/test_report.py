@@ -150,7 +150,8 @@ def test_report_of_a_plain_file_without_a_model_says_what_to_give(tmp_path, caps
     assert "--seq-len" in capsys.readouterr().err
 
 
-def test_candidates_table_fits_80_columns_with_reasons_as_notes(result):
+@pytest.mark.parametrize("chunked", [False, True])  # True: a chunk column is shown too
+def test_candidates_table_fits_80_columns_with_reasons_as_notes(result, chunked):
     from dataclasses import replace
 
     from rich.console import Console
@@ -158,7 +159,7 @@ def test_candidates_table_fits_80_columns_with_reasons_as_notes(result):
     from autofit.report import candidates_renderable
 
     rejected = _row("bf16-mixed", None, None, status="rejected") | {
-        "optimizer": "adamw_torch_fused", "failed_micro_batch": 2,
+        "optimizer": "adamw_torch_fused", "failed_micro_batch": 2, "chunked_loss": chunked,
         "reason": "micro batch 2 did not fit in a trial; micro batch 1 is estimated at 3.9 GiB "
                   "(calibrated by the trials) > budget 3.6 GiB"}
     r = replace(result, candidates=(*result.candidates, rejected))
@@ -170,6 +171,8 @@ def test_candidates_table_fits_80_columns_with_reasons_as_notes(result):
     i = next(i for i, x in enumerate(lines) if "rejected" in x)
     assert "2✗" in lines[i] + lines[i + 1] and "[1]" in lines[i] + lines[i + 1]  # may fold
     assert any(x.startswith("[1] micro batch 2 did not fit") for x in lines)
+    assert any(x.split()[:1] == ["precision"] and ("loss" in x) == chunked for x in lines)
+    assert any("chnk" in x for x in lines) == chunked
 
 
 def test_candidates_table_shows_the_estimate_before_calibration(result):

@@ -180,11 +180,13 @@ def test_build_space_defaults_and_constraints():
     with pytest.raises(UnsupportedPrecisionError):
         build_space(resolve_device("T4"), precision=["bf16-mixed"])
     only = build_space(resolve_device("cpu"), precision="bf16-mixed", optimizer=["sgd"],
-                       gradient_checkpointing=False, max_micro_batch=8)
+                       gradient_checkpointing=False, chunked_loss=False, max_micro_batch=8)
     assert only.values("precision") == ("bf16-mixed",) and only.values("optimizer") == ("sgd",)
     assert only.values("gradient_checkpointing") == (False,) and only.micro_batches[-1] == 8
     assert len(only.combos()) == 1 and only.combos()[0] == {
-        "precision": "bf16-mixed", "gradient_checkpointing": False, "optimizer": "sgd"}
+        "precision": "bf16-mixed", "gradient_checkpointing": False, "optimizer": "sgd",
+        "chunked_loss": False}
+    assert sp.values("chunked_loss") == (False, True)  # no math change: searched by default
     with pytest.raises(BadInputError, match="unknown knob"):
         build_space(resolve_device("cpu"), attention=["sdpa"])
 

@@ -60,6 +60,9 @@ def run_check_command(args: argparse.Namespace) -> int:
     fields, meta = read_config(args.config)
     check_training_arguments(fields, source=args.config)  # every problem at once, exit 2
     config = config_of(fields)
+    if (meta.get("config") or {}).get("chunked_loss") and not config.chunked_loss:
+        # no TrainingArguments field says so (autofit.ChunkedLossTrainer): the plan's metadata
+        config = config.replace(chunked_loss=True)
     s = file_subject(args, meta)
     eval_batch = fields.get("per_device_eval_batch_size")
     # an eval batch that does not fit stops the job only when the file evaluates

@@ -46,10 +46,10 @@ def training_arguments_dict(
     out.setdefault("output_dir", output_dir)
     out["per_device_train_batch_size"] = config.micro_batch_size
     out["gradient_accumulation_steps"] = config.grad_accum_steps
+    if use_cpu:
+        out["use_cpu"] = True  # before the knobs: what a knob writes may depend on it
     for k in KNOBS:
         k.emit(config, out)
-    if use_cpu:
-        out["use_cpu"] = True
     # TrainingArguments.to_dict() carries enum values and internal fields: keep plain data
     return {k: (v.value if hasattr(v, "value") else v) for k, v in out.items()}
 

@@ -1,6 +1,7 @@
 """The levers the search may turn, one module each (see ``base`` for what a knob declares).
 
-``precision``, ``checkpointing`` and ``optimizer`` today; ``registry`` lists them
+``precision``, ``checkpointing``, ``optimizer`` and ``chunked_loss`` today (``loss``:
+the chunked causal-LM loss and its Trainer); ``registry`` lists them
 in order. ``SearchSpace``, ``Candidate``, the optuna study, the cache key, the
 candidates table, the emitted fields and the "nothing fits" suggestions are
 generic over ``KNOBS``.
@@ -8,6 +9,7 @@ generic over ``KNOBS``.
 
 from autofit.knobs.base import Knob, installed, restrict, training_arguments_fields
 from autofit.knobs.checkpointing import CHECKPOINTING
+from autofit.knobs.chunked_loss import CHUNKED_LOSS
 from autofit.knobs.optimizer import OPTIMIZER
 from autofit.knobs.precision import PRECISION
 from autofit.knobs.registry import (
@@ -19,6 +21,6 @@ from autofit.knobs.registry import (
     owned_fields,
 )
 
-__all__ = ["CHECKPOINTING", "KNOBS", "OPTIMIZER", "PRECISION", "Knob", "choice_of",
+__all__ = ["CHECKPOINTING", "CHUNKED_LOSS", "KNOBS", "OPTIMIZER", "PRECISION", "Knob", "choice_of",
            "describe_choice", "installed", "knob", "knob_names", "owned_fields", "restrict",
            "training_arguments_fields"]

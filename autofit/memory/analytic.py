@@ -13,6 +13,10 @@ at its three candidate peaks and reports the largest:
   batches, held through this one;
 * **backward end** — weights + optimizer states + all gradients + the activations
   still alive (embedding side) + one block's backward temporaries;
+* with ``chunked_loss`` no (B, T, V) tensor exists: the logits' saved activations,
+  their loss gradients and the head's autocast copy are gone; the loss holds its
+  precomputed input and head-weight gradients and one (rows, V) chunk
+  (``chunked_loss_bytes``) at the end of the forward;
 * **optimizer step** — weights + gradients + optimizer states + the step's own
   temporaries (e.g. ``foreach`` AdamW's full copy of ``sqrt(v)`` on CUDA).
 
@@ -61,7 +65,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import BlockSpec, ModelInfo, ParamGroup
 
-__all__ = ["estimate_analytic", "weights_bytes", "gradients_bytes", "optimizer_state_bytes"]
+__all__ = ["estimate_analytic", "weights_bytes", "gradients_bytes", "optimizer_state_bytes",
+           "chunked_loss_bytes", "loss_chunk_rows"]
 
 _DTYPE_BYTES = {
     "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
@@ -315,6 +320,53 @@ def _linear_weight_numel(info: ModelInfo) -> int:
     return n
 
 
+def loss_chunk_rows(tokens: int, vocab: int, hidden: int, *, halved: bool) -> int:
+    """Rows of torch's chunked ``linear_cross_entropy`` per chunk (``aspect_ratio``): a
+    (rows, V) logits chunk about the size of the (B*T, h) input, rounded up to a power of
+    two, halved by ``aspect_ratio:2`` (the default but on a CPU with 16-bit inputs)."""
+    inc = -(-vocab // max(hidden, 1))
+    target = -(-tokens // inc)
+    rows = 1 << (target - 1).bit_length()
+    return max(1, min(rows // (2 if halved else 1), tokens))
+
+
+def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: DeviceInfo,
+                       *, accumulating: bool = False, head_trainable: bool = True) -> int:
+    """Bytes the chunked causal-LM loss holds at its peak: the end of its forward, or the
+    start of backward, where the precomputed head-weight gradient is handed to autograd,
+    which copies it into ``.grad`` (it cannot steal a tensor the op still references: two
+    (V, h) gradients for a moment; with accumulation it is added into the existing
+    ``.grad``: one) beside the (B*T, h) input gradient. A frozen head (LoRA) has no
+    weight gradient. For few tokens this is more than the full logits' need (the (V, h)
+    gradient is precomputed): torch's chunking pays off from about B*T >= h tokens.
+
+    torch's chunked op computes the gradients of its input (B*T, h) and of the head's
+    weight (V, h) in the forward and keeps them until backward, and works in one (rows, V)
+    logits buffer (``autofit.knobs.loss``; torch 2.13's ``_AUTO_DEFAULTS``):
+
+    * fp32 input (fp32 and the mixed precisions: the final norm's output is fp32):
+      "compact", no accumulation dtype: the two gradients + the fp32 chunk;
+    * 16-bit input on CUDA: "compact" with fp32 accumulation: 16-bit gradients, fp32 chunk;
+    * 16-bit input on a CPU: "accurate": an fp32 input gradient, a 16-bit weight gradient,
+      an fp32 copy of the weight, an fp32 weight-gradient scratch, the fp32 chunk, and
+      the two fp32 (V, h) temporaries of the CPU's mixed-dtype ``sub_`` (measured).
+    """
+    cuda = device.allocator == "cuda"
+    half = act == 2
+    rows = loss_chunk_rows(tokens, vocab, hidden, halved=cuda or not half)
+    chunk = rows * vocab * 4 + rows * hidden * 4
+    grad_in = tokens * hidden * (4 if half and not cuda else act)  # CPU 16-bit: fp32
+    grad_w = vocab * hidden * act if head_trainable else 0
+    handed = (1 if accumulating else 2) * grad_w + grad_in  # backward start
+    if not half or cuda:
+        return max(grad_in + grad_w + chunk, handed)
+    # CPU, 16-bit input ("accurate"): + an fp32 copy of the weight; with a weight gradient an
+    # fp32 scratch, and per chunk the scratch subtracted from the 16-bit gradient, which the
+    # CPU kernel does through two fp32 (V, h) temporaries
+    extra = (4 if head_trainable else 1) * vocab * hidden * 4
+    return max(grad_in + grad_w + extra + chunk, handed)
+
+
 def estimate_analytic(
     info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo
 ) -> MemoryEstimate:
@@ -363,11 +415,16 @@ def estimate_analytic(
     A_layers_full = sum(x * n for x, n in layer_costs)
     A_layer_max = max((x for x, _ in layer_costs), default=0)
     num_layers = sum(n for _, n in layer_costs)
-    A_base = N * max(base_c["h"] * h + base_c["V"] * V + base_c["c0"], 0.0)
+    chunked = config.chunked_loss and lm
+    # the V term is the logits the loss keeps for backward; a chunked loss keeps none
+    A_base = N * max(base_c["h"] * h + (0 if chunked else base_c["V"] * V) + base_c["c0"], 0.0)
 
     # autocast keeps a 16-bit copy of every matmul weight from its forward to its backward
     copies_all = 2 * _linear_weight_numel(info) if spec.autocast else 0
     copies_head = 2 * V * h if spec.autocast else 0
+    if chunked:  # torch's chunked op is not autocast: the head's weight is used as it is
+        copies_all -= copies_head
+        copies_head = 0
 
     if config.gradient_checkpointing:
         # each checkpointed block keeps its input; backward recomputes one block at a time
@@ -393,6 +450,10 @@ def estimate_analytic(
     # the next forward and backward
     G_held = G if config.grad_accum_steps > 1 else 0
     loss_temp = max(loss_grads, (0 if G_held else head_grad_in_G) + N * V * 4)
+    if chunked:
+        head_trainable = any(g.trainable and tuple(g.shape) == (V, h) for g in info.params)
+        loss_temp = chunked_loss_bytes(N, V, h, act, device, accumulating=bool(G_held),
+                                       head_trainable=head_trainable)
     phases = {
         # all activations alive; the loss backward's fp32 (N, V) gradients
         "backward": (W + copies + S + A + G_held + loss_temp,

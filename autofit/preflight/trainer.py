@@ -213,6 +213,10 @@ def preflight(
                             "longest sample)")
     d = _fields(args)
     config = config_of(args)
+    if trainer is not None and any(c.__name__ == "ChunkedLossTrainer" and
+                                   c.__module__ == "autofit.knobs.loss"
+                                   for c in type(trainer).__mro__):
+        config = config.replace(chunked_loss=True)  # its compute_loss is the chunked one
     if max_seq_len is None and isinstance(d.get("max_length"), int):
         max_seq_len = d["max_length"]  # SFTConfig truncates to it
     eval_batch, gen = _eval_settings(d, eval_dataset, generate_max_new_tokens)

@@ -166,7 +166,9 @@ def _combo(r: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _combo_label(key: tuple[Any, ...]) -> str:
-    return ", ".join(k.short(v) if not isinstance(v, bool) else (k.title if v else f"no {k.title}")
+    # a yes/no knob reads by its title ("ckpt" / "no ckpt"); one with its own words by them
+    return ", ".join(k.short(v) if not isinstance(v, bool) or k.short(True) != "yes"
+                     else (k.title if v else f"no {k.title}")
                      for k, v in zip(KNOBS, key, strict=True) if v is not None)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from autofit.config import TrainConfig
 from autofit.knobs import KNOBS, choice_of, describe_choice
 from autofit.memory.breakdown import COMPONENTS
 from autofit.probe.device import format_bytes
@@ -167,9 +168,21 @@ def candidates_renderable(result: Any) -> RenderableType:
     from rich.text import Text
 
     chosen = tuple(getattr(result.config, k.name) for k in KNOBS)
+    defaults = {k.name: f.default for k in KNOBS
+                if (f := TrainConfig.__dataclass_fields__.get(k.name)) is not None}
+
+    def value(r: dict[str, Any], k: Any) -> Any:
+        # a row written before a knob existed (a cached answer) has the knob's default
+        return r.get(k.name, defaults.get(k.name))
+
+    # a knob at its default in every row and in the choice was not searched (restricted, or
+    # not applicable: the reasons say why): its column is left out to keep 80 columns
+    shown = [k for k in KNOBS if k.name not in defaults or getattr(result.config, k.name)
+             != defaults[k.name] or any(value(r, k) != defaults[k.name]
+                                        for r in result.candidates)]
     t = Table(title="candidates", title_justify="left", header_style="bold",
               box=box.SIMPLE_HEAD, pad_edge=False, padding=0)
-    for k in KNOBS:
+    for k in shown:
         t.add_column(k.title, no_wrap=True)
     for col in ("micro", "peak\nest.", "cal.", "peak\nmeas.", "tok/s\npred.", "tok/s\nmeas."):
         t.add_column(col, justify="right", no_wrap=True)
@@ -184,14 +197,14 @@ def candidates_renderable(result: Any) -> RenderableType:
         return format_bytes(v) if kind == "b" else f"{v:,.0f}"
 
     for r in rows:
-        is_choice = tuple(r.get(k.name) for k in KNOBS) == chosen
+        is_choice = tuple(value(r, k) for k in KNOBS) == chosen
         verdict = "CHOSEN" if is_choice else r["status"]
         if r.get("failed_micro_batch"):
             verdict += f", {r['failed_micro_batch']}✗"
         if r.get("reason"):
             notes.append(r["reason"])
             verdict += f" [{len(notes)}]"
-        t.add_row(*(k.short(r.get(k.name)) for k in KNOBS),
+        t.add_row(*(k.short(value(r, k)) for k in shown),
                   str(r["micro_batch"] or "—"), fmt(r["estimate_bytes"], "b"),
                   calibration_text(r.get("calibration")),
                   fmt(r["measured_bytes"], "b"), fmt(r["predicted_tokens_per_s"], "t"),

@@ -58,8 +58,9 @@ SPEED_TIE = 0.05  # measured throughputs this close are a tie (step-time noise)
 # (2: the margin no longer subtracts measured fragmentation twice; line calibration;
 # 3: study parameters and candidate rows per knob, rows carry the uncalibrated estimate;
 # 4: the default margin from the modelled run + a 3% safety, answers carry the run's need;
-# 5: a flat peak is bracketed by bisection, an OOM keeps a measured ratio).
-ENGINE_VERSION = 5
+# 5: a flat peak is bracketed by bisection, an OOM keeps a measured ratio;
+# 6: the chunked_loss knob is searched).
+ENGINE_VERSION = 6
 
 
 @dataclass

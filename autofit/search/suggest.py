@@ -151,8 +151,14 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
                 note = k.note(v)
                 ideas.append(f"{k.describe(v)} ({fix(k.flag(v), f'{k.name}=[{v!r}]')}"
                              + (f"; {note}" if note else "") + f") ~{format_bytes(n)}")
-    # the memory-saving value of every knob, with a change of the model (PEFT, quantization)
-    thrifty = smallest_cfg.replace(**{k.name: k.saving for k in KNOBS if k.saving is not None})
+    # the memory-saving value of every knob, with a change of the model (PEFT, quantization);
+    # a value that saves nothing here is left out (a chunked loss over few tokens costs more)
+    thrifty = smallest_cfg
+    for k in KNOBS:
+        if k.saving is not None and getattr(thrifty, k.name) != k.saving:
+            other = thrifty.replace(**{k.name: k.saving})
+            if scaled(info, other, seq_len) <= scaled(info, thrifty, seq_len):
+                thrifty = other
     if info.peft is not None and info.quantization is None and info.is_transformer:
         # a LoRA model whose frozen base is loaded in fp32 or 16 bits: a 4-bit base
         n = scaled(quantized_base(info), thrifty, seq_len)

@@ -582,6 +582,12 @@ def measure(
         )
         module, task_name = ref.build_meta()  # meta device: cheap; validates the reference
         ref = ModelRef(ref.ref, task_name, attn_implementation, lora)
+    if config.chunked_loss:
+        from autofit.knobs.loss import unsupported_reason
+
+        why = unsupported_reason(module, task_name)
+        if why is not None:
+            raise BadInputError(f"chunked loss: {why}; measure without --chunked-loss")
     if not any(p.requires_grad for p in module.parameters()):
         from autofit.errors import NoTrainableParametersError
 

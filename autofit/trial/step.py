@@ -8,6 +8,7 @@ then needs neither ``Trainer`` nor ``TrainingArguments``):
 
     model.train(); activation checkpointing (use_reentrant=False); config.use_cache=False
     for each micro batch:  autocast(forward with labels) -> loss / grad_accum -> backward
+                           (chunked loss: the backbone, then autofit.causal_lm_chunked_loss)
     [GradScaler.unscale_] -> clip_grad_norm_(1.0) -> optimizer.step() -> zero_grad(None)
 
 One trial step runs ``min(grad_accum_steps, 2)`` micro batches before the optimizer
@@ -58,6 +59,7 @@ class StepPlan:
     bnb_embedding_override: bool = False  # Trainer: 8-bit bnb keeps embeddings in 32 bits
     max_grad_norm: float = MAX_GRAD_NORM
     optimizer_name: str = ""
+    chunked_loss: bool = False  # the loss is autofit.causal_lm_chunked_loss (no full logits)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -161,6 +163,7 @@ def plan_step(model: torch.nn.Module, config: TrainConfig, *, use_cpu: bool) -> 
         bnb_embedding_override="bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8,
         max_grad_norm=float(args.max_grad_norm),
         optimizer_name=config.optimizer,
+        chunked_loss=config.chunked_loss,
     )
 
 
@@ -313,6 +316,22 @@ def _loss_of(out: Any) -> torch.Tensor:
     return loss
 
 
+def _forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                  chunked: bool) -> torch.Tensor:
+    """The loss of one micro batch: the model's own (forward with labels), or the chunked
+    loss ``ChunkedLossTrainer.compute_loss`` runs."""
+    if chunked:
+        from autofit.knobs.loss import causal_lm_chunked_loss
+
+        return causal_lm_chunked_loss(model, batch)
+    out = model(**batch)
+    loss = _loss_of(out)
+    # the Trainer's compute_loss returns the loss only: the outputs (logits,
+    # (B, T, V)) are freed before backward, so they must not live on here
+    del out
+    return loss
+
+
 class Stepper:
     """Runs the Trainer's training step on ``model`` (already prepared and placed)."""
 
@@ -338,11 +357,7 @@ class Stepper:
         """
         for _ in range(self.plan.micro_batches_per_step):
             with self._autocast_ctx():
-                out = self.model(**batch)
-                loss = _loss_of(out)
-                # the Trainer's compute_loss returns the loss only: the outputs (logits,
-                # (B, T, V)) are freed before backward, so they must not live on here
-                del out
+                loss = _forward_loss(self.model, batch, self.plan.chunked_loss)
             loss = loss / self.plan.grad_accum_steps
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
@@ -374,9 +389,7 @@ class Stepper:
         self.model.eval()
         try:
             with torch.no_grad(), self._autocast_ctx():
-                out = self.model(**batch)
-                loss = _loss_of(out).detach()
-                del out
+                loss = _forward_loss(self.model, batch, self.plan.chunked_loss).detach()
             del loss
         finally:
             self.model.train(was_training)

@@ -1,0 +1,104 @@
+"""The chunked loss knob: the causal-LM loss without the full (B, T, V) logits.
+
+    >>> CHUNKED_LOSS.note(True)
+    'chunked loss: train with autofit.ChunkedLossTrainer (a transformers.Trainer whose compute_loss runs autofit.causal_lm_chunked_loss); TrainingArguments has no field for it'
+
+It changes no math (the same loss and gradients, computed chunk by chunk with torch's
+``linear_cross_entropy``: ``autofit.knobs.loss``), so both values are searched by
+default where it applies: causal-LM models with an output embedding (the search is
+told so by ``restrict_to_model``; elsewhere its only value is False). On is the value
+that saves memory.
+
+``TrainingArguments`` has no field for torch's chunked loss: the user trains with
+``autofit.ChunkedLossTrainer`` (``note``). Where liger-kernel is installed and the
+plan is for a GPU, ``use_liger_kernel=True`` (its fused linear cross entropy) is the
+field written instead; on a CPU it is never offered (liger's kernels need a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from autofit.knobs.base import installed, training_arguments_fields
+
+__all__ = ["CHUNKED_LOSS", "ChunkedLossKnob", "TRAINER_NAME", "liger_offered"]
+
+TRAINER_NAME = "autofit.ChunkedLossTrainer"
+_LIGER = "use_liger_kernel"
+
+
+def liger_offered(args: dict[str, Any]) -> bool:
+    """Whether ``use_liger_kernel`` is the field that turns the chunked loss on: liger-kernel
+    installed, the installed TrainingArguments has the field, and the plan is not for a CPU
+    (``use_cpu``: liger's Triton kernels need a GPU)."""
+    return (not args.get("use_cpu") and installed("liger_kernel")
+            and _LIGER in training_arguments_fields())
+
+
+class ChunkedLossKnob:
+    name = "chunked_loss"
+    title = "loss"  # the candidates table: 4 columns wide, as "ckpt" (80 columns in all)
+    values = (False, True)
+    fields = (_LIGER,)
+    saving = True
+    calibrates_apart = True  # the logits' share of the peak differs with and without it
+
+    def normalize(self, value: Any) -> bool:
+        return bool(value)
+
+    def changes_math(self, value: bool) -> bool:
+        return False
+
+    def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
+        return (False, True), None
+
+    def check(self, device: Any, value: bool) -> None:
+        return None  # torch's linear_cross_entropy runs on every device; the model decides
+
+    def describe(self, value: bool) -> str:
+        return "chunked loss" if value else "full logits"
+
+    def short(self, value: bool) -> str:
+        return "chnk" if value else "full"
+
+    def flag(self, value: bool) -> str:
+        return "--chunked-loss" if value else "--no-chunked-loss"
+
+    def suggest(self, device: Any) -> tuple[bool, ...]:
+        return ()
+
+    def note(self, value: bool) -> str | None:
+        if not value:
+            return None
+        return (f"chunked loss: train with {TRAINER_NAME} (a transformers.Trainer whose "
+                "compute_loss runs autofit.causal_lm_chunked_loss); TrainingArguments has no "
+                "field for it")
+
+    def emit(self, config: Any, args: dict[str, Any]) -> None:
+        if getattr(config, "chunked_loss", False) and liger_offered(args):
+            args[_LIGER] = True
+        # otherwise the user's own use_liger_kernel (other fused kernels too) is left as is
+
+    def read(self, args: dict[str, Any]) -> bool:
+        return bool(args.get(_LIGER))
+
+    def add_options(self, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_mutually_exclusive_group()
+        g.add_argument("--chunked-loss", dest="chunked_loss", action="store_const", const=True,
+                       help="always compute the causal-LM loss in chunks (no full logits)")
+        g.add_argument("--no-chunked-loss", dest="chunked_loss", action="store_const",
+                       const=False, help="never chunk the loss")
+
+    def from_options(self, args: argparse.Namespace) -> Any:
+        return args.chunked_loss
+
+    def add_option(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--chunked-loss", action="store_true",
+                            help="compute the causal-LM loss in chunks (no full logits)")
+
+    def option_value(self, args: argparse.Namespace) -> bool:
+        return bool(args.chunked_loss)
+
+
+CHUNKED_LOSS = ChunkedLossKnob()
