@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, Protocol
 
-__all__ = ["Knob", "installed", "training_arguments_fields", "restrict"]
+__all__ = ["Knob", "OnOffKnob", "installed", "training_arguments_fields", "restrict"]
 
 
 class Knob(Protocol):
@@ -80,6 +80,58 @@ class Knob(Protocol):
     def add_option(self, parser: argparse.ArgumentParser) -> None: ...
 
     def option_value(self, args: argparse.Namespace) -> Any: ...
+
+
+class OnOffKnob:
+    """What an on/off lever that changes no math shares: both values searched by default,
+    on saves memory, every device runs it, nothing to suggest; ``--OPTION`` /
+    ``--no-OPTION`` for ``tune`` and ``--OPTION`` for one configuration. A subclass
+    sets ``name``, ``title``, ``fields``, ``option`` (the flag without dashes), the
+    help texts, ``describe``/``short``, ``emit``/``read`` (and ``note`` when the user
+    must do something besides the fields)."""
+
+    values = (False, True)
+    saving = True
+    option = ""
+    help_on = help_off = help_one = ""
+
+    def normalize(self, value: Any) -> bool:
+        return bool(value)
+
+    def changes_math(self, value: bool) -> bool:
+        return False
+
+    def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
+        return (False, True), None
+
+    def check(self, device: Any, value: bool) -> None:
+        return None  # every device runs it; whether the *model* supports it is the model's
+
+    def flag(self, value: bool) -> str:
+        return f"--{self.option}" if value else f"--no-{self.option}"
+
+    def suggest(self, device: Any) -> tuple[bool, ...]:
+        return ()
+
+    def note(self, value: bool) -> str | None:
+        return None
+
+    def add_options(self, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_mutually_exclusive_group()
+        g.add_argument(f"--{self.option}", dest=self.name, action="store_const", const=True,
+                       help=self.help_on)
+        g.add_argument(f"--no-{self.option}", dest=self.name, action="store_const",
+                       const=False, help=self.help_off)
+
+    def from_options(self, args: argparse.Namespace) -> Any:
+        return getattr(args, self.name)
+
+    def add_option(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(f"--{self.option}", dest=self.name, action="store_true",
+                            help=self.help_one)
+
+    def option_value(self, args: argparse.Namespace) -> bool:
+        return bool(getattr(args, self.name))
 
 
 def installed(package: str) -> bool:

@@ -17,10 +17,9 @@ field written instead; on a CPU it is never offered (liger's kernels need a GPU)
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
-from autofit.knobs.base import installed, training_arguments_fields
+from autofit.knobs.base import OnOffKnob, installed, training_arguments_fields
 
 __all__ = ["CHUNKED_LOSS", "ChunkedLossKnob", "TRAINER_NAME", "liger_offered"]
 
@@ -36,37 +35,21 @@ def liger_offered(args: dict[str, Any]) -> bool:
             and _LIGER in training_arguments_fields())
 
 
-class ChunkedLossKnob:
+class ChunkedLossKnob(OnOffKnob):
     name = "chunked_loss"
     title = "loss"  # the candidates table: 4 columns wide, as "ckpt" (80 columns in all)
-    values = (False, True)
     fields = (_LIGER,)
-    saving = True
     calibrates_apart = True  # the logits' share of the peak differs with and without it
-
-    def normalize(self, value: Any) -> bool:
-        return bool(value)
-
-    def changes_math(self, value: bool) -> bool:
-        return False
-
-    def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
-        return (False, True), None
-
-    def check(self, device: Any, value: bool) -> None:
-        return None  # torch's linear_cross_entropy runs on every device; the model decides
+    option = "chunked-loss"
+    help_on = "always compute the causal-LM loss in chunks (no full logits)"
+    help_off = "never chunk the loss"
+    help_one = "compute the causal-LM loss in chunks (no full logits)"
 
     def describe(self, value: bool) -> str:
         return "chunked loss" if value else "full logits"
 
     def short(self, value: bool) -> str:
         return "chnk" if value else "full"
-
-    def flag(self, value: bool) -> str:
-        return "--chunked-loss" if value else "--no-chunked-loss"
-
-    def suggest(self, device: Any) -> tuple[bool, ...]:
-        return ()
 
     def note(self, value: bool) -> str | None:
         if not value:
@@ -82,23 +65,6 @@ class ChunkedLossKnob:
 
     def read(self, args: dict[str, Any]) -> bool:
         return bool(args.get(_LIGER))
-
-    def add_options(self, parser: argparse.ArgumentParser) -> None:
-        g = parser.add_mutually_exclusive_group()
-        g.add_argument("--chunked-loss", dest="chunked_loss", action="store_const", const=True,
-                       help="always compute the causal-LM loss in chunks (no full logits)")
-        g.add_argument("--no-chunked-loss", dest="chunked_loss", action="store_const",
-                       const=False, help="never chunk the loss")
-
-    def from_options(self, args: argparse.Namespace) -> Any:
-        return args.chunked_loss
-
-    def add_option(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--chunked-loss", action="store_true",
-                            help="compute the causal-LM loss in chunks (no full logits)")
-
-    def option_value(self, args: argparse.Namespace) -> bool:
-        return bool(args.chunked_loss)
 
 
 CHUNKED_LOSS = ChunkedLossKnob()
