@@ -40,6 +40,7 @@ def estimate(
     task: str | None = None,
     attn_implementation: str | None = None,
     lora: Any = None,
+    peft_config: Any = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
     dataset: Any = None,
@@ -68,6 +69,9 @@ def estimate(
         attn_implementation: ``"eager"`` or ``"sdpa"`` for a model built by name.
         lora: a ``LoraSpec``, a dict of its fields or a ``peft.LoraConfig``, for a
             model built by name.
+        peft_config: any PEFT method, for a model built by name: a ``peft.PeftConfig``,
+            a dict as in ``adapter_config.json`` (with ``peft_type``), or a path to
+            such a file (``autofit.probe.peft``); not together with ``lora``.
         load_in_4bit: QLoRA-style 4-bit base (bitsandbytes), for a model built by name.
         dataset: the training samples: the step is the longest batch's (``seq_len``
             defaults to the longest sample), and the whole run — its micro batches in
@@ -97,7 +101,7 @@ def estimate(
         True
     """
     from autofit.memory.analytic import estimate_analytic
-    from autofit.probe.model import build_model, describe
+    from autofit.probe.model import adapter_request, build_model, describe
 
     config = config if config is not None else TrainConfig()
     if not isinstance(config, TrainConfig):
@@ -125,7 +129,7 @@ def estimate(
         model,
         task=task,
         attn_implementation=attn_implementation,
-        lora=lora,
+        lora=adapter_request(lora, peft_config),
         load_in_4bit=load_in_4bit,
         load_in_8bit=load_in_8bit,
     )
@@ -183,7 +187,7 @@ def _with_run(est: MemoryEstimate, sim: Any, config: TrainConfig, data: Any, *, 
 _OPTIONS = {
     "max_micro_batch", "training_args", "method", "task", "tokenizer", "collator", "text_column",
     "cache", "confirm_top", "max_trials", "progress", "isolation", "trial_timeout_s",
-    "attn_implementation", "lora", "load_in_4bit", "optim_args", "world_size",
+    "attn_implementation", "lora", "peft_config", "load_in_4bit", "optim_args", "world_size",
     "generate_max_new_tokens",
 }
 
@@ -256,6 +260,10 @@ def autofit(
     started_at = time.monotonic()
     opts = _check_options(constraints, objective, target_batch_size=target_batch_size,
                           max_seq_len=max_seq_len, margin=margin, time_budget_s=time_budget_s)
+    from autofit.probe.model import adapter_request
+
+    # one adapter request (the LoRA shorthand or any PEFT config) travels as "lora"
+    opts["lora"] = adapter_request(opts.get("lora"), opts.pop("peft_config", None))
     reasons: list[str] = []
     progress = _progress_printer(opts.get("progress", False))
     probed = _probe(model, dataset, device, max_seq_len, opts, reasons)

@@ -97,6 +97,10 @@ def fake_clone(module: torch.nn.Module, *, float_dtype: torch.dtype | None) -> t
         for v in m.__dict__.values():  # plain tensor attributes (e.g. original_inv_freq)
             if isinstance(v, torch.Tensor) and id(v) not in memo:
                 memo[id(v)] = fake_like(v)
+            elif isinstance(v, (dict, list, tuple)):  # PEFT: prompt_tokens, FourierFT's indices
+                for x in v.values() if isinstance(v, dict) else v:
+                    if isinstance(x, torch.Tensor) and id(x) not in memo:
+                        memo[id(x)] = fake_like(x)
     return copy.deepcopy(module, memo)
 
 

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -147,6 +148,11 @@ class StorageRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            try:
+                return func(*args, **kwargs)
+            except DataDependentOutputException:
+                return _scalar_read(args[0])
         impl = self.decompositions.get(func) if self.decompositions else None
         if impl is not None and not self._decomposing:
             self._decomposing = True
@@ -161,6 +167,8 @@ class StorageRecorder(TorchDispatchMode):
         self.num_ops += 1
         if isinstance(out, torch.Tensor):
             self.track(out)
+            if out.dtype == torch.bool and out.numel() == 1:
+                out._autofit_origin = func.overloadpacket.__name__  # for _scalar_read
         elif isinstance(out, (tuple, list)):
             for o in out:
                 if isinstance(o, torch.Tensor):
@@ -175,3 +183,26 @@ class StorageRecorder(TorchDispatchMode):
             ws.alive = False
             self._log.append(("free", ws, self.phase))
         return out
+
+
+# Checks whose usual answer is False (``x.isinf().any()``: no inf in the weights).
+_FALSE_CHECKS = frozenset({"any", "isinf", "isnan", "is_nonzero"})
+
+
+def _scalar_read(t: torch.Tensor) -> bool:
+    """The value of a one-element bool tensor read by Python (``if`` on a tensor).
+
+    Fake tensors have no values, so a step that branches on one cannot be traced as
+    is. PEFT methods do it in two ways, both answered with the common case: a sanity
+    check (VB-LoRA's ``logits.isinf().any()``: False) and a random draw against a
+    probability (LoHa's / LoKr's ``torch.rand(1) > module_dropout``: True, the adapter
+    runs). A read of a number (not a bool) is an error: its value would change shapes.
+    """
+    if t.dtype != torch.bool:
+        from autofit.errors import BadInputError
+
+        raise BadInputError(
+            "the model reads a tensor's value into Python during its step (.item()); "
+            "simulate cannot follow data-dependent steps: use method='analytic' or measure it"
+        )
+    return getattr(t, "_autofit_origin", "") not in _FALSE_CHECKS

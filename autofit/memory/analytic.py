@@ -111,7 +111,10 @@ def weights_bytes(info: ModelInfo, config: TrainConfig) -> int:
             total += n + g.shape[0] * 4 * g.count  # int8 + per-row fp32 scale
         else:
             total += n * _param_dtype_bytes(g, config)
-    return total
+    # a PEFT method's float buffers (VeRA's projections, BOFT's permutations), cast with
+    # the model for the "-true" precisions
+    half = config.precision_spec.param_dtype in ("bfloat16", "float16")
+    return total + (info.adapter_buffer_bytes // 2 if half else info.adapter_buffer_bytes)
 
 
 def gradients_bytes(info: ModelInfo, config: TrainConfig) -> int:
@@ -279,7 +282,25 @@ def _cuda_sdpa_is_math(info: ModelInfo, config: TrainConfig, device: DeviceInfo)
     return not flash
 
 
+def _needs_derived(info: ModelInfo) -> bool:
+    """Whether the fitted table lacks this model: a PEFT method other than LoRA, or a
+    decoder / encoder family the table was not fitted to (derived from the model)."""
+    if info.peft not in (None, "lora"):
+        return True
+    return info.model_type not in _FAMILY_OF and not info.is_encoder_decoder
+
+
 def _coef(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> dict:
+    if _needs_derived(info):
+        from autofit.memory.derived import derived_coefficients
+        from autofit.probe.model import module_of
+
+        module = module_of(info)
+        if module is None:
+            raise BadInputError(f"no analytic coefficients for {info.name} "
+                                f"({info.peft or info.model_type}) without its module; use "
+                                + fix("--method simulate", "method='simulate'"))
+        return derived_coefficients(module, info, config, device)
     prec = config.precision
     prec_key = {"16-mixed": "bf16-mixed", "16-true": "bf16-true"}.get(prec, prec)
     attn = "eager" if info.attn_implementation == "eager" else "sdpa"
@@ -305,8 +326,16 @@ def _layer_bytes_per_token(c: dict, b: BlockSpec, seq_len: int) -> float:
         + c["H"] * b.num_heads
         + c["HT"] * b.num_heads * seq_len
         + c["c0"]
+        + c.get("T", 0.0) * seq_len
     )
     return max(v, 0.0)
+
+
+def _layer_bytes(c: dict, b: BlockSpec, batch: int, seq_len: int) -> float:
+    """One block's saved bytes: per token, per sample (``s``) and per micro batch (``F``);
+    the last two only in derived coefficients (``autofit.memory.derived``)."""
+    per_token = batch * seq_len * _layer_bytes_per_token(c, b, seq_len)
+    return max(per_token + batch * c.get("s", 0.0), 0.0) + c.get("F", 0.0)
 
 
 def _linear_weight_numel(info: ModelInfo) -> int:
@@ -411,13 +440,15 @@ def estimate_analytic(
     for b in info.blocks:
         if info.is_encoder_decoder and b.role != "encoder":
             continue  # T5 coefficients are per encoder+decoder pair (calibration)
-        layer_costs.append((N * _layer_bytes_per_token(layer_c, b, T), b.count))
+        layer_costs.append((_layer_bytes(layer_c, b, B, T), b.count))
     A_layers_full = sum(x * n for x, n in layer_costs)
     A_layer_max = max((x for x, _ in layer_costs), default=0)
     num_layers = sum(n for _, n in layer_costs)
     chunked = config.chunked_loss and lm
     # the V term is the logits the loss keeps for backward; a chunked loss keeps none
-    A_base = N * max(base_c["h"] * h + (0 if chunked else base_c["V"] * V) + base_c["c0"], 0.0)
+    A_base = N * max(base_c["h"] * h + (0 if chunked else base_c["V"] * V) + base_c["c0"]
+                     + base_c.get("T", 0.0) * T, 0.0)
+    A_base = max(A_base + B * base_c.get("s", 0.0), 0.0) + base_c.get("F", 0.0)
 
     # autocast keeps a 16-bit copy of every matmul weight from its forward to its backward
     copies_all = 2 * _linear_weight_numel(info) if spec.autocast else 0
@@ -438,7 +469,8 @@ def estimate_analytic(
     A = A_layers + A_base
 
     # -- temporaries ---------------------------------------------------------
-    loss_grads = 2 * N * V * 4  # fp32 d log_softmax and d logits at the loss backward
+    NL = B * (T + info.virtual_tokens)  # the logits' rows: prompt tuning's tokens too
+    loss_grads = 2 * NL * V * 4  # fp32 d log_softmax and d logits at the loss backward
     head_grad = V * h * act if lm else 0
     head_grad_in_G = min(head_grad, G)
     # one block's backward: grads of its widest activations (e.g. MLP: 2 x (N, i))
@@ -449,10 +481,10 @@ def estimate_analytic(
     # with accumulation, the gradients of the earlier micro batches are held through
     # the next forward and backward
     G_held = G if config.grad_accum_steps > 1 else 0
-    loss_temp = max(loss_grads, (0 if G_held else head_grad_in_G) + N * V * 4)
+    loss_temp = max(loss_grads, (0 if G_held else head_grad_in_G) + NL * V * 4)
     if chunked:
         head_trainable = any(g.trainable and tuple(g.shape) == (V, h) for g in info.params)
-        loss_temp = chunked_loss_bytes(N, V, h, act, device, accumulating=bool(G_held),
+        loss_temp = chunked_loss_bytes(NL, V, h, act, device, accumulating=bool(G_held),
                                        head_trainable=head_trainable)
     phases = {
         # all activations alive; the loss backward's fp32 (N, V) gradients

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,8 @@ __all__ = [
     "load_config",
     "build_model",
     "probe_model",
+    "describe",
+    "module_of",
     "default_task",
     "token_limits",
 ]
@@ -85,7 +88,7 @@ class ParamGroup:
     dtype: str  # "float32", "bfloat16", "uint8" (packed 4-bit), ...
     trainable: bool
     quantized: str | None = None  # "4bit" | "8bit" | None
-    role: str = "other"  # "linear" | "embedding" | "norm" | "bias" | "lora" | "other"
+    role: str = "other"  # "linear" | "embedding" | "norm" | "bias" | "lora" | "adapter" | "other"
 
     @property
     def numel(self) -> int:
@@ -157,6 +160,9 @@ class ModelInfo:
     quantization: str | None = None
     dtype: str = "float32"
     supports_gradient_checkpointing: bool = True
+    peft_config: str = ""  # the PEFT config as canonical JSON (autofit.probe.peft.config_key)
+    virtual_tokens: int = 0  # prompt tokens a PEFT method prepends to every sample
+    adapter_buffer_bytes: int = 0  # buffers a PEFT method adds (VeRA's shared projections)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -360,26 +366,24 @@ def _check_task(task: str) -> str:
     return t
 
 
-def _lora_config(lora: Any, task: str) -> Any:
-    from peft import LoraConfig, TaskType
+def adapter_request(lora: Any, peft_config: Any) -> Any:
+    """One adapter request from the LoRA shorthand (``lora=``) or a PEFT config
+    (``peft_config=``): what ``build_model(lora=...)`` and a trial's ``ModelRef`` carry."""
+    if lora is not None and peft_config is not None:
+        raise BadInputError("give either the LoRA shorthand ("
+                            + fix("--lora-r", "lora=") + ") or a PEFT config ("
+                            + fix("--peft-config", "peft_config=") + "), not both")
+    return peft_config if peft_config is not None else lora
 
-    if isinstance(lora, LoraConfig):
-        return lora
-    if isinstance(lora, dict):
-        lora = LoraSpec(**lora)
-    task_type = {
-        "causal-lm": TaskType.CAUSAL_LM,
-        "seq2seq": TaskType.SEQ_2_SEQ_LM,
-        "seq-cls": TaskType.SEQ_CLS,
-        "masked-lm": None,
-    }[task]
-    targets = lora.target_modules
-    if isinstance(targets, tuple):
-        targets = list(targets)
-    kwargs = dict(r=lora.r, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout)
-    if task_type is not None:
-        kwargs["task_type"] = task_type
-    return LoraConfig(**kwargs)
+
+def _peft_config(request: Any, task: str) -> Any:
+    """The PeftConfig of an adapter request: a ``LoraSpec`` or a dict of its fields (the
+    LoRA shorthand), or anything ``autofit.probe.peft.peft_config`` reads."""
+    from autofit.probe.peft import peft_config as read_peft_config
+
+    if isinstance(request, dict) and "peft_type" not in request:
+        request = LoraSpec(**request)
+    return read_peft_config(request, task)
 
 
 def _quantize_on_meta(model: torch.nn.Module, bits: int) -> None:
@@ -418,6 +422,7 @@ def build_model(
     lora: LoraSpec | dict | Any | None = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
+    peft_config: Any = None,
 ) -> tuple[torch.nn.Module, str]:
     """Return (module, task). A model given by reference is built on the meta device.
 
@@ -427,9 +432,9 @@ def build_model(
     import torch
 
     if isinstance(model, torch.nn.Module):
-        if lora is not None or load_in_4bit or load_in_8bit:
+        if lora is not None or peft_config is not None or load_in_4bit or load_in_8bit:
             raise BadInputError(
-                "LoRA/quantization options apply to a model given by name or config; "
+                "PEFT/quantization options apply to a model given by name or config; "
                 "for a module, pass the PeftModel / quantized model itself"
             )
         config = getattr(model, "config", None)
@@ -468,16 +473,11 @@ def build_model(
         ) from None
     if load_in_4bit or load_in_8bit:
         _quantize_on_meta(module, 4 if load_in_4bit else 8)
-    if lora is not None:
-        from peft import get_peft_model
+    request = adapter_request(lora, peft_config)
+    if request is not None:
+        from autofit.probe.peft import apply_peft
 
-        for p in module.parameters():
-            p.requires_grad_(False)
-        try:
-            with torch.device("meta"):
-                module = get_peft_model(module, _lora_config(lora, t))
-        except ValueError as e:  # e.g. target modules not found in the model
-            raise BadInputError(f"LoRA: {str(e).splitlines()[0]}") from None
+        module = apply_peft(module, _peft_config(request, t))
     return module, t
 
 
@@ -498,10 +498,13 @@ def _param_groups(module: Any) -> tuple[ParamGroup, ...]:
     import torch
 
     groups: dict[tuple, int] = {}
+    adapters = set(getattr(module, "peft_config", None) or ())  # adapter names ("default")
     for name, p in module.named_parameters():
         leaf = name.rsplit(".", 1)
         if "lora_" in name:
             role = "lora"
+        elif adapters & set(name.split(".")):
+            role = "adapter"  # another PEFT method's parameter (ia3_l.default, prompt_encoder...)
         elif p.ndim >= 2 and isinstance(_owner(module, name), torch.nn.Embedding):
             role = "embedding"
         elif p.ndim >= 2:
@@ -554,7 +557,7 @@ def _layer_lists(module: Any) -> list[tuple[str, Any]]:
 
 def _linear_dims(m: Any) -> tuple[int, int] | None:
     cls = type(m).__name__
-    if hasattr(m, "in_features") and hasattr(m, "out_features"):
+    if getattr(m, "in_features", None) is not None and getattr(m, "out_features", None) is not None:
         return int(m.in_features), int(m.out_features)
     if cls == "Conv1D":  # GPT-2: weight is (in, out)
         w = m.weight
@@ -576,14 +579,19 @@ def _block_spec(role: str, count: int, block: Any, config: Any, info: dict[str, 
     cross = False
     rel_bias = False
     seen_base = set()
+    wrappers: list[str] = []  # PEFT layers: only their base_layer is the model's own
     for name, m in block.named_modules():
         if "lora_" in name or name in seen_base:
             continue
+        if any(name.startswith(w + ".") and not name.startswith(w + ".base_layer")
+               for w in wrappers):
+            continue  # an adapter's own module (ia3_l, vera_dropout, oft_R, ...)
         leaf = name.rsplit(".", 1)[-1]
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         # peft wraps a Linear in a LoraLayer whose `base_layer` is the Linear
         if hasattr(m, "base_layer"):
             seen_base.add(name + ".base_layer")
+            wrappers.append(name)
             m_dims = _linear_dims(m.base_layer) or _linear_dims(m)
         else:
             m_dims = _linear_dims(m)
@@ -647,6 +655,7 @@ def probe_model(
     lora: LoraSpec | dict | Any | None = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
+    peft_config: Any = None,
 ) -> ModelInfo:
     """Describe ``model`` (see the module docstring for the accepted forms).
 
@@ -661,24 +670,53 @@ def probe_model(
         lora=lora,
         load_in_4bit=load_in_4bit,
         load_in_8bit=load_in_8bit,
+        peft_config=peft_config,
     )
     return describe(module, task=t, name=str(model) if not hasattr(model, "parameters") else None)
 
 
+_MODULES: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+
+def module_of(info: ModelInfo) -> Any:
+    """The module ``info`` was described from, while it is alive (else None): the
+    analytic model derives coefficients from it for what its table lacks."""
+    return _MODULES.get(json.dumps(fingerprint(info), sort_keys=True, default=str))
+
+
 def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
     """ModelInfo of an already built module (meta or real); reads, never modifies."""
+    info = _describe(module, task=task, name=name)
+    try:
+        _MODULES[json.dumps(fingerprint(info), sort_keys=True, default=str)] = module
+    except TypeError:  # not weak-referenceable
+        pass
+    return info
+
+
+def _describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
     base = module
     peft_kind = None
     lora_r = None
     lora_targets: tuple[str, ...] = ()
+    peft_key = ""
+    adapter_buffers = virtual = 0
     peft_config = getattr(module, "peft_config", None)
     if peft_config:
+        from autofit.probe.peft import config_key, method_name
+
         cfg = next(iter(peft_config.values()))
-        peft_kind = str(getattr(cfg, "peft_type", "lora")).split(".")[-1].lower()
-        lora_r = getattr(cfg, "r", None)
+        peft_kind = method_name(cfg)
+        peft_key = config_key(cfg)
+        r = getattr(cfg, "r", None)
+        lora_r = r if isinstance(r, int) else None
         tm = getattr(cfg, "target_modules", None) or ()
         lora_targets = tuple(sorted(tm)) if not isinstance(tm, str) else (tm,)
         base = module.get_base_model()
+        adapter_buffers = _adapter_buffer_bytes(module, set(peft_config))
+        from autofit.probe.peft import virtual_tokens
+
+        virtual = virtual_tokens(cfg)
     config = getattr(base, "config", None)
 
     params = _param_groups(module)
@@ -767,8 +805,27 @@ def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
         lora_targets=lora_targets,
         quantization=quantization,
         dtype=dtype,
+        peft_config=peft_key,
+        adapter_buffer_bytes=adapter_buffers,
+        virtual_tokens=virtual,
         supports_gradient_checkpointing=bool(getattr(base, "supports_gradient_checkpointing", False)),
     )
+
+
+def _adapter_buffer_bytes(module: Any, adapters: set[str]) -> int:
+    """Bytes of the buffers a PEFT method adds: those in its adapter dicts (VeRA's shared
+    projections) and those of its layers outside their ``base_layer`` (BOFT's
+    permutations), each storage once."""
+    seen: dict[int, int] = {}
+    inside: list[str] = [n for n, m in module.named_modules() if hasattr(m, "base_layer")]
+    for n, b in module.named_buffers():
+        owner = n.rsplit(".", 1)[0]
+        peft_layer = any(owner == w or (owner.startswith(w + ".")
+                                        and not owner.startswith(w + ".base_layer"))
+                         for w in inside)
+        if peft_layer or adapters & set(n.split(".")):
+            seen[id(b)] = b.numel() * b.element_size()
+    return sum(seen.values())
 
 
 def token_limits(module: Any) -> tuple[int | None, int | None]:
@@ -813,4 +870,5 @@ def fingerprint(info: ModelInfo) -> dict[str, Any]:
         "peft": info.peft,
         "lora_r": info.lora_r,
         "lora_targets": list(info.lora_targets),
+        "peft_config": info.peft_config,
     }

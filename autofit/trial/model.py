@@ -1,11 +1,12 @@
 """A model given by reference, and how a trial gives it real weights.
 
 ``ModelRef`` is what travels to a trial child instead of a pickled module: the
-child rebuilds the model itself. ``materialize`` builds it with
-``autofit.probe.model.build_model`` (meta device, LoRA applied), then
-``to_empty(device)`` and the model's own initialisation (``init_weights``, which
-in transformers 5 also recomputes non-persistent buffers such as rotary
-``inv_freq``), so no second copy of the weights is ever made.
+child rebuilds the model itself. ``materialize`` builds the base with
+``autofit.probe.model.build_model`` (meta device), then ``to_empty(device)`` and the
+model's own initialisation (``init_weights``, which in transformers 5 also
+recomputes non-persistent buffers such as rotary ``inv_freq``), so no second copy of
+the weights is ever made; a PEFT adapter is then put on it by peft, as a user's
+script does.
 """
 
 from __future__ import annotations
@@ -26,34 +27,33 @@ class ModelRef:
     ref: str
     task: str | None = None
     attn_implementation: str | None = None
-    lora: Any = None  # LoraSpec | dict | None
+    lora: Any = None  # an adapter request: LoraSpec | dict | PeftConfig | path (probe.model)
 
-    def build_meta(self) -> tuple[torch.nn.Module, str]:
+    def build_meta(self, *, adapter: bool = True) -> tuple[torch.nn.Module, str]:
         from autofit.probe.model import build_model
 
-        return build_model(
-            self.ref, task=self.task, attn_implementation=self.attn_implementation, lora=self.lora
-        )
+        return build_model(self.ref, task=self.task, attn_implementation=self.attn_implementation,
+                           lora=self.lora if adapter else None)
 
 
 def materialize(ref: ModelRef, device: torch.device) -> torch.nn.Module:
-    """Build ``ref`` with initialised weights on ``device``."""
-    module, _ = ref.build_meta()
+    """Build ``ref`` with initialised weights on ``device``: the base on the meta device,
+    given memory there and initialised, then the adapter put on it by peft itself (its
+    own initialisation, on the device: index buffers and projections have real values)."""
+    module, task = ref.build_meta(adapter=False)
     module.to_empty(device=device)
     with torch.no_grad():
-        for m in module.modules():  # torch layers (incl. LoRA's nn.Linear) first
+        for m in module.modules():  # torch layers first
             reset = getattr(m, "reset_parameters", None)
             if callable(reset) and not hasattr(m, "config"):
                 with contextlib.suppress(RuntimeError, TypeError, NotImplementedError):
                     reset()
-        base = module.get_base_model() if hasattr(module, "get_base_model") else module
-        init = getattr(base, "init_weights", None)
+        init = getattr(module, "init_weights", None)
         if callable(init):
             init()
-        for m in module.modules():  # LoRA: B = 0, A = kaiming, as peft initialises
-            reset_lora = getattr(m, "reset_lora_parameters", None)
-            if callable(reset_lora) and hasattr(m, "lora_A"):
-                for name in list(getattr(m, "lora_A", {}).keys()):
-                    with contextlib.suppress(RuntimeError, TypeError, ValueError):
-                        reset_lora(name, True)
+    if ref.lora is not None:
+        from autofit.probe.model import _peft_config
+        from autofit.probe.peft import apply_peft
+
+        module = apply_peft(module, _peft_config(ref.lora, task), meta=False)
     return module

@@ -497,6 +497,7 @@ def measure(
     collator: Any = None,
     attn_implementation: str | None = None,
     lora: Any = None,
+    peft_config: Any = None,
     run: Any = None,
 ) -> TrialResult:
     """Run ``warmup_steps`` + ``measure_steps`` real training steps and measure them.
@@ -523,6 +524,7 @@ def measure(
         collator: replaces the default pad-to-longest collation.
         attn_implementation: ``eager`` | ``sdpa`` for a model given by reference.
         lora: a ``LoraSpec`` (or dict) to put on a model given by reference.
+        peft_config: any PEFT method instead (``autofit.probe.peft.peft_config``).
         run: a ``autofit.trial.step.RunSpec``: a short run around the measured steps
             (the run's other lengths before them, whose peak counts; an evaluation
             step after them, measured apart: ``eval_device_total_bytes``, ``eval_oom``).
@@ -565,8 +567,11 @@ def measure(
     for k in KNOBS:  # what the device and the installed libraries allow
         k.check(dev, getattr(config, k.name))
 
+    from autofit.probe.model import adapter_request
+
+    lora = adapter_request(lora, peft_config)
     if isinstance(model, torch.nn.Module):
-        module, task_name = build_model(model, task=task)  # checks, never modifies
+        module, task_name = build_model(model, task=task, lora=lora)  # checks, never modifies
         ref = None
         if attn_implementation is not None:
             raise BadInputError(

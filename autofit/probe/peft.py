@@ -1,0 +1,233 @@
+"""PEFT methods: a user's adapter configuration, read and put on a model.
+
+``peft_config(value, task)`` turns what a user gives — a ``peft.PeftConfig``, a dict
+as in an ``adapter_config.json`` (with ``peft_type``), a path to such a JSON file, an
+inline JSON object, or autofit's ``LoraSpec`` shorthand — into the ``PeftConfig``
+that ``get_peft_model`` takes, set for training (a saved adapter's
+``inference_mode=True`` would freeze it) and for the task. ``apply_peft`` puts it on
+a base model built on the meta device, as a user's script would: the base frozen,
+peft's own layers, so that the simulated step runs peft's real forward (its dtype
+casts, dropout copies, virtual tokens, merged delta weights).
+
+Every method peft 0.21 offers runs, but those whose step depends on tensor values
+that a simulation without data cannot know (``UNSUPPORTED``): asking for one is a
+bad input naming the method and why.
+
+    >>> cfg = peft_config({"peft_type": "IA3", "target_modules": ["k_proj", "v_proj"],
+    ...                    "feedforward_modules": []}, "causal-lm")
+    >>> method_name(cfg), cfg.inference_mode
+    ('ia3', False)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autofit.errors import BadInputError, MissingDependencyError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "UNSUPPORTED",
+    "peft_config",
+    "apply_peft",
+    "method_name",
+    "config_key",
+    "virtual_tokens",
+    "methods",
+    "default_config",
+]
+
+_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM", "seq-cls": "SEQ_CLS",
+               "masked-lm": None}
+
+# peft_type -> why autofit cannot model it yet (its step reads tensor values).
+UNSUPPORTED: dict[str, str] = {
+    "CPT": "its forward selects tokens by their values (nonzero)",
+    "WAVEFT": "its forward selects coefficients by their values (nonzero)",
+    "SHIRA": "its sparse mask is built from the weights' values",
+    "FROD": "its initialisation decomposes the real weights",
+    "MULTITASK_PROMPT_TUNING": "its forward needs a task id per sample",
+    "POLY": "its forward needs a task id per sample",
+    "XLORA": "it mixes adapters loaded from saved checkpoints",
+}
+
+# Methods whose initialisation reads values (cannot run on the meta device).
+_CPU_INIT = frozenset({"BOFT", "UNILORA"})
+
+# Names users write for a method (``--methods lora,dora,ia3``) beyond peft_type.lower().
+_ALIASES = {"dora": ("LORA", {"use_dora": True}), "rslora": ("LORA", {"use_rslora": True}),
+            "prefix": ("PREFIX_TUNING", {}), "prompt": ("PROMPT_TUNING", {}),
+            "ptuning": ("P_TUNING", {}), "p-tuning": ("P_TUNING", {}),
+            "adaption": ("ADAPTION_PROMPT", {}), "ln": ("LN_TUNING", {}),
+            "tokens": ("TRAINABLE_TOKENS", {})}
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise MissingDependencyError("PEFT methods need peft: pip install peft") from None
+    return peft
+
+
+def methods() -> tuple[str, ...]:
+    """Every peft_type autofit models (lowercase), in peft's order."""
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    return tuple(str(getattr(t, "value", t)).lower() for t in PEFT_TYPE_TO_CONFIG_MAPPING
+                 if str(getattr(t, "value", t)) not in UNSUPPORTED)
+
+
+def _read(value: str | os.PathLike) -> dict[str, Any]:
+    text = str(value).strip()
+    if text.startswith("{"):
+        what = "inline JSON"
+    else:
+        path = Path(text)
+        if path.is_dir():
+            path = path / "adapter_config.json"
+        if not path.is_file():
+            raise BadInputError(f"PEFT config {text!r} is neither a JSON file nor an inline "
+                                "JSON object; give a path to an adapter_config.json or "
+                                "'{\"peft_type\": \"LORA\", ...}'")
+        what, text = str(path), path.read_text()
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInputError(f"PEFT config ({what}) is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise BadInputError(f"PEFT config ({what}) must be a JSON object with peft_type")
+    return d
+
+
+def default_config(method: str) -> dict[str, Any]:
+    """A config dict for a method named as users write it (``"lora"``, ``"dora"``,
+    ``"ia3"``, ``"prefix"``): peft's defaults, with a few virtual tokens for the
+    prompt methods and the token ids trainable tokens need."""
+    m = method.strip().lower().replace("-", "_")
+    peft_type, extra = _ALIASES.get(method.strip().lower(), (m.upper(), {}))
+    d: dict[str, Any] = {"peft_type": peft_type, **extra}
+    if peft_type in {"PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING"}:
+        d["num_virtual_tokens"] = 20
+    if peft_type == "ADAPTION_PROMPT":
+        d.update(adapter_len=10, adapter_layers=1)
+    if peft_type == "TRAINABLE_TOKENS":
+        d["token_indices"] = list(range(16))
+    if peft_type == "ADALORA":
+        d["total_step"] = 1000
+    return d
+
+
+def peft_config(value: Any, task: str) -> Any:
+    """The ``peft.PeftConfig`` to train with (see the module docstring).
+
+    Raises:
+        BadInputError: not a config, no or unknown ``peft_type``, a method autofit
+            cannot model, a field peft rejects.
+    """
+    peft = _peft()
+    from autofit.probe.model import LoraSpec
+
+    if isinstance(value, LoraSpec):
+        targets = value.target_modules
+        value = {"peft_type": "LORA", "r": value.r, "lora_alpha": value.alpha,
+                 "target_modules": list(targets) if isinstance(targets, tuple) else targets,
+                 "lora_dropout": value.dropout}
+    if isinstance(value, (str, os.PathLike)):
+        value = _read(value)
+    if isinstance(value, peft.PeftConfig):
+        d = value.to_dict()
+    elif isinstance(value, dict):
+        d = dict(value)
+    else:
+        raise BadInputError(f"peft_config must be a peft.PeftConfig, a dict with peft_type, "
+                            f"or a path to an adapter_config.json; got {type(value).__name__}")
+    pt = d.get("peft_type")
+    if pt is None:
+        raise BadInputError("PEFT config has no peft_type; add e.g. \"peft_type\": \"LORA\"")
+    pt = str(getattr(pt, "value", pt)).upper()
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    known = {str(getattr(t, "value", t)) for t in PEFT_TYPE_TO_CONFIG_MAPPING}
+    if pt not in known:
+        raise BadInputError(f"unknown PEFT method {pt!r}; peft {peft.__version__} offers: "
+                            + ", ".join(sorted(k.lower() for k in known)))
+    if pt in UNSUPPORTED:
+        raise BadInputError(f"autofit cannot model PEFT method {pt.lower()} yet: "
+                            f"{UNSUPPORTED[pt]}; choose another method (autofit compare-peft "
+                            "lists those it models)")
+    d["peft_type"] = pt
+    d["inference_mode"] = False  # a saved adapter says True; training needs False
+    if not d.get("task_type") and _TASK_TYPES.get(task):
+        d["task_type"] = _TASK_TYPES[task]
+    for k in ("base_model_name_or_path", "revision", "auto_mapping"):
+        d.pop(k, None)
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unknown keys of a newer peft are dropped
+            return peft.PeftConfig.from_peft_type(**d)
+    except (TypeError, ValueError, ImportError) as e:
+        raise BadInputError(f"PEFT {pt.lower()}: {str(e).splitlines()[0]}") from None
+
+
+def method_name(config: Any) -> str:
+    """``"lora"``, ``"dora"``, ``"ia3"``, ... (LoRA's DoRA variant has its own name)."""
+    pt = str(getattr(config.peft_type, "value", config.peft_type)).lower()
+    if pt == "lora" and getattr(config, "use_dora", False):
+        return "dora"
+    return pt
+
+
+def virtual_tokens(config: Any) -> int:
+    """Tokens the method prepends to every sample's sequence (prompt tuning, P-tuning):
+    the model's forward, logits and loss run over ``seq_len + virtual_tokens``. Prefix
+    tuning's tokens lengthen only the attention's keys and values."""
+    pt = str(getattr(config.peft_type, "value", config.peft_type))
+    if pt in {"PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING", "CPT"}:
+        return int(getattr(config, "num_virtual_tokens", 0) or 0)
+    return 0
+
+
+def config_key(config: Any) -> str:
+    """The config as canonical JSON, without what does not change memory (cache keys)."""
+    d = config.to_dict()
+    for k in ("base_model_name_or_path", "revision", "inference_mode", "auto_mapping"):
+        d.pop(k, None)
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+def apply_peft(module: torch.nn.Module, config: Any, *, meta: bool = True) -> torch.nn.Module:
+    """``get_peft_model(module, config)``, the base's weights frozen first: on a meta base
+    (``meta=True``) or on a real one (a trial: peft initialises on the base's device).
+
+    Adapters are created on the meta device; a method whose initialisation reads
+    values (``_CPU_INIT``: BOFT's permutations) is initialised on the CPU and moved to
+    the base's meta device by peft, which costs the adapters' size in host memory for a
+    moment.
+    """
+    import torch
+    from peft import get_peft_model
+
+    for p in module.parameters():
+        p.requires_grad_(False)
+    name = method_name(config)
+    pt = str(getattr(config.peft_type, "value", config.peft_type))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            if not meta or pt in _CPU_INIT:  # initialised on the CPU, moved to the base's meta device
+                return get_peft_model(module, config)
+            with torch.device("meta"):
+                return get_peft_model(module, config)
+        except Exception as e:  # noqa: BLE001 - peft's own failure, named with the method
+            raise BadInputError(f"PEFT {name} cannot be put on this model: "
+                                f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
