@@ -101,7 +101,12 @@ def fake_clone(module: torch.nn.Module, *, float_dtype: torch.dtype | None) -> t
                 for x in v.values() if isinstance(v, dict) else v:
                     if isinstance(x, torch.Tensor) and id(x) not in memo:
                         memo[id(x)] = fake_like(x)
-    return copy.deepcopy(module, memo)
+    clone = copy.deepcopy(module, memo)
+    if float_dtype in (torch.float16, torch.bfloat16):
+        from autofit.probe.peft import upcast_adapters
+
+        upcast_adapters(clone)  # adapters stay fp32 on a 16-bit base, as peft keeps them
+    return clone
 
 
 def prepare_for_training(

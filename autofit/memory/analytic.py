@@ -93,6 +93,8 @@ def _param_dtype_bytes(g: ParamGroup, config: TrainConfig) -> int:
     """Bytes per element of a (non-quantized) parameter during training."""
     spec = config.precision_spec
     if spec.param_dtype != "float32":  # *-true: the whole model is cast
+        if g.role == "lora" or (g.role == "adapter" and g.trainable):
+            return 4  # but peft's adapter layers, kept in fp32 (upcast_adapters)
         return _bytes(spec.param_dtype)
     return max(_bytes(g.dtype), 2) if g.dtype != "float32" and not g.trainable else 4
 
@@ -282,25 +284,35 @@ def _cuda_sdpa_is_math(info: ModelInfo, config: TrainConfig, device: DeviceInfo)
     return not flash
 
 
-def _needs_derived(info: ModelInfo) -> bool:
-    """Whether the fitted table lacks this model: a PEFT method other than LoRA, or a
-    decoder / encoder family the table was not fitted to (derived from the model)."""
+def _needs_derived(info: ModelInfo, config: TrainConfig) -> bool:
+    """Whether the fitted table lacks this model (its coefficients are then derived from
+    the model, ``autofit.memory.derived``): a PEFT method other than LoRA; LoRA other
+    than the table's (fp32 adapters on a base of the same dtype, no dropout, no trainable
+    tokens) — on a 16-bit base ("-true") peft keeps the adapters in fp32 and each adapted
+    layer saves an fp32 copy of its input, a dropout saves a dropped-out copy; or a
+    decoder / encoder family the table was not fitted to."""
     if info.peft not in (None, "lora"):
         return True
+    if info.peft == "lora":
+        lora = json.loads(info.peft_config) if info.peft_config else {}
+        if (config.precision_spec.param_dtype != "float32" or lora.get("lora_dropout")
+                or lora.get("trainable_token_indices")):
+            return True
     return info.model_type not in _FAMILY_OF and not info.is_encoder_decoder
 
 
 def _coef(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> dict:
-    if _needs_derived(info):
+    if _needs_derived(info, config):
         from autofit.memory.derived import derived_coefficients
         from autofit.probe.model import module_of
 
         module = module_of(info)
-        if module is None:
+        if module is not None:
+            return derived_coefficients(module, info, config, device)
+        if info.peft not in (None, "lora"):  # (a LoRA or family falls back to the table)
             raise BadInputError(f"no analytic coefficients for {info.name} "
-                                f"({info.peft or info.model_type}) without its module; use "
+                                f"({info.peft}) without its module; use "
                                 + fix("--method simulate", "method='simulate'"))
-        return derived_coefficients(module, info, config, device)
     prec = config.precision
     prec_key = {"16-mixed": "bf16-mixed", "16-true": "bf16-true"}.get(prec, prec)
     attn = "eager" if info.attn_implementation == "eager" else "sdpa"

@@ -88,7 +88,7 @@ class ParamGroup:
     dtype: str  # "float32", "bfloat16", "uint8" (packed 4-bit), ...
     trainable: bool
     quantized: str | None = None  # "4bit" | "8bit" | None
-    role: str = "other"  # "linear" | "embedding" | "norm" | "bias" | "lora" | "adapter" | "other"
+    role: str = "other"  # "linear" | "embedding" | "norm" | "bias" | "lora" | "adapter" | "prompt" | "other"
 
     @property
     def numel(self) -> int:
@@ -499,12 +499,20 @@ def _param_groups(module: Any) -> tuple[ParamGroup, ...]:
 
     groups: dict[tuple, int] = {}
     adapters = set(getattr(module, "peft_config", None) or ())  # adapter names ("default")
+    tuner_layers: tuple[str, ...] = ()
+    if adapters:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        tuner_layers = tuple(n + "." for n, m in module.named_modules()
+                             if isinstance(m, BaseTunerLayer))
     for name, p in module.named_parameters():
         leaf = name.rsplit(".", 1)
         if "lora_" in name:
             role = "lora"
         elif adapters & set(name.split(".")):
-            role = "adapter"  # another PEFT method's parameter (ia3_l.default, prompt_encoder...)
+            # a PEFT method's parameter: in an adapter layer (ia3_l.default, hada_w1...),
+            # which peft keeps in fp32 on a 16-bit base, or a prompt encoder's, which it casts
+            role = "adapter" if name.startswith(tuner_layers) else "prompt"
         elif p.ndim >= 2 and isinstance(_owner(module, name), torch.nn.Embedding):
             role = "embedding"
         elif p.ndim >= 2:

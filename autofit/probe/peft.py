@@ -37,6 +37,7 @@ __all__ = [
     "apply_peft",
     "method_name",
     "config_key",
+    "upcast_adapters",
     "virtual_tokens",
     "methods",
     "default_config",
@@ -193,6 +194,22 @@ def virtual_tokens(config: Any) -> int:
     if pt in {"PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING", "CPT"}:
         return int(getattr(config, "num_virtual_tokens", 0) or 0)
     return 0
+
+
+def upcast_adapters(model: torch.nn.Module) -> None:
+    """After a PEFT model is cast to a 16-bit dtype (the "-true" precisions), put its
+    adapter layers' weights back in fp32, as ``get_peft_model`` does on a 16-bit base
+    (its default ``autocast_adapter_dtype=True``): the adapters then cast each input to
+    fp32 and save that copy for backward. peft's own ``cast_adapter_dtype``; a model
+    without adapters is left as it is."""
+    peft_config = getattr(model, "peft_config", None)
+    base = getattr(model, "base_model", None)
+    if not peft_config or base is None:
+        return
+    from peft.tuners.tuners_utils import cast_adapter_dtype
+
+    for name in peft_config:
+        cast_adapter_dtype(getattr(base, "model", base), adapter_name=name)
 
 
 def config_key(config: Any) -> str:

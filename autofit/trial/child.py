@@ -64,7 +64,10 @@ def main(argv: list[str]) -> int:
         if isinstance(model, ModelRef):
             model = materialize(model, device)
         if plan.precision.endswith("-true"):
+            from autofit.probe.peft import upcast_adapters
+
             model.to(dtype=plan.param_dtype)  # the child owns this copy
+            upcast_adapters(model)  # as peft keeps them on a 16-bit base
         model.to(device)
         wall = payload.get("deadline_wall")  # the parent's clock: start-up counts too
         deadline = time.monotonic() + (wall - time.time()) if wall else None

@@ -269,6 +269,7 @@ def _run_in_process(
     deadline: float | None,
     run: Any = None,
 ) -> Any:
+    from autofit.probe.peft import upcast_adapters
     from autofit.trial.loop import run_steps
     from autofit.trial.model import ModelRef, materialize
     from autofit.trial.state import ModelSnapshot, RngSnapshot, needs_copy, working_copy
@@ -284,8 +285,11 @@ def _run_in_process(
             work = materialize(model, tdev)
             if true_dtype is not None:
                 work.to(dtype=true_dtype)
+                upcast_adapters(work)  # as peft keeps them on a 16-bit base
         elif needs_copy(model, tdev, true_dtype):
             work = working_copy(model, tdev, true_dtype)
+            if true_dtype is not None:
+                upcast_adapters(work)
             if tdev.type != "cpu":
                 same = [
                     t for t in list(model.parameters()) + list(model.buffers()) if t.device == tdev
