@@ -7,6 +7,7 @@
 """
 
 from autofit.api import autofit, estimate
+from autofit.compare import PeftComparison, compare_peft
 from autofit.config import TrainConfig
 from autofit.errors import AutofitError, DoesNotFitError
 from autofit.knobs.loss import causal_lm_chunked_loss
@@ -22,12 +23,14 @@ __all__ = [
     "DoesNotFitError",
     "FitResult",
     "MemoryEstimate",
+    "PeftComparison",
     "PreflightError",
     "PreflightReport",
     "TrainConfig",
     "TrialResult",
     "autofit",
     "causal_lm_chunked_loss",
+    "compare_peft",
     "estimate",
     "is_oom",
     "measure",

@@ -37,6 +37,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The ``autofit`` argument parser with every subcommand."""
     from autofit.cli.check import add_check_parser
+    from autofit.cli.compare_peft import add_compare_peft_parser
     from autofit.cli.estimate import add_estimate_parser
     from autofit.cli.measure import add_measure_parser
     from autofit.cli.report import add_report_parser
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_parser(sub)
     add_report_parser(sub)
     add_tune_parser(sub)
+    add_compare_peft_parser(sub)
     return parser
 
 

@@ -21,6 +21,7 @@ from autofit.cli.options import (
     EXIT_OK,
     EXIT_TRIAL_FAILED,
     add_config_options,
+    add_peft_option,
     tokenizer_for,
 )
 from autofit.knobs import KNOBS, describe_choice
@@ -56,6 +57,7 @@ def add_measure_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="module names, or all-linear (default)",
     )
+    add_peft_option(p)
     p.add_argument("--task", default=None, help="causal-lm | masked-lm | seq2seq | seq-cls")
     p.add_argument(
         "--dataset",
@@ -183,4 +185,5 @@ def _measure(args: argparse.Namespace) -> Any:
         tokenizer=tokenizer,
         attn_implementation=args.attn_implementation,
         lora=lora,
+        peft_config=args.peft_config,
     )

@@ -15,7 +15,7 @@ from autofit.knobs import KNOBS
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "EXIT_TRIAL_FAILED",
            "add_model_options",
-           "add_adapter_options", "model_kwargs", "train_config", "tokenizer_for",
+           "add_adapter_options", "add_peft_option", "model_kwargs", "train_config", "tokenizer_for",
            "add_file_subject_options", "FileSubject", "file_subject", "add_config_options"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
@@ -54,7 +54,15 @@ def add_adapter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--lora-target-modules", nargs="+", default=None,
                    help="module names, or all-linear (default)")
+    add_peft_option(p)
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA-style 4-bit base")
+
+
+def add_peft_option(p: argparse.ArgumentParser) -> None:
+    """``--peft-config FILE|JSON``: any PEFT method (``autofit.probe.peft``)."""
+    p.add_argument("--peft-config", default=None, metavar="FILE|JSON",
+                   help="any PEFT method: an adapter_config.json (file or its directory) or "
+                        "inline JSON with peft_type, e.g. '{\"peft_type\": \"IA3\"}'")
 
 
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,12 +79,14 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             target_modules="all-linear" if targets == ["all-linear"] else tuple(targets),
             dropout=args.lora_dropout,
         )
-    if args.load_in_4bit and lora is None:
+    peft_config = getattr(args, "peft_config", None)
+    if args.load_in_4bit and lora is None and peft_config is None:
         lora = LoraSpec()  # QLoRA: a frozen 4-bit base trains through adapters
     return dict(
         task=args.task,
         attn_implementation=args.attn_implementation,
         lora=lora,
+        peft_config=peft_config,
         load_in_4bit=args.load_in_4bit,
     )
 

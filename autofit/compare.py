@@ -1,0 +1,289 @@
+"""Compare PEFT methods on the user's own model, data and device.
+
+The PEFT seed's advice — "not all PEFT methods are built alike: filter the comparison
+by peak accelerator memory" — done for you. ``compare_peft`` puts each method on the
+model (peft's defaults unless a config is given), and for each reports
+
+* the trainable parameters,
+* the estimated device total of one training step at ``micro_batch_size``,
+* the largest micro batch whose estimate fits the device with the margin,
+* the predicted throughput there (``autofit.search.speed``),
+
+estimated for every method (the analytic model, whose coefficients for a method
+outside its table are derived from the method's own forward; or the simulator) and,
+on a present device, confirmed by trials for the ``confirm_top`` fastest. autofit
+never switches the method itself — it changes what is trained — the comparison is
+for the user to choose.
+
+    >>> c = compare_peft("tiny-llama", seq_len=64, device="cpu:2GiB",
+    ...                  methods=["lora", "ia3"], confirm_top=0)
+    >>> [r.method for r in c.rows], c.rows[0].max_micro_batch > 0
+    (['lora', 'ia3'], True)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autofit.config import TrainConfig
+from autofit.errors import AutofitError, BadInputError, fix
+
+__all__ = ["DEFAULT_METHODS", "PeftRow", "PeftComparison", "compare_peft"]
+
+# Compared when no methods are named: every method autofit models that needs no
+# per-model setting beyond peft's defaults (adaption prompt is for Llama-like models
+# only; a method that cannot be put on the model gets a row that says why).
+DEFAULT_METHODS = ("lora", "dora", "ia3", "loha", "lokr", "vera", "oft", "boft", "adalora",
+                   "fourierft", "vblora", "randlora", "hra", "prefix_tuning", "prompt_tuning",
+                   "p_tuning", "adaption_prompt", "ln_tuning", "trainable_tokens")
+
+
+@dataclass(frozen=True)
+class PeftRow:
+    """One method on the model. ``error`` says why it could not be estimated (then the
+    numbers are None); ``measured_*`` are set for the methods a trial confirmed."""
+
+    method: str
+    peft_config: dict[str, Any] | None = None
+    trainable_params: int | None = None
+    peak_bytes: int | None = None  # estimated device total at the compared micro batch
+    max_micro_batch: int | None = None  # largest that fits (0: not even 1)
+    tokens_per_s: float | None = None  # predicted at max_micro_batch
+    measured_bytes: int | None = None  # a trial's device total at max_micro_batch
+    measured_oom: bool | None = None
+    measured_tokens_per_s: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PeftComparison:
+    """The rows of ``compare_peft``, with what they were computed for."""
+
+    model: str
+    device: str
+    capacity_bytes: int
+    budget_bytes: int  # capacity less the margin: what "fits" means
+    seq_len: int
+    micro_batch_size: int
+    config: TrainConfig
+    method: str  # "analytic" | "simulate"
+    rows: tuple[PeftRow, ...] = field(default=())
+
+    @property
+    def best(self) -> PeftRow | None:
+        """The method predicted fastest among those that fit (a trial's OOM rules one
+        out); ties go to the larger micro batch, then the smaller peak. Predictions rank
+        every row alike; measured speeds exist only for the confirmed few."""
+        ok = [r for r in self.rows if r.error is None and (r.max_micro_batch or 0) > 0
+              and not r.measured_oom]
+        return max(ok, key=lambda r: (round(r.tokens_per_s or 0.0, 6), r.max_micro_batch or 0,
+                                      -(r.peak_bytes or 0)), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["config"] = self.config.to_dict()
+        d["best"] = self.best.method if self.best else None
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def table(self, width: int = 110) -> str:
+        """The rows as a terminal table (rich)."""
+        from autofit.report.compare import render_comparison
+
+        return render_comparison(self, width=width)
+
+    def plot(self, path: str | Path) -> Path:
+        """Draw the comparison as a PNG (peak memory and largest micro batch per method)."""
+        from autofit.report.compare import plot_comparison
+
+        return plot_comparison(self, path)
+
+
+def _method_config(m: str | dict[str, Any]) -> tuple[str, Any]:
+    from autofit.probe.peft import default_config, method_name, peft_config
+
+    if isinstance(m, dict) or not isinstance(m, str):
+        cfg = peft_config(m, "causal-lm")  # named by its type; the task is set again later
+        return method_name(cfg), m
+    return m.strip().lower(), default_config(m)
+
+
+def _largest(fits: Callable[[int], bool], limit: int) -> int:
+    """Largest b in [1, limit] with fits(b) (0 if none); fits is monotone."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def compare_peft(
+    model: Any,
+    dataset: Any = None,
+    *,
+    device: Any = "auto",
+    methods: Sequence[str | dict[str, Any]] | None = None,
+    micro_batch_size: int = 1,
+    seq_len: int | None = None,
+    max_seq_len: int | None = None,
+    precision: str | None = None,
+    gradient_checkpointing: bool = False,
+    optimizer: str = "adamw_torch",
+    task: str | None = None,
+    margin: float = 0.10,
+    method: str = "analytic",
+    confirm_top: int = 2,
+    max_micro_batch: int = 1024,
+    tokenizer: Any = None,
+    progress: Callable[[str], None] | None = None,
+) -> PeftComparison:
+    """Compare PEFT methods on ``model`` (see the module docstring).
+
+    Args:
+        model: a bundled name, hub id, model directory or config.json path (each
+            method is put on the base as peft does; a module already wrapped by peft
+            cannot be compared).
+        dataset: the training samples: the step is the longest one's (``seq_len``
+            otherwise); trials use its worst-case batch.
+        device: as for ``autofit()``; on a present device the ``confirm_top`` fastest
+            methods are confirmed by trials.
+        methods: method names (``"lora"``, ``"dora"``, ``"ia3"``, ``"prefix_tuning"``,
+            ... — peft's defaults, see ``autofit.probe.peft.default_config``) or full
+            PEFT configs (dicts with ``peft_type``); default ``DEFAULT_METHODS``.
+        micro_batch_size: the micro batch the peak column is for.
+        precision: a precision name (default: the device's first choice, bf16-mixed
+            where the device runs bf16, else 32-true).
+        margin: fraction of the device kept free when deciding what fits.
+        method: ``"analytic"`` or ``"simulate"`` for the estimates.
+
+    Raises:
+        AutofitError: bad input (a module, an unknown method name, no sequence length).
+    """
+    import torch
+
+    from autofit.api import METHODS
+    from autofit.knobs import KNOBS
+    from autofit.probe.device import resolve_device
+
+    say = progress or (lambda _m: None)
+    if isinstance(model, torch.nn.Module):
+        raise BadInputError("compare-peft puts each method on the base model itself: give the "
+                            "model by name, directory or config.json, not a module")
+    if method not in METHODS:
+        raise BadInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) \
+            or micro_batch_size < 1:
+        raise BadInputError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
+    if not 0 <= margin < 1:
+        raise BadInputError(f"margin must be in [0, 1), got {margin!r}")
+    dev = resolve_device(device)
+    if precision is None:
+        values, _ = next(k for k in KNOBS if k.name == "precision").defaults(dev)
+        precision = "bf16-mixed" if "bf16-mixed" in values else values[0]
+    config = TrainConfig(micro_batch_size=micro_batch_size, precision=precision,
+                         gradient_checkpointing=gradient_checkpointing, optimizer=optimizer)
+    for k in KNOBS:
+        k.check(dev, getattr(config, k.name))
+    data = None
+    if dataset is not None:
+        from autofit.probe.data import probe_data
+
+        data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=tokenizer)
+    seq = seq_len if seq_len is not None else (data.length_max if data is not None else None)
+    if seq is None:
+        raise BadInputError("give " + fix("--dataset or --seq-len", "dataset= or seq_len="))
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
+        raise BadInputError(f"seq_len must be a positive integer, got {seq!r}")
+    chosen = [_method_config(m) for m in (methods if methods else DEFAULT_METHODS)]
+    if not chosen:
+        raise BadInputError("no PEFT method to compare")
+    budget = int(dev.capacity_bytes * (1 - margin))
+
+    rows: list[PeftRow] = []
+    for i, (name, request) in enumerate(chosen, 1):
+        say(f"[{i}/{len(chosen)}] {name}: estimating")
+        rows.append(_row(model, name, request, config, seq, dev, budget, task, method,
+                         max_micro_batch))
+    if dev.present and confirm_top > 0:
+        order = sorted((r for r in rows if r.error is None and (r.max_micro_batch or 0) > 0),
+                       key=lambda r: -(r.tokens_per_s or 0.0))[:confirm_top]
+        for r in order:
+            say(f"confirming {r.method} at micro batch {r.max_micro_batch} with a trial")
+            rows[rows.index(r)] = _confirm(model, r, config, data, dataset, seq, dev, task,
+                                           tokenizer)
+    return PeftComparison(model=str(model), device=dev.name, capacity_bytes=int(dev.capacity_bytes),
+                          budget_bytes=budget, seq_len=seq, micro_batch_size=micro_batch_size,
+                          config=config, method=method, rows=tuple(rows))
+
+
+def _row(model: Any, name: str, request: Any, config: TrainConfig, seq: int, dev: Any,
+         budget: int, task: str | None, method: str, limit: int) -> PeftRow:
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.probe.model import build_model, describe
+    from autofit.search.speed import predict_speed
+
+    try:
+        module, t = build_model(model, task=task, peft_config=request)
+        info = describe(module, task=t, name=str(model))
+        if method == "simulate":
+            from autofit.memory.simulate import Simulator
+
+            sim = Simulator(module, task=t, device=dev, model_name=info.name)
+
+            def total(b: int) -> int:
+                return sim.simulate(config.replace(micro_batch_size=b),
+                                    seq_len=seq).device_total_bytes
+
+            largest = sim.max_micro_batch(config, budget, seq_len=seq, limit=limit)
+        else:
+            def total(b: int) -> int:
+                return estimate_analytic(info, config.replace(micro_batch_size=b), seq,
+                                         dev).device_total_bytes
+
+            largest = _largest(lambda b: total(b) <= budget, limit)
+        peak = total(config.micro_batch_size)
+        speed = None
+        if largest > 0:
+            speed = predict_speed(info, config.replace(micro_batch_size=largest),
+                                  seq + info.virtual_tokens, dev).tokens_per_s * (
+                seq / (seq + info.virtual_tokens))  # the virtual tokens are not the data's
+        from autofit.probe.peft import peft_config
+
+        cfg = peft_config(request, t).to_dict()
+        return PeftRow(method=name, peft_config=json.loads(json.dumps(cfg, default=str)),
+                       trainable_params=info.trainable_params, peak_bytes=peak,
+                       max_micro_batch=largest, tokens_per_s=speed)
+    except AutofitError as e:
+        return PeftRow(method=name, peft_config=request if isinstance(request, dict) else None,
+                       error=str(e).splitlines()[0])
+
+
+def _confirm(model: Any, row: PeftRow, config: TrainConfig, data: Any, dataset: Any, seq: int,
+             dev: Any, task: str | None, tokenizer: Any) -> PeftRow:
+    from dataclasses import replace
+
+    from autofit.trial import measure
+
+    try:
+        trial = measure(model, config.replace(micro_batch_size=row.max_micro_batch),
+                        dataset if data is not None else None, device=dev,
+                        seq_len=None if data is not None else seq, task=task,
+                        tokenizer=tokenizer, peft_config=row.peft_config)
+    except AutofitError as e:
+        return replace(row, error=f"trial: {str(e).splitlines()[0]}")
+    return replace(row, measured_bytes=int(trial.device_total_bytes), measured_oom=bool(trial.oom),
+                   measured_tokens_per_s=trial.tokens_per_s if not trial.oom else None)
