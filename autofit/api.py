@@ -838,11 +838,19 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
                                     reasons, eval_measured)
     rows = tuple(candidate_row(c) for c in outcome.candidates)
     model = probed.model
+    adapter = None  # the PEFT config put on a model given by reference: check rebuilds it
+    if not hasattr(model, "parameters") and getattr(probed.module, "peft_config", None):
+        from autofit.probe.peft import config_dict
+
+        adapter = config_dict(next(iter(probed.module.peft_config.values())))
     meta = {"model": probed.name, "task": probed.task, "seq_len": seq, "device": dev.name,
             "margin": margin, "cache_key": key, "target_batch_size": space.target_batch_size,
             "max_seq_len": max_seq_len,
-            "model_id": model_identity(probed.module if hasattr(model, "parameters") else model),
+            "model_id": model_identity(probed.module if hasattr(model, "parameters") else model,
+                                       adapter),
             "versions": library_versions(), "predicted_run_bytes": predicted_run}
+    if adapter is not None:
+        meta["adapter"] = adapter
     result = FitResult(config=config, estimate=est, trials=() if simulated else tuple(outcome.trials),
                        reasons=tuple(reasons), confirmed=confirmed, device=dev.name,
                        candidates=rows, training_arguments_kwargs=kwargs, meta=meta,

@@ -118,3 +118,25 @@ def test_estimate_and_measure_take_a_peft_config(llama_dir, tmp_path, capsys):
                  "--peft-config", '{"peft_type": "IA3"}', "--json"])
     d = json.loads(capsys.readouterr().out)
     assert code == 0 and d["oom"] is False and d["error"] is None
+
+
+def test_a_tune_with_a_peft_method_is_checked_with_it(llama_dir, tmp_path, capsys, monkeypatch):
+    # the tuned file records the adapter; `autofit check` rebuilds the model with it
+    from autofit import autofit
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+    data = [{"input_ids": [(7 * i + j) % 500 + 1 for j in range(40 + i)]} for i in range(24)]
+    result = autofit(llama_dir, data, device="A100-80GB", target_batch_size=8,
+                     peft_config={"peft_type": "IA3"})
+    path = result.save(tmp_path / "tuned.yaml")
+    from autofit.emit import read_config
+
+    _, meta = read_config(path)
+    assert meta["adapter"]["peft_type"] == "IA3"
+    assert result.estimate.trainable_params == estimate(
+        llama_dir, TrainConfig(), seq_len=64, device="cpu",
+        peft_config={"peft_type": "IA3"}).trainable_params
+    code = main(["check", str(path), "--device", "A100-80GB", "--no-cache", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and d["fits"] is True
+    assert d["estimate"]["trainable_params"] == result.estimate.trainable_params

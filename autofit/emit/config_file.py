@@ -217,6 +217,8 @@ _META_KEYS: dict[str, tuple[Any, str]] = {
     "margin": (_optional(lambda v: _number(v) and 0 <= v < 1), "a fraction in [0, 1)"),
     "cache_key": (_optional(_text), "text"),
     "model_id": (_optional(_text), "text"),
+    "adapter": (_optional(lambda v: isinstance(v, dict) and "peft_type" in v),
+                "a PEFT config with peft_type"),
     "versions": (_optional(lambda v: isinstance(v, dict)), "a mapping"),
     "confirmed": (lambda v: isinstance(v, bool), "true or false"),
     "reasons": (_list_of(lambda v: isinstance(v, str)), "a list of text"),

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,7 +106,10 @@ class _Checker:
         self.timeout_s = timeout_s
         self.progress = progress or (lambda _: None)
         self.versions = library_versions()
-        self.model_id = model_identity(model)
+        # the PEFT config a tune put on a model given by reference (its file's metadata)
+        self.adapter = (self.tune_meta.get("adapter")
+                        if isinstance(model, (str, os.PathLike)) else None)
+        self.model_id = model_identity(model, self.adapter)
         # the task as the key knows it: fixed now (building the model later may resolve it)
         self.task_key = (task if task is not None or not hasattr(model, "parameters")
                          else _task_of(model))
@@ -118,8 +122,9 @@ class _Checker:
         if self._info is None:
             from autofit.probe.model import build_model, describe
 
-            module, task = build_model(self.model, task=self.task)
+            module, task = build_model(self.model, task=self.task, peft_config=self.adapter)
             self.task = task
+            self._module = module  # kept: the analytic model may derive coefficients from it
             name = self.model if isinstance(self.model, str) else None
             self._info = describe(module, task=task, name=name)
         return self._info
@@ -251,6 +256,7 @@ class _Checker:
                       f"{self.dev.name}")
         self.trials_run += 1
         result = measure(self.model, config, self.dataset, device=self.dev, task=self.task,
+                         peft_config=self.adapter,
                          seq_len=self.max_seq_len if self.dataset is not None else self.seq_len,
                          isolation=self.isolation, timeout_s=self.timeout_s,
                          tokenizer=self.tokenizer, collator=self.collator)

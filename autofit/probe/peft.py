@@ -37,6 +37,7 @@ __all__ = [
     "apply_peft",
     "method_name",
     "config_key",
+    "config_dict",
     "upcast_adapters",
     "virtual_tokens",
     "methods",
@@ -212,12 +213,28 @@ def upcast_adapters(model: torch.nn.Module) -> None:
         cast_adapter_dtype(getattr(base, "model", base), adapter_name=name)
 
 
-def config_key(config: Any) -> str:
-    """The config as canonical JSON, without what does not change memory (cache keys)."""
+def config_dict(config: Any) -> dict[str, Any]:
+    """The config as plain JSON data (sets as sorted lists), without what does not change
+    memory: what a tuned file records and ``peft_config`` reads back."""
     d = config.to_dict()
     for k in ("base_model_name_or_path", "revision", "inference_mode", "auto_mapping"):
         d.pop(k, None)
-    return json.dumps(d, sort_keys=True, default=str)
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, (set, frozenset)):
+            return sorted(plain(x) for x in v)
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        return v
+
+    return json.loads(json.dumps(plain(d), default=str))
+
+
+def config_key(config: Any) -> str:
+    """The config as canonical JSON (cache keys)."""
+    return json.dumps(config_dict(config), sort_keys=True)
 
 
 def apply_peft(module: torch.nn.Module, config: Any, *, meta: bool = True) -> torch.nn.Module:
