@@ -6,7 +6,9 @@ PEFT method outside it — IA3, prefix tuning, DoRA, an OPT or GPT-NeoX block �
 coefficients of the same form derived from its own forward: the model is cloned on
 fake tensors (``_sim_model``) and run forward only, at four small shapes
 (micro batch 1 at ``T1 < T2 < T3`` tokens, and 2 at ``T1``), with each block's
-allocations told apart by forward hooks. What is still alive when the loss is
+allocations told apart by forward hooks. The clone keeps one block of each kind
+(blocks alike in modules, parameters and buffers; adaption prompt's adapted top
+layers are a second kind), which stands for all blocks of its kind. What is still alive when the loss is
 computed is what backward needs (the saved activations, the adapters' dtype casts
 and dropout copies, virtual tokens, merged delta weights); it splits exactly into
 
@@ -14,8 +16,7 @@ and dropout copies, virtual tokens, merged delta weights); it splits exactly int
 
 (``F``: the same for every micro batch, e.g. DoRA's weight norms; autocast's weight
 copies are taken out, the analytic model counts them apart), which the four shapes
-determine. The forward of a 70B model at these shapes takes about a second on fake
-tensors; results are cached per (model, precision, attention, chunked loss, target).
+determine. Results are cached per (model, precision, attention, chunked loss, target).
 
     >>> from autofit import TrainConfig
     >>> from autofit.probe.model import build_model, describe
@@ -58,9 +59,32 @@ def _key(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> str:
                       sort_keys=True, default=str)
 
 
+def _kinds(blocks: list[Any]) -> list[tuple[int, int]]:
+    """The blocks to keep, as (index, how many blocks it stands for), in order: per kind
+    of block (alike in modules, parameters — shape, dtype, trainable — and buffers; most
+    models have one kind, adaption prompt's adapted top layers are a second) its first
+    block for itself and its second for the rest. The first block of a model is not like
+    the others: its input (a frozen embedding's output) needs no gradient, so it keeps
+    less for backward than the blocks after it."""
+    seen: dict[tuple, list[int]] = {}
+    for i, blk in enumerate(blocks):
+        sig = (tuple((n, type(m).__name__) for n, m in blk.named_modules()),
+               tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                     for n, p in blk.named_parameters()),
+               tuple((n, tuple(b.shape), str(b.dtype)) for n, b in blk.named_buffers()))
+        seen.setdefault(sig, []).append(i)
+    kept = []
+    for idx in seen.values():
+        kept.append((idx[0], 1))
+        if len(idx) > 1:
+            kept.append((idx[1], len(idx) - 1))
+    return sorted(kept)
+
+
 def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
-                   device: DeviceInfo, batch: int, seq_len: int) -> tuple[list[int], int]:
-    """Bytes alive at the loss, per block (forward order) and in all, weights excluded."""
+                   device: DeviceInfo) -> list[tuple[float, int]]:
+    """(bytes alive at the loss in the blocks, per block; in all) at each of ``SHAPES``,
+    weights excluded, on one fake clone that keeps one block of each kind."""
     import contextlib
     import warnings
 
@@ -81,58 +105,71 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
 
     spec = config.precision_spec
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    rec = StorageRecorder()
+    out: list[tuple[float, int]] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with fake_mode:
             model = fake_clone(module, float_dtype=getattr(torch, spec.param_dtype))
             prepare_for_training(model, gradient_checkpointing=False)
-        for t in weight_tensors(model):
-            rec.track(t, "weights")
         base = unwrap(model)
         lists = _layer_lists(base)
-        blocks = [m for _, layers in lists for m in layers]
-        spans: list[list[int]] = [[0, 0] for _ in blocks]
-        handles = []
-        for i, blk in enumerate(blocks):
-            handles.append(blk.register_forward_pre_hook(
-                lambda _m, _a, i=i: spans[i].__setitem__(0, len(rec._log))))
-            handles.append(blk.register_forward_hook(
-                lambda _m, _a, _o, i=i: spans[i].__setitem__(1, len(rec._log))))
-        ctx: Any = contextlib.nullcontext()
-        if device.allocator == "cuda":
-            from autofit.memory._sim_cuda import CudaSemantics
+        if len(lists) != 1:
+            raise BadInputError("analytic coefficients are derived for one stack of blocks; "
+                                "use method='simulate'")
+        owner_name, layers = lists[0]
+        kinds = _kinds(list(layers))
+        kept = torch.nn.ModuleList([layers[i] for i, _ in kinds])
+        parent_name, _, attr = owner_name.rpartition(".")
+        setattr(base.get_submodule(parent_name) if parent_name else base, attr, kept)
+        n = sum(c for _, c in kinds)
+        for batch, seq_len in SHAPES:
+            rec = StorageRecorder()
+            for t in weight_tensors(model):
+                rec.track(t, "weights")
+            spans: list[list[int]] = [[0, 0] for _ in kept]
+            handles = []
+            for i, blk in enumerate(kept):
+                handles.append(blk.register_forward_pre_hook(
+                    lambda _m, _a, i=i, rec=rec: spans[i].__setitem__(0, len(rec._log))))
+                handles.append(blk.register_forward_hook(
+                    lambda _m, _a, _o, i=i, rec=rec: spans[i].__setitem__(1, len(rec._log))))
+            ctx: Any = contextlib.nullcontext()
+            if device.allocator == "cuda":
+                from autofit.memory._sim_cuda import CudaSemantics
 
-            ctx = CudaSemantics(device)
-        if config.chunked_loss:
-            rec.decompositions.update(chunked_loss_kernels())
-        with fake_mode, rec, ctx:
-            rec.phase = "forward"
-            data = make_batch(base, task, batch, seq_len)
-            for v in data.values():
-                if isinstance(v, torch.Tensor):
-                    rec.track(v, "activations")
-            kwargs = {k: data[k] for k in data["_model_kwargs"]}
-            with _autocast(config), unpacked_batches():
-                if config.chunked_loss:
-                    from autofit.knobs.loss import causal_lm_chunked_loss
+                ctx = CudaSemantics(device)
+            if config.chunked_loss:
+                rec.decompositions.update(chunked_loss_kernels())
+            with fake_mode, rec, ctx:
+                rec.phase = "forward"
+                data = make_batch(base, task, batch, seq_len)
+                for v in data.values():
+                    if isinstance(v, torch.Tensor):
+                        rec.track(v, "activations")
+                kwargs = {k: data[k] for k in data["_model_kwargs"]}
+                with _autocast(config), unpacked_batches():
+                    if config.chunked_loss:
+                        from autofit.knobs.loss import causal_lm_chunked_loss
 
-                    loss = causal_lm_chunked_loss(model, kwargs)
-                else:
-                    out = model(**kwargs)
-                    loss = out.loss
-                    del out
-            alive = {id(r) for r in rec.live_records() if r.category != "weights"}
-            log = rec.events()
-            per_block = [
-                sum(r.size for kind, r, _ in log[a:b] if kind == "alloc" and id(r) in alive)
-                for a, b in spans
-            ]
-            total = sum(r.size for r in rec.live_records() if id(r) in alive)
-            del loss, data, kwargs
-        for h in handles:
-            h.remove()
-    return per_block, total
+                        loss = causal_lm_chunked_loss(model, kwargs)
+                    else:
+                        res = model(**kwargs)
+                        loss = res.loss
+                        del res
+                alive = {id(r) for r in rec.live_records() if r.category != "weights"}
+                log = rec.events()
+                per_kind = [
+                    sum(r.size for kind, r, _ in log[a:b] if kind == "alloc" and id(r) in alive)
+                    for a, b in spans
+                ]
+                total = sum(r.size for r in rec.live_records() if id(r) in alive)
+                del loss, data, kwargs
+            for h in handles:
+                h.remove()
+            blocks = sum(b * c for b, (_, c) in zip(per_kind, kinds, strict=True))
+            # the whole model: the kept blocks stand for all of their kind
+            out.append((blocks / n, int(total - sum(per_kind) + blocks)))
+    return out
 
 
 def _solve(values: list[float]) -> dict[str, float]:
@@ -163,20 +200,16 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    blocks_at, totals = [], []
     limit = info.max_position_embeddings
-    for b, t in SHAPES:
-        if isinstance(limit, int) and t > limit:
-            raise BadInputError(f"{info.name} takes at most {limit} positions; "
-                                "use method='simulate'")
-        per_block, total = _forward_saved(module, config, info.task, device, b, t)
-        blocks_at.append(per_block)
-        totals.append(total)
-    n = len(blocks_at[0])
+    if isinstance(limit, int) and max(t for _, t in SHAPES) > limit:
+        raise BadInputError(f"{info.name} takes at most {limit} positions; "
+                            "use method='simulate'")
+    n = info.num_layers or 0
     if n == 0:
         raise BadInputError(f"{info.name}: no transformer blocks found; use method='simulate'")
-    layer_vals = [sum(pb) / n for pb in blocks_at]
-    base_vals = [tot - sum(pb) for tot, pb in zip(totals, blocks_at, strict=True)]
+    at = _forward_saved(module, config, info.task, device)
+    layer_vals = [per_block for per_block, _ in at]
+    base_vals = [total - per_block * n for per_block, total in at]
     lay, bas = _solve(layer_vals), _solve(base_vals)
     if config.precision_spec.autocast:
         # autocast's 16-bit weight copies, alive at the loss, are counted apart
