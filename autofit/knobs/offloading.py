@@ -74,7 +74,8 @@ def transformers_offloads() -> bool:
 class OffloadingKnob(OnOffKnob):
     name = "activation_offloading"
     title = "offl"  # the candidates table: 4 columns wide, as "ckpt"
-    fields = ()  # a key of the checkpointing knob's activation_checkpointing_kwargs
+    # it writes a key ("offload") into the checkpointing knob's kwargs field (5.x / 4.x name)
+    fields = ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
     saving = None  # it costs speed: offered when nothing fits (suggest), never assumed
     calibrates_apart = True  # the activations' share of the peak differs with and without it
     option = "activation-offloading"

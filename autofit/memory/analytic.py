@@ -306,13 +306,29 @@ def _checkpointed_blocks(info: ModelInfo) -> int:
                if not (info.is_encoder_decoder and b.role != "encoder"))
 
 
-def offloaded_bytes(info: ModelInfo, config: TrainConfig, tokens: int) -> int:
-    """Bytes activation offloading copies to the host per micro batch (and back in backward):
-    the (tokens, h) input of every checkpointed block; 0 without offloading."""
+def _packed(info: ModelInfo, config: TrainConfig, seq_len: int) -> list[tuple[int, int]]:
+    """What transformers' offloading packs per micro batch, as (bytes, how many): the
+    tensors passed positionally to each checkpointed block. A decoder or encoder block
+    takes its (B*T, h) input; a T5 decoder block also the encoder's output, and every T5
+    block but the first of a stack the (1, H, T, T) position bias(es) computed by the first
+    (one in the encoder, self- and cross-attention ones in the decoder; measured on
+    tiny-t5: 21 tensors, ``benchmarks/offload_check.py``)."""
     if not (config.activation_offloading and config.gradient_checkpointing):
-        return 0
+        return []
     act = _bytes(config.precision_spec.param_dtype)
-    return _checkpointed_blocks(info) * tokens * (info.hidden_size or 0) * act
+    one = config.micro_batch_size * seq_len * (info.hidden_size or 0) * act
+    if not (info.is_encoder_decoder and _family(info) == "t5"):
+        return [(one, _checkpointed_blocks(info))]
+    enc = sum(b.count for b in info.blocks if b.role == "encoder")
+    dec = sum(b.count for b in info.blocks if b.role != "encoder")
+    bias = info.blocks[0].num_heads * seq_len * seq_len * act
+    return [(one, enc + 2 * dec), (bias, max(enc - 1, 0) + 2 * max(dec - 1, 0))]
+
+
+def offloaded_bytes(info: ModelInfo, config: TrainConfig, seq_len: int) -> int:
+    """Bytes activation offloading copies to the host per micro batch (and back in backward);
+    0 without offloading."""
+    return sum(n * c for n, c in _packed(info, config, seq_len))
 
 
 def _first_input_stays(info: ModelInfo) -> bool:
@@ -406,13 +422,13 @@ def pinned_bytes(nbytes: int) -> int:
     return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
 
 
-def offload_note(host: int, blocks: int) -> str:
+def offload_note(host: int, tensors: int) -> str:
     """The note of an estimate with activation offloading: what lives in host memory."""
     from autofit.probe.device import format_bytes
 
     return (f"activation offloading: {format_bytes(host)} of pinned host memory holds the "
-            f"inputs of {blocks} checkpointed blocks (host_bytes); backward copies one back "
-            "at a time")
+            f"{tensors} inputs the checkpointed blocks save (host_bytes); backward copies "
+            "them back one block at a time")
 
 
 def estimate_analytic(
@@ -483,7 +499,7 @@ def estimate_analytic(
         A_kept = A_layers  # the inputs on the device while backward recomputes
         if config.activation_offloading:
             # the inputs are in pinned host memory; backward copies one back at a time
-            host = num_layers * pinned_bytes(offloaded_bytes(info, config, N) // num_layers)
+            host = sum(pinned_bytes(n) * c for n, c in _packed(info, config, T))
             A_layers = N * h * act if _first_input_stays(info) else 0
             A_kept = A_layers + N * h * act
     else:
@@ -556,7 +572,7 @@ def estimate_analytic(
     if spec.autocast:
         notes.append("weights include autocast's 16-bit copies kept from forward to backward")
     if host:
-        notes.append(offload_note(host, num_layers))
+        notes.append(offload_note(host, sum(c for _, c in _packed(info, config, T))))
     return MemoryEstimate(
         peak_allocated_bytes=peak_alloc,
         peak_reserved_bytes=peak_reserved,

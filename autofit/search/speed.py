@@ -148,8 +148,8 @@ def predict_speed(
     step = tokens * fpt / (peak * 1e12 * util)
     bw = (device.bandwidth_gbs or _CPU_BANDWIDTH_GBS) * 1e9
     step += _chunked_loss_traffic(info, config, tokens, device) / bw
-    step += 2 * offloaded_bytes(info, config, tokens) / ((device.host_link_gbs or _HOST_LINK_GBS)
-                                                         * 1e9)
+    step += 2 * offloaded_bytes(info, config, seq_len) / ((device.host_link_gbs or _HOST_LINK_GBS)
+                                                          * 1e9)
     moved = 2 * (weights_bytes(info, config) + gradients_bytes(info, config)) + 2 * optimizer_state_bytes(
         info, config
     )
