@@ -243,3 +243,23 @@ def _parse_on_this_machine(path, tmp_path):
         path = tmp_path / "here.yaml"
         path.write_text(yaml.safe_dump(fields))
     return HfArgumentParser(TrainingArguments).parse_yaml_file(str(path))
+
+
+@pytest.mark.slow
+def test_nothing_fits_offers_it_on_a_cuda_card():
+    """49k-token samples, LoRA on a 1B Llama on an L4: checkpointed inputs (15 x 384 MiB)
+    do not fit; held in host memory they do, and "nothing fits" says so with the number."""
+    from autofit import autofit
+    from autofit.errors import DoesNotFitError
+
+    data = [{"input_ids": [1] * 49152}] * 2
+    with pytest.raises(DoesNotFitError) as e:
+        autofit("meta-llama/Llama-3.2-1B", data, device="L4", lora={"r": 16},
+                precision=["bf16-mixed"], optimizer=["adamw_torch"], chunked_loss=True,
+                gradient_checkpointing=True, margin=0.1, cache=None)
+    msg = str(e.value)
+    assert "activations offloaded (activation_offloading=[True]" in msg and "\n" not in msg
+    import re
+
+    offered = re.search(r"activations offloaded \(.*?\) ~([0-9.]+) GiB", msg)
+    assert offered and 16 < float(offered.group(1)) < 19.8  # under the 90% budget
