@@ -49,6 +49,11 @@ Known limitations:
       the simulator on tiny-llama, T4 and V100, fp16 and fp32).
     * NB: paged optimizers (``paged_*``) keep their states in unified memory that
       can spill to the host: they are counted on the device, as when resident.
+    * NB: activation offloading's host memory (``host_bytes``) is one step's; torch's
+      pinned cache keeps a block per power-of-two size, so a run of varying lengths can
+      hold more. On T5 its device saving is the encoder inputs' only (2.0 MiB where the
+      simulate method finds 5.5 on tiny-t5: the checkpointing rule counts one input per
+      encoder + decoder pair); its host memory follows the 21 tensors T5 packs.
 """
 
 from __future__ import annotations
@@ -497,8 +502,9 @@ def estimate_analytic(
         A_transient = A_layer_max
         copies = copies_head + (copies_all - copies_head) // max(num_layers, 1)
         A_kept = A_layers  # the inputs on the device while backward recomputes
-        if config.activation_offloading:
+        if config.activation_offloading and device.allocator == "cuda":
             # the inputs are in pinned host memory; backward copies one back at a time
+            # (a CPU target, which autofit refuses it for, has nothing to offload)
             host = sum(pinned_bytes(n) * c for n, c in _packed(info, config, T))
             A_layers = N * h * act if _first_input_stays(info) else 0
             A_kept = A_layers + N * h * act

@@ -29,7 +29,10 @@ How it works:
   run forward + loss under autocast (``16-mixed`` with GradScaler semantics);
   ``bf16-true`` / ``16-true`` cast the weights (``model.to(dtype)``).
 - Gradient checkpointing is enabled on the clone exactly as the Trainer does
-  (``activation_checkpointing_enable``, non-reentrant, ``use_cache=False``).
+  (``activation_checkpointing_enable``, non-reentrant, ``use_cache=False``); with
+  activation offloading (a CUDA target) with ``offload=True``, torch's ``save_on_cpu``
+  given its device semantics (``_sim_step.offloaded_to_host``): what it packs is host
+  memory (``host_bytes``, power-of-two pinned blocks), what it unpacks a device copy.
 - The optimizer is the class and kwargs ``Trainer.get_optimizer_cls_and_kwargs``
   gives for the ``optim`` name, over the Trainer's two parameter groups, with the
   target's ``foreach`` default. bitsandbytes optimizers run as they are (their ops
@@ -283,7 +286,8 @@ class Simulator:
                     model,
                     gradient_checkpointing=config.gradient_checkpointing,
                     recompute_context=recompute,
-                    activation_offloading=config.activation_offloading,
+                    # a CPU target (refused by the knob's check) has nothing to offload
+                    activation_offloading=config.activation_offloading and target.kind == "cuda",
                 )
             weights = weight_tensors(model)
             for t in weights:
@@ -300,7 +304,8 @@ class Simulator:
                 import bitsandbytes  # noqa: F401  (registers its ops)
 
                 rec.workspaces[torch.ops.bitsandbytes.gemm_4bit.default] = gemm_4bit_workspace
-            offload: Any = (offloaded_to_host(rec) if config.activation_offloading
+            offload: Any = (offloaded_to_host(rec)
+                            if config.activation_offloading and target.kind == "cuda"
                             else contextlib.nullcontext([]))
             with fake_mode, rec, ctx, offload as host:
                 run_steps(

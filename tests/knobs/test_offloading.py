@@ -151,6 +151,24 @@ def test_host_bytes_are_pinned_blocks_rounded_to_a_power_of_two():
     assert plain.host_bytes == 0
 
 
+def test_a_cpu_target_has_nothing_to_offload(tiny_llama):
+    """``autofit check`` estimates a file on the device it is given; on a CPU it reports the
+    refusal and counts no offloading (the activations are in host memory already)."""
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.memory.simulate import simulate
+    from autofit.probe.model import describe
+
+    cpu = resolve_device("cpu")
+    info = describe(tiny_llama, task="causal-lm")
+    plain = OFFLOADED.replace(activation_offloading=False)
+    on = estimate_analytic(info, OFFLOADED, 64, cpu)
+    assert on.host_bytes == 0
+    assert on.peak_allocated_bytes == estimate_analytic(info, plain, 64, cpu).peak_allocated_bytes
+    sim = simulate(tiny_llama, OFFLOADED.replace(micro_batch_size=1), seq_len=16, device=cpu,
+                   task="causal-lm")
+    assert sim.host_bytes == 0
+
+
 def test_the_simulation_leaves_torchs_save_on_cpu_in_place(tiny_llama):
     from torch.autograd.graph import save_on_cpu
     from transformers import modeling_utils
