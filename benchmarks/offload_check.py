@@ -11,7 +11,11 @@ caching allocator does) are set beside ``estimate(...).host_bytes`` of the analy
 device peaks each method gives without and with offloading (their saving), which a GPU
 run of ``benchmarks/gpu_check.py`` has to confirm.
 
-    python benchmarks/offload_check.py      # ~3 min here, writes results/offload_check.md
+    python benchmarks/offload_check.py      # ~5 min here, writes results/offload_check.md
+
+A second table sets both estimators side by side on Llama-3.2-1B (LoRA and full
+fine-tuning, 2 x 2048 tokens, chunked loss) without a real step (its real weights
+alone would take 5 GiB here); ``--small`` leaves it out.
 """
 
 from __future__ import annotations
@@ -96,6 +100,32 @@ def packed_by_transformers(name: str, lora: bool, precision: str, batch: int,
     return sum(packed), sum(pinned_bytes(n) for n in packed), len(packed)
 
 
+BIG = ("meta-llama/Llama-3.2-1B", 2, 2048)  # estimates only: (model, batch, seq)
+
+
+def big_rows() -> list[str]:
+    """Both estimators on a 1B Llama with and without offloading (no real step)."""
+    name, batch, seq = BIG
+    GiB = 1 << 30
+    out = []
+    for lora in (True, False):
+        kw = {"lora": {"r": 16}} if lora else {}
+        cfg = TrainConfig(micro_batch_size=batch, precision="bf16-mixed",
+                          gradient_checkpointing=True, chunked_loss=True)
+        cells = []
+        for method in ("analytic", "simulate"):
+            off, on = (estimate(name, cfg.replace(activation_offloading=o), seq_len=seq,
+                                device=CARD, method=method, **kw) for o in (False, True))
+            cells.append((on.host_bytes / GiB,
+                          (off.peak_allocated_bytes - on.peak_allocated_bytes) / GiB,
+                          on.peak_allocated_bytes / GiB, on.peak_phase))
+        (ha, sa, pa, phase), (hs, ss, ps, _) = cells
+        out.append(f"| {name} | {'r=16' if lora else 'no'} | {batch} × {seq} | {ha:.3f} | "
+                   f"{hs:.3f} | {sa:.3f} | {ss:.3f} | {pa:.3f} / {ps:.3f} | {phase} |")
+        print(out[-1], flush=True)
+    return out
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     rows = []
@@ -136,6 +166,17 @@ def main() -> None:
             f"| {name} | {'yes' if lora else 'no'} | {precision} | {batch} × {seq} | {count} "
             f"| {real / MiB:.2f} | {pinned / MiB:.2f} | {a[0] / MiB:.2f} | {s[0] / MiB:.2f} "
             f"| {a[1] / MiB:.2f} | {s[1] / MiB:.2f} | {a[2] / MiB:.1f} / {s[2] / MiB:.1f} |")
+    if "--small" not in sys.argv:
+        lines += [
+            "",
+            "Estimates only (no real step), bf16-mixed, checkpointing, chunked loss, "
+            f"{CARD}, GiB:",
+            "",
+            "| model | LoRA | B × T | host analytic | host simulate | device saving analytic "
+            "| device saving simulate | peak allocated analytic / simulate | peak phase |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *big_rows(),
+        ]
     out = HERE / "results" / "offload_check.md"
     out.write_text("\n".join(lines) + "\n")
     print(out)
