@@ -12,12 +12,15 @@ What transformers (5.x) does with ``activation_checkpointing_kwargs={"offload": 
 call runs under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, so what the
 checkpoint saves — the tensors passed positionally to each checkpointed block, i.e. its
 (B, T, h) input hidden states — is copied into pinned host memory in the forward and back
-onto the device, one block at a time, when backward recomputes that block. Everything
-else stays on the device: the recomputed activations (one block at a time, as with
-checkpointing alone), the keyword inputs (position embeddings, masks: shared, small), the
-embedding output and the loss's activations outside the blocks. Pinned memory comes from
-torch's host caching allocator, which rounds every block up to a power of two and keeps
-it for the next step.
+onto the device, one block at a time, when backward recomputes that block (T5 blocks
+also take the encoder's output and the position biases positionally: those are packed
+too, one copy per block). Everything else stays on the device: the recomputed activations
+(one block at a time, as with checkpointing alone), the keyword inputs (position
+embeddings, masks), the loss's activations outside the blocks, and a tensor something
+else still holds (with a frozen embedding, the embedding's output, which autograd keeps
+as a leaf, is a llama-like first block's input: packed, yet still on the device). Pinned
+memory comes from torch's host caching allocator, which rounds every block up to a power
+of two and keeps it for the next step.
 
 It needs gradient checkpointing (transformers offloads nothing without it:
 ``TrainConfig`` refuses the combination, the search never builds it) and a CUDA device
