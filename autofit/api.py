@@ -796,6 +796,24 @@ def _chunked_loss_saving(info: Any, config: TrainConfig, seq: int, dev: Any) -> 
             "log-softmax or their gradients)")
 
 
+def _offloading_saving(info: Any, config: TrainConfig, seq: int, dev: Any) -> str:
+    """The reason line of chosen activation offloading: what it saves on the device, the host
+    memory it needs and the time its copies take, by the closed form and the speed model."""
+    from autofit.memory.analytic import estimate_analytic
+    from autofit.probe.device import format_bytes as _gib
+    from autofit.search.speed import predict_speed
+
+    on = estimate_analytic(info, config, seq, dev)
+    off_cfg = config.replace(activation_offloading=False)
+    off = estimate_analytic(info, off_cfg, seq, dev).device_total_bytes
+    slower = 1 - predict_speed(info, config, seq, dev).tokens_per_s / max(
+        predict_speed(info, off_cfg, seq, dev).tokens_per_s, 1e-9)
+    return (f"activation offloading: saves ~{_gib(off - on.device_total_bytes)} of device memory "
+            f"at micro batch {config.micro_batch_size} (estimated {_gib(off)} -> "
+            f"{_gib(on.device_total_bytes)}), needs ~{_gib(on.host_bytes)} of pinned host memory, "
+            f"~{100 * slower:.0f}% slower (host copies)")
+
+
 def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any, recorder: Any,
             key: str, whole: _WholeRun, kept: Any, max_seq_len: int | None,
             reasons: list[str]):
@@ -826,6 +844,8 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
     reasons += [n for k in KNOBS if (n := k.note(getattr(config, k.name)))]
     if config.chunked_loss:
         reasons.append(_chunked_loss_saving(info, config, seq, dev))
+    if config.activation_offloading:
+        reasons.append(_offloading_saving(info, config, seq, dev))
     kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
     eval_micro = whole.eval_batch(config, margin, reasons)
     eval_micro, eval_measured = _eval_from_trial(outcome, config, eval_micro, info, seq, dev,

@@ -16,7 +16,7 @@ import difflib
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from autofit.errors import InvalidConfigError
+from autofit.errors import InvalidConfigError, fix
 
 __all__ = [
     "PRECISIONS",
@@ -25,7 +25,17 @@ __all__ = [
     "OptimizerSpec",
     "TrainConfig",
     "parse_optim_args",
+    "offload_needs_checkpointing",
 ]
+
+
+def offload_needs_checkpointing() -> str:
+    """Why activation offloading without checkpointing is refused, and what to do: transformers
+    offloads the inputs activation checkpointing keeps (``activation_checkpointing_kwargs=
+    {"offload": True}``), nothing without it."""
+    return ("activation offloading holds the inputs that gradient checkpointing keeps in host "
+            "memory: add " + fix("--gradient-checkpointing", "gradient_checkpointing=True")
+            + " or drop " + fix("--activation-offloading", "activation_offloading=True"))
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,10 @@ class TrainConfig:
         world_size: data-parallel processes; estimates are always per device.
         chunked_loss: compute the causal-LM loss without the full (B, T, V) logits
             (``autofit.causal_lm_chunked_loss``; train with ``autofit.ChunkedLossTrainer``).
+        activation_offloading: hold the checkpointed blocks' saved inputs in pinned host
+            memory (transformers' ``activation_checkpointing_kwargs={"offload": True}``):
+            CUDA only, and only with ``gradient_checkpointing`` (transformers offloads
+            what checkpointing keeps).
 
     Example:
         >>> TrainConfig(micro_batch_size=2, grad_accum_steps=8).effective_batch_size
@@ -171,6 +185,7 @@ class TrainConfig:
     seq_len: int | None = None
     world_size: int = 1
     chunked_loss: bool = False
+    activation_offloading: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -180,6 +195,11 @@ class TrainConfig:
                 problems.append(f"{name} must be a positive integer, got {v!r}")
         if not isinstance(self.chunked_loss, bool):
             problems.append(f"chunked_loss must be True or False, got {self.chunked_loss!r}")
+        if not isinstance(self.activation_offloading, bool):
+            problems.append("activation_offloading must be True or False, "
+                            f"got {self.activation_offloading!r}")
+        elif self.activation_offloading and not self.gradient_checkpointing:
+            problems.append(offload_needs_checkpointing())
         if self.seq_len is not None and (
             isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len <= 0
         ):

@@ -188,11 +188,14 @@ class Spec:
     seq: int
     gradient_checkpointing: bool = False
     lora: dict | None = None  # {"r", "alpha", "target_modules", "dropout"}
+    activation_offloading: bool = False  # checkpointed inputs in pinned host memory (CUDA)
 
     def describe(self) -> str:
         parts = [self.precision, self.optimizer]
         if self.gradient_checkpointing:
             parts.append("ckpt")
+        if self.activation_offloading:
+            parts.append("offload")
         if self.lora:
             parts.append(f"lora r{self.lora['r']}")
         return " ".join(parts)
@@ -208,13 +211,14 @@ class Spec:
 
 
 def _spec(model: str, short: str, precision: str, optimizer: str, batch: int, seq: int,
-          ckpt: bool = False, lora: bool = False) -> Spec:
+          ckpt: bool = False, lora: bool = False, offload: bool = False) -> Spec:
     p = {"32-true": "fp32", "bf16-mixed": "bf16m", "bf16-true": "bf16t"}[precision]
     o = {"adamw_torch": "adamw", "adamw_torch_fused": "fused", "adamw_bnb_8bit": "bnb8"}[optimizer]
-    name = f"{short}-{p}-{o}" + ("-ckpt" if ckpt else "") + ("-lora" if lora else "")
+    name = (f"{short}-{p}-{o}" + ("-ckpt" if ckpt else "") + ("-offl" if offload else "")
+            + ("-lora" if lora else ""))
     return Spec(name=f"{name}-b{batch}s{seq}", model=model, precision=precision,
                 optimizer=optimizer, batch=batch, seq=seq, gradient_checkpointing=ckpt,
-                lora=dict(LORA) if lora else None)
+                lora=dict(LORA) if lora else None, activation_offloading=offload)
 
 
 # Ordered so that a run cut short by the time guard still covers every axis early.
@@ -235,6 +239,12 @@ MATRIX: list[Spec] = [
     _spec("tiny-llama", "tinyllama", "bf16-mixed", "adamw_torch_fused", 16, 512),
     _spec(LLAMA_1B, "llama1b", "bf16-mixed", "adamw_bnb_8bit", 4, 1024),
     _spec("tiny-llama", "tinyllama", "32-true", "adamw_bnb_8bit", 8, 1024),
+    # activation offloading: the peak at the start of backward (LoRA: every input held) and
+    # in the recompute (full fine-tuning), beside their non-offloaded twins above
+    _spec(LLAMA_1B, "llama1b", "bf16-mixed", "adamw_torch", 4, 2048, ckpt=True, lora=True,
+          offload=True),
+    _spec(LLAMA_1B, "llama1b", "bf16-mixed", "adamw_torch_fused", 4, 2048, ckpt=True,
+          offload=True),
 ]
 
 # --dry-run: micro configs of the same families (a CPU builds and steps them in
@@ -266,8 +276,10 @@ def dry_spec(spec: Spec, models: Path) -> Spec:
     """The tiny-shape version of ``spec`` that ``--dry-run`` runs on the CPU."""
     family = "micro-gpt2" if "gpt2" in spec.model else "micro-llama"
     stem = spec.name.rsplit("-b", 1)[0]
+    # NB: a CPU cannot offload activations (no pinned memory, autofit refuses it there)
     return replace(spec, name=f"{stem}-dry-b{DRY_BATCH}s{DRY_SEQ}",
-                   model=str(models / f"{family}.json"), batch=DRY_BATCH, seq=DRY_SEQ)
+                   model=str(models / f"{family}.json"), batch=DRY_BATCH, seq=DRY_SEQ,
+                   activation_offloading=False)
 
 
 # =========================================================================== child
@@ -340,11 +352,13 @@ class _Meter:
                 max(s["reserved"] for s in self.segments.values()))
 
 
-def _enable_checkpointing(model: Any) -> str:
-    """What ``Trainer`` does for ``gradient_checkpointing=True`` (non-reentrant)."""
+def _enable_checkpointing(model: Any, offload: bool = False) -> str:
+    """What ``Trainer`` does for ``gradient_checkpointing=True`` (non-reentrant; with
+    ``activation_checkpointing_kwargs={"offload": True}``: ``offload=True``)."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        extra = {"offload": True} if offload else {}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **extra)
         return "activation_checkpointing_enable"
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return "gradient_checkpointing_enable"
@@ -417,7 +431,8 @@ def run_child(spec: dict[str, Any], device_name: str) -> dict[str, Any]:
     if spec["precision"].endswith("-true") and spec["precision"] != "32-true":
         model.to(torch.bfloat16)
     if spec["gradient_checkpointing"]:
-        result["checkpointing_api"] = _enable_checkpointing(model)
+        result["checkpointing_api"] = _enable_checkpointing(
+            model, bool(spec.get("activation_offloading")))
     for m in model.modules():
         c = getattr(m, "config", None)
         if c is not None and hasattr(c, "use_cache"):
@@ -846,7 +861,8 @@ def _estimate(spec: Spec, method: str, device: Any) -> dict[str, Any]:
                         dropout=spec.lora.get("dropout", 0.0))
     cfg = TrainConfig(micro_batch_size=spec.batch, precision=spec.precision,
                       gradient_checkpointing=spec.gradient_checkpointing,
-                      optimizer=spec.optimizer)
+                      optimizer=spec.optimizer,
+                      activation_offloading=spec.activation_offloading)
     t = time.perf_counter()
     try:
         e = estimate(spec.model, cfg, seq_len=spec.seq, device=device, method=method, lora=lora)
@@ -857,6 +873,7 @@ def _estimate(spec: Spec, method: str, device: Any) -> dict[str, Any]:
             "peak_reserved_bytes": e.peak_reserved_bytes,
             "device_total_bytes": e.device_total_bytes, "capacity_bytes": e.capacity_bytes,
             "fits": e.fits, "peak_phase": e.peak_phase, "breakdown": dict(e.breakdown),
+            "host_bytes": e.host_bytes,
             "notes": list(e.notes), "wall_s": time.perf_counter() - t}
 
 

@@ -20,9 +20,12 @@ A knob declares
   (values allowed, for ``tune``), ``add_option(parser)`` / ``option_value(args)``: the
   option of one configuration (for ``estimate``, ``measure``);
 * ``saving``: the value that needs the least memory without changing the math
-  (None when no value does), and ``suggest(device)``: values that change the math
-  but save memory, offered when nothing fits; ``note(value)``: what the user must
-  do besides the emitted fields when the value is chosen (or None);
+  (None when no value does, or when it is searched only when asked, like activation
+  offloading), and ``suggest(device)``: values that save memory but change the math or
+  are searched only when asked, offered when nothing fits; ``note(value)``: what the user must do besides the emitted fields when
+  the value is chosen (or None);
+* ``conflict(choice)`` (optional): why a combination of knob values cannot be trained
+  (None when it can); the search leaves such combinations out;
 * ``calibrates_apart``: the estimate's error depends on the value (trials measured
   with one value do not calibrate the estimate of another).
 

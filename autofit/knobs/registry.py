@@ -4,7 +4,11 @@ Adding a lever is one new module in ``autofit/knobs/`` (a ``Knob``), its entry h
 its ``TrainConfig`` field, its memory rule in ``autofit/memory`` and its tests.
 
     >>> [k.name for k in KNOBS]
-    ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss']
+    ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss', 'activation_offloading']
+
+A knob may also define ``conflict(choice) -> str | None``: why a combination of values
+cannot be trained (activation offloading without checkpointing); ``conflict`` asks every
+knob, and the search space leaves such combinations out.
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ from autofit.errors import BadInputError
 from autofit.knobs.base import Knob
 from autofit.knobs.checkpointing import CHECKPOINTING
 from autofit.knobs.chunked_loss import CHUNKED_LOSS
+from autofit.knobs.offloading import OFFLOADING
 from autofit.knobs.optimizer import OPTIMIZER
 from autofit.knobs.precision import PRECISION
 
-__all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields"]
+__all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
+           "conflict"]
 
-KNOBS: tuple[Knob, ...] = (PRECISION, CHECKPOINTING, OPTIMIZER, CHUNKED_LOSS)
+# the order the files are written in too: offloading adds its key to the kwargs that
+# checkpointing writes afresh
+KNOBS: tuple[Knob, ...] = (PRECISION, CHECKPOINTING, OPTIMIZER, CHUNKED_LOSS, OFFLOADING)
 
 
 def knob(name: str) -> Knob:
@@ -48,3 +56,12 @@ def describe_choice(choice: dict[str, Any], sep: str = ", ") -> str:
 def owned_fields() -> tuple[str, ...]:
     """Every TrainingArguments field a knob writes (the rest is the user's)."""
     return tuple(f for k in KNOBS for f in k.fields)
+
+
+def conflict(choice: dict[str, Any]) -> str | None:
+    """Why the combination ``choice`` ({knob name: value}) cannot be trained, or None."""
+    for k in KNOBS:
+        check = getattr(k, "conflict", None)
+        if check is not None and (why := check(choice)) is not None:
+            return why
+    return None

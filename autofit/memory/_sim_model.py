@@ -114,6 +114,7 @@ def prepare_for_training(
     *,
     gradient_checkpointing: bool,
     recompute_context: Any = None,
+    activation_offloading: bool = False,
 ) -> None:
     """What ``Trainer`` does to the model before training, applied to the clone.
 
@@ -123,6 +124,10 @@ def prepare_for_training(
         recompute_context: a factory of a context manager to enter while checkpointed
             blocks are recomputed in backward (``checkpoint(context_fn=...)``): the
             simulation's torch-function mode is not active inside ``backward()``.
+        activation_offloading: checkpointing with ``offload=True``, as the Trainer enables
+            ``activation_checkpointing_kwargs={"offload": True}`` (the step runs it under
+            ``_sim_step.offloaded_to_host``, which gives torch's ``save_on_cpu`` its
+            device semantics on fake CPU tensors).
     """
     base = unwrap(model)
     config = getattr(base, "config", None)
@@ -151,8 +156,17 @@ def prepare_for_training(
                 f"{type(model).__name__} has no gradient_checkpointing_enable(); "
                 "simulate it with gradient_checkpointing=False"
             )
+        extra: dict[str, Any] = {}
+        if activation_offloading:
+            import inspect
+
+            if "offload" not in inspect.signature(enable).parameters:
+                raise BadInputError(
+                    f"{type(model).__name__}.{enable.__name__}() of the installed transformers "
+                    "cannot offload activations; simulate it with activation_offloading=False")
+            extra["offload"] = True
         try:
-            enable(**{key: ckpt_kwargs})
+            enable(**{key: ckpt_kwargs}, **extra)
         except ValueError as e:  # "... does not support activation checkpointing."
             raise BadInputError(
                 f"{str(e).splitlines()[0]} Simulate it with gradient_checkpointing=False"

@@ -13,6 +13,12 @@ opaque to a dispatch mode (its fake implementation makes the outputs only), so i
 real implementation runs instead (``chunked_loss_kernels``): the recorder sees every
 chunk's logits and the gradients it accumulates.
 
+With ``config.activation_offloading`` the checkpointed blocks run under transformers' own
+offloading (``activation_checkpointing_enable(offload=True)``: torch's ``save_on_cpu``
+around each checkpoint), with ``save_on_cpu`` given its CUDA semantics on the fake CPU
+tensors (``offloaded_to_host``): a packed tensor is a host copy (left out of the device's
+stream, counted in ``host_bytes``), an unpacked one a fresh device copy.
+
 Known limitations:
     NB: the chunk size and accumulation policy torch picks depend on the device type
     (``_AUTO_DEFAULTS``); the simulation runs on fake CPU tensors, so a CUDA target is
@@ -42,6 +48,8 @@ __all__ = [
     "build_optimizer",
     "bnb_cpu_kernels",
     "chunked_loss_kernels",
+    "offloaded_to_host",
+    "host_peak_bytes",
     "run_steps",
 ]
 
@@ -209,6 +217,69 @@ def _first_chunks_only(lce: Any) -> Any:
         yield
     finally:
         ctx_cls.chunks = original
+
+
+@contextlib.contextmanager
+def offloaded_to_host(rec: StorageRecorder) -> Any:
+    """While inside, transformers' ``save_on_cpu`` (its activation offloading) keeps what it
+    packs in host memory: the packed copy's record is marked ``host`` (not a device
+    allocation) and unpacking makes a fresh device copy, as ``tensor.to("cuda")`` does; on
+    fake CPU tensors torch's own hooks would copy within the "device" and unpack to the
+    same tensor. Yields the list of host records (``host_peak_bytes`` reads them).
+
+    ``save_on_cpu(pin_memory=True)`` packs every tensor saved under it into a new pinned
+    tensor of the same size (a view's size, not its base's), whatever it is; transformers
+    enters it around each checkpointed call, where only the checkpoint's positional inputs
+    are saved (the recompute's own tensors are held by the checkpoint, not saved).
+    """
+    from torch.autograd.graph import saved_tensors_hooks
+    from transformers import modeling_utils
+
+    if not hasattr(modeling_utils, "save_on_cpu"):
+        raise BadInputError("the installed transformers offloads activations by other means "
+                            "than torch's save_on_cpu; simulate with activation_offloading=False")
+    host: list[Any] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed = torch.empty(t.size(), dtype=t.dtype, layout=t.layout)  # pinned host memory
+        packed.copy_(t)
+        r = rec.record_of(packed)
+        if r is not None:
+            r.host = True
+            host.append(r)
+        return packed
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(packed).copy_(packed)  # back on the device
+
+    class save_on_cpu(saved_tensors_hooks):  # noqa: N801 - stands in for torch's class
+        def __init__(self, pin_memory: bool = False, device_type: str = "cuda") -> None:
+            super().__init__(pack, unpack)
+
+    original = modeling_utils.save_on_cpu
+    modeling_utils.save_on_cpu = save_on_cpu
+    try:
+        yield host
+    finally:
+        modeling_utils.save_on_cpu = original
+
+
+def host_peak_bytes(log: list[tuple[str, Any, str]], host: list[Any]) -> tuple[int, int]:
+    """The most pinned host memory the offloaded tensors of ``log`` held at once, each
+    rounded up to a power of two as torch's host caching allocator does, and how many
+    tensors held it."""
+    from autofit.memory.analytic import pinned_bytes
+
+    ids = {r.id for r in host}
+    live = count = peak = at_peak = 0
+    for kind, r, _ in log:
+        if r.id in ids:
+            sign = 1 if kind == "alloc" else -1
+            live += sign * pinned_bytes(r.size)
+            count += sign
+            if live > peak:
+                peak, at_peak = live, count
+    return peak, at_peak
 
 
 class _FakeGradScaler:

@@ -17,6 +17,9 @@ at its three candidate peaks and reports the largest:
   their loss gradients and the head's autocast copy are gone; the loss holds its
   precomputed input and head-weight gradients and one (rows, V) chunk
   (``chunked_loss_bytes``) at the end of the forward;
+* with ``activation_offloading`` (and checkpointing) the blocks' inputs are in pinned
+  host memory (``host_bytes``: one power-of-two block each) instead of on the device;
+  the recompute holds one of them, copied back;
 * **optimizer step** — weights + gradients + optimizer states + the step's own
   temporaries (e.g. ``foreach`` AdamW's full copy of ``sqrt(v)`` on CUDA).
 
@@ -46,6 +49,11 @@ Known limitations:
       the simulator on tiny-llama, T4 and V100, fp16 and fp32).
     * NB: paged optimizers (``paged_*``) keep their states in unified memory that
       can spill to the host: they are counted on the device, as when resident.
+    * NB: activation offloading's host memory (``host_bytes``) is one step's; torch's
+      pinned cache keeps a block per power-of-two size, so a run of varying lengths can
+      hold more. On T5 its device saving is the encoder inputs' only (2.0 MiB where the
+      simulate method finds 5.5 on tiny-t5: the checkpointing rule counts one input per
+      encoder + decoder pair); its host memory follows the 21 tensors T5 packs.
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.model import BlockSpec, ModelInfo, ParamGroup
 
 __all__ = ["estimate_analytic", "weights_bytes", "gradients_bytes", "optimizer_state_bytes",
-           "chunked_loss_bytes", "loss_chunk_rows"]
+           "chunked_loss_bytes", "loss_chunk_rows", "pinned_bytes", "offload_note", "offloaded_bytes"]
 
 _DTYPE_BYTES = {
     "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
@@ -329,6 +337,48 @@ def _coef(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> dict:
     return table[key]
 
 
+def _checkpointed_blocks(info: ModelInfo) -> int:
+    """Blocks whose inputs checkpointing keeps, as the activation rule counts them (an
+    encoder-decoder's coefficients are per encoder + decoder pair)."""
+    return sum(b.count for b in info.blocks
+               if not (info.is_encoder_decoder and b.role != "encoder"))
+
+
+def _packed(info: ModelInfo, config: TrainConfig, seq_len: int) -> list[tuple[int, int]]:
+    """What transformers' offloading packs per micro batch, as (bytes, how many): the
+    tensors passed positionally to each checkpointed block. A decoder or encoder block
+    takes its (B*T, h) input; a T5 decoder block also the encoder's output, and every T5
+    block but the first of a stack the (1, H, T, T) position bias(es) computed by the first
+    (one in the encoder, self- and cross-attention ones in the decoder; measured on
+    tiny-t5: 21 tensors, ``benchmarks/offload_check.py``)."""
+    if not (config.activation_offloading and config.gradient_checkpointing):
+        return []
+    act = _bytes(config.precision_spec.param_dtype)
+    one = config.micro_batch_size * seq_len * (info.hidden_size or 0) * act
+    if not (info.is_encoder_decoder and _family(info) == "t5"):
+        return [(one, _checkpointed_blocks(info))]
+    enc = sum(b.count for b in info.blocks if b.role == "encoder")
+    dec = sum(b.count for b in info.blocks if b.role != "encoder")
+    bias = info.blocks[0].num_heads * seq_len * seq_len * act
+    return [(one, enc + 2 * dec), (bias, max(enc - 1, 0) + 2 * max(dec - 1, 0))]
+
+
+def offloaded_bytes(info: ModelInfo, config: TrainConfig, seq_len: int) -> int:
+    """Bytes activation offloading copies to the host per micro batch (and back in backward);
+    0 without offloading."""
+    return sum(n * c for n, c in _packed(info, config, seq_len))
+
+
+def _first_input_stays(info: ModelInfo) -> bool:
+    """Whether the first block's input stays on the device when offloaded: with a frozen
+    input embedding, transformers makes the embedding's output a leaf that requires grad
+    (``enable_input_require_grads``), which its ``AccumulateGrad`` node holds for the whole
+    step; llama-like models pass that very tensor to the first block (``hidden_states =
+    inputs_embeds``; Gemma scales it first, GPT-2, BERT and T5 add or drop out)."""
+    frozen = any(g.role == "embedding" and not g.trainable for g in info.params)
+    return frozen and _family(info) == "llama" and not info.model_type.startswith("gemma")
+
+
 def _layer_bytes_per_token(c: dict, b: BlockSpec, seq_len: int) -> float:
     kv = b.num_kv_heads * b.head_dim
     v = (
@@ -408,6 +458,25 @@ def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: D
     return max(grad_in + grad_w + extra + chunk, handed)
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """Bytes torch's pinned host caching allocator takes for a request: the next power of two
+    (``CachingHostAllocator``: ``PowerOf2Ceil``), kept cached for the next step.
+
+        >>> pinned_bytes(3 << 20) == 4 << 20, pinned_bytes(4 << 20) == 4 << 20
+        (True, True)
+    """
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
+def offload_note(host: int, tensors: int) -> str:
+    """The note of an estimate with activation offloading: what lives in host memory."""
+    from autofit.probe.device import format_bytes
+
+    return (f"activation offloading: {format_bytes(host)} of pinned host memory holds the "
+            f"{tensors} inputs the checkpointed blocks save (host_bytes); backward copies "
+            "them back one block at a time")
+
+
 def estimate_analytic(
     info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo
 ) -> MemoryEstimate:
@@ -469,11 +538,19 @@ def estimate_analytic(
         copies_all -= copies_head
         copies_head = 0
 
+    host = 0  # pinned host bytes (activation offloading)
     if config.gradient_checkpointing:
         # each checkpointed block keeps its input; backward recomputes one block at a time
         A_layers = num_layers * N * h * act
         A_transient = A_layer_max
         copies = copies_head + (copies_all - copies_head) // max(num_layers, 1)
+        A_kept = A_layers  # the inputs on the device while backward recomputes
+        if config.activation_offloading and device.allocator == "cuda":
+            # the inputs are in pinned host memory; backward copies one back at a time
+            # (a CPU target, which autofit refuses it for, has nothing to offload)
+            host = sum(pinned_bytes(n) * c for n, c in _packed(info, config, T))
+            A_layers = N * h * act if _first_input_stays(info) else 0
+            A_kept = A_layers + N * h * act
     else:
         A_layers = A_layers_full
         A_transient = 0
@@ -517,9 +594,9 @@ def estimate_analytic(
         # (at the last block recomputed, about all of them)
         copies_layer = copies - copies_head
         phases["recompute"] = (
-            W + copies_layer + S + G + A_layers + A_transient + block_bwd_temp,
+            W + copies_layer + S + G + A_kept + A_transient + block_bwd_temp,
             {"weights": W + copies_layer, "optimizer_states": S, "gradients": G,
-             "activations": A_layers + A_transient, "temporaries": block_bwd_temp})
+             "activations": A_kept + A_transient, "temporaries": block_bwd_temp})
     phase, (peak_alloc, parts) = max(phases.items(), key=lambda kv: kv[1][0])
     peak_alloc = int(peak_alloc)
     parts = {k: int(v) for k, v in parts.items()}
@@ -544,6 +621,8 @@ def estimate_analytic(
         notes.append("paged optimizer: states may spill to host memory under pressure")
     if spec.autocast:
         notes.append("weights include autocast's 16-bit copies kept from forward to backward")
+    if host:
+        notes.append(offload_note(host, sum(c for _, c in _packed(info, config, T))))
     return MemoryEstimate(
         peak_allocated_bytes=peak_alloc,
         peak_reserved_bytes=peak_reserved,
@@ -560,4 +639,5 @@ def estimate_analytic(
         seq_len=seq_len,
         config=config.to_dict(),
         notes=tuple(notes),
+        host_bytes=int(host),
     )

@@ -44,6 +44,10 @@ class MemoryEstimate:
         run_device_total_bytes: with a dataset: what the whole run needs (the least
             capacity it runs through, never below this step's), + context and
             workspace; ``fits`` then compares it with the capacity. None otherwise.
+        host_bytes: pinned host memory the step holds outside the device: with
+            ``activation_offloading``, the offloaded activations (each block rounded up
+            to a power of two by torch's host caching allocator, which keeps them for the
+            next step); 0 when nothing is offloaded. Not part of ``device_total_bytes``.
     """
 
     peak_allocated_bytes: int
@@ -63,6 +67,7 @@ class MemoryEstimate:
     notes: tuple[str, ...] = ()
     run_peak_reserved_bytes: int | None = None
     run_device_total_bytes: int | None = None
+    host_bytes: int = 0
 
     @property
     def needed_bytes(self) -> int:

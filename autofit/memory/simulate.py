@@ -29,7 +29,10 @@ How it works:
   run forward + loss under autocast (``16-mixed`` with GradScaler semantics);
   ``bf16-true`` / ``16-true`` cast the weights (``model.to(dtype)``).
 - Gradient checkpointing is enabled on the clone exactly as the Trainer does
-  (``activation_checkpointing_enable``, non-reentrant, ``use_cache=False``).
+  (``activation_checkpointing_enable``, non-reentrant, ``use_cache=False``); with
+  activation offloading (a CUDA target) with ``offload=True``, torch's ``save_on_cpu``
+  given its device semantics (``_sim_step.offloaded_to_host``): what it packs is host
+  memory (``host_bytes``, power-of-two pinned blocks), what it unpacks a device copy.
 - The optimizer is the class and kwargs ``Trainer.get_optimizer_cls_and_kwargs``
   gives for the ``optim`` name, over the Trainer's two parameter groups, with the
   target's ``foreach`` default. bitsandbytes optimizers run as they are (their ops
@@ -254,7 +257,13 @@ class Simulator:
         from autofit.memory._sim_bnb import gemm_4bit_workspace, is_fake_4bit
         from autofit.memory._sim_model import fake_clone, prepare_for_training, weight_tensors
         from autofit.memory._sim_recorder import StorageRecorder
-        from autofit.memory._sim_step import StepTarget, build_optimizer, run_steps
+        from autofit.memory._sim_step import (
+            StepTarget,
+            build_optimizer,
+            host_peak_bytes,
+            offloaded_to_host,
+            run_steps,
+        )
 
         t0 = time.perf_counter()
         target = StepTarget(self.device.allocator)
@@ -277,6 +286,8 @@ class Simulator:
                     model,
                     gradient_checkpointing=config.gradient_checkpointing,
                     recompute_context=recompute,
+                    # a CPU target (refused by the knob's check) has nothing to offload
+                    activation_offloading=config.activation_offloading and target.kind == "cuda",
                 )
             weights = weight_tensors(model)
             for t in weights:
@@ -293,7 +304,10 @@ class Simulator:
                 import bitsandbytes  # noqa: F401  (registers its ops)
 
                 rec.workspaces[torch.ops.bitsandbytes.gemm_4bit.default] = gemm_4bit_workspace
-            with fake_mode, rec, ctx:
+            offload: Any = (offloaded_to_host(rec)
+                            if config.activation_offloading and target.kind == "cuda"
+                            else contextlib.nullcontext([]))
+            with fake_mode, rec, ctx, offload as host:
                 run_steps(
                     model,
                     optimizer,
@@ -306,7 +320,8 @@ class Simulator:
             num_ops = rec.num_ops
             log = rec.events()
             log_marks = list(rec.marks)
-            del model, optimizer, weights
+            host_bytes, host_tensors = host_peak_bytes(log, host)
+            del model, optimizer, weights, host
         event_list, marks = _to_events(log, log_marks)
         events = tuple(event_list)
         replay = _replay(events, self.device)
@@ -314,7 +329,15 @@ class Simulator:
         if cuda is not None and cuda.backends:
             used = ", ".join(f"{k} x{v}" for k, v in sorted(cuda.backends.items()))
             notes.append(f"CUDA SDPA backends (forward calls): {used}")
+        if host_bytes:
+            from autofit.memory.analytic import offload_note
+
+            notes.append(offload_note(host_bytes, host_tensors))
         est = self._estimate(config, seq_len, replay, num_params, trainable, notes)
+        if host_bytes:
+            import dataclasses
+
+            est = dataclasses.replace(est, host_bytes=host_bytes)
         return SimulationResult(
             estimate=est,
             events=events,

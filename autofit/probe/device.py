@@ -104,6 +104,7 @@ class DeviceInfo:
     fp32_tflops: float | None = None
     bandwidth_gbs: float | None = None
     compute_capability: str | None = None
+    host_link_gbs: float | None = None  # pinned host <-> device copies, GB/s one way
 
     @property
     def overhead_bytes(self) -> int:
@@ -156,6 +157,7 @@ def _from_catalog(entry: str, *, present: bool = False, index: int | None = None
         fp32_tflops=float(d["fp32_tflops"]) or None,
         bandwidth_gbs=float(d["bandwidth_gbs"]),
         compute_capability=str(d["compute_capability"]),
+        host_link_gbs=float(d.get("host_link_gbs", 0)) or None,
     )
 
 
@@ -240,6 +242,7 @@ def _cuda(index: int | None) -> DeviceInfo:
         fp32_tflops=base.fp32_tflops if base else None,
         bandwidth_gbs=base.bandwidth_gbs if base else None,
         compute_capability=(props.gcnArchName if hip else f"{props.major}.{props.minor}"),
+        host_link_gbs=base.host_link_gbs if base else None,
     )
 
 

@@ -63,6 +63,8 @@ def estimate_renderable(est: MemoryEstimate) -> RenderableType:
         table.add_row(Text("run device total", style="bold"), "",
                       Text(format_bytes(est.run_device_total_bytes), style="bold"), "", "")
     table.add_row("capacity", "", format_bytes(est.capacity_bytes), "", "")
+    if est.host_bytes:  # activation offloading: outside the device
+        table.add_row("host (pinned)", "", format_bytes(est.host_bytes), "", "")
     head = est.headroom_bytes
     pct = 100 * head / max(est.capacity_bytes, 1)
     if est.fits:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autofit.errors import BadInputError
-from autofit.knobs import KNOBS, knob, restrict
+from autofit.knobs import KNOBS, conflict, knob, restrict
 
 __all__ = ["SearchSpace", "build_space", "micro_batch_options", "divisors", "check_batch_size",
            "MAX_BATCH_SIZE"]
@@ -58,6 +58,9 @@ class SearchSpace:
         if not self.micro_batches or any(not v for v in self.choices.values()):
             raise BadInputError("the search space is empty: allow at least one value of every "
                                 "knob and one micro batch")
+        if not self.combos():  # every combination conflicts: the first one says why
+            first = dict(zip(self.choices, (v[0] for v in self.choices.values()), strict=True))
+            raise BadInputError(f"the search space is empty: {conflict(first)}")
 
     def values(self, name: str) -> tuple[Any, ...]:
         """The values searched for knob ``name``."""
@@ -70,10 +73,11 @@ class SearchSpace:
         return max(1, self.target_batch_size // (micro_batch * self.world_size))
 
     def combos(self) -> list[dict[str, Any]]:
-        """Every combination of the knobs' values, as ``{knob name: value}``."""
+        """Every combination of the knobs' values that can be trained (``knobs.conflict``:
+        e.g. activation offloading only with checkpointing), as ``{knob name: value}``."""
         names = list(self.choices)
-        return [dict(zip(names, vs, strict=True))
-                for vs in itertools.product(*self.choices.values())]
+        every = (dict(zip(names, vs, strict=True)) for vs in itertools.product(*self.choices.values()))
+        return [c for c in every if conflict(c) is None]
 
     def describe(self) -> list[Any]:
         """Plain data for a cache key."""

@@ -19,6 +19,10 @@ few with real micro-steps (whose measured speed then decides). The model:
   bytes moved per micro batch, at the device's bandwidth), so small chunks cost time
   (measured on this CPU, one thread: +3.2 s per step on a 32k vocabulary, 1024 tokens
   and h = 512, ~3.4 s predicted).
+* Activation offloading copies every checkpointed block's input to pinned host memory
+  in the forward and back in the backward, on the compute stream (transformers does not
+  overlap them): ``2 * offloaded bytes / host link`` per micro batch, at the card's
+  ``host_link_gbs`` (PCIe, ``catalog.toml``; 25 GB/s, PCIe gen4 x16, where unknown).
 
     >>> from autofit.probe.model import probe_model
     >>> from autofit.probe.device import resolve_device
@@ -52,6 +56,7 @@ _MFU_MAX = 0.55  # well-tuned dense training reaches ~40-60% of peak
 _HALF_TOKENS = 1024  # tokens per micro batch at which utilisation is half its maximum
 _CPU_TFLOPS = 0.2  # nominal, ranking only
 _CPU_BANDWIDTH_GBS = 20.0
+_HOST_LINK_GBS = 25.0  # pinned copies over PCIe gen4 x16 (~80% of 31.5 GB/s), where unknown
 # relative cost of the optimizer's memory traffic (per byte moved) by implementation
 _OPT_EFFICIENCY = {"fused": 1.0, "foreach": 0.8, "loop": 0.35, "bnb": 0.9}
 
@@ -127,7 +132,12 @@ def predict_speed(
     info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo
 ) -> SpeedEstimate:
     """Predicted throughput of ``config`` (see the module docstring)."""
-    from autofit.memory.analytic import gradients_bytes, optimizer_state_bytes, weights_bytes
+    from autofit.memory.analytic import (
+        gradients_bytes,
+        offloaded_bytes,
+        optimizer_state_bytes,
+        weights_bytes,
+    )
 
     tokens = config.micro_batch_size * seq_len
     fpt = flops_per_token(info, config, seq_len)
@@ -138,6 +148,8 @@ def predict_speed(
     step = tokens * fpt / (peak * 1e12 * util)
     bw = (device.bandwidth_gbs or _CPU_BANDWIDTH_GBS) * 1e9
     step += _chunked_loss_traffic(info, config, tokens, device) / bw
+    step += 2 * offloaded_bytes(info, config, seq_len) / ((device.host_link_gbs or _HOST_LINK_GBS)
+                                                          * 1e9)
     moved = 2 * (weights_bytes(info, config) + gradients_bytes(info, config)) + 2 * optimizer_state_bytes(
         info, config
     )

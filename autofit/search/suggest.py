@@ -144,9 +144,10 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
                 continue
             try:
                 k.check(dev, v)
+                variant = smallest_cfg.replace(**{k.name: v})  # offloading: with checkpointing
             except AutofitError:
                 continue
-            n = scaled(info, smallest_cfg.replace(**{k.name: v}), seq_len)
+            n = scaled(info, variant, seq_len)
             if n <= budget:
                 note = k.note(v)
                 ideas.append(f"{k.describe(v)} ({fix(k.flag(v), f'{k.name}=[{v!r}]')}"

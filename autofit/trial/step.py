@@ -6,7 +6,8 @@
 parameter names. ``Stepper`` runs it (in this process or in a trial child, which
 then needs neither ``Trainer`` nor ``TrainingArguments``):
 
-    model.train(); activation checkpointing (use_reentrant=False); config.use_cache=False
+    model.train(); activation checkpointing (use_reentrant=False; offload=True with
+    activation offloading); config.use_cache=False
     for each micro batch:  autocast(forward with labels) -> loss / grad_accum -> backward
                            (chunked loss: the backbone, then autofit.causal_lm_chunked_loss)
     [GradScaler.unscale_] -> clip_grad_norm_(1.0) -> optimizer.step() -> zero_grad(None)
@@ -60,6 +61,7 @@ class StepPlan:
     max_grad_norm: float = MAX_GRAD_NORM
     optimizer_name: str = ""
     chunked_loss: bool = False  # the loss is autofit.causal_lm_chunked_loss (no full logits)
+    activation_offloading: bool = False  # checkpointing with offload=True (CUDA)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -164,6 +166,7 @@ def plan_step(model: torch.nn.Module, config: TrainConfig, *, use_cpu: bool) -> 
         max_grad_norm=float(args.max_grad_norm),
         optimizer_name=config.optimizer,
         chunked_loss=config.chunked_loss,
+        activation_offloading=config.activation_offloading,
     )
 
 
@@ -185,7 +188,10 @@ def prepare_model(model: torch.nn.Module, plan: StepPlan) -> None:
     if plan.gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            # offload: the checkpointed inputs in pinned host memory, as the Trainer does
+            # with activation_checkpointing_kwargs={"offload": True}
+            extra = {"offload": True} if plan.activation_offloading else {}
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **extra)
         elif hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         else:

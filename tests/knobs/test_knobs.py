@@ -24,8 +24,14 @@ def test_every_knob_is_a_trainconfig_field_with_declared_values():
         for v in k.values:  # every value reads, and round-trips through TrainingArguments
             assert k.describe(v) and k.short(v) and k.flag(v).startswith("--")
             args: dict = {}
-            k.emit(TrainConfig(**{k.name: v}), args)
+            # activation offloading goes with checkpointing (it offloads what that keeps)
+            config = TrainConfig(**{k.name: v}, **({"gradient_checkpointing": True}
+                                                   if k.name == "activation_offloading" else {}))
+            k.emit(config, args)
             assert set(args) <= set(k.fields), (k.name, set(args) - set(k.fields))
+            if k.name == "activation_offloading":
+                CHECKPOINTING.emit(config, args)
+                k.emit(config, args)
             if k.name == "chunked_loss" and v and not args:
                 # no TrainingArguments field without liger-kernel: the note names the hook
                 assert "autofit.ChunkedLossTrainer" in k.note(v)
@@ -91,10 +97,11 @@ def test_cli_options_come_from_the_knobs():
     for k in KNOBS:
         k.add_options(p)
     a = p.parse_args(["--precision", "bf16-mixed", "32-true", "--no-gradient-checkpointing",
-                      "--optim", "sgd", "--chunked-loss"])
-    assert [k.from_options(a) for k in KNOBS] == [["bf16-mixed", "32-true"], False, ["sgd"], True]
+                      "--optim", "sgd", "--chunked-loss", "--activation-offloading"])
+    assert [k.from_options(a) for k in KNOBS] == [["bf16-mixed", "32-true"], False, ["sgd"], True,
+                                                  True]
     a = p.parse_args([])
-    assert [k.from_options(a) for k in KNOBS] == [None, None, None, None]
+    assert [k.from_options(a) for k in KNOBS] == [None, None, None, None, None]
 
 
 def test_registry():
