@@ -261,10 +261,9 @@ def _row(model: Any, name: str, request: Any, config: TrainConfig, seq: int, dev
             speed = predict_speed(info, config.replace(micro_batch_size=largest),
                                   seq + info.virtual_tokens, dev).tokens_per_s * (
                 seq / (seq + info.virtual_tokens))  # the virtual tokens are not the data's
-        from autofit.probe.peft import peft_config
+        from autofit.probe.peft import config_dict, peft_config
 
-        cfg = peft_config(request, t).to_dict()
-        return PeftRow(method=name, peft_config=json.loads(json.dumps(cfg, default=str)),
+        return PeftRow(method=name, peft_config=config_dict(peft_config(request, t)),
                        trainable_params=info.trainable_params, peak_bytes=peak,
                        max_micro_batch=largest, tokens_per_s=speed)
     except AutofitError as e:
