@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent / "autofit"
 
 # The flow, lowest first: a module may import only from its own unit or a lower one.
 LAYERS = ["errors", "config", "probe", "knobs", "memory", "trial", "search", "emit", "report",
-          "result", "preflight", "api", "cli", "__main__", ""]  # "" = autofit/__init__.py
-TOP_LEVEL_MODULES = {"__init__", "__main__", "api", "config", "result", "errors"}
+          "result", "preflight", "api", "compare", "cli", "__main__", ""]  # "" = autofit/__init__.py
+TOP_LEVEL_MODULES = {"__init__", "__main__", "api", "compare", "config", "result", "errors"}
 
 
 def _modules() -> dict[str, Path]:

@@ -219,3 +219,13 @@ def cpu_block_bytes(size: int, mmap_threshold: int = CPU_MMAP_THRESHOLD) -> int:
     if nb + 112 >= mmap_threshold:
         return (nb + 120 + CPU_PAGE_SIZE - 1) // CPU_PAGE_SIZE * CPU_PAGE_SIZE
     return (size + CPU_ALIGNMENT - 1) // CPU_ALIGNMENT * CPU_ALIGNMENT + CPU_SMALL_HEADER
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Bytes torch's pinned host caching allocator takes for a request: the next power of two
+    (``CachingHostAllocator``: ``PowerOf2Ceil``), kept cached for the next step.
+
+        >>> pinned_bytes(3 << 20) == 4 << 20, pinned_bytes(4 << 20) == 4 << 20
+        (True, True)
+    """
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()

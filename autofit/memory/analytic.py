@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, NoTrainableParametersError, fix
+from autofit.memory._common import pinned_bytes
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import sm_version
 
@@ -402,10 +403,7 @@ def _layer_bytes(c: dict, b: BlockSpec, batch: int, seq_len: int) -> float:
 
 def _linear_weight_numel(info: ModelInfo) -> int:
     """Elements of the matmul weights autocast copies (blocks + output head)."""
-    n = 0
-    if info.quantization is None:  # bitsandbytes dequantizes per op and saves the packed weight
-        for b in info.blocks:
-            n += b.count * sum(i * o for _, i, o, _ in b.linears)
+    n = info.block_matmul_numel
     if info.vocab_size and info.hidden_size and info.task != "seq-cls":
         n += info.vocab_size * info.hidden_size
     return n
@@ -456,16 +454,6 @@ def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: D
     # CPU kernel does through two fp32 (V, h) temporaries
     extra = (4 if head_trainable else 1) * vocab * hidden * 4
     return max(grad_in + grad_w + extra + chunk, handed)
-
-
-def pinned_bytes(nbytes: int) -> int:
-    """Bytes torch's pinned host caching allocator takes for a request: the next power of two
-    (``CachingHostAllocator``: ``PowerOf2Ceil``), kept cached for the next step.
-
-        >>> pinned_bytes(3 << 20) == 4 << 20, pinned_bytes(4 << 20) == 4 << 20
-        (True, True)
-    """
-    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
 
 
 def offload_note(host: int, tensors: int) -> str:

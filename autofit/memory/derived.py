@@ -213,9 +213,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     lay, bas = _solve(layer_vals), _solve(base_vals)
     if config.precision_spec.autocast:
         # autocast's 16-bit weight copies, alive at the loss, are counted apart
-        from autofit.memory.analytic import _linear_weight_numel
-
-        per_layer = (_linear_weight_numel(info) - _head_numel(info)) * 2 / max(n, 1)
+        per_layer = info.block_matmul_numel * 2 / max(n, 1)
         lay["F"] -= per_layer
         if not config.chunked_loss:
             bas["F"] -= _head_numel(info) * 2

@@ -166,6 +166,14 @@ class ModelInfo:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
+    def block_matmul_numel(self) -> int:
+        """Elements of the blocks' matmul weights (what autocast copies per op; none for a
+        bitsandbytes-quantized base, which dequantizes per op and saves the packed weight)."""
+        if self.quantization is not None:
+            return 0
+        return sum(b.count * sum(i * o for _, i, o, _ in b.linears) for b in self.blocks)
+
+    @property
     def is_transformer(self) -> bool:
         """True when the blocks were recognised (the analytic method needs them)."""
         return bool(self.blocks) and self.hidden_size is not None
@@ -383,6 +391,11 @@ def _peft_config(request: Any, task: str) -> Any:
 
     if isinstance(request, dict) and "peft_type" not in request:
         request = LoraSpec(**request)
+    if isinstance(request, LoraSpec):
+        targets = request.target_modules
+        request = {"peft_type": "LORA", "r": request.r, "lora_alpha": request.alpha,
+                   "target_modules": list(targets) if isinstance(targets, tuple) else targets,
+                   "lora_dropout": request.dropout}
     return read_peft_config(request, task)
 
 

@@ -2,7 +2,7 @@
 
 ``peft_config(value, task)`` turns what a user gives — a ``peft.PeftConfig``, a dict
 as in an ``adapter_config.json`` (with ``peft_type``), a path to such a JSON file, an
-inline JSON object, or autofit's ``LoraSpec`` shorthand — into the ``PeftConfig``
+inline JSON object — into the ``PeftConfig``
 that ``get_peft_model`` takes, set for training (a saved adapter's
 ``inference_mode=True`` would freeze it) and for the task. ``apply_peft`` puts it on
 a base model built on the meta device, as a user's script would: the base frozen,
@@ -133,13 +133,6 @@ def peft_config(value: Any, task: str) -> Any:
             cannot model, a field peft rejects.
     """
     peft = _peft()
-    from autofit.probe.model import LoraSpec
-
-    if isinstance(value, LoraSpec):
-        targets = value.target_modules
-        value = {"peft_type": "LORA", "r": value.r, "lora_alpha": value.alpha,
-                 "target_modules": list(targets) if isinstance(targets, tuple) else targets,
-                 "lora_dropout": value.dropout}
     if isinstance(value, (str, os.PathLike)):
         value = _read(value)
     if isinstance(value, peft.PeftConfig):

@@ -1,5 +1,8 @@
 """The PEFT comparison as a terminal table (rich) and a picture (matplotlib, Agg).
 
+``c`` is an ``autofit.compare.PeftComparison`` (not imported: the comparison sits
+above the report in the flow).
+
     >>> from autofit.compare import compare_peft
     >>> c = compare_peft("tiny-llama", seq_len=64, device="cpu:2GiB", methods=["lora"],
     ...                  confirm_top=0)
@@ -10,13 +13,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autofit.errors import BadInputError
 from autofit.probe.device import format_bytes
-
-if TYPE_CHECKING:  # pragma: no cover
-    from autofit.compare import PeftComparison
 
 __all__ = ["render_comparison", "print_comparison", "plot_comparison"]
 
@@ -32,7 +32,7 @@ def _params(n: int | None) -> str:
     return str(n)
 
 
-def comparison_renderable(c: PeftComparison) -> Any:
+def comparison_renderable(c: Any) -> Any:
     from rich.table import Table
 
     best = c.best
@@ -66,7 +66,7 @@ def comparison_renderable(c: PeftComparison) -> Any:
     return t
 
 
-def render_comparison(c: PeftComparison, width: int = 110) -> str:
+def render_comparison(c: Any, width: int = 110) -> str:
     """The table as text (no colour codes)."""
     from rich.console import Console
 
@@ -77,11 +77,11 @@ def render_comparison(c: PeftComparison, width: int = 110) -> str:
     return console.export_text()
 
 
-def _errors(c: PeftComparison) -> list[str]:
+def _errors(c: Any) -> list[str]:
     return [f"n/a {r.method}: {r.error}" for r in c.rows if r.error is not None]
 
 
-def print_comparison(c: PeftComparison, png: Path | None = None) -> None:
+def print_comparison(c: Any, png: Path | None = None) -> None:
     """Print the table (and where the picture is) to the terminal."""
     from rich.console import Console
 
@@ -101,7 +101,7 @@ def print_comparison(c: PeftComparison, png: Path | None = None) -> None:
         console.print(f"picture: {png}")
 
 
-def plot_comparison(c: PeftComparison, path: str | Path) -> Path:
+def plot_comparison(c: Any, path: str | Path) -> Path:
     """Two panels: each method's estimated peak at the compared micro batch (with the
     device's budget and the trials' measurements), and its largest micro batch."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
