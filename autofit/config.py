@@ -156,6 +156,8 @@ class TrainConfig:
         world_size: data-parallel processes; estimates are always per device.
         chunked_loss: compute the causal-LM loss without the full (B, T, V) logits
             (``autofit.causal_lm_chunked_loss``; train with ``autofit.ChunkedLossTrainer``).
+        torch_compile: run the step through ``torch.compile`` (inductor), as
+            ``TrainingArguments(torch_compile=True)`` does.
 
     Example:
         >>> TrainConfig(micro_batch_size=2, grad_accum_steps=8).effective_batch_size
@@ -171,6 +173,7 @@ class TrainConfig:
     seq_len: int | None = None
     world_size: int = 1
     chunked_loss: bool = False
+    torch_compile: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -178,8 +181,9 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 problems.append(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.chunked_loss, bool):
-            problems.append(f"chunked_loss must be True or False, got {self.chunked_loss!r}")
+        for name in ("chunked_loss", "torch_compile"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.seq_len is not None and (
             isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len <= 0
         ):

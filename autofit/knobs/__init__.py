@@ -1,8 +1,8 @@
 """The levers the search may turn, one module each (see ``base`` for what a knob declares).
 
-``precision``, ``checkpointing``, ``optimizer`` and ``chunked_loss`` today (``loss``:
-the chunked causal-LM loss and its Trainer); ``registry`` lists them
-in order. ``SearchSpace``, ``Candidate``, the optuna study, the cache key, the
+``precision``, ``checkpointing``, ``optimizer``, ``chunked_loss`` (``loss``:
+the chunked causal-LM loss and its Trainer) and ``compile`` (torch.compile) today;
+``registry`` lists them in order. ``SearchSpace``, ``Candidate``, the optuna study, the cache key, the
 candidates table, the emitted fields and the "nothing fits" suggestions are
 generic over ``KNOBS``.
 """
@@ -10,6 +10,7 @@ generic over ``KNOBS``.
 from autofit.knobs.base import Knob, installed, restrict, training_arguments_fields
 from autofit.knobs.checkpointing import CHECKPOINTING
 from autofit.knobs.chunked_loss import CHUNKED_LOSS
+from autofit.knobs.compile import TORCH_COMPILE
 from autofit.knobs.optimizer import OPTIMIZER
 from autofit.knobs.precision import PRECISION
 from autofit.knobs.registry import (
@@ -21,6 +22,7 @@ from autofit.knobs.registry import (
     owned_fields,
 )
 
-__all__ = ["CHECKPOINTING", "CHUNKED_LOSS", "KNOBS", "OPTIMIZER", "PRECISION", "Knob", "choice_of",
+__all__ = ["CHECKPOINTING", "CHUNKED_LOSS", "KNOBS", "OPTIMIZER", "PRECISION", "TORCH_COMPILE",
+           "Knob", "choice_of",
            "describe_choice", "installed", "knob", "knob_names", "owned_fields", "restrict",
            "training_arguments_fields"]

@@ -4,7 +4,7 @@ Adding a lever is one new module in ``autofit/knobs/`` (a ``Knob``), its entry h
 its ``TrainConfig`` field, its memory rule in ``autofit/memory`` and its tests.
 
     >>> [k.name for k in KNOBS]
-    ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss']
+    ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss', 'torch_compile']
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from autofit.errors import BadInputError
 from autofit.knobs.base import Knob
 from autofit.knobs.checkpointing import CHECKPOINTING
 from autofit.knobs.chunked_loss import CHUNKED_LOSS
+from autofit.knobs.compile import TORCH_COMPILE
 from autofit.knobs.optimizer import OPTIMIZER
 from autofit.knobs.precision import PRECISION
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields"]
 
-KNOBS: tuple[Knob, ...] = (PRECISION, CHECKPOINTING, OPTIMIZER, CHUNKED_LOSS)
+KNOBS: tuple[Knob, ...] = (PRECISION, CHECKPOINTING, OPTIMIZER, CHUNKED_LOSS, TORCH_COMPILE)
 
 
 def knob(name: str) -> Knob:
