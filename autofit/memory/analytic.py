@@ -383,15 +383,17 @@ def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: D
 #   the causal mask once, (B, 1, T, T) in fp32, which eager SDPA gets as ``is_causal``
 #   (``mask``: bytes per token and key position, once per step);
 # * gpt2: of the MLP's five (B, T, i) tensors (fc output, GELU's inner terms, its output,
-#   c_proj's input) two are kept (-3i).
+#   c_proj's input) two are kept (-3i); and at the loss's backward one fp32 (B, T, V)
+#   buffer fewer than eager's two gradients is alive (``loss``: measured, 0.84-1 of
+#   them; a llama step keeps both: the mechanism, perhaps the tied head, not isolated).
 # Besides, every dropout keeps a bool mask (1 byte) instead of eager's mask in the
 # activation dtype (``_COMPILE_MASK_SAVING``): its hidden-sized dropouts and attention's
 # (heads x T per token).
 # NB: families without a measured rule (BERT, T5, ...) get no saving (the eager estimate,
 # on the safe side).
 _COMPILE_FUSED: dict[str, dict[str, float]] = {
-    "llama": {"h": 0.0, "kv": 2.0, "i": 1.0, "mask": 4.0},
-    "gpt2": {"h": 0.0, "kv": 0.0, "i": 3.0, "mask": 0.0},
+    "llama": {"h": 0.0, "kv": 2.0, "i": 1.0, "mask": 4.0, "loss": 0.0},
+    "gpt2": {"h": 0.0, "kv": 0.0, "i": 3.0, "mask": 0.0, "loss": 1.0},
 }
 
 
@@ -409,11 +411,17 @@ def compile_saving_bytes(info: ModelInfo, config: TrainConfig, seq_len: int) -> 
         >>> compile_saving_bytes(info, TrainConfig(), 256)
         0
     """
+    return sum(_compile_parts(info, config, seq_len))
+
+
+def _compile_parts(info: ModelInfo, config: TrainConfig, seq_len: int) -> tuple[int, int]:
+    """(blocks, the rest) of ``compile_saving_bytes``: what the blocks' saved activations
+    lose (one block with checkpointing), and the masks and loss buffers outside them."""
     if not config.torch_compile or config.chunked_loss or not info.is_transformer:
-        return 0
+        return 0, 0
     c = _COMPILE_FUSED.get(_family(info))
     if c is None:
-        return 0
+        return 0, 0
     e = _bytes(config.precision_spec.compute_dtype)  # element size of the saved activations
     mask = e - 1  # a dropout's bool mask instead of one in the activation dtype
     per_layer = []
@@ -426,14 +434,16 @@ def compile_saving_bytes(info: ModelInfo, config: TrainConfig, seq_len: int) -> 
                  + (b.num_heads * seq_len if b.attention_dropout > 0 else 0))
         per_layer.append((max(el, 0.0) * e + mask * masks, b.count))
     if not per_layer:
-        return 0
+        return 0, 0
     tokens = config.micro_batch_size * seq_len
     causal_mask = tokens * seq_len * c["mask"]  # kept by the compiled step, not by eager
     # the embeddings' dropout (outside the blocks): its mask too
     base = tokens * mask * (info.hidden_size or 0) * (info.embedding_dropout > 0) - causal_mask
+    lm = info.task != "seq-cls" and info.vocab_size is not None
+    base += c["loss"] * tokens * (info.vocab_size if lm else 0) * 4  # fp32 (B, T, V) buffers
     if config.gradient_checkpointing:
-        return int(tokens * max(x for x, _ in per_layer) + base)
-    return int(tokens * sum(x * n for x, n in per_layer) + base)
+        return int(tokens * max(x for x, _ in per_layer)), int(base)
+    return int(tokens * sum(x * n for x, n in per_layer)), int(base)
 
 
 def estimate_analytic(
@@ -506,11 +516,12 @@ def estimate_analytic(
         copies = copies_all
     # torch.compile: what the partitioner recomputes instead of saving (the block
     # recomputed at a time with checkpointing, every block without)
-    fused = compile_saving_bytes(info, config, T)
+    fused, fused_base = _compile_parts(info, config, T)
     if config.gradient_checkpointing:
         A_transient = max(A_transient - fused, 0)
     else:
         A_layers = max(A_layers - fused, 0)
+    A_base -= fused_base  # masks (the causal one: more) and the loss's buffers
     A = A_layers + A_base
 
     # -- temporaries ---------------------------------------------------------
