@@ -380,20 +380,23 @@ def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: D
 #   and of the attention's inputs only the (B, H, T, d) tensors SDPA's backward reads are
 #   kept: -2 kv net (the key/value heads are kept repeated to all heads, but the norms'
 #   and rotary embedding's hidden-sized outputs are recomputed); the graph materialises
-#   the causal mask once, (B, 1, T, T) in fp32, which eager SDPA gets as ``is_causal``
-#   (``mask``: bytes per token and key position, once per step);
+#   the causal mask once, (B, 1, T, T) in the compute dtype, which eager SDPA gets as
+#   ``is_causal`` (``mask``: elements per token and key position, once per step);
 # * gpt2: of the MLP's five (B, T, i) tensors (fc output, GELU's inner terms, its output,
-#   c_proj's input) two are kept (-3i); and at the loss's backward one fp32 (B, T, V)
-#   buffer fewer than eager's two gradients is alive (``loss``: measured, 0.84-1 of
-#   them; a llama step keeps both: the mechanism, perhaps the tied head, not isolated).
-# Besides, every dropout keeps a bool mask (1 byte) instead of eager's mask in the
-# activation dtype (``_COMPILE_MASK_SAVING``): its hidden-sized dropouts and attention's
-# (heads x T per token).
+#   c_proj's input) two are kept (-3i).
+# Every dropout keeps a bool mask (1 byte) instead of eager's mask in the activation dtype
+# (its hidden-sized dropouts, attention's heads x T per token, the embeddings').
+# The loss: eager keeps the fp32 log-softmax and makes two fp32 (B, T, V) gradients at the
+# start of backward; the compiled graph fuses the upcast, the log-softmax and the loss's
+# backward. ``loss`` / ``loss_mixed``: how many fp32 (B, T, V) buffers fewer are alive at
+# the backward peak, without / with autocast (measured; the "-true" precisions take the
+# former): llama 0 in fp32 (the compiled backward still holds two), 1.75 in bf16-mixed (it
+# keeps the bf16 logits, and its fused backward ~0.8 fp32 buffer); GPT-2 1 in fp32.
 # NB: families without a measured rule (BERT, T5, ...) get no saving (the eager estimate,
 # on the safe side).
 _COMPILE_FUSED: dict[str, dict[str, float]] = {
-    "llama": {"h": 0.0, "kv": 2.0, "i": 1.0, "mask": 4.0, "loss": 0.0},
-    "gpt2": {"h": 0.0, "kv": 0.0, "i": 3.0, "mask": 0.0, "loss": 1.0},
+    "llama": {"h": 0.0, "kv": 2.0, "i": 1.0, "mask": 1.0, "loss": 0.0, "loss_mixed": 1.75},
+    "gpt2": {"h": 0.0, "kv": 0.0, "i": 3.0, "mask": 0.0, "loss": 1.0, "loss_mixed": 1.5},
 }
 
 
@@ -436,11 +439,12 @@ def _compile_parts(info: ModelInfo, config: TrainConfig, seq_len: int) -> tuple[
     if not per_layer:
         return 0, 0
     tokens = config.micro_batch_size * seq_len
-    causal_mask = tokens * seq_len * c["mask"]  # kept by the compiled step, not by eager
+    causal_mask = tokens * seq_len * c["mask"] * e  # kept by the compiled step, not by eager
     # the embeddings' dropout (outside the blocks): its mask too
     base = tokens * mask * (info.hidden_size or 0) * (info.embedding_dropout > 0) - causal_mask
     lm = info.task != "seq-cls" and info.vocab_size is not None
-    base += c["loss"] * tokens * (info.vocab_size if lm else 0) * 4  # fp32 (B, T, V) buffers
+    loss = c["loss_mixed"] if config.precision_spec.autocast else c["loss"]
+    base += loss * tokens * (info.vocab_size if lm else 0) * 4  # fp32 (B, T, V) buffers
     if config.gradient_checkpointing:
         return int(tokens * max(x for x, _ in per_layer)), int(base)
     return int(tokens * sum(x * n for x, n in per_layer)), int(base)
