@@ -788,6 +788,17 @@ def _chunked_loss_saving(info: Any, config: TrainConfig, seq: int, dev: Any) -> 
             "log-softmax or their gradients)")
 
 
+def _compile_saving(info: Any, config: TrainConfig, seq: int) -> str:
+    """The reason line of a chosen torch.compile: what its rule takes off the eager step."""
+    from autofit.memory.analytic import compile_saving_bytes
+    from autofit.probe.device import format_bytes as _gib
+
+    n = compile_saving_bytes(info, config, seq)
+    what = f"~{_gib(n)} fewer" if n >= 0 else f"~{_gib(-n)} more"
+    return (f"torch.compile: {what} activations than eager at micro batch "
+            f"{config.micro_batch_size}, estimated (fused pointwise chains: autofit.knobs.compile)")
+
+
 def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any, recorder: Any,
             key: str, whole: _WholeRun, kept: Any, max_seq_len: int | None,
             reasons: list[str]):
@@ -818,6 +829,8 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
     reasons += [n for k in KNOBS if (n := k.note(getattr(config, k.name)))]
     if config.chunked_loss:
         reasons.append(_chunked_loss_saving(info, config, seq, dev))
+    if config.torch_compile:
+        reasons.append(_compile_saving(info, config, seq))
     kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
     eval_micro = whole.eval_batch(config, margin, reasons)
     eval_micro, eval_measured = _eval_from_trial(outcome, config, eval_micro, info, seq, dev,

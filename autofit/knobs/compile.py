@@ -33,9 +33,15 @@ chains inside the backward's fused kernels, so, per block and token:
   (-3 i elements);
 * every dropout keeps a bool mask (1 byte) instead of one in the activation dtype:
   its hidden-sized dropouts, attention's (heads x T per token), the embeddings';
-* the compiled graph materialises the causal mask, (B, 1, T, T) fp32, once per step,
-  which eager SDPA gets as ``is_causal`` (+4 T bytes per token: on a long sequence and a
-  narrow model compiling costs memory).
+* the compiled graph materialises the causal mask, (B, 1, T, T) in the compute dtype,
+  once per step, which eager SDPA gets as ``is_causal`` (on a long sequence and a narrow
+  model compiling costs memory);
+* the loss: eager keeps the fp32 log-softmax and makes two fp32 (B, T, V) gradients at
+  the start of backward; the compiled graph fuses the upcast, the log-softmax and their
+  backward. How many fp32 (B, T, V) buffers fewer are alive at the backward peak was
+  measured, not derived: llama 0 in fp32 (its compiled backward still holds two), 1.75
+  in bf16-mixed (it keeps the bf16 logits instead of the fp32 log-softmax); GPT-2 1 in
+  fp32 and 1.5 with autocast.
 
 With gradient checkpointing only the block being recomputed gains. The simulator
 takes the saving off every forward and backward event of its replayed eager step (so
