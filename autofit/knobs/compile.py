@@ -41,7 +41,8 @@ chains inside the backward's fused kernels, so, per block and token:
   backward. How many fp32 (B, T, V) buffers fewer are alive at the backward peak was
   measured, not derived: llama 0 in fp32 (its compiled backward still holds two), 1.75
   in bf16-mixed (it keeps the bf16 logits instead of the fp32 log-softmax); GPT-2 1 in
-  fp32 and 1.5 with autocast.
+  fp32 and 1.5 with autocast (not pinned down: the measured GPT-2 bf16-mixed
+  configuration peaks in the optimizer step).
 
 With gradient checkpointing only the block being recomputed gains. The simulator
 takes the saving off every forward and backward event of its replayed eager step (so

@@ -391,7 +391,9 @@ def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: D
 # backward. ``loss`` / ``loss_mixed``: how many fp32 (B, T, V) buffers fewer are alive at
 # the backward peak, without / with autocast (measured; the "-true" precisions take the
 # former): llama 0 in fp32 (the compiled backward still holds two), 1.75 in bf16-mixed (it
-# keeps the bf16 logits, and its fused backward ~0.8 fp32 buffer); GPT-2 1 in fp32.
+# keeps the bf16 logits, and its fused backward ~0.8 fp32 buffer); GPT-2 1 in fp32, and
+# 1.5 with autocast (the fp32 value and the half buffer bf16 logits save; not pinned down:
+# its measured bf16-mixed configuration peaks in the optimizer step).
 # NB: families without a measured rule (BERT, T5, ...) get no saving (the eager estimate,
 # on the safe side).
 _COMPILE_FUSED: dict[str, dict[str, float]] = {

@@ -373,7 +373,7 @@ class Simulator:
 
         info = describe(self.module, task=self.task, name=self.model_name)
         fused = compile_saving_bytes(info, config, seq_len)
-        delta = _compiled_peak_drop(events, fused)
+        delta, phase = _compiled_peak_drop(events, fused)
         if not delta:
             return est
         from dataclasses import replace as _replace
@@ -390,7 +390,8 @@ class Simulator:
         what = "less" if delta > 0 else "more"
         note = (f"torch.compile: the eager step simulated, {abs(delta) / 2**20:.1f} MiB {what} "
                 "at its peak by the fused-activation rule (autofit.knobs.compile)")
-        return _replace(est, peak_allocated_bytes=est.peak_allocated_bytes - delta,
+        return _replace(est, peak_phase=phase or est.peak_phase,
+                        peak_allocated_bytes=est.peak_allocated_bytes - delta,
                         peak_reserved_bytes=est.peak_reserved_bytes - delta,
                         device_total_bytes=total, fits=total <= est.capacity_bytes,
                         breakdown=breakdown, notes=(*est.notes, note))
@@ -535,14 +536,16 @@ def _to_events(log: list[tuple[str, Any, str]], marks: list[tuple[str, int]] = (
     return out, [(label, at[i]) for label, i in marks]
 
 
-def _compiled_peak_drop(events: tuple[AllocEvent, ...], fused: int) -> int:
+def _compiled_peak_drop(events: tuple[AllocEvent, ...], fused: int) -> tuple[int, str]:
     """How much lower the step's peak of live bytes is when every forward and backward
-    event has ``fused`` bytes fewer alive (the optimizer step's are unchanged); negative
-    when the compiled step keeps more. Live bytes are the requested sizes."""
+    event has ``fused`` bytes fewer alive (the optimizer step's are unchanged; negative
+    when the compiled step keeps more), and the phase of that lower peak. Live bytes are
+    the requested sizes."""
     if not fused:
-        return 0
+        return 0, ""
     live, sizes = 0, {}
     peak = peak_compiled = None
+    phase = ""
     for ev in events:
         if ev.kind == "alloc":
             sizes[ev.id] = ev.size
@@ -551,10 +554,11 @@ def _compiled_peak_drop(events: tuple[AllocEvent, ...], fused: int) -> int:
             live -= sizes.pop(ev.id, 0)
         here = live - fused if ev.phase in ("forward", "backward") else live
         peak = live if peak is None else max(peak, live)
-        peak_compiled = here if peak_compiled is None else max(peak_compiled, here)
+        if peak_compiled is None or here > peak_compiled:
+            peak_compiled, phase = here, ev.phase
     if peak is None:
-        return 0
-    return int(peak - peak_compiled)
+        return 0, ""
+    return int(peak - peak_compiled), phase
 
 
 def _replay(events: tuple[AllocEvent, ...], device: DeviceInfo) -> ReplayResult:
