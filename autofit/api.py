@@ -812,6 +812,15 @@ def _offloading_saving(info: Any, config: TrainConfig, seq: int, dev: Any) -> st
             f"at micro batch {config.micro_batch_size} (estimated {_gib(off)} -> "
             f"{_gib(on.device_total_bytes)}), needs ~{_gib(on.host_bytes)} of pinned host memory, "
             f"~{100 * slower:.0f}% slower (host copies)")
+def _compile_saving(info: Any, config: TrainConfig, seq: int) -> str:
+    """The reason line of a chosen torch.compile: what its rule takes off the eager step."""
+    from autofit.memory.analytic import compile_saving_bytes
+    from autofit.probe.device import format_bytes as _gib
+
+    n = compile_saving_bytes(info, config, seq)
+    what = f"~{_gib(n)} fewer" if n >= 0 else f"~{_gib(-n)} more"
+    return (f"torch.compile: {what} activations than eager at micro batch "
+            f"{config.micro_batch_size}, estimated (fused pointwise chains: autofit.knobs.compile)")
 
 
 def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any, recorder: Any,
@@ -846,6 +855,8 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
         reasons.append(_chunked_loss_saving(info, config, seq, dev))
     if config.activation_offloading:
         reasons.append(_offloading_saving(info, config, seq, dev))
+    if config.torch_compile:
+        reasons.append(_compile_saving(info, config, seq))
     kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
     eval_micro = whole.eval_batch(config, margin, reasons)
     eval_micro, eval_measured = _eval_from_trial(outcome, config, eval_micro, info, seq, dev,

@@ -170,6 +170,8 @@ class TrainConfig:
             memory (transformers' ``activation_checkpointing_kwargs={"offload": True}``):
             CUDA only, and only with ``gradient_checkpointing`` (transformers offloads
             what checkpointing keeps).
+        torch_compile: run the step through ``torch.compile`` (inductor), as
+            ``TrainingArguments(torch_compile=True)`` does.
 
     Example:
         >>> TrainConfig(micro_batch_size=2, grad_accum_steps=8).effective_batch_size
@@ -186,6 +188,7 @@ class TrainConfig:
     world_size: int = 1
     chunked_loss: bool = False
     activation_offloading: bool = False
+    torch_compile: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -193,13 +196,14 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 problems.append(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.chunked_loss, bool):
-            problems.append(f"chunked_loss must be True or False, got {self.chunked_loss!r}")
         if not isinstance(self.activation_offloading, bool):
             problems.append("activation_offloading must be True or False, "
                             f"got {self.activation_offloading!r}")
         elif self.activation_offloading and not self.gradient_checkpointing:
             problems.append(offload_needs_checkpointing())
+        for name in ("chunked_loss", "torch_compile"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.seq_len is not None and (
             isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len <= 0
         ):

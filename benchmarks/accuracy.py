@@ -53,6 +53,7 @@ def _estimate(spec: dict, method: str, tmp: Path):
         optimizer=spec["optimizer"],
         optim_args=spec.get("optim_args"),
         chunked_loss=bool(spec.get("chunked_loss", False)),
+        torch_compile=bool(spec.get("torch_compile", False)),
     )
     t = time.perf_counter()
     est = estimate(str(cfg_path), config, seq_len=spec["seq"], device="cpu", method=method,
@@ -69,6 +70,8 @@ def _describe(spec: dict) -> str:
         parts.append(f"lora r{spec['lora']['r']}")
     if spec.get("chunked_loss"):
         parts.append("chunked loss")
+    if spec.get("torch_compile"):
+        parts.append("torch.compile")
     if spec.get("attn_implementation") == "eager":
         parts.append("eager")
     return " ".join(parts)

@@ -87,8 +87,10 @@ def spec(
     attn: str = "sdpa",
     lora: dict[str, Any] | None = None,
     chunked: bool = False,
+    compiled: bool = False,
 ) -> dict[str, Any]:
-    """One spec dict with exactly the project-wide keys (``chunked_loss`` only when on)."""
+    """One spec dict with exactly the project-wide keys (``chunked_loss``, ``torch_compile``
+    only when on)."""
     out = {
         "name": name,
         "model_type": model_type,
@@ -105,6 +107,8 @@ def spec(
     }
     if chunked:
         out["chunked_loss"] = True
+    if compiled:
+        out["torch_compile"] = True
     return out
 
 
@@ -212,6 +216,14 @@ CONFIGS: list[dict[str, Any]] = [
         optimizer="sgd",
         optim_args="momentum=0.9",
     ),
+    # torch.compile (inductor): fused pointwise chains save fewer activations; each
+    # measuring child compiles first (~2-4 min here), outside the measured steps
+    _llama("llama-b4s256-compile", compiled=True),
+    _llama("llama-b4s256-bf16m-compile", precision="bf16-mixed", compiled=True),
+    _llama("llama-b4s256-gc-compile", gc=True, compiled=True),
+    spec("llamas-b8s512-compile", "llama", LLAMA_SMALL, "causal-lm", 8, 512, compiled=True),
+    _gpt2("gpt2-b2s256-compile", batch=2, compiled=True),
+    _gpt2("gpt2-b4s256-bf16m-gc-compile", precision="bf16-mixed", gc=True, compiled=True),
     # t5: seq2seq
     spec("t5-b4s256", "t5", T5, "seq2seq", 4, 256),
     spec("t5-b4s256-eager", "t5", T5, "seq2seq", 4, 256, attn="eager"),

@@ -24,8 +24,11 @@ Spec (a JSON-able dict; the project-wide format)::
      "gradient_checkpointing": false, "optimizer": "adamw_torch", "optim_args": null,
      "attn_implementation": "sdpa" | "eager",
      "lora": null | {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0},
-     "chunked_loss": false}   # optional: the causal-LM loss by torch's chunked
+     "chunked_loss": false,   # optional: the causal-LM loss by torch's chunked
                               # linear_cross_entropy (backbone + head weight, no full logits)
+     "torch_compile": false}  # optional: the step's forward through
+                              # torch.compile(model, backend="inductor"), as the Trainer's
+                              # accelerate does for TrainingArguments(torch_compile=True)
 
 Protocol (one configuration per fresh child process, so nothing leaks between runs):
 
@@ -39,6 +42,10 @@ Protocol (one configuration per fresh child process, so nothing leaks between ru
 3. Warm-up: one step of the same kind at batch 1 x seq 8 with a throwaway
    optimizer; its gradients (``set_to_none``) and optimizer state are freed and
    ``gc.collect()`` runs. This absorbs one-time autograd/kernel setup (16-31 MiB).
+   With ``torch_compile`` the warm-up step runs at the measured shape instead, so
+   that compilation (static shapes, forward and backward graphs) is over before the
+   baseline: compiled code, inductor's caches and the compiler's own memory are not
+   counted, as a long run amortises them.
 4. Baseline = RSS from ``/proc/self/statm``. Weights and buffers already exist here,
    so every number below EXCLUDES them; they are reported as ``weights_bytes``
    (computed from the tensors' storages) so that ``peak_bytes + weights_bytes`` can
@@ -127,7 +134,7 @@ SPEC_KEYS = (
     "attn_implementation",
     "lora",
 )
-OPTIONAL_KEYS = ("chunked_loss",)
+OPTIONAL_KEYS = ("chunked_loss", "torch_compile")
 
 TASK_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",
@@ -170,6 +177,8 @@ def check_spec(spec: dict[str, Any]) -> None:
         problems.append("attn_implementation must be 'eager' or 'sdpa'")
     if spec.get("chunked_loss") and spec.get("task") != "causal-lm":
         problems.append("chunked_loss needs task causal-lm")
+    if spec.get("torch_compile") and spec.get("chunked_loss"):
+        problems.append("torch_compile with chunked_loss is not measured here")
     lora = spec.get("lora")
     if lora is not None and not {"r", "alpha", "target_modules"} <= set(lora):
         problems.append("lora needs r, alpha, target_modules (and optionally dropout)")
@@ -180,14 +189,18 @@ def check_spec(spec: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- parent side
 
 
-def measure(spec: dict[str, Any], timeout_s: float = 900.0) -> dict[str, Any]:
+def measure(spec: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
     """Measure one spec in a fresh child process and return its result dict.
+
+    ``timeout_s``: default 900 s, 2400 s for a compiled spec (compilation comes first).
 
     Raises:
         ValueError: the spec is malformed.
         RuntimeError: the child failed (its stderr tail is in the message).
     """
     check_spec(spec)
+    if timeout_s is None:
+        timeout_s = 2400.0 if spec.get("torch_compile") else 900.0
     env = {**os.environ, **CHILD_ENV}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -374,7 +387,8 @@ def _chunked_loss(model, batch):
 
 def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None,
           chunked=False) -> float:
-    """One Trainer training step + optimizer step; returns the loss. ``mark(phase)`` hooks."""
+    """One Trainer training step + optimizer step; returns the loss. ``mark(phase)`` hooks.
+    ``model`` may be the ``torch.compile`` wrapper of the model (its forward compiled)."""
     import torch
 
     mark = mark or (lambda phase: None)
@@ -434,6 +448,9 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
 
     model, config = _build_model(spec)
+    # the module the steps call: the Trainer's accelerate wraps the prepared model last,
+    # torch.compile(model, backend="inductor") (TorchDynamoPlugin.to_kwargs())
+    stepped = torch.compile(model, backend="inductor") if spec.get("torch_compile") else model
     rss_after_build = _rss_bytes()  # bytes; for the warm-up residue below
     params = [p for p in model.parameters() if p.requires_grad]
     _, autocast_dtype, use_scaler = PRECISIONS[spec["precision"]]
@@ -442,14 +459,19 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         return torch.amp.GradScaler("cpu") if use_scaler else None
 
     # Warm-up: same kind of step, tiny batch, throwaway optimizer; then free everything.
-    warm_batch = _make_batch(spec, config, WARMUP_BATCH, WARMUP_SEQ)
+    # (compiled: at the measured shape, so that the step's graphs are compiled here)
+    warm_shape = ((spec["batch"], spec["seq"]) if spec.get("torch_compile")
+                  else (WARMUP_BATCH, WARMUP_SEQ))
+    warm_batch = _make_batch(spec, config, *warm_shape)
     warm_opt = _make_optimizer(model, opt_cls, opt_kwargs, args.weight_decay)
     chunked = bool(spec.get("chunked_loss"))
-    _step(model, warm_batch, warm_opt, params, autocast_dtype, new_scaler(), chunked=chunked)
+    t_warm = time.perf_counter()
+    _step(stepped, warm_batch, warm_opt, params, autocast_dtype, new_scaler(), chunked=chunked)
     model.zero_grad(set_to_none=True)
     warm_opt.state.clear()
     del warm_opt, warm_batch
     gc.collect()
+    warmup_s = time.perf_counter() - t_warm
 
     batch = _make_batch(spec, config, spec["batch"], spec["seq"])
     optimizer = _make_optimizer(model, opt_cls, opt_kwargs, args.weight_decay)
@@ -458,15 +480,15 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     baseline = _rss_bytes()  # bytes; weights, batch and imports already resident
     _reset_hwm()
-    _step(model, batch, optimizer, params, autocast_dtype, scaler,
+    _step(stepped, batch, optimizer, params, autocast_dtype, scaler,
           chunked=chunked)  # optimizer state appears
     first_step_peak = _hwm_bytes() - baseline
 
     _reset_hwm()
     t0 = time.perf_counter()
-    _step(model, batch, optimizer, params, autocast_dtype, scaler, chunked=chunked)
+    _step(stepped, batch, optimizer, params, autocast_dtype, scaler, chunked=chunked)
     marks = _PhaseMarks(baseline)
-    loss = _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=marks,
+    loss = _step(stepped, batch, optimizer, params, autocast_dtype, scaler, mark=marks,
                  chunked=chunked)
     step_time_s = (time.perf_counter() - t0) / 2
     # VmHWM is a running max, so the peak over both steps is the high-water mark up to
@@ -487,6 +509,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         "trainable_param_count": sum(p.numel() for p in params),
         "loss": loss,
         "step_time_s": step_time_s,
+        "warmup_s": warmup_s,  # compiled: includes compilation
         "wall_s": time.perf_counter() - t_start,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,

@@ -1,8 +1,9 @@
 """The levers the search may turn, one module each (see ``base`` for what a knob declares).
 
 ``precision``, ``checkpointing``, ``optimizer``, ``chunked_loss`` (``loss``: the chunked
-causal-LM loss and its Trainer) and ``offloading`` today; ``registry`` lists them
-in order. ``SearchSpace``, ``Candidate``, the optuna study, the cache key, the
+causal-LM loss and its Trainer), ``offloading`` and ``compile`` (torch.compile) today;
+``registry`` lists them in order. ``SearchSpace``, ``Candidate``, the optuna study, the
+cache key, the
 candidates table, the emitted fields and the "nothing fits" suggestions are
 generic over ``KNOBS``.
 """
@@ -10,6 +11,7 @@ generic over ``KNOBS``.
 from autofit.knobs.base import Knob, installed, restrict, training_arguments_fields
 from autofit.knobs.checkpointing import CHECKPOINTING
 from autofit.knobs.chunked_loss import CHUNKED_LOSS
+from autofit.knobs.compile import TORCH_COMPILE
 from autofit.knobs.offloading import OFFLOADING
 from autofit.knobs.optimizer import OPTIMIZER
 from autofit.knobs.precision import PRECISION
@@ -23,6 +25,6 @@ from autofit.knobs.registry import (
     owned_fields,
 )
 
-__all__ = ["CHECKPOINTING", "CHUNKED_LOSS", "KNOBS", "OFFLOADING", "OPTIMIZER", "PRECISION", "Knob",
-           "choice_of", "conflict", "describe_choice", "installed", "knob", "knob_names",
-           "owned_fields", "restrict", "training_arguments_fields"]
+__all__ = ["CHECKPOINTING", "CHUNKED_LOSS", "KNOBS", "OFFLOADING", "OPTIMIZER", "PRECISION",
+           "TORCH_COMPILE", "Knob", "choice_of", "conflict", "describe_choice", "installed",
+           "knob", "knob_names", "owned_fields", "restrict", "training_arguments_fields"]

@@ -22,6 +22,9 @@ at its three candidate peaks and reports the largest:
   the recompute holds one of them, copied back;
 * **optimizer step** — weights + gradients + optimizer states + the step's own
   temporaries (e.g. ``foreach`` AdamW's full copy of ``sqrt(v)`` on CUDA).
+* with ``torch_compile`` the blocks keep fewer activations: the eager estimate less
+  ``compile_saving_bytes`` (the rule of ``autofit.knobs.compile``: inductor's min-cut
+  partitioner recomputes pointwise chains in the backward instead of saving them).
 
 Activations per block come from ``coefficients.json``: bytes per token as a linear
 function of hidden size, KV width, intermediate size, heads and heads × seq,
@@ -76,6 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["estimate_analytic", "weights_bytes", "gradients_bytes", "optimizer_state_bytes",
            "chunked_loss_bytes", "loss_chunk_rows", "pinned_bytes", "offload_note", "offloaded_bytes"]
+           "chunked_loss_bytes", "loss_chunk_rows", "compile_saving_bytes"]
 
 _DTYPE_BYTES = {
     "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
@@ -463,6 +467,86 @@ def offload_note(host: int, tensors: int) -> str:
     return (f"activation offloading: {format_bytes(host)} of pinned host memory holds the "
             f"{tensors} inputs the checkpointed blocks save (host_bytes); backward copies "
             "them back one block at a time")
+# torch.compile (inductor, default partitioner): per block and token, the elements eager
+# autograd saves for backward that the compiled step does not, as a linear function of the
+# block's widths (h: hidden, kv: key/value width, i: intermediate), per block family. Read
+# off the tensors each step saves (saved_tensors_hooks around eager and compiled steps of
+# small llama and GPT-2 models) and checked against measured peaks
+# (benchmarks/measure_cpu.py, "torch_compile"):
+# * llama: the gated MLP's product silu(gate) * up (down_proj's input) is recomputed (-i),
+#   and of the attention's inputs only the (B, H, T, d) tensors SDPA's backward reads are
+#   kept: -2 kv net (the key/value heads are kept repeated to all heads, but the norms'
+#   and rotary embedding's hidden-sized outputs are recomputed); the graph materialises
+#   the causal mask once, (B, 1, T, T) in the compute dtype, which eager SDPA gets as
+#   ``is_causal`` (``mask``: elements per token and key position, once per step);
+# * gpt2: of the MLP's five (B, T, i) tensors (fc output, GELU's inner terms, its output,
+#   c_proj's input) two are kept (-3i).
+# Every dropout keeps a bool mask (1 byte) instead of eager's mask in the activation dtype
+# (its hidden-sized dropouts, attention's heads x T per token, the embeddings').
+# The loss: eager keeps the fp32 log-softmax and makes two fp32 (B, T, V) gradients at the
+# start of backward; the compiled graph fuses the upcast, the log-softmax and the loss's
+# backward. ``loss`` / ``loss_mixed``: how many fp32 (B, T, V) buffers fewer are alive at
+# the backward peak, without / with autocast (measured; the "-true" precisions take the
+# former): llama 0 in fp32 (the compiled backward still holds two), 1.75 in bf16-mixed (it
+# keeps the bf16 logits, and its fused backward ~0.8 fp32 buffer); GPT-2 1 in fp32, and
+# 1.5 with autocast (the fp32 value and the half buffer bf16 logits save; not pinned down:
+# its measured bf16-mixed configuration peaks in the optimizer step).
+# NB: families without a measured rule (BERT, T5, ...) get no saving (the eager estimate,
+# on the safe side).
+_COMPILE_FUSED: dict[str, dict[str, float]] = {
+    "llama": {"h": 0.0, "kv": 2.0, "i": 1.0, "mask": 1.0, "loss": 0.0, "loss_mixed": 1.75},
+    "gpt2": {"h": 0.0, "kv": 0.0, "i": 3.0, "mask": 0.0, "loss": 1.0, "loss_mixed": 1.5},
+}
+
+
+def compile_saving_bytes(info: ModelInfo, config: TrainConfig, seq_len: int) -> int:
+    """Bytes of activations a ``torch_compile`` step does not keep at its backward peak,
+    against the eager step's (0 without ``torch_compile``; see ``autofit.knobs.compile``
+    for the rule and its limits). With gradient checkpointing only the block recomputed
+    at a time gains (the checkpointed inputs are kept either way). With the chunked loss
+    nothing: ``ChunkedLossTrainer``'s loss runs the backbone itself, uncompiled.
+
+        >>> from autofit.probe.model import probe_model
+        >>> info = probe_model("tiny-llama")
+        >>> compile_saving_bytes(info, TrainConfig(torch_compile=True), 256) > 0
+        True
+        >>> compile_saving_bytes(info, TrainConfig(), 256)
+        0
+    """
+    return sum(_compile_parts(info, config, seq_len))
+
+
+def _compile_parts(info: ModelInfo, config: TrainConfig, seq_len: int) -> tuple[int, int]:
+    """(blocks, the rest) of ``compile_saving_bytes``: what the blocks' saved activations
+    lose (one block with checkpointing), and the masks and loss buffers outside them."""
+    if not config.torch_compile or config.chunked_loss or not info.is_transformer:
+        return 0, 0
+    c = _COMPILE_FUSED.get(_family(info))
+    if c is None:
+        return 0, 0
+    e = _bytes(config.precision_spec.compute_dtype)  # element size of the saved activations
+    mask = e - 1  # a dropout's bool mask instead of one in the activation dtype
+    per_layer = []
+    for b in info.blocks:
+        if info.is_encoder_decoder and b.role != "encoder":
+            continue
+        kv = b.num_kv_heads * b.head_dim
+        el = c["h"] * b.hidden_size + c["kv"] * kv + c["i"] * b.intermediate_size
+        masks = (b.num_dropouts * b.hidden_size
+                 + (b.num_heads * seq_len if b.attention_dropout > 0 else 0))
+        per_layer.append((max(el, 0.0) * e + mask * masks, b.count))
+    if not per_layer:
+        return 0, 0
+    tokens = config.micro_batch_size * seq_len
+    causal_mask = tokens * seq_len * c["mask"] * e  # kept by the compiled step, not by eager
+    # the embeddings' dropout (outside the blocks): its mask too
+    base = tokens * mask * (info.hidden_size or 0) * (info.embedding_dropout > 0) - causal_mask
+    lm = info.task != "seq-cls" and info.vocab_size is not None
+    loss = c["loss_mixed"] if config.precision_spec.autocast else c["loss"]
+    base += loss * tokens * (info.vocab_size if lm else 0) * 4  # fp32 (B, T, V) buffers
+    if config.gradient_checkpointing:
+        return int(tokens * max(x for x, _ in per_layer)), int(base)
+    return int(tokens * sum(x * n for x, n in per_layer)), int(base)
 
 
 def estimate_analytic(
@@ -543,6 +627,14 @@ def estimate_analytic(
         A_layers = A_layers_full
         A_transient = 0
         copies = copies_all
+    # torch.compile: what the partitioner recomputes instead of saving (the block
+    # recomputed at a time with checkpointing, every block without)
+    fused, fused_base = _compile_parts(info, config, T)
+    if config.gradient_checkpointing:
+        A_transient = max(A_transient - fused, 0)
+    else:
+        A_layers = max(A_layers - fused, 0)
+    A_base -= fused_base  # masks (the causal one: more) and the loss's buffers
     A = A_layers + A_base
 
     # -- temporaries ---------------------------------------------------------

@@ -97,6 +97,10 @@ Known limitations:
   gradients alive, is the worst; later ones repeat it).
 - NB: with bitsandbytes 8-bit optimizers the embeddings get 32-bit states, as
   ``Trainer.create_optimizer`` registers them.
+- NB: ``torch_compile`` is simulated as the eager step with the rule of
+  ``autofit.knobs.compile`` applied to its replay (activations the compiled step
+  recomputes are taken off every forward and backward event); the compiled graph is
+  not traced.
 - NB: 4-bit (QLoRA) bases are simulated with bitsandbytes' ops as they run on CUDA
   and on the CPU's default kernel (``gemm_4bit`` dequantizes the weight to a
   temporary); an optimized CPU kernel (kernels-community) would not. 8-bit
@@ -338,6 +342,8 @@ class Simulator:
             import dataclasses
 
             est = dataclasses.replace(est, host_bytes=host_bytes)
+        if config.torch_compile:
+            est = self._compiled(est, config, seq_len, events)
         return SimulationResult(
             estimate=est,
             events=events,
@@ -378,6 +384,40 @@ class Simulator:
             config=config.to_dict(),
             notes=tuple(notes),
         )
+
+    def _compiled(self, est: MemoryEstimate, config: TrainConfig, seq_len: int,
+                  events: tuple[AllocEvent, ...]) -> MemoryEstimate:
+        """The eager step's estimate with the rule of ``autofit.knobs.compile`` applied: the
+        activations the compiled step does not keep (``compile_saving_bytes``) are taken off
+        the live bytes of every forward and backward event, and the step's peak is the
+        highest of that curve and the untouched optimizer step's."""
+        from autofit.memory.analytic import compile_saving_bytes
+        from autofit.probe.model import describe
+
+        info = describe(self.module, task=self.task, name=self.model_name)
+        fused = compile_saving_bytes(info, config, seq_len)
+        delta, phase = _compiled_peak_drop(events, fused)
+        if not delta:
+            return est
+        from dataclasses import replace as _replace
+
+        breakdown = dict(est.breakdown)
+        left = delta
+        for cat in ("activations", "temporaries"):  # what the saving comes out of
+            take = min(left, breakdown.get(cat, 0)) if left > 0 else left
+            breakdown[cat] = breakdown.get(cat, 0) - take
+            left -= take
+            if not left:
+                break
+        total = est.device_total_bytes - delta
+        what = "less" if delta > 0 else "more"
+        note = (f"torch.compile: the eager step simulated, {abs(delta) / 2**20:.1f} MiB {what} "
+                "at its peak by the fused-activation rule (autofit.knobs.compile)")
+        return _replace(est, peak_phase=phase or est.peak_phase,
+                        peak_allocated_bytes=est.peak_allocated_bytes - delta,
+                        peak_reserved_bytes=est.peak_reserved_bytes - delta,
+                        device_total_bytes=total, fits=total <= est.capacity_bytes,
+                        breakdown=breakdown, notes=(*est.notes, note))
 
     # ------------------------------------------------------------------ batch line
     def peak_line(
@@ -517,6 +557,31 @@ def _to_events(log: list[tuple[str, Any, str]], marks: list[tuple[str, int]] = (
             out.append(AllocEvent("free", rec.id, rec.size, phase, cat))
     at[len(log)] = len(out)
     return out, [(label, at[i]) for label, i in marks]
+
+
+def _compiled_peak_drop(events: tuple[AllocEvent, ...], fused: int) -> tuple[int, str]:
+    """How much lower the step's peak of live bytes is when every forward and backward
+    event has ``fused`` bytes fewer alive (the optimizer step's are unchanged; negative
+    when the compiled step keeps more), and the phase of that lower peak. Live bytes are
+    the requested sizes."""
+    if not fused:
+        return 0, ""
+    live, sizes = 0, {}
+    peak = peak_compiled = None
+    phase = ""
+    for ev in events:
+        if ev.kind == "alloc":
+            sizes[ev.id] = ev.size
+            live += ev.size
+        else:
+            live -= sizes.pop(ev.id, 0)
+        here = live - fused if ev.phase in ("forward", "backward") else live
+        peak = live if peak is None else max(peak, live)
+        if peak_compiled is None or here > peak_compiled:
+            peak_compiled, phase = here, ev.phase
+    if peak is None:
+        return 0, ""
+    return int(peak - peak_compiled), phase
 
 
 def _replay(events: tuple[AllocEvent, ...], device: DeviceInfo) -> ReplayResult:

@@ -59,8 +59,9 @@ SPEED_TIE = 0.05  # measured throughputs this close are a tie (step-time noise)
 # 3: study parameters and candidate rows per knob, rows carry the uncalibrated estimate;
 # 4: the default margin from the modelled run + a 3% safety, answers carry the run's need;
 # 5: a flat peak is bracketed by bisection, an OOM keeps a measured ratio;
-# 6: the chunked_loss knob is searched; 7: the activation_offloading knob, a study parameter).
-ENGINE_VERSION = 7
+# 6: the chunked_loss knob is searched; 7: the activation_offloading knob, a study parameter;
+# 8: the torch_compile knob, searched when asked).
+ENGINE_VERSION = 8
 
 
 @dataclass

@@ -38,6 +38,9 @@ Known limitations:
     NB: on the CPU no peak FLOP/s is catalogued; a nominal rate is used, so only
     the relative ranking is meaningful there (bf16 is not assumed faster than fp32
     unless the CPU has AMX).
+    NB: torch.compile is predicted at the eager step's speed (its gain depends on the
+    model, the device and the graph breaks); the trials, which compile before they time,
+    measure it.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ Shared by the in-process runner (``trial.py``) and the trial child
    batch's full length (``step.setup_batch``) and free it: autograd and kernel
    one-time set-up, lazy imports, first-touch pages and the mappings a process
    keeps after its first real-size step happen here, not in the measurement;
+   with ``torch_compile`` the set-up steps are one at every shape the trial will
+   step instead (the batch, the run's lengths, the evaluation step): compilation, its
+   memory and the compiled code a run keeps happen here, neither measured nor timed
+   (``compile_s``);
 2. baseline: CPU - RSS after ``malloc_trim``; accelerator - ``memory_allocated``;
 3. capped CPU only: ``RLIMIT_AS`` := VmSize + (cap - resident tensors), so the
    cap bounds weights + buffers + batch + everything the steps allocate;
@@ -35,6 +39,7 @@ from autofit.trial.step import (
     RunSpec,
     Stepper,
     StepPlan,
+    compile_model,
     cut_batch,
     free_grads,
     move_batch,
@@ -73,6 +78,7 @@ class RawTrial:
     eval_device_total_bytes: int | None = None  # the evaluation step (RunSpec.eval_batch_size)
     eval_oom: bool = False
     eval_error: str | None = None
+    compile_s: float | None = None  # torch_compile: the set-up steps that compiled (untimed)
 
     @property
     def step_time_s(self) -> float | None:
@@ -264,6 +270,19 @@ def _evaluate(stepper: Stepper, batch: dict[str, torch.Tensor], run: RunSpec, me
     raw.eval_device_total_bytes = meter.peaks()[2]
 
 
+def _compile_steps(stepper: Stepper, batch: dict[str, torch.Tensor], run: RunSpec | None) -> None:
+    """One step at every shape the trial will step, so that each is compiled before the
+    baseline: the batch (its static graph), the run's other lengths (a second shape
+    recompiles once with symbolic ones) and the evaluation step (eval mode is a graph of
+    its own)."""
+    stepper.step(batch)
+    for length in dict.fromkeys(run.lengths if run is not None else ()):
+        stepper.step(cut_batch(batch, length))
+    if run is not None and run.eval_batch_size:
+        length = run.eval_length or int(batch["input_ids"].shape[1])
+        stepper.evaluate(cut_batch(batch, length, rows=run.eval_batch_size))
+
+
 def run_steps(
     model: torch.nn.Module,
     batch: dict[str, torch.Tensor],
@@ -298,9 +317,17 @@ def run_steps(
     try:
         prepare_model(model, plan)
         raw.notes.extend(plan.notes)
+        forward = compile_model(model) if plan.torch_compile else None
         # 1. the set-up step on one sample at full length, then free it
-        stepper = Stepper(model, plan, device)
-        stepper.step(setup_batch(batch))
+        stepper = Stepper(model, plan, device, forward)
+        if forward is None:
+            stepper.step(setup_batch(batch))
+        else:
+            t0 = time.perf_counter()
+            _compile_steps(stepper, batch, run)
+            raw.compile_s = time.perf_counter() - t0
+            raw.notes.append(f"torch.compile: set-up steps compiled in {raw.compile_s:.1f} s "
+                             "(before the baseline, not timed)")
         stepper.close()
         stepper = None
         # 2. baseline
@@ -320,7 +347,7 @@ def run_steps(
         else:
             meter = _AccelMeter(device, excluded_bytes)
         raw.baseline_bytes = meter.baseline()
-        stepper = Stepper(model, plan, device)
+        stepper = Stepper(model, plan, device, forward)
         # 3.-4. the steps
         phase = "warm-up"
         meter.arm()

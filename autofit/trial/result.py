@@ -49,6 +49,7 @@ class TrialResult:
     eval_device_total_bytes: int | None = None  # the evaluation step, with the states alive
     eval_oom: bool = False  # the evaluation step ran out of memory (the training did not)
     eval_error: str | None = None
+    compile_s: float | None = None  # torch_compile: the set-up steps that compiled (not timed)
 
     @property
     def fits(self) -> bool:

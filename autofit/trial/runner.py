@@ -712,6 +712,7 @@ def measure(
         eval_device_total_bytes=raw.eval_device_total_bytes,
         eval_oom=raw.eval_oom,
         eval_error=raw.eval_error,
+        compile_s=raw.compile_s,
     )
 
 

@@ -10,11 +10,18 @@ then needs neither ``Trainer`` nor ``TrainingArguments``):
     activation offloading); config.use_cache=False
     for each micro batch:  autocast(forward with labels) -> loss / grad_accum -> backward
                            (chunked loss: the backbone, then autofit.causal_lm_chunked_loss)
+                           (torch_compile: forward through torch.compile(model, backend="inductor"))
     [GradScaler.unscale_] -> clip_grad_norm_(1.0) -> optimizer.step() -> zero_grad(None)
 
 One trial step runs ``min(grad_accum_steps, 2)`` micro batches before the optimizer
 step: with accumulation the gradients stay allocated through the next forward,
 and two micro batches are enough to see that peak.
+
+With ``torch_compile`` the step calls what the Trainer's accelerate calls last,
+``torch.compile(model, backend="inductor")`` (``compile_model``): a wrapper around the
+model (the model itself is not changed; its parameters, names and optimizer groups
+are the model's). The trial compiles in its set-up steps, before the baseline
+(``autofit.trial.loop``).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ __all__ = [
     "move_batch",
     "storage_bytes",
     "free_grads",
+    "compile_model",
 ]
 
 MAX_GRAD_NORM = 1.0  # TrainingArguments.max_grad_norm's default
@@ -62,6 +70,7 @@ class StepPlan:
     optimizer_name: str = ""
     chunked_loss: bool = False  # the loss is autofit.causal_lm_chunked_loss (no full logits)
     activation_offloading: bool = False  # checkpointing with offload=True (CUDA)
+    torch_compile: bool = False  # forward through torch.compile(model, backend="inductor")
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -167,6 +176,7 @@ def plan_step(model: torch.nn.Module, config: TrainConfig, *, use_cpu: bool) -> 
         optimizer_name=config.optimizer,
         chunked_loss=config.chunked_loss,
         activation_offloading=config.activation_offloading,
+        torch_compile=config.torch_compile,
     )
 
 
@@ -338,11 +348,28 @@ def _forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     return loss
 
 
-class Stepper:
-    """Runs the Trainer's training step on ``model`` (already prepared and placed)."""
+COMPILE_BACKEND = "inductor"  # TrainingArguments' default torch_compile_backend (CPU, CUDA)
 
-    def __init__(self, model: torch.nn.Module, plan: StepPlan, device: torch.device) -> None:
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """What the Trainer's accelerate does last to the prepared model for
+    ``torch_compile=True``: ``torch.compile(model, **TorchDynamoPlugin.to_kwargs())``, i.e.
+    ``backend="inductor"``, default mode, ``dynamic=None`` (a second shape recompiles with
+    symbolic ones). The result wraps ``model`` (``_orig_mod``); ``model`` is not changed."""
+    return torch.compile(model, backend=COMPILE_BACKEND)
+
+
+class Stepper:
+    """Runs the Trainer's training step on ``model`` (already prepared and placed).
+
+    ``forward``: the module the micro batches go through (``compile_model(model)`` when
+    the plan compiles; default ``model``); the optimizer and the gradients are
+    ``model``'s."""
+
+    def __init__(self, model: torch.nn.Module, plan: StepPlan, device: torch.device,
+                 forward: torch.nn.Module | None = None) -> None:
         self.model = model
+        self.forward = forward if forward is not None else model
         self.plan = plan
         self.device = device
         self.optimizer = build_optimizer(model, plan)
@@ -363,7 +390,7 @@ class Stepper:
         """
         for _ in range(self.plan.micro_batches_per_step):
             with self._autocast_ctx():
-                loss = _forward_loss(self.model, batch, self.plan.chunked_loss)
+                loss = _forward_loss(self.forward, batch, self.plan.chunked_loss)
             loss = loss / self.plan.grad_accum_steps
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
@@ -395,7 +422,7 @@ class Stepper:
         self.model.eval()
         try:
             with torch.no_grad(), self._autocast_ctx():
-                loss = _forward_loss(self.model, batch, self.plan.chunked_loss).detach()
+                loss = _forward_loss(self.forward, batch, self.plan.chunked_loss).detach()
             del loss
         finally:
             self.model.train(was_training)
@@ -407,4 +434,5 @@ class Stepper:
             self.optimizer.param_groups.clear()
         self.optimizer = None
         self.scaler = None
+        self.forward = None
         free_grads(self.model)

@@ -97,11 +97,12 @@ def test_cli_options_come_from_the_knobs():
     for k in KNOBS:
         k.add_options(p)
     a = p.parse_args(["--precision", "bf16-mixed", "32-true", "--no-gradient-checkpointing",
-                      "--optim", "sgd", "--chunked-loss", "--activation-offloading"])
+                      "--optim", "sgd", "--chunked-loss", "--activation-offloading",
+                      "--torch-compile"])
     assert [k.from_options(a) for k in KNOBS] == [["bf16-mixed", "32-true"], False, ["sgd"], True,
-                                                  True]
+                                                  True, [False, True]]
     a = p.parse_args([])
-    assert [k.from_options(a) for k in KNOBS] == [None, None, None, None, None]
+    assert [k.from_options(a) for k in KNOBS] == [None, None, None, None, None, None]
 
 
 def test_registry():
@@ -123,8 +124,8 @@ def test_one_configurations_options_come_from_the_knobs():
     add_config_options(p)
     a = p.parse_args(["--batch-size", "2", "--seq-len", "64", "--precision", "bf16-mixed",
                       "--gradient-checkpointing", "--optim", "sgd", "--optim-args",
-                      "momentum=0.9"])
+                      "momentum=0.9", "--torch-compile"])
     assert train_config(a) == TrainConfig(micro_batch_size=2, seq_len=64, precision="bf16-mixed",
                                           gradient_checkpointing=True, optimizer="sgd",
-                                          optim_args="momentum=0.9")
+                                          optim_args="momentum=0.9", torch_compile=True)
     assert train_config(p.parse_args(["--batch-size", "1"])) == TrainConfig()

@@ -1,0 +1,166 @@
+"""The torch.compile knob: the Trainer's ``TrainingArguments(torch_compile=True)``.
+
+    >>> args = {}; TORCH_COMPILE.emit(type("C", (), {"torch_compile": True})(), args)
+    >>> args
+    {'torch_compile': True}
+    >>> TORCH_COMPILE.defaults(None)[0]  # searched only when asked
+    (False,)
+
+With ``torch_compile=True`` the Trainer (through accelerate's ``TorchDynamoPlugin``)
+wraps the prepared model last, ``torch.compile(model, backend="inductor")``: the
+forward is traced by dynamo, its backward built by AOTAutograd, and inductor fuses
+chains of elementwise ops into single kernels.
+
+It changes no math (the same ops; fused kernels round differently only in the last
+bits), but it is searched only when asked (``autofit(..., torch_compile=[False,
+True])``, ``autofit tune --torch-compile``): compilation costs minutes before the
+first step, a model with graph breaks gains little, and a custom or unusual model may
+not compile at all. When nothing fits, it is offered with its estimated peak.
+
+**Its memory rule** (``autofit.memory.analytic.compile_saving_bytes``; both estimators
+take it off the eager step), read off the tensors eager and compiled steps save
+(``saved_tensors_hooks`` on small llama and GPT-2 models) and checked against measured
+CPU peaks of compiled steps (``benchmarks/measure_cpu.py`` with ``"torch_compile":
+true``; ``benchmarks/results/accuracy.md``, ``*-compile``). AOTAutograd's min-cut
+partitioner (inductor's default) saves for backward what is costly to recompute
+(matmul and attention inputs and outputs, norm statistics) and recomputes pointwise
+chains inside the backward's fused kernels, so, per block and token:
+
+* llama-like (gated MLP, RMSNorm, rotary): ``silu(gate) * up`` (down_proj's input) is
+  not kept (-i elements), nor are the norms' and the rotary embedding's outputs, while
+  the key/value heads are kept repeated to all heads: -2 kv elements net;
+* GPT-2-like (GELU MLP, LayerNorm): of the MLP's five (B, T, i) tensors two are kept
+  (-3 i elements);
+* every dropout keeps a bool mask (1 byte) instead of one in the activation dtype:
+  its hidden-sized dropouts, attention's (heads x T per token), the embeddings';
+* the compiled graph materialises the causal mask, (B, 1, T, T) in the compute dtype,
+  once per step, which eager SDPA gets as ``is_causal`` (on a long sequence and a narrow
+  model compiling costs memory);
+* the loss: eager keeps the fp32 log-softmax and makes two fp32 (B, T, V) gradients at
+  the start of backward; the compiled graph fuses the upcast, the log-softmax and their
+  backward. How many fp32 (B, T, V) buffers fewer are alive at the backward peak was
+  measured, not derived: llama 0 in fp32 (its compiled backward still holds two), 1.75
+  in bf16-mixed (it keeps the bf16 logits instead of the fp32 log-softmax); GPT-2 1 in
+  fp32 and 1.5 with autocast (not pinned down: the measured GPT-2 bf16-mixed
+  configuration peaks in the optimizer step).
+
+With gradient checkpointing only the block being recomputed gains. The simulator
+takes the saving off every forward and backward event of its replayed eager step (so
+a peak in the optimizer step stays where it was). Tracing the compiled graph itself on
+fake tensors (dynamo and AOTAutograd's partitioner under the simulator's
+``FakeTensorMode``) was not attempted: it would pay graph capture and partitioning,
+most of the compile time (tens of seconds to minutes here), per candidate, where a
+simulated step takes seconds.
+
+Known limitations (what the rule does not model):
+    * graph breaks: a model that breaks the graph (unsupported Python, data-dependent
+      control flow) saves more, as eager does between the graphs; the rule assumes one
+      graph per forward (transformers' decoders compile without a break);
+    * dynamic shapes: a new sequence length or batch size recompiles (once with
+      symbolic shapes, then up to dynamo's cache limit); the memory of that
+      compilation, and of compiled code kept for every shape, is not counted;
+    * compile-time memory: the compiler's own host memory (tens to hundreds of MiB
+      for a large model, in the process and in its compile workers) is not device
+      memory and is excluded, as trials exclude the warm-up step that compiles;
+    * CUDA graphs (``torch_compile_mode="reduce-overhead"``) keep a private memory pool
+      of the graph's static buffers: not modelled; autofit emits the default mode;
+    * on a CUDA target the rule is the one measured on the CPU (same partitioner;
+      inductor's Triton kernels may choose other fusions, and CUDA's fused SDPA kernels
+      keep no (T, T) tensors in either mode);
+    * block families without a measured rule (BERT, T5, ...) are estimated as eager;
+    * with the chunked loss nothing is saved: ``ChunkedLossTrainer``'s loss runs the
+      backbone itself, past the compiled wrapper;
+    * the whole-run replay (``estimate(..., dataset=...)``) replays the eager step's
+      allocations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from typing import Any
+
+from autofit.errors import MissingDependencyError, fix
+from autofit.knobs.base import OnOffKnob, installed
+
+__all__ = ["TORCH_COMPILE", "TorchCompileKnob", "FIELD"]
+
+FIELD = "torch_compile"
+# the fields that also turn it on in TrainingArguments.__post_init__ (backend, mode)
+_ALSO = ("torch_compile_backend", "torch_compile_mode")
+
+
+class TorchCompileKnob(OnOffKnob):
+    name = "torch_compile"
+    title = "comp"  # the candidates table: 4 columns wide
+    fields = (FIELD, *_ALSO)
+    saving = None  # it saves memory, but it is tried only when asked (suggested instead)
+    calibrates_apart = True  # the saved activations differ with and without it
+    option = "torch-compile"
+    help_on = ("also try torch.compile (TrainingArguments torch_compile=True); trials "
+               "compile first and time the compiled steps")
+    help_off = "never compile (the default)"
+    help_one = "run the step through torch.compile (inductor), as torch_compile=True does"
+
+    def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
+        return (False,), None  # searched only when asked (--torch-compile)
+
+    def check(self, device: Any, value: bool) -> None:
+        """Raise ``MissingDependencyError`` when this machine cannot compile for a present
+        ``device``: inductor builds C++ kernels on the CPU (a C++ compiler: ``$CXX`` or
+        g++ / clang++) and Triton kernels on a GPU (``triton``). A plan for an absent
+        device is not checked here."""
+        if not value or device is None or not getattr(device, "present", False):
+            return
+        if device.kind == "cpu":
+            cxx = os.environ.get("CXX") or "g++"
+            if not any(shutil.which(c) for c in (cxx, "g++", "clang++")):
+                raise MissingDependencyError(
+                    "torch.compile on the CPU needs a C++ compiler (g++ or clang++, or $CXX), "
+                    "which was not found: install one or drop "
+                    + fix("--torch-compile", "torch_compile=True"))
+        elif device.kind == "cuda" and not installed("triton"):
+            raise MissingDependencyError(
+                "torch.compile on a GPU needs triton, which is not installed: pip install "
+                "triton, or drop " + fix("--torch-compile", "torch_compile=True"))
+
+    def suggest(self, device: Any) -> tuple[bool, ...]:
+        return (True,)  # offered when nothing fits, with its estimated peak
+
+    def describe(self, value: bool) -> str:
+        return "torch.compile" if value else "not compiled"
+
+    def short(self, value: bool) -> str:
+        return "yes" if value else "no"
+
+    def note(self, value: bool) -> str | None:
+        if not value:
+            return None
+        return ("torch.compile: the first step compiles (minutes on a large model); a new "
+                "sequence length recompiles once with dynamic shapes")
+
+    def add_options(self, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_mutually_exclusive_group()
+        # asked for: both values searched (trials decide whether compiling pays)
+        g.add_argument(f"--{self.option}", dest=self.name, action="store_const",
+                       const=[False, True], help=self.help_on)
+        g.add_argument(f"--no-{self.option}", dest=self.name, action="store_const",
+                       const=False, help=self.help_off)
+
+    def flag(self, value: bool) -> str:
+        return f"--{self.option}" if value else f"--no-{self.option}"
+
+    def emit(self, config: Any, args: dict[str, Any]) -> None:
+        if getattr(config, self.name, False):
+            args[FIELD] = True
+        else:
+            # a backend or a mode would turn compilation back on (TrainingArguments)
+            for f in (FIELD, *_ALSO):
+                args.pop(f, None)
+
+    def read(self, args: dict[str, Any]) -> bool:
+        return bool(args.get(FIELD) or any(args.get(f) for f in _ALSO))
+
+
+TORCH_COMPILE = TorchCompileKnob()

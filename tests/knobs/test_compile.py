@@ -1,0 +1,212 @@
+"""The torch.compile knob: its fields, its search, its memory rule and its trial."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import pytest
+import torch
+
+from autofit import TrainConfig, estimate
+from autofit.emit.training_args import training_arguments_dict
+from autofit.knobs import KNOBS, TORCH_COMPILE, restrict
+from autofit.probe.device import resolve_device
+
+CPU = resolve_device("cpu")
+
+
+def test_values_emit_and_read_round_trip():
+    assert TORCH_COMPILE in KNOBS and TORCH_COMPILE.values == (False, True)
+    args: dict = {}
+    TORCH_COMPILE.emit(TrainConfig(torch_compile=True), args)
+    assert args == {"torch_compile": True} and TORCH_COMPILE.read(args) is True
+    # off: a backend or mode left in the user's arguments would turn it back on
+    args = {"torch_compile": True, "torch_compile_mode": "max-autotune", "seed": 3}
+    TORCH_COMPILE.emit(TrainConfig(), args)
+    assert args == {"seed": 3} and TORCH_COMPILE.read(args) is False
+    assert TORCH_COMPILE.read({"torch_compile_backend": "inductor"}) is True
+    assert set(TORCH_COMPILE.fields) <= __import__(
+        "autofit.knobs.base", fromlist=["x"]).training_arguments_fields()
+    assert TORCH_COMPILE.flag(True) == "--torch-compile"
+    assert "compiles" in TORCH_COMPILE.note(True) and TORCH_COMPILE.note(False) is None
+    with pytest.raises(ValueError, match="torch_compile must be True or False"):
+        TrainConfig(torch_compile="yes")
+
+
+def test_hf_argument_parser_loads_the_emitted_fields():
+    from transformers import HfArgumentParser, TrainingArguments
+
+    d = training_arguments_dict(TrainConfig(micro_batch_size=2, torch_compile=True),
+                                use_cpu=True)
+    assert d["torch_compile"] is True
+    (args,) = HfArgumentParser(TrainingArguments).parse_dict(d)
+    assert args.torch_compile is True and args.torch_compile_backend == "inductor"
+    from autofit.preflight.trainer import config_of
+
+    assert config_of(d).torch_compile is True  # `autofit check` reads it back
+    assert config_of(args).torch_compile is True
+
+
+def test_searched_only_when_asked():
+    from autofit.api import _space
+
+    reasons: list[str] = []
+    assert restrict(TORCH_COMPILE, CPU, None, reasons) == (False,)
+    assert restrict(TORCH_COMPILE, CPU, [False, True], reasons) == (False, True)
+    assert restrict(TORCH_COMPILE, CPU, True, reasons) == (True,)
+    assert not any(TORCH_COMPILE.changes_math(v) for v in TORCH_COMPILE.values)
+    assert TORCH_COMPILE.saving is None and TORCH_COMPILE.suggest(CPU) == (True,)
+    p = argparse.ArgumentParser()
+    TORCH_COMPILE.add_options(p)
+    assert TORCH_COMPILE.from_options(p.parse_args([])) is None  # the default: eager only
+    assert TORCH_COMPILE.from_options(p.parse_args(["--torch-compile"])) == [False, True]
+    assert TORCH_COMPILE.from_options(p.parse_args(["--no-torch-compile"])) is False
+
+    from autofit.probe.model import build_model
+
+    class Probed:  # what _space reads of the probed model
+        device = CPU
+        data = type("D", (), {"num_samples": 8})()
+
+    probed = Probed()
+    probed.module, probed.task = build_model("tiny-llama")
+    space, _ = _space(probed, None, {}, [])
+    assert space.values("torch_compile") == (False,)
+    space, _ = _space(probed, None, {"torch_compile": [False, True]}, [])
+    assert space.values("torch_compile") == (False, True)
+
+
+def test_missing_compiler_is_named(monkeypatch):
+    from autofit.errors import MissingDependencyError
+    from autofit.knobs import compile as mod
+
+    monkeypatch.setattr(mod.shutil, "which", lambda name: None)
+    with pytest.raises(MissingDependencyError, match="C\\+\\+ compiler"):
+        TORCH_COMPILE.check(CPU, True)
+    TORCH_COMPILE.check(CPU, False)
+    TORCH_COMPILE.check(resolve_device("H100-80GB"), True)  # a plan: nothing to check here
+
+
+def _llama(**kw):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+    cfg.update(kw)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **cfg))
+
+
+def test_memory_rule_direction_and_size():
+    """The rule's saving for a llama block (the MLP's product and the key/value heads' net
+    2 kv, less the materialised causal mask), taken off the eager estimate by both methods;
+    nothing with the chunked loss (its backbone runs uncompiled), one block with
+    checkpointing."""
+    from autofit.memory.analytic import compile_saving_bytes
+    from autofit.probe.model import describe
+
+    model = _llama(intermediate_size=512)
+    B, T, L, kv, i = 4, 64, 2, 32, 512
+    info = describe(model, task="causal-lm")
+    on = TrainConfig(micro_batch_size=B, torch_compile=True)
+    per_block = (2 * kv + i) * 4  # fp32 elements -> bytes, per token
+    expected = B * T * (L * per_block) - B * T * T * 4
+    assert compile_saving_bytes(info, on, T) == expected > 0
+    assert compile_saving_bytes(info, on.replace(gradient_checkpointing=True), T) == (
+        B * T * per_block - B * T * T * 4)
+    assert compile_saving_bytes(info, on.replace(chunked_loss=True), T) == 0
+    bf16 = on.replace(precision="bf16-mixed")  # 16-bit activations; the loss's buffers
+    assert compile_saving_bytes(info, bf16, T) == (
+        B * T * (L * per_block // 2) - B * T * T * 2 + int(1.75 * B * T * 512 * 4))
+    for method in ("analytic", "simulate"):
+        eager = estimate(model, on.replace(torch_compile=False), seq_len=T, device="cpu",
+                         method=method)
+        compiled = estimate(model, on, seq_len=T, device="cpu", method=method)
+        saved = eager.peak_allocated_bytes - compiled.peak_allocated_bytes
+        assert saved == expected, (method, saved, expected)
+        assert compiled.config["torch_compile"] is True
+    # a long sequence on a narrow model: the (B, 1, T, T) mask costs more than it saves
+    assert compile_saving_bytes(info, on, 2048) < 0
+
+
+def test_memory_rule_for_gpt2_counts_the_dropout_masks():
+    from autofit.memory.analytic import compile_saving_bytes
+    from autofit.probe.model import probe_model
+
+    info = probe_model("tiny-gpt2")
+    b = info.blocks[0]
+    assert b.num_dropouts == 2 and b.attention_dropout > 0 and info.embedding_dropout > 0
+    T = 32
+    per_token = b.count * (3 * b.intermediate_size * 4 + 3 * (2 * b.hidden_size + b.num_heads * T))
+    per_token += 3 * info.hidden_size  # the embeddings' dropout mask
+    per_token += info.vocab_size * 4  # one fp32 (B, T, V) buffer fewer at the loss backward
+    assert compile_saving_bytes(info, TrainConfig(torch_compile=True), T) == T * per_token
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["stats"].values()) + sum(counters["frames"].values())
+
+
+@pytest.mark.slow  # compiles a tiny llama's step (fwd + bwd, then eval): ~30-60 s on CPU
+def test_trial_compiles_before_the_baseline_and_leaves_the_model_alone(monkeypatch):
+    """A ``torch_compile`` trial on the CPU: every compilation happens in the set-up steps,
+    before the baseline and outside the timed steps (``compile_s``, a note); the user's
+    model is not compiled, wrapped or changed."""
+    from autofit import measure
+    from autofit.trial import loop
+    from autofit.trial.step import RunSpec
+
+    model = _llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    attrs = {id(m): set(vars(m)) for m in model.modules()}
+    after_setup: list[int] = []
+    real = loop._compile_steps
+
+    def spy(*a, **kw):
+        real(*a, **kw)
+        after_setup.append(_compiled_graphs())
+
+    monkeypatch.setattr(loop, "_compile_steps", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trial = measure(model, TrainConfig(micro_batch_size=2, torch_compile=True), seq_len=16,
+                        device="cpu", isolation="in-process", measure_steps=2, timeout_s=None,
+                        run=RunSpec(lengths=(12,), eval_batch_size=1))
+    assert trial.fits and trial.steps == 2 and trial.config["torch_compile"] is True
+    assert trial.compile_s is not None and any("torch.compile" in n for n in trial.notes)
+    assert after_setup and after_setup[0] > 0
+    assert _compiled_graphs() == after_setup[0], "a measured step compiled"
+    assert trial.run_steps == 1 and trial.eval_device_total_bytes is not None
+    # the user's module: same class, attributes, values, mode; no compiled call set on it
+    assert "forward" not in vars(model) and getattr(model, "_compiled_call_impl", None) is None
+    assert {id(m): set(vars(m)) for m in model.modules()} == attrs
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.slow  # a real Trainer step with torch_compile=True compiles (~30-60 s on CPU)
+def test_a_real_trainer_step_with_the_emitted_fields(tmp_path):
+    from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+    d = training_arguments_dict(TrainConfig(micro_batch_size=2, torch_compile=True),
+                                base={"output_dir": str(tmp_path), "max_steps": 1,
+                                      "report_to": [], "save_strategy": "no",
+                                      "logging_steps": 1},
+                                use_cpu=True)
+    (args,) = HfArgumentParser(TrainingArguments).parse_dict(d)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids.clone()}
+            for ids in torch.randint(0, 512, (4, 16), generator=g)]
+    model = _llama()
+    start = _compiled_graphs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(model=model, args=args, train_dataset=rows)
+        trainer.train()
+    assert trainer.args.torch_compile is True
+    assert any("loss" in h for h in trainer.state.log_history)
+    assert _compiled_graphs() > start  # the step ran compiled
