@@ -19,8 +19,8 @@ from autofit.errors import BadInputError
 from autofit.knobs.base import Knob
 from autofit.knobs.checkpointing import CHECKPOINTING
 from autofit.knobs.chunked_loss import CHUNKED_LOSS
-from autofit.knobs.offloading import OFFLOADING
 from autofit.knobs.compile import TORCH_COMPILE
+from autofit.knobs.offloading import OFFLOADING
 from autofit.knobs.optimizer import OPTIMIZER
 from autofit.knobs.precision import PRECISION
 

@@ -78,8 +78,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.model import BlockSpec, ModelInfo, ParamGroup
 
 __all__ = ["estimate_analytic", "weights_bytes", "gradients_bytes", "optimizer_state_bytes",
-           "chunked_loss_bytes", "loss_chunk_rows", "pinned_bytes", "offload_note", "offloaded_bytes"]
-           "chunked_loss_bytes", "loss_chunk_rows", "compile_saving_bytes"]
+           "chunked_loss_bytes", "loss_chunk_rows", "pinned_bytes", "offload_note", "offloaded_bytes",
+           "compile_saving_bytes"]
 
 _DTYPE_BYTES = {
     "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,

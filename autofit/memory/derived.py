@@ -130,9 +130,11 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
             handles = []
             for i, blk in enumerate(kept):
                 handles.append(blk.register_forward_pre_hook(
-                    lambda _m, _a, i=i, rec=rec: spans[i].__setitem__(0, len(rec._log))))
+                    lambda _m, _a, i=i, rec=rec, spans=spans: spans[i].__setitem__(
+                        0, len(rec._log))))
                 handles.append(blk.register_forward_hook(
-                    lambda _m, _a, _o, i=i, rec=rec: spans[i].__setitem__(1, len(rec._log))))
+                    lambda _m, _a, _o, i=i, rec=rec, spans=spans: spans[i].__setitem__(
+                        1, len(rec._log))))
             ctx: Any = contextlib.nullcontext()
             if device.allocator == "cuda":
                 from autofit.memory._sim_cuda import CudaSemantics

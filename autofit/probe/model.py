@@ -14,6 +14,7 @@ meta device, so a 70B config is probed in about a second with no memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import weakref
@@ -708,10 +709,8 @@ def module_of(info: ModelInfo) -> Any:
 def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
     """ModelInfo of an already built module (meta or real); reads, never modifies."""
     info = _describe(module, task=task, name=name)
-    try:
+    with contextlib.suppress(TypeError):  # not weak-referenceable: nothing to derive from
         _MODULES[json.dumps(fingerprint(info), sort_keys=True, default=str)] = module
-    except TypeError:  # not weak-referenceable
-        pass
     return info
 
 

@@ -128,7 +128,7 @@ def plot_comparison(c: Any, path: str | Path) -> Path:
                 if r.measured_bytes is not None]
     if measured:
         ax1.scatter([m for _, m in measured], [i for i, _ in measured], marker="D",
-                    color="black", zorder=3, label=f"trial (at its largest micro batch)")
+                    color="black", zorder=3, label="trial (at its largest micro batch)")
     ax1.axvline(c.budget_bytes / _GiB, color="tab:red", ls="--", lw=1,
                 label=f"budget {format_bytes(c.budget_bytes)}")
     ax1.set_yticks(y, names)
