@@ -554,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", help="one spec as a JSON object")
     parser.add_argument("--repeat", type=int, default=1, help="measure each spec N times")
     parser.add_argument("--out", help="write the list of results here (JSON)")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds one measuring child may run (a loaded machine is slow)")
     parser.add_argument("--merge", action="store_true",
                         help="with --out: keep that file's other results, replace those "
                              "measured again (by name)")
@@ -586,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeat):
             print(f"[{i}/{len(specs)}] {spec['name']} (run {rep + 1})...", end=" ", flush=True)
             try:
-                r = measure(spec)
+                r = measure(spec, timeout_s=args.timeout)
             except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
                 print(f"FAILED\n{e}", flush=True)
                 failed.append(spec["name"])
