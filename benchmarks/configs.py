@@ -72,6 +72,57 @@ LORA_ALL = {
 }
 LORA_GPT2 = {"r": 8, "alpha": 16, "target_modules": ["c_attn"], "dropout": 0.0}
 
+# Any peft method (the spec's "peft" key): dicts as in an adapter_config.json; target
+# modules left out take peft's defaults for the model type (llama: q_proj, v_proj;
+# gpt2: c_attn). On the "-true" precisions the base is cast before get_peft_model, so
+# the adapter layers stay fp32.
+QV = ["q_proj", "v_proj"]
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GPT2_ALL = ["c_attn", "c_proj", "c_fc"]  # attention qkv and out, MLP in and out (Conv1D)
+TOKENS = list(range(16))  # token ids made trainable
+PEFT = {
+    "dora": {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": QV,
+             "use_dora": True},
+    "rslora": {"peft_type": "LORA", "r": 16, "lora_alpha": 16, "target_modules": QV,
+               "use_rslora": True},
+    "lora-drop-all": {"peft_type": "LORA", "r": 16, "lora_alpha": 32,
+                      "target_modules": ALL_LINEAR, "lora_dropout": 0.1},
+    "lora-tti": {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": QV,
+                 "trainable_token_indices": TOKENS},
+    "ia3": {"peft_type": "IA3"},  # k_proj, v_proj, down_proj (feed-forward)
+    "loha": {"peft_type": "LOHA", "r": 8, "alpha": 16, "target_modules": QV},
+    "lokr": {"peft_type": "LOKR", "r": 8, "alpha": 16, "target_modules": QV},
+    "vera": {"peft_type": "VERA", "r": 64, "target_modules": QV},
+    "oft": {"peft_type": "OFT", "oft_block_size": 32, "target_modules": QV},
+    "boft": {"peft_type": "BOFT", "boft_block_size": 8, "boft_n_butterfly_factor": 1,
+             "target_modules": QV},
+    "adalora": {"peft_type": "ADALORA", "init_r": 12, "target_r": 8, "total_step": 1000,
+                "target_modules": QV},
+    "fourierft": {"peft_type": "FOURIERFT", "n_frequency": 1000, "target_modules": QV},
+    "vblora": {"peft_type": "VBLORA", "r": 4, "num_vectors": 256, "vector_length": 256,
+               "target_modules": QV},
+    "randlora": {"peft_type": "RANDLORA", "r": 32, "target_modules": QV},
+    "hra": {"peft_type": "HRA", "r": 8, "target_modules": QV},
+    "prefix": {"peft_type": "PREFIX_TUNING", "num_virtual_tokens": 20},
+    "prompt": {"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 20},
+    "ptuning": {"peft_type": "P_TUNING", "num_virtual_tokens": 20, "encoder_hidden_size": 256},
+    "adaption": {"peft_type": "ADAPTION_PROMPT", "adapter_len": 10, "adapter_layers": 2},
+    "ln": {"peft_type": "LN_TUNING"},
+    "tokens": {"peft_type": "TRAINABLE_TOKENS", "token_indices": TOKENS},
+    # gpt2 (Conv1D layers; peft's default targets differ by method)
+    "gpt2-ia3": {"peft_type": "IA3"},  # c_attn, mlp.c_proj (feed-forward)
+    "gpt2-dora-all": {"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                      "target_modules": GPT2_ALL, "use_dora": True, "lora_dropout": 0.1,
+                      "fan_in_fan_out": True},
+    # LoHa, LoKr, OFT, BOFT and HRA refuse gpt2's Conv1D layers
+    "gpt2-vera": {"peft_type": "VERA", "r": 64, "target_modules": ["c_attn"],
+                  "fan_in_fan_out": True},
+    "gpt2-fourierft": {"peft_type": "FOURIERFT", "n_frequency": 1000,
+                       "fan_in_fan_out": True},  # mlp.c_proj
+    "gpt2-tokens": {"peft_type": "TRAINABLE_TOKENS", "token_indices": TOKENS,
+                    "target_modules": ["wte"]},
+}
+
 
 def spec(
     name: str,
@@ -88,9 +139,10 @@ def spec(
     lora: dict[str, Any] | None = None,
     chunked: bool = False,
     compiled: bool = False,
+    peft: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One spec dict with exactly the project-wide keys (``chunked_loss``, ``torch_compile``
-    only when on)."""
+    only when on, ``peft`` only when given)."""
     out = {
         "name": name,
         "model_type": model_type,
@@ -109,6 +161,8 @@ def spec(
         out["chunked_loss"] = True
     if compiled:
         out["torch_compile"] = True
+    if peft is not None:
+        out["peft"] = dict(peft)
     return out
 
 
@@ -189,6 +243,42 @@ CONFIGS: list[dict[str, Any]] = [
         gc=True,
         lora=LORA_GPT2,
     ),
+    # llama + other PEFT methods (the "peft" key)
+    _llama("llama-dora-b4s256", peft=PEFT["dora"]),
+    _llama("llama-dora-b4s256-bf16t", precision="bf16-true", peft=PEFT["dora"]),
+    _llama("llama-rslora-b4s256-bf16m-gc", precision="bf16-mixed", gc=True,
+           peft=PEFT["rslora"]),
+    _llama("llama-lora-drop-all-b2s256-bf16t", batch=2, precision="bf16-true",
+           peft=PEFT["lora-drop-all"]),
+    _llama("llama-lora-tti-b4s256", peft=PEFT["lora-tti"]),
+    _llama("llama-ia3-b4s256", peft=PEFT["ia3"]),
+    _llama("llama-ia3-b4s256-bf16t", precision="bf16-true", peft=PEFT["ia3"]),
+    _llama("llama-loha-b4s256", peft=PEFT["loha"]),
+    _llama("llama-lokr-b4s256-bf16m", precision="bf16-mixed", peft=PEFT["lokr"]),
+    _llama("llama-vera-b4s256", peft=PEFT["vera"]),
+    _llama("llama-oft-b4s256-gc", gc=True, peft=PEFT["oft"]),
+    _llama("llama-boft-b2s256", batch=2, peft=PEFT["boft"]),
+    _llama("llama-adalora-b4s256", peft=PEFT["adalora"]),
+    _llama("llama-fourierft-b4s256", peft=PEFT["fourierft"]),
+    _llama("llama-vblora-b4s256-bf16t", precision="bf16-true", peft=PEFT["vblora"]),
+    _llama("llama-randlora-b4s256", peft=PEFT["randlora"]),
+    _llama("llama-hra-b4s256", peft=PEFT["hra"]),
+    _llama("llama-prefix-b4s256", peft=PEFT["prefix"]),
+    _llama("llama-prompt-b4s256-bf16t", precision="bf16-true", peft=PEFT["prompt"]),
+    _llama("llama-ptuning-b4s256-bf16m", precision="bf16-mixed", peft=PEFT["ptuning"]),
+    _llama("llama-adaption-b4s256", peft=PEFT["adaption"]),
+    _llama("llama-ln-b4s256-gc", gc=True, peft=PEFT["ln"]),
+    _llama("llama-tokens-b4s256", peft=PEFT["tokens"]),
+    # gpt2 + PEFT methods
+    _gpt2("gpt2-ia3-b4s256", peft=PEFT["gpt2-ia3"]),
+    _gpt2("gpt2-dora-all-b4s256-bf16m-gc", precision="bf16-mixed", gc=True,
+          peft=PEFT["gpt2-dora-all"]),
+    _gpt2("gpt2-vera-b4s256-bf16t", precision="bf16-true", peft=PEFT["gpt2-vera"]),
+    _gpt2("gpt2-fourierft-b2s256", batch=2, peft=PEFT["gpt2-fourierft"]),
+    _gpt2("gpt2-prefix-b4s256-bf16t", precision="bf16-true", peft=PEFT["prefix"]),
+    _gpt2("gpt2-prompt-b4s256-gc", gc=True, peft=PEFT["prompt"]),
+    _gpt2("gpt2-ln-b4s256-bf16t", precision="bf16-true", peft=PEFT["ln"]),
+    _gpt2("gpt2-tokens-b2s256", batch=2, peft=PEFT["gpt2-tokens"]),
     # bert: masked-lm and sequence classification
     spec("bert-mlm-b4s256", "bert", BERT, "masked-lm", 4, 256),
     spec(

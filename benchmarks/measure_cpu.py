@@ -12,6 +12,7 @@ Usage::
     python benchmarks/measure_cpu.py --all --out benchmarks/results/measured.json
     python benchmarks/measure_cpu.py --spec '{"name": "x", "model_type": "llama", ...}'
     python benchmarks/measure_cpu.py --names NAME --repeat 3    # check the spread
+    python benchmarks/measure_cpu.py --names A,B --out benchmarks/results/measured.json --merge
 
     >>> from measure_cpu import measure                            # doctest: +SKIP
     >>> measure(spec)["peak_bytes"]                                # doctest: +SKIP
@@ -26,9 +27,11 @@ Spec (a JSON-able dict; the project-wide format)::
      "lora": null | {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0},
      "chunked_loss": false,   # optional: the causal-LM loss by torch's chunked
                               # linear_cross_entropy (backbone + head weight, no full logits)
-     "torch_compile": false}  # optional: the step's forward through
+     "torch_compile": false,  # optional: the step's forward through
                               # torch.compile(model, backend="inductor"), as the Trainer's
                               # accelerate does for TrainingArguments(torch_compile=True)
+     "peft": {"peft_type": "IA3", ...}}  # optional, instead of "lora": any peft method, a
+                              # dict as in adapter_config.json (task_type from "task")
 
 Protocol (one configuration per fresh child process, so nothing leaks between runs):
 
@@ -37,8 +40,10 @@ Protocol (one configuration per fresh child process, so nothing leaks between ru
    block >= 64 KiB is its own mmap, so freeing a tensor returns its pages and RSS
    follows the live tensors (no glibc caching, no per-thread arenas).
 2. Imports, the optimizer class (via ``Trainer.get_optimizer_cls_and_kwargs``) and
-   the model are built first (real fp32 weights from a fixed seed), then LoRA, the
-   precision cast and gradient checkpointing are applied.
+   the model are built first (real fp32 weights from a fixed seed), then LoRA and the
+   precision cast (or, for ``"peft"``, the precision cast, the base frozen and
+   ``get_peft_model`` with ``PeftConfig.from_peft_type``) and gradient checkpointing
+   are applied.
 3. Warm-up: one step of the same kind at batch 1 x seq 8 with a throwaway
    optimizer; its gradients (``set_to_none``) and optimizer state are freed and
    ``gc.collect()`` runs. This absorbs one-time autograd/kernel setup (16-31 MiB).
@@ -75,11 +80,13 @@ parameters only).
 
 Precisions (Lightning's names): ``32-true`` fp32; ``bf16-mixed`` fp32 weights +
 bf16 autocast; ``16-mixed`` fp32 weights + fp16 autocast + ``GradScaler("cpu")``;
-``bf16-true`` / ``16-true`` the whole model (LoRA adapters included, cast after
-``get_peft_model``) in bf16 / fp16, no autocast. NB: torch runs fp16 autocast and
-``GradScaler("cpu")`` on the CPU, but the Trainer does not (accelerate refuses fp16
-mixed precision on a CPU device), so ``16-mixed`` here is the step the Trainer would
-run on a GPU, executed on the CPU.
+``bf16-true`` / ``16-true`` the whole model in bf16 / fp16, no autocast. With ``"lora"``
+the adapters too (the model is cast after ``get_peft_model``); with ``"peft"`` the base
+is cast first and ``get_peft_model`` then keeps the adapter layers in fp32 (peft's
+default ``autocast_adapter_dtype=True``), as a user who loads a bf16 base does.
+NB: torch runs fp16 autocast and ``GradScaler("cpu")`` on the CPU, but the Trainer
+does not (accelerate refuses fp16 mixed precision on a CPU device), so ``16-mixed``
+here is the step the Trainer would run on a GPU, executed on the CPU.
 
 Known limitations:
     NB: RSS counts touched pages only; a tensor allocated with ``torch.empty`` and
@@ -134,7 +141,7 @@ SPEC_KEYS = (
     "attn_implementation",
     "lora",
 )
-OPTIONAL_KEYS = ("chunked_loss", "torch_compile")
+OPTIONAL_KEYS = ("chunked_loss", "torch_compile", "peft")
 
 TASK_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",
@@ -182,6 +189,12 @@ def check_spec(spec: dict[str, Any]) -> None:
     lora = spec.get("lora")
     if lora is not None and not {"r", "alpha", "target_modules"} <= set(lora):
         problems.append("lora needs r, alpha, target_modules (and optionally dropout)")
+    peft = spec.get("peft")
+    if peft is not None:
+        if not isinstance(peft, dict) or "peft_type" not in peft:
+            problems.append("peft must be a dict with peft_type (as in adapter_config.json)")
+        if lora is not None:
+            problems.append("give lora or peft, not both")
     if problems:
         raise ValueError(f"spec {spec.get('name')!r}: " + "; ".join(problems))
 
@@ -259,16 +272,31 @@ def _build_model(spec: dict[str, Any]):
     torch.manual_seed(SEED_MODEL)
     model = cls.from_config(config, attn_implementation=spec["attn_implementation"])
 
+    task_type = {
+        "causal-lm": "CAUSAL_LM",
+        "seq2seq": "SEQ_2_SEQ_LM",
+        "seq-cls": "SEQ_CLS",
+        "masked-lm": None,
+    }[spec["task"]]
+    model_dtype = PRECISIONS[spec["precision"]][0]
     lora = spec["lora"]
-    if lora is not None:
-        from peft import LoraConfig, TaskType, get_peft_model
+    if spec.get("peft") is not None:
+        # A user's script: the base loaded in its dtype, frozen, then get_peft_model
+        # (which keeps the adapter layers in fp32 on a 16-bit base).
+        import peft
 
-        task_type = {
-            "causal-lm": TaskType.CAUSAL_LM,
-            "seq2seq": TaskType.SEQ_2_SEQ_LM,
-            "seq-cls": TaskType.SEQ_CLS,
-            "masked-lm": None,
-        }[spec["task"]]
+        if model_dtype is not None:
+            model = model.to(getattr(torch, model_dtype))
+        for p in model.parameters():
+            p.requires_grad_(False)
+        kwargs = dict(spec["peft"])
+        if task_type is not None:
+            kwargs.setdefault("task_type", task_type)
+        model = peft.get_peft_model(model, peft.PeftConfig.from_peft_type(**kwargs))
+        model_dtype = None  # cast already
+    elif lora is not None:
+        from peft import LoraConfig, get_peft_model
+
         lora_config = LoraConfig(
             r=lora["r"],
             lora_alpha=lora["alpha"],
@@ -278,7 +306,6 @@ def _build_model(spec: dict[str, Any]):
         )
         model = get_peft_model(model, lora_config)
 
-    model_dtype = PRECISIONS[spec["precision"]][0]
     if model_dtype is not None:
         model = model.to(getattr(torch, model_dtype))  # "true" half: params, grads, states
 
@@ -550,6 +577,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", help="one spec as a JSON object")
     parser.add_argument("--repeat", type=int, default=1, help="measure each spec N times")
     parser.add_argument("--out", help="write the list of results here (JSON)")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds one measuring child may run (a loaded machine is slow)")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --out: keep that file's other results, replace those "
+                             "measured again (by name)")
     args = parser.parse_args(argv)
 
     if args.child:
@@ -579,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeat):
             print(f"[{i}/{len(specs)}] {spec['name']} (run {rep + 1})...", end=" ", flush=True)
             try:
-                r = measure(spec)
+                r = measure(spec, timeout_s=args.timeout)
             except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
                 print(f"FAILED\n{e}", flush=True)
                 failed.append(spec["name"])
@@ -595,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
+        if args.merge and out.exists():
+            new = {r["name"] for r in results}
+            results = [r for r in json.loads(out.read_text()) if r["name"] not in new] + results
         out.write_text(json.dumps(results, indent=1) + "\n")
         print(f"wrote {len(results)} results to {out}")
     if failed:

@@ -76,3 +76,12 @@ def test_configs_are_well_formed():
         # the project-wide keys in order, then only optional ones (chunked_loss when on)
         assert list(c)[:len(measure_cpu.SPEC_KEYS)] == list(measure_cpu.SPEC_KEYS)
         assert set(list(c)[len(measure_cpu.SPEC_KEYS):]) <= set(measure_cpu.OPTIONAL_KEYS)
+
+
+def test_peft_key_is_checked():
+    measure_cpu.check_spec({**TINY, "peft": {"peft_type": "IA3"}})
+    with pytest.raises(ValueError, match=r"peft must be a dict with peft_type"):
+        measure_cpu.check_spec({**TINY, "peft": {"r": 8}})
+    lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj"]}
+    with pytest.raises(ValueError, match=r"lora or peft, not both"):
+        measure_cpu.check_spec({**TINY, "lora": lora, "peft": {"peft_type": "LORA"}})
