@@ -333,6 +333,29 @@ def _mark_host_steps(optimizer: Any, rec: StorageRecorder) -> None:
                 r.host = True
 
 
+def forward_loss(model: torch.nn.Module, config: TrainConfig, task: str, batch_size: int,
+                 seq_len: int, rec: StorageRecorder) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """One micro batch's forward and loss as the Trainer runs them (inside the fake mode):
+    the batch made and tracked as activations, the loss under autocast (the chunked loss
+    when asked), the outputs dropped as ``compute_loss`` drops them. Returns (loss, batch,
+    the model's keyword arguments); the caller frees the last two when the Trainer would."""
+    batch = make_batch(unwrap(model), task, batch_size, seq_len)
+    for v in batch.values():
+        if isinstance(v, torch.Tensor):
+            rec.track(v, "activations")  # the batch on the device
+    kwargs = {k: batch[k] for k in batch["_model_kwargs"]}
+    with _autocast(config), unpacked_batches():
+        if config.chunked_loss:
+            from autofit.knobs.loss import causal_lm_chunked_loss
+
+            loss = causal_lm_chunked_loss(model, kwargs)
+        else:
+            out = model(**kwargs)
+            loss = getattr(out, "loss", None)
+            del out  # the outputs (logits) are dropped, as compute_loss does
+    return loss, batch, kwargs
+
+
 def run_steps(
     model: torch.nn.Module,
     optimizer: Any,
@@ -360,26 +383,13 @@ def run_steps(
         rec.phase = "optimizer"  # created once, kept for the whole run
         scaler = _FakeGradScaler()
         rec.keepalive.append(scaler)  # the Trainer's scaler outlives the steps
-    base = unwrap(model)
     for step in range(steps):
         for micro in range(micro_steps):
             rec.mark(f"step{step}/micro{micro}")
             rec.micro += 1
             rec.phase = "forward"
-            batch = make_batch(base, task, config.micro_batch_size, seq_len)
-            for v in batch.values():
-                if isinstance(v, torch.Tensor):
-                    rec.track(v, "activations")  # the batch on the device
-            kwargs = {k: batch[k] for k in batch["_model_kwargs"]}
-            with _autocast(config), unpacked_batches():
-                if config.chunked_loss:
-                    from autofit.knobs.loss import causal_lm_chunked_loss
-
-                    loss = causal_lm_chunked_loss(model, kwargs)
-                else:
-                    out = model(**kwargs)
-                    loss = getattr(out, "loss", None)
-                    del out  # the outputs (logits) are dropped, as compute_loss does
+            loss, batch, kwargs = forward_loss(model, config, task, config.micro_batch_size,
+                                               seq_len, rec)
             if not isinstance(loss, torch.Tensor):
                 raise BadInputError(
                     f"{type(model).__name__}(input_ids=..., labels=...) returned no loss; "

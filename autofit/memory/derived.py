@@ -93,14 +93,12 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
 
     from autofit.memory._sim_model import (
         fake_clone,
-        make_batch,
         prepare_for_training,
-        unpacked_batches,
         unwrap,
         weight_tensors,
     )
     from autofit.memory._sim_recorder import StorageRecorder
-    from autofit.memory._sim_step import _autocast, chunked_loss_kernels
+    from autofit.memory._sim_step import chunked_loss_kernels, forward_loss
     from autofit.probe.model import _layer_lists
 
     spec = config.precision_spec
@@ -144,20 +142,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                 rec.decompositions.update(chunked_loss_kernels())
             with fake_mode, rec, ctx:
                 rec.phase = "forward"
-                data = make_batch(base, task, batch, seq_len)
-                for v in data.values():
-                    if isinstance(v, torch.Tensor):
-                        rec.track(v, "activations")
-                kwargs = {k: data[k] for k in data["_model_kwargs"]}
-                with _autocast(config), unpacked_batches():
-                    if config.chunked_loss:
-                        from autofit.knobs.loss import causal_lm_chunked_loss
-
-                        loss = causal_lm_chunked_loss(model, kwargs)
-                    else:
-                        res = model(**kwargs)
-                        loss = res.loss
-                        del res
+                loss, data, kwargs = forward_loss(model, config, task, batch, seq_len, rec)
                 alive = {id(r) for r in rec.live_records() if r.category != "weights"}
                 log = rec.events()
                 per_kind = [
