@@ -26,6 +26,11 @@ __all__ = [
     "TrainConfig",
     "parse_optim_args",
     "offload_needs_checkpointing",
+    "STRATEGIES",
+    "OFFLOADS",
+    "normalize_strategy",
+    "normalize_offload",
+    "strategy_conflict",
 ]
 
 
@@ -140,6 +145,76 @@ def normalize_precision(precision: str) -> str:
     return p
 
 
+# How the ranks hold the model: name -> (family, what each rank keeps whole). "ddp" is also
+# the single process (nothing is sharded).
+STRATEGIES: dict[str, str] = {
+    "ddp": "DDP: a full replica of parameters, gradients and optimizer states per rank",
+    "fsdp": "FSDP2 fully_shard: parameters, gradients and optimizer states sharded; each "
+            "unit's parameters gathered for its forward and again for its backward",
+    "fsdp-shard-grad-op": "FSDP2 fully_shard(reshard_after_forward=False): sharded, but "
+                          "each unit keeps its gathered parameters from forward to backward",
+    "hsdp": "FSDP2 hybrid: sharded within a node, replicated across nodes",
+    "zero1": "DeepSpeed ZeRO-1: optimizer states partitioned",
+    "zero2": "DeepSpeed ZeRO-2: optimizer states and gradients partitioned",
+    "zero3": "DeepSpeed ZeRO-3: optimizer states, gradients and parameters partitioned",
+}
+_STRATEGY_ALIASES = {"fsdp2": "fsdp", "full_shard": "fsdp", "full-shard": "fsdp",
+                     "shard_grad_op": "fsdp-shard-grad-op", "shard-grad-op": "fsdp-shard-grad-op",
+                     "hybrid_shard": "hsdp", "hybrid": "hsdp", "no_shard": "ddp",
+                     "zero-1": "zero1", "zero-2": "zero2", "zero-3": "zero3"}
+# what a sharded strategy keeps in host memory
+OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
+_OFFLOAD_ALIASES = {"": "none", "no": "none", "false": "none", "cpu": "optimizer+params",
+                    "params": "optimizer+params", "optimizer+param": "optimizer+params",
+                    "param+optimizer": "optimizer+params", "params+optimizer": "optimizer+params"}
+
+
+def normalize_strategy(strategy: str) -> str:
+    """The name of ``strategy`` in ``STRATEGIES`` or raise InvalidConfigError.
+
+        >>> normalize_strategy("ZeRO-3"), normalize_strategy("full_shard")
+        ('zero3', 'fsdp')
+    """
+    s = str(strategy).strip().lower()
+    s = _STRATEGY_ALIASES.get(s, s)
+    if s not in STRATEGIES:
+        raise InvalidConfigError(f"unknown strategy {strategy!r}; {_close(s, list(STRATEGIES))}")
+    return s
+
+
+def normalize_offload(offload: str | None) -> str:
+    """The name of ``offload`` in ``OFFLOADS`` or raise InvalidConfigError."""
+    o = "none" if offload is None or offload is False else str(offload).strip().lower()
+    o = _OFFLOAD_ALIASES.get(o, o)
+    if o not in OFFLOADS:
+        raise InvalidConfigError(f"unknown offload {offload!r}; {_close(o, list(OFFLOADS))}")
+    return o
+
+
+def strategy_conflict(strategy: str, offload: str, nnodes: int = 1) -> str | None:
+    """Why ``strategy`` cannot run with ``offload`` (on ``nnodes`` nodes), or None.
+
+        >>> strategy_conflict("zero2", "optimizer+params")
+        "offloading parameters needs ZeRO-3: use strategy='zero3' or offload='optimizer'"
+    """
+    if offload == "none":
+        return None
+    if strategy == "ddp":
+        return (f"DDP keeps everything on the device; offloading ({offload}) needs a sharded "
+                "strategy: use " + fix("--strategy zero2 or fsdp", "strategy='zero2' or 'fsdp'")
+                + " or " + fix("--offload none", "offload='none'"))
+    if strategy in ("zero1", "zero2") and offload == "optimizer+params":
+        return ("offloading parameters needs ZeRO-3: use "
+                + fix("--strategy zero3", "strategy='zero3'") + " or "
+                + fix("--offload optimizer", "offload='optimizer'"))
+    if strategy.startswith(("fsdp", "hsdp")) and offload == "optimizer":
+        return ("FSDP2 offloads parameters, gradients and optimizer states together "
+                "(CPUOffloadPolicy): use " + fix("--offload optimizer+params",
+                                                 "offload='optimizer+params'")
+                + ", or a ZeRO strategy to offload the optimizer alone")
+    return None
+
+
 def check_optimizer(optimizer: str) -> str:
     """Return ``optimizer`` if autofit models it, else raise InvalidConfigError."""
     o = str(optimizer).strip().lower()
@@ -163,7 +238,20 @@ class TrainConfig:
         optimizer: a ``TrainingArguments.optim`` name (see ``OPTIMIZERS``).
         optim_args: ``TrainingArguments.optim_args``, e.g. ``"momentum=0.9"``.
         seq_len: sequence length of the worst-case batch, when known.
-        world_size: data-parallel processes; estimates are always per device.
+        world_size: data-parallel processes in all (``nproc_per_node * nnodes``; given
+            alone, it is that many processes on one node); estimates are per device (rank).
+        nproc_per_node: processes (devices) per node, as ``torchrun --nproc-per-node``.
+        nnodes: nodes, as ``torchrun --nnodes``.
+        strategy: how the ranks hold the model (see ``STRATEGIES``): ``"ddp"`` (a full
+            replica per rank; also a single process), ``"fsdp"`` (FSDP2 ``fully_shard``,
+            resharded after forward), ``"fsdp-shard-grad-op"`` (FSDP2 keeping the
+            unsharded parameters from forward to backward), ``"hsdp"`` (FSDP2 sharded
+            within a node, replicated across nodes), ``"zero1"`` / ``"zero2"`` /
+            ``"zero3"`` (DeepSpeed ZeRO stages).
+        offload: what a sharded strategy keeps in host memory (see ``OFFLOADS``):
+            ``"none"``, ``"optimizer"`` (ZeRO ``offload_optimizer``), or
+            ``"optimizer+params"`` (ZeRO-3 ``offload_param`` too; FSDP2's
+            ``CPUOffloadPolicy``, which offloads parameters, gradients and states).
         chunked_loss: compute the causal-LM loss without the full (B, T, V) logits
             (``autofit.causal_lm_chunked_loss``; train with ``autofit.ChunkedLossTrainer``).
         activation_offloading: hold the checkpointed blocks' saved inputs in pinned host
@@ -189,13 +277,20 @@ class TrainConfig:
     chunked_loss: bool = False
     activation_offloading: bool = False
     torch_compile: bool = False
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    strategy: str = "ddp"
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("micro_batch_size", "grad_accum_steps", "world_size"):
+        for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nproc_per_node",
+                     "nnodes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 problems.append(f"{name} must be a positive integer, got {v!r}")
+        if not problems:
+            problems += self._check_ranks()
         if not isinstance(self.activation_offloading, bool):
             problems.append("activation_offloading must be True or False, "
                             f"got {self.activation_offloading!r}")
@@ -222,6 +317,30 @@ class TrainConfig:
             problems.append(str(e))
         if problems:
             raise InvalidConfigError("; ".join(problems))
+
+    def _check_ranks(self) -> list[str]:
+        """Reconcile ``world_size`` with ``nproc_per_node * nnodes`` and check the strategy
+        and its offload (problems as lines)."""
+        ranks = self.nproc_per_node * self.nnodes
+        if ranks == 1 and self.world_size > 1:  # world_size alone: one node
+            object.__setattr__(self, "nproc_per_node", self.world_size)
+        elif self.world_size == 1 and ranks > 1:
+            object.__setattr__(self, "world_size", ranks)
+        elif self.world_size != ranks:
+            return [f"world_size {self.world_size} is not nproc_per_node x nnodes = "
+                    f"{self.nproc_per_node} x {self.nnodes}; give one or the other"]
+        try:
+            object.__setattr__(self, "strategy", normalize_strategy(self.strategy))
+            object.__setattr__(self, "offload", normalize_offload(self.offload))
+        except InvalidConfigError as e:
+            return [str(e)]
+        why = strategy_conflict(self.strategy, self.offload, self.nnodes)
+        return [why] if why else []
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the ranks shard model state (FSDP or ZeRO) across more than one rank."""
+        return self.world_size > 1 and self.strategy != "ddp"
 
     @property
     def effective_batch_size(self) -> int:

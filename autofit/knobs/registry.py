@@ -4,7 +4,7 @@ Adding a lever is one new module in ``autofit/knobs/`` (a ``Knob``), its entry h
 its ``TrainConfig`` field, its memory rule in ``autofit/memory`` and its tests.
 
     >>> [k.name for k in KNOBS]
-    ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss', 'activation_offloading', 'torch_compile']
+    ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss', 'activation_offloading', 'torch_compile', 'strategy', 'offload']
 
 A knob may also define ``conflict(choice) -> str | None``: why a combination of values
 cannot be trained (activation offloading without checkpointing); ``conflict`` asks every
@@ -23,6 +23,7 @@ from autofit.knobs.compile import TORCH_COMPILE
 from autofit.knobs.offloading import OFFLOADING
 from autofit.knobs.optimizer import OPTIMIZER
 from autofit.knobs.precision import PRECISION
+from autofit.knobs.strategy import OFFLOAD, STRATEGY
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
            "conflict"]
@@ -30,7 +31,7 @@ __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned
 # the order the files are written in too: offloading adds its key to the kwargs that
 # checkpointing writes afresh
 KNOBS: tuple[Knob, ...] = (PRECISION, CHECKPOINTING, OPTIMIZER, CHUNKED_LOSS, OFFLOADING,
-                           TORCH_COMPILE)
+                           TORCH_COMPILE, STRATEGY, OFFLOAD)
 
 
 def knob(name: str) -> Knob:

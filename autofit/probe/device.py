@@ -105,6 +105,8 @@ class DeviceInfo:
     bandwidth_gbs: float | None = None
     compute_capability: str | None = None
     host_link_gbs: float | None = None  # pinned host <-> device copies, GB/s one way
+    nproc_per_node: int = 1  # ranks (devices like this one) per node in the run
+    nnodes: int = 1  # nodes in the run
 
     @property
     def overhead_bytes(self) -> int:

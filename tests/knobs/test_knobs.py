@@ -8,9 +8,14 @@ import pytest
 from autofit import TrainConfig
 from autofit.errors import MissingDependencyError, UnsupportedPrecisionError
 from autofit.knobs import CHECKPOINTING, KNOBS, OPTIMIZER, PRECISION, base, knob, owned_fields
+from autofit.knobs.strategy import STRATEGY
 from autofit.probe.device import resolve_device
 
 A100, T4 = resolve_device("A100-80GB"), resolve_device("T4")
+
+
+_WITH = {"activation_offloading": {"gradient_checkpointing": True},
+         "strategy": {"nproc_per_node": 2}, "offload": {"nproc_per_node": 2, "strategy": "zero3"}}
 
 
 def test_every_knob_is_a_trainconfig_field_with_declared_values():
@@ -24,17 +29,23 @@ def test_every_knob_is_a_trainconfig_field_with_declared_values():
         for v in k.values:  # every value reads, and round-trips through TrainingArguments
             assert k.describe(v) and k.short(v) and k.flag(v).startswith("--")
             args: dict = {}
-            # activation offloading goes with checkpointing (it offloads what that keeps)
-            config = TrainConfig(**{k.name: v}, **({"gradient_checkpointing": True}
-                                                   if k.name == "activation_offloading" else {}))
+            # activation offloading goes with checkpointing (it offloads what that keeps), a
+            # strategy with several ranks, host offload with ZeRO-3
+            config = TrainConfig(**{k.name: v}, **_WITH.get(k.name, {}))
             k.emit(config, args)
             assert set(args) <= set(k.fields), (k.name, set(args) - set(k.fields))
             if k.name == "activation_offloading":
                 CHECKPOINTING.emit(config, args)
                 k.emit(config, args)
+            if k.name == "offload":  # written into the strategy's DeepSpeed config
+                STRATEGY.emit(config, args)
             if k.name == "chunked_loss" and v and not args:
                 # no TrainingArguments field without liger-kernel: the note names the hook
                 assert "autofit.ChunkedLossTrainer" in k.note(v)
+            elif k.name == "strategy" and v == "hsdp":
+                # hybrid replication is accelerate's parallelism_config (the accelerate
+                # config file); TrainingArguments hold FSDP2 itself
+                assert k.read(args) == "fsdp"
             elif k.name != "precision" or not k.changes_math(v):  # *-true is not a field
                 assert k.read(args) == v, (k.name, v, args)
 
@@ -98,11 +109,11 @@ def test_cli_options_come_from_the_knobs():
         k.add_options(p)
     a = p.parse_args(["--precision", "bf16-mixed", "32-true", "--no-gradient-checkpointing",
                       "--optim", "sgd", "--chunked-loss", "--activation-offloading",
-                      "--torch-compile"])
+                      "--torch-compile", "--strategy", "zero3", "--offload", "optimizer"])
     assert [k.from_options(a) for k in KNOBS] == [["bf16-mixed", "32-true"], False, ["sgd"], True,
-                                                  True, [False, True]]
+                                                  True, [False, True], ["zero3"], ["optimizer"]]
     a = p.parse_args([])
-    assert [k.from_options(a) for k in KNOBS] == [None, None, None, None, None, None]
+    assert [k.from_options(a) for k in KNOBS] == [None] * len(KNOBS)
 
 
 def test_registry():
