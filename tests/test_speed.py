@@ -46,3 +46,56 @@ def test_ranking(llama8b):
     a10 = predict_speed(llama8b, TrainConfig(micro_batch_size=4, precision="bf16-mixed"), 2048,
                         resolve_device("A10G")).tokens_per_s
     assert tps(micro_batch_size=4, precision="bf16-mixed") > 5 * a10
+
+
+# --- several ranks: communication (autofit.search.comm) ------------------------------
+
+def test_communication_bytes_follow_the_ring_collectives():
+    from autofit.memory.analytic import gradients_bytes
+    from autofit.search.comm import communication
+
+    info = probe_model("tiny-llama")
+    card = resolve_device("H100-80GB")
+    n = 8
+    trainable = sum(g.numel * g.count for g in info.params if g.trainable)
+    one = TrainConfig(precision="32-true")
+    g = gradients_bytes(info, one)
+    assert g == trainable * 4
+    ddp = communication(info, TrainConfig(nproc_per_node=n), card)
+    assert ddp.per_micro_batch_bytes == 0 and ddp.per_step_bytes == pytest.approx(2 * (n - 1) / n * g)
+    fsdp = communication(info, TrainConfig(nproc_per_node=n, strategy="fsdp"), card)
+    # fp32: gather the parameters twice (forward, backward), reduce-scatter the gradients
+    assert fsdp.per_micro_batch_bytes == pytest.approx(3 * (n - 1) / n * g)
+    keep = communication(info, TrainConfig(nproc_per_node=n, strategy="fsdp-shard-grad-op"), card)
+    assert keep.per_micro_batch_bytes == pytest.approx(2 * (n - 1) / n * g)
+    # bf16 mixed: gathered in bf16 (half the bytes), gradients reduced in fp32
+    mixed = communication(info, TrainConfig(nproc_per_node=n, strategy="fsdp",
+                                            precision="bf16-mixed"), card)
+    assert mixed.per_micro_batch_bytes == pytest.approx((2 * 0.5 + 1) * (n - 1) / n * g)
+    assert communication(info, TrainConfig(), card).per_step_s == 0  # one rank sends nothing
+
+
+def test_strategies_rank_by_links():
+    info = probe_model("tiny-llama")
+    h100, rtx = resolve_device("H100-80GB"), resolve_device("RTX-4090")
+
+    def tps(card, **kw):
+        c = TrainConfig(micro_batch_size=4, grad_accum_steps=4, precision="bf16-mixed",
+                        nproc_per_node=8, **kw)
+        return predict_speed(info, c, 1024, card)
+
+    # one rank: no communication, the speed of before
+    single = predict_speed(info, TrainConfig(micro_batch_size=4, grad_accum_steps=4,
+                                             precision="bf16-mixed"), 1024, h100)
+    assert single.communication_s == 0
+    # NVLink hides what PCIe cannot; across nodes everything is slower
+    assert tps(h100).communication_s < tps(rtx).communication_s
+    assert tps(h100, nnodes=2).tokens_per_s < tps(h100).tokens_per_s
+    # hybrid sharding keeps the gathers inside the node: faster than FSDP across nodes
+    assert tps(rtx, nnodes=2, strategy="hsdp").tokens_per_s > \
+        tps(rtx, nnodes=2, strategy="fsdp").tokens_per_s
+    # gathering twice per micro batch costs more than keeping the parameters
+    assert tps(rtx, strategy="fsdp").tokens_per_s < tps(rtx, strategy="fsdp-shard-grad-op").tokens_per_s
+    # host offload waits on the host link and the host's optimizer step
+    assert tps(h100, strategy="zero3", offload="optimizer").tokens_per_s < \
+        tps(h100, strategy="zero3").tokens_per_s

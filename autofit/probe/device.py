@@ -105,6 +105,8 @@ class DeviceInfo:
     bandwidth_gbs: float | None = None
     compute_capability: str | None = None
     host_link_gbs: float | None = None  # pinned host <-> device copies, GB/s one way
+    peer_link_gbs: float | None = None  # to the other cards of the node, GB/s one way
+    network_gbs: float | None = None  # this card's share of the network between nodes
     nproc_per_node: int = 1  # ranks (devices like this one) per node in the run
     nnodes: int = 1  # nodes in the run
 
@@ -160,6 +162,8 @@ def _from_catalog(entry: str, *, present: bool = False, index: int | None = None
         bandwidth_gbs=float(d["bandwidth_gbs"]),
         compute_capability=str(d["compute_capability"]),
         host_link_gbs=float(d.get("host_link_gbs", 0)) or None,
+        peer_link_gbs=float(d.get("peer_link_gbs", 0)) or None,
+        network_gbs=float(d.get("network_gbs", 0)) or None,
     )
 
 
@@ -245,6 +249,8 @@ def _cuda(index: int | None) -> DeviceInfo:
         bandwidth_gbs=base.bandwidth_gbs if base else None,
         compute_capability=(props.gcnArchName if hip else f"{props.major}.{props.minor}"),
         host_link_gbs=base.host_link_gbs if base else None,
+        peer_link_gbs=base.peer_link_gbs if base else None,
+        network_gbs=base.network_gbs if base else None,
     )
 
 

@@ -23,6 +23,10 @@ few with real micro-steps (whose measured speed then decides). The model:
   in the forward and back in the backward, on the compute stream (transformers does not
   overlap them): ``2 * offloaded bytes / host link`` per micro batch, at the card's
   ``host_link_gbs`` (PCIe, ``catalog.toml``; 25 GB/s, PCIe gen4 x16, where unknown).
+* Several ranks: what the strategy sends (``autofit.search.comm``: all-reduce,
+  all-gather, reduce-scatter, host copies) beyond what compute hides, per optimizer
+  step; a sharded strategy's optimizer step updates one partition per rank (on the
+  host with offload). Throughput is per rank.
 
     >>> from autofit.probe.model import probe_model
     >>> from autofit.probe.device import resolve_device
@@ -61,6 +65,7 @@ _CPU_TFLOPS = 0.2  # nominal, ranking only
 _CPU_BANDWIDTH_GBS = 20.0
 _HOST_LINK_GBS = 25.0  # pinned copies over PCIe gen4 x16 (~80% of 31.5 GB/s), where unknown
 # relative cost of the optimizer's memory traffic (per byte moved) by implementation
+_BACKWARD_SHARE = 2 / 3  # of a micro batch's compute: backward is twice the forward
 _OPT_EFFICIENCY = {"fused": 1.0, "foreach": 0.8, "loop": 0.35, "bnb": 0.9}
 
 
@@ -74,6 +79,7 @@ class SpeedEstimate:
     optimizer_time_s: float  # one optimizer step
     flops_per_token: float
     utilisation: float
+    communication_s: float = 0.0  # per optimizer step, what overlap does not hide
 
 
 def _matmul_params(info: ModelInfo) -> tuple[int, int]:
@@ -141,6 +147,7 @@ def predict_speed(
         optimizer_state_bytes,
         weights_bytes,
     )
+    from autofit.search.comm import communication
 
     tokens = config.micro_batch_size * seq_len
     fpt = flops_per_token(info, config, seq_len)
@@ -157,7 +164,12 @@ def predict_speed(
         info, config
     )
     opt = moved / (bw * _OPT_EFFICIENCY[_opt_kind(config, device)])
-    total = config.grad_accum_steps * step + opt
+    if config.sharded:  # each rank updates its own partition (on the host, with offload)
+        opt = 0.0 if config.offload != "none" else opt / (
+            config.nproc_per_node if config.strategy == "hsdp" else config.world_size)
+    comm = communication(info, config, device).exposed(
+        step, step * _BACKWARD_SHARE, config.grad_accum_steps)
+    total = config.grad_accum_steps * step + opt + comm
     tps = config.grad_accum_steps * tokens / total
     return SpeedEstimate(
         tokens_per_s=tps,
@@ -166,4 +178,5 @@ def predict_speed(
         optimizer_time_s=opt,
         flops_per_token=fpt,
         utilisation=util,
+        communication_s=comm,
     )
