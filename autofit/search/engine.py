@@ -60,8 +60,9 @@ SPEED_TIE = 0.05  # measured throughputs this close are a tie (step-time noise)
 # 4: the default margin from the modelled run + a 3% safety, answers carry the run's need;
 # 5: a flat peak is bracketed by bisection, an OOM keeps a measured ratio;
 # 6: the chunked_loss knob is searched; 7: the activation_offloading knob, a study parameter;
-# 8: the torch_compile knob, searched when asked).
-ENGINE_VERSION = 8
+# 8: the torch_compile knob, searched when asked; 9: the strategy and offload knobs, the
+# speed model's communication).
+ENGINE_VERSION = 9
 
 
 @dataclass
