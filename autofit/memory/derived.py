@@ -16,7 +16,12 @@ and dropout copies, virtual tokens, merged delta weights); it splits exactly int
 
 (``F``: the same for every micro batch, e.g. DoRA's weight norms; autocast's weight
 copies are taken out, the analytic model counts them apart), which the four shapes
-determine. Results are cached per (model, precision, attention, chunked loss, target).
+determine. Results are cached per (model, precision, attention, chunked loss, target):
+in memory, and on disk beside the trial cache (``$AUTOFIT_CACHE_DIR/derived/``, one JSON
+file per key, library versions and a hash of the code that derives them), so a new process — every ``autofit estimate`` —
+pays the four forwards once per model. A cache folder that cannot be written is one
+warning, and the coefficients are derived again next time; a file that does not read
+as coefficients is derived again and replaced.
 
     >>> from autofit import TrainConfig
     >>> from autofit.probe.model import build_model, describe
@@ -30,7 +35,13 @@ determine. Results are cached per (model, precision, attention, chunked loss, ta
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import logging
+import math
+import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
@@ -49,6 +60,8 @@ __all__ = ["derived_coefficients", "SHAPES"]
 SHAPES = ((1, 32), (1, 64), (1, 128), (2, 32))
 
 _CACHE: dict[str, dict[str, Any]] = {}
+_WARNED: set[str] = set()
+_log = logging.getLogger("autofit")
 
 
 def _key(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> str:
@@ -185,6 +198,10 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
                             "encoder-decoder models; use method='simulate'")
     key = _key(info, config, device)
     hit = _CACHE.get(key)
+    if hit is None:
+        hit = _load(key)
+        if hit is not None:
+            _CACHE[key] = hit
     if hit is not None:
         return hit
     limit = info.max_position_embeddings
@@ -212,7 +229,82 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         "derived": True,
     }
     _CACHE[key] = coef
+    _store(key, coef)
     return coef
+
+
+def _disk_path(key: str):
+    from autofit.probe.versions import cache_dir, library_versions
+
+    text = json.dumps([key, _code_hash(), library_versions()], sort_keys=True)
+    return cache_dir() / "derived" / (hashlib.sha256(text.encode()).hexdigest()[:32] + ".json")
+
+
+@functools.lru_cache(maxsize=1)
+def _code_hash() -> str:
+    """A hash of the code the derivation runs (the memory and probe packages): a change to
+    the simulator or the model description makes stored coefficients stale by itself."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for pkg in ("memory", "probe"):
+        for f in sorted((root / pkg).glob("*.py")):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _valid(coef: Any) -> bool:
+    """Whether ``coef`` reads as derived coefficients (finite numbers where they belong)."""
+    if not isinstance(coef, dict) or coef.get("derived") is not True:
+        return False
+    for part, names in (("layer", ("c0", "T", "s", "F")), ("base", ("c0", "T", "s", "F"))):
+        d = coef.get(part)
+        if not isinstance(d, dict) or not all(
+                isinstance(d.get(n), int | float) and not isinstance(d.get(n), bool)
+                and math.isfinite(d[n]) for n in names):
+            return False
+    return True
+
+
+def _load(key: str) -> dict[str, Any] | None:
+    """The coefficients stored on disk for ``key``, or None (absent, unreadable, not valid)."""
+    try:
+        coef = json.loads(_disk_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    return coef if _valid(coef) else None
+
+
+def _store(key: str, coef: dict[str, Any]) -> None:
+    """Write ``coef`` for ``key`` atomically (a reader never sees half a file); a folder that
+    cannot be written is warned about once per folder, and the run goes on."""
+    path = _disk_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".derived-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(coef, f)
+            os.replace(tmp, path)
+        except BaseException:
+            with _suppress():
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        folder = str(path.parent)
+        if folder not in _WARNED:
+            _WARNED.add(folder)
+            _log.warning("autofit: cannot keep derived coefficients in %s (%s); they are "
+                         "derived again in the next process (set AUTOFIT_CACHE_DIR to a "
+                         "writable folder)", folder, e.strerror or e)
+
+
+def _suppress():
+    import contextlib
+
+    return contextlib.suppress(OSError)
 
 
 def _head_numel(info: ModelInfo) -> int:

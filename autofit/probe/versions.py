@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
-__all__ = ["library_versions", "VERSIONED"]
+from pathlib import Path
+
+__all__ = ["library_versions", "VERSIONED", "cache_dir"]
 
 # What a cached answer depends on besides the model, data and device.
 VERSIONED = ("autofit", "torch", "transformers", "peft", "bitsandbytes", "accelerate")
@@ -23,3 +25,11 @@ def library_versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[pkg] = "-"
     return out
+
+
+def cache_dir() -> Path:
+    """Where autofit keeps what it learnt between runs: ``$AUTOFIT_CACHE_DIR``, else
+    ``~/.cache/autofit`` (not created here)."""
+    import os
+
+    return Path(os.environ.get("AUTOFIT_CACHE_DIR", Path.home() / ".cache" / "autofit")).expanduser()

@@ -53,8 +53,9 @@ def default_storage() -> str:
 
     The folder is made by ``open_storage`` (where a failure is a warning, not an error).
     """
-    root = Path(os.environ.get("AUTOFIT_CACHE_DIR", Path.home() / ".cache" / "autofit"))
-    return f"sqlite:///{root.expanduser() / 'studies.db'}"
+    from autofit.probe.versions import cache_dir
+
+    return f"sqlite:///{cache_dir() / 'studies.db'}"
 
 
 def sqlite_path(url: str) -> Path | None:
