@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -52,7 +53,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+if not os.environ.get("PYTHONPATH"):  # else PYTHONPATH names the autofit checkout to compare
+    sys.path.insert(0, str(HERE.parent))
 
 MEASURED = RESULTS / "distributed_measured.json"
 PUBLISHED = HERE / "published_sharded.json"
@@ -234,6 +236,24 @@ def estimate_published(row: dict[str, Any], tmp: Path, method: str = "analytic")
     return out
 
 
+UNIT_BYTES = {"GiB": GIB, "GB": GIB}  # "GB": training scripts print torch's bytes / 1024**3
+
+
+def published_verdict(row: dict[str, Any], est: dict[str, Any]) -> str:
+    """The estimate against the reported number: the signed error of the estimate of the
+    published setup, or, for selective checkpointing, where the report falls between the
+    estimates without and with full checkpointing."""
+    reported = row["reported_value"] * UNIT_BYTES[row["reported_unit"]]
+    if "no_ckpt" in est and "ckpt" in est:
+        hi, lo = est["no_ckpt"]["reserved"], est["ckpt"]["reserved"]
+        if lo <= reported <= hi:
+            return "within the bracket"
+        side = "below" if reported < lo else "above"
+        return f"{side} the bracket ({100 * signed_error(lo if side == 'below' else hi, int(reported)):+.1f}%)"
+    (only,) = est.values()
+    return f"{100 * signed_error(only['reserved'], int(reported)):+.1f}%"
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -290,22 +310,24 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], summary: dict[str, An
               "sources linked). autofit's estimate (analytic, the published GPU from its catalog, the",
               "model built on the meta device from its published dimensions) is put beside each when",
               "the estimator is available; with selective activation checkpointing (not modelled)",
-              "the estimate is given without and with full checkpointing, which bracket it.", ""]
+              "the estimate is given without and with full checkpointing, which bracket it.",
+              "A reported \"GB\" is read as 2^30 bytes (what `bytes / 1024**3` prints).", ""]
     lines += ["| id | model | strategy | GPUs | micro batch × seq | precision | checkpointing | "
-              "reported | metric | autofit reserved GiB (no ckpt / full ckpt) | source |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "reported | metric | autofit reserved GiB (no ckpt / full ckpt) | autofit vs reported | source |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in published:
         e = pub_estimates.get(p["id"])
         if isinstance(e, dict):
             cells = " / ".join(f"{e[k]['reserved'] / GIB:.1f}" if k in e else "–"
                                for k in ("no_ckpt", "ckpt"))
+            verdict = published_verdict(p, e)
         else:
-            cells = e or "–"
+            cells, verdict = e or "–", "–"
         lines.append(
             f"| {p['id']} | {p['model']} | {p['strategy_as_published']} | "
             f"{p['nproc_per_node'] * p['nnodes']}× {p['gpu']} | {p['micro_batch']} × {p['seq_len']} | "
             f"{p['precision_as_published']} | {p['checkpointing_as_published']} | "
-            f"{p['reported_value']} {p['reported_unit']} | {p['metric']} | {cells} | "
+            f"{p['reported_value']} {p['reported_unit']} | {p['metric']} | {cells} | {verdict} | "
             f"[link]({p['source_url']}) |")
     path.write_text("\n".join(lines) + "\n")
 

@@ -26,9 +26,11 @@ BATCH, SEQ = 2, 256
 
 def spec(name: str, strategy: str, *, nproc: int = 2, precision: str = "32-true",
          ckpt: bool = False, offload: str = "none", reshard_after_forward: bool = True,
-         gradient_as_bucket_view: bool = False, bucket_cap_mb: int = 25) -> dict[str, Any]:
-    """A spec in the project-wide key order, then the six distributed keys."""
-    return {
+         gradient_as_bucket_view: bool = False, bucket_cap_mb: int = 25,
+         ds_buckets: str | None = None) -> dict[str, Any]:
+    """A spec in the project-wide key order, then the six distributed keys (and
+    ``ds_buckets`` when given)."""
+    out = {
         "name": name,
         "model_type": "llama",
         "config": dict(LLAMA),
@@ -48,6 +50,9 @@ def spec(name: str, strategy: str, *, nproc: int = 2, precision: str = "32-true"
         "gradient_as_bucket_view": gradient_as_bucket_view,
         "bucket_cap_mb": bucket_cap_mb,
     }
+    if ds_buckets is not None:
+        out["ds_buckets"] = ds_buckets
+    return out
 
 
 CONFIGS: list[dict[str, Any]] = [
@@ -70,6 +75,8 @@ CONFIGS: list[dict[str, Any]] = [
     spec("zero2-bf16", "zero2", precision="bf16-mixed"),
     spec("zero3-bf16", "zero3", precision="bf16-mixed"),
     spec("zero3-bf16-ckpt", "zero3", precision="bf16-mixed", ckpt=True),
+    # DeepSpeed's own bucket defaults (5e8 elements) instead of the Trainer's "auto" (h*h)
+    spec("zero2-bf16-dsdefault", "zero2", precision="bf16-mixed", ds_buckets="deepspeed-default"),
     # DeepSpeed offload to cpu (DeepSpeedCPUAdam)
     spec("zero2-bf16-offopt", "zero2", precision="bf16-mixed", offload="optimizer"),
     spec("zero3-bf16-offopt", "zero3", precision="bf16-mixed", offload="optimizer"),

@@ -43,13 +43,18 @@ launched like ``torchrun``: one ``python`` child per rank with ``RANK``,
            bf16-mixed = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32
            sharded parameters, bf16 all-gathered parameters, no autocast.
            32-true = MixedPrecisionPolicy() (fp32 everywhere).
-    zero*  deepspeed.initialize with {"zero_optimization": {"stage": N, + offload to cpu},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0}},
-           "gradient_clipping": 1.0, "bf16": {"enabled": bf16-mixed}}; DeepSpeed's
-           defaults for every bucket size (reduce/allgather_bucket_size 5e8 elements,
-           stage3_prefetch_bucket_size 5e7, stage3_param_persistence_threshold 1e5,
-           max_live_parameters 1e9, overlap_comm stage-dependent); the result records the
-           effective zero config and the optimizer classes that ran.
+    zero*  deepspeed.initialize(model, model.parameters(), config) with
+           {"zero_optimization": {"stage": N, ...}, "optimizer": {"type": "AdamW",
+           "params": {"lr": 1e-5, "weight_decay": 0}}, "gradient_clipping": 1.0,
+           "bf16": {"enabled": bf16-mixed}}; the zero section is the one autofit emits
+           (overlap_comm, contiguous_gradients, sizes "auto", max_live_parameters =
+           max_reuse_distance = 1e9) as the Trainer resolves "auto" (``ds_buckets``
+           "trainer-auto", the default): reduce_bucket_size = h*h,
+           stage3_prefetch_bucket_size = 0.9*h*h, stage3_param_persistence_threshold =
+           10*h (h = hidden_size); ``"ds_buckets": "deepspeed-default"`` leaves every size
+           at DeepSpeed's default (5e8-element buckets). Offload: {"device": "cpu",
+           "pin_memory": false} (pinning needs CUDA). The result records the effective
+           zero config and the optimizer classes that ran.
            bf16-mixed = DeepSpeed bf16: the module cast to bf16, fp32 master partitions in
            the optimizer, no autocast. engine(**batch).loss; engine.backward; engine.step.
 
@@ -91,10 +96,36 @@ The result has one entry per rank (``ranks``) and the top-level ``peak_bytes`` /
 
 Facts found on this machine (2 shared cores, torch 2.13.0+cpu, transformers 5.24,
 deepspeed 0.19.8):
-    - ``pip install deepspeed==0.19.8`` builds a wheel without CUDA (~40 s). With
-      ``DS_ACCELERATOR=cpu`` the op builders are deepspeed.ops.op_builder.cpu.*; the
-      first use JIT-compiles them into ~/.cache/torch_extensions (see below for times).
-    FILLED IN BELOW AFTER MEASURING.
+    - ``pip install deepspeed==0.19.8``: builds a wheel without CUDA (~40 s; pulls hjson,
+      ninja, msgpack, einops). ``DS_ACCELERATOR=cpu`` selects the CPU accelerator and the
+      op builders ``deepspeed.ops.op_builder.cpu.*``. Their first load JIT-compiles into
+      ~/.cache/torch_extensions/py311_cpu/: ``fused_adam`` 113 s, ``cpu_adam`` 201 s here
+      (under load; compile once ahead with
+      ``DS_ACCELERATOR=cpu python -c "from deepspeed.accelerator import get_accelerator as
+      g; [g().create_op_builder(n).load() for n in ('FusedAdamBuilder', 'CPUAdamBuilder')]"``).
+      A config whose op is not compiled yet spends that time inside its first
+      ``deepspeed.initialize`` (the warm-up here; it stays out of the measurement).
+    - Optimizer classes that ran for ``{"type": "AdamW"}`` (recorded per row):
+      ZeRO-1/2 ``DeepSpeedZeroOptimizer`` over ``deepspeed.ops.adam.FusedAdam`` (the CPU
+      build of fused_adam); ZeRO-3 ``DeepSpeedZeroOptimizer_Stage3`` over ``FusedAdam``;
+      with ``offload_optimizer`` ``DeepSpeedCPUAdam`` (fp32 states). NB: autofit's
+      emitted config has no optimizer section, so a Trainer run passes its own
+      torch AdamW instead (same states, other temporaries).
+    - One configuration takes 30-65 s with 2 processes, 115-125 s with 4 (warm-up
+      8-15 s; a step 3-20 s; the cores are shared with other work).
+    - Repeatable: ranks of one run agree within 0.2%; repeated runs within 0.1% (see
+      ``repeat_spread`` in the results).
+    - ``warmup_residue_bytes`` (what the warm-up and its imports leave, in the baseline):
+      163-180 MiB for DDP/FSDP2, 209-234 MiB for DeepSpeed.
+    - With glibc's default malloc thresholds per-rank RSS does not drop when full-size
+      tensors are freed (the thresholds grow dynamically up to 32 MiB), so sharding
+      shows no saving; with the 128 KiB fixed thresholds above it does.
+    - The full fp32 model built on every rank before wrapping is freed by
+      ``fully_shard`` / ``deepspeed.initialize`` (RSS after wrapping minus baseline =
+      the rank's own share: ``model_resident_bytes``).
+    - DeepSpeed's default bucket sizes cost memory even on the CPU: with
+      ``"deepspeed-default"`` ZeRO-1 fp32 peaked at 552 MiB vs 518 MiB with the Trainer's
+      "auto" sizes, ZeRO-3 bf16 at 530 MiB vs 457 MiB (2 ranks, this llama).
 
 Known limitations:
     NB: RSS counts touched pages only: a buffer allocated with ``torch.empty`` and
@@ -103,7 +134,10 @@ Known limitations:
     NB: gloo's own communication buffers (and DeepSpeed's on CPU) are host memory a
     GPU run would hold partly on the host (NCCL) instead.
     NB: offload to cpu on a CPU device moves nothing: it changes which optimizer runs
-    (DeepSpeedCPUAdam) and which buffers exist; all of it is in this RSS.
+    (DeepSpeedCPUAdam) and which buffers exist; all of it is in this RSS, so an
+    estimate's device peak + host bytes is what compares with it.
+    NB: torch DDP's defaults, not the Trainer's: the Trainer passes
+    ``find_unused_parameters = not gradient_checkpointing`` for a PreTrainedModel.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ def test_configs_are_well_formed():
         n = len(dm.mc.SPEC_KEYS)
         assert list(c)[:n] == list(dm.mc.SPEC_KEYS)
         assert list(c)[n:n + len(dm.DIST_KEYS)] == list(dm.DIST_KEYS)
+        assert set(list(c)[n + len(dm.DIST_KEYS):]) <= set(dm.DIST_OPTIONAL)
     kinds = {(c["strategy"], c["offload"], c["nproc"]) for c in cs}
     for strategy in dm.STRATEGIES:
         assert any(k[0] == strategy for k in kinds), strategy
@@ -251,3 +252,13 @@ def test_two_process_ddp_measures_each_rank():
         assert set(x["phase_peaks"]) == {"forward", "backward", "optimizer"}
     assert r["rank_spread"] < 0.05
     assert r["optimizer_class"] == "AdamW"
+
+
+def test_published_verdict_brackets_selective_checkpointing():
+    g = 2**30
+    row = {"reported_value": 80.0, "reported_unit": "GiB"}
+    both = {"no_ckpt": {"reserved": 160 * g}, "ckpt": {"reserved": 50 * g}}
+    assert acc.published_verdict(row, both) == "within the bracket"
+    assert acc.published_verdict({**row, "reported_value": 40.0}, both) == \
+        "below the bracket (+25.0%)"
+    assert acc.published_verdict(row, {"ckpt": {"reserved": 88 * g}}) == "+10.0%"
