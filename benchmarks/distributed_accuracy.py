@@ -61,6 +61,8 @@ PUBLISHED = HERE / "published_sharded.json"
 TARGETS = {"analytic": (0.05, 0.15), "simulate": (0.03, 0.08)}  # median, worst |error| (issue 14)
 NEEDED_FIELDS = ("nproc_per_node", "nnodes", "strategy", "offload")
 MIB, GIB = 2**20, 2**30
+PARTS = ("local_param_bytes", "model_resident_bytes", "steady_rss_after_step_bytes",
+         "first_step_peak_bytes", "peak_bytes")  # per rank, bytes above the baseline
 
 
 def estimator_missing() -> str | None:
@@ -160,7 +162,9 @@ def compare_row(measured: dict[str, Any], methods: list[str], tmp: Path) -> dict
         "measured": measured["peak_bytes"], "measured_rank": measured["peak_rank"],
         "measured_per_rank": [r["peak_bytes"] for r in measured["ranks"]],
         "measured_phases": measured["ranks"][measured["peak_rank"]]["phase_peaks"],
-        "optimizer_class": measured.get("optimizer_class"),
+        "optimizer_class": "/".join(c for c in (measured.get("optimizer_class"),
+                                                 measured.get("basic_optimizer_class")) if c),
+        "measured_parts": {k: measured["ranks"][measured["peak_rank"]][k] for k in PARTS},
         "caveat": estimate_caveat(spec),
     }
     for method in methods:
@@ -305,6 +309,17 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], summary: dict[str, An
                      f"{_mib(ph['forward'])} / {_mib(ph['backward'])} / {_mib(ph['optimizer'])} | "
                      f"{r.get('optimizer_class') or ''} | "
                      + " | ".join(_cell(r, m) for m in methods) + " |")
+    lines += ["", "## What a rank holds (measured, the rank that peaks)", "",
+              "Bytes above the pre-model baseline, MiB: the parameters the rank holds after",
+              "wrapping (tensor storages), RSS after wrapping and making the optimizer, RSS after",
+              "the last step's `zero_grad` / `engine.step()`, the first step's peak (optimizer",
+              "states appear during it) and the peak of steps 2-3.", "",
+              "| config | local params | after wrapping | after a step | first step peak | peak |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        parts = r.get("measured_parts")
+        if parts:
+            lines.append(f"| {r['name']} | " + " | ".join(_mib(parts[k]) for k in PARTS) + " |")
     lines += ["", "## Published per-GPU memory of sharded training", "",
               "Numbers reported by others for real models on GPUs (`benchmarks/published_sharded.json`,",
               "sources linked). autofit's estimate (analytic, the published GPU from its catalog, the",

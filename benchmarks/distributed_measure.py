@@ -113,8 +113,9 @@ deepspeed 0.19.8):
       torch AdamW instead (same states, other temporaries).
     - One configuration takes 30-65 s with 2 processes, 115-125 s with 4 (warm-up
       8-15 s; a step 3-20 s; the cores are shared with other work).
-    - Repeatable: ranks of one run agree within 0.2%; repeated runs within 0.1% (see
-      ``repeat_spread`` in the results).
+    - Repeatable: the ranks of one run agree within 0.25%; three runs of one rank
+      within 0.10% (fsdp2-bf16, zero3-bf16) and 0.23% (zero2-bf16-dsdefault); ddp2-fp32
+      gave 699.6 MiB in three separate runs (``repeat_peaks`` / ``repeat_spread``).
     - ``warmup_residue_bytes`` (what the warm-up and its imports leave, in the baseline):
       163-180 MiB for DDP/FSDP2, 209-234 MiB for DeepSpeed.
     - With glibc's default malloc thresholds per-rank RSS does not drop when full-size
@@ -125,7 +126,9 @@ deepspeed 0.19.8):
       the rank's own share: ``model_resident_bytes``).
     - DeepSpeed's default bucket sizes cost memory even on the CPU: with
       ``"deepspeed-default"`` ZeRO-1 fp32 peaked at 552 MiB vs 518 MiB with the Trainer's
-      "auto" sizes, ZeRO-3 bf16 at 530 MiB vs 457 MiB (2 ranks, this llama).
+      "auto" sizes, ZeRO-3 bf16 at 530 MiB vs 457 MiB (2 ranks, this llama); ZeRO-2
+      bf16 392 MiB either way (the 5e8-element buffers' untouched pages cost nothing
+      here; on a GPU they would).
 
 Known limitations:
     NB: RSS counts touched pages only: a buffer allocated with ``torch.empty`` and
@@ -678,9 +681,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        if args.merge and out.exists():
-            new = {r["name"] for r in results}
-            results = [r for r in json.loads(out.read_text()) if r["name"] not in new] + results
+        if args.merge and out.exists():  # replaced in place, new names appended
+            new = {r["name"]: r for r in results}
+            old = json.loads(out.read_text())
+            kept = {r["name"] for r in old}
+            results = ([new.get(r["name"], r) for r in old]
+                       + [r for r in results if r["name"] not in kept])
         out.write_text(json.dumps(results, indent=1) + "\n")
         print(f"wrote {len(results)} results to {out}")
     if failed:

@@ -110,7 +110,9 @@ def _rank(rank: int, peak: int) -> dict:
     return {"rank": rank, "peak_bytes": peak, "phase_peaks": {"forward": peak},
             "param_count": 10, "optimizer_class": "AdamW", "basic_optimizer_class": None,
             "zero_config": None, "torch_version": "t", "transformers_version": "x",
-            "deepspeed_version": None, "spec": {}}
+            "deepspeed_version": None, "spec": {}, "local_param_bytes": 1,
+            "model_resident_bytes": 2, "steady_rss_after_step_bytes": 3,
+            "first_step_peak_bytes": 4}
 
 
 def test_combine_takes_the_rank_that_peaks():
@@ -211,6 +213,7 @@ def test_accuracy_without_the_estimator_writes_the_measured_table(tmp_path, monk
     assert acc.main(["--measured", str(measured), "--out", str(out)]) == 0
     md = out.with_suffix(".md").read_text()
     assert "Estimates not available:** TrainConfig has no strategy yet" in md
+    assert "| ddp-x | 0.0 | 0.0 | 0.0 | 0.0 | 710.0 |" in md  # what the peak rank holds
     assert "| ddp-x | 2x ddp 32-true | 2x256 | 700.0 / 710.0 |" in md
     assert "| fsdp-y |" in md
     published = acc.load_published()
