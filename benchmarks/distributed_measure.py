@@ -129,6 +129,17 @@ deepspeed 0.19.8):
       "auto" sizes, ZeRO-3 bf16 at 530 MiB vs 457 MiB (2 ranks, this llama); ZeRO-2
       bf16 392 MiB either way (the 5e8-element buffers' untouched pages cost nothing
       here; on a GPU they would).
+    - ZeRO-3 peaks above ZeRO-2 here (bf16 457 vs 392 MiB, fp32 644 vs 519 MiB, 2 ranks):
+      its forward rises above the steady state by about one more full copy of the
+      parameters in the compute dtype than ZeRO-2's does (bf16: +190 vs +129 MiB, 2P =
+      60 MiB; fp32: +314 vs +194 MiB, 4P = 120 MiB). Neither
+      ``stage3_max_reuse_distance = 0`` (456.7 MiB) nor building the model under
+      ``deepspeed.zero.Init`` as the Trainer does (456.6 MiB) changes it (one-off runs,
+      2026-12-01). The first step peaks lower (317 MiB) only because the optimizer
+      states do not exist yet during its forward and backward.
+    - ZeRO-1 and ZeRO-2 measure the same to 0.2 MiB (fp32 518.5 / 518.7, bf16 391.9 /
+      391.9): both run ``DeepSpeedZeroOptimizer``; here stage 2's gradient
+      partitioning saves nothing measurable.
 
 Known limitations:
     NB: RSS counts touched pages only: a buffer allocated with ``torch.empty`` and
