@@ -41,6 +41,9 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     """One training configuration besides the micro batch: accumulation, each knob's option
     (``--precision``, ``--gradient-checkpointing``, ``--optim``, ...) and ``--optim-args``."""
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                   help="processes (ranks) per node, as torchrun's (estimates are per rank)")
+    p.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes, as torchrun's")
     for k in KNOBS:
         k.add_option(p)
     p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
@@ -94,11 +97,13 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def train_config(args: argparse.Namespace):
     from autofit.config import TrainConfig
 
+    ranks = {k: getattr(args, k) for k in ("nproc_per_node", "nnodes") if hasattr(args, k)}
     return TrainConfig(
         micro_batch_size=args.batch_size,
         grad_accum_steps=args.grad_accum,
         optim_args=args.optim_args,
         seq_len=args.seq_len,
+        **ranks,
         **{k.name: k.option_value(args) for k in KNOBS},
     )
 

@@ -41,7 +41,8 @@ __all__ = ["StorageRecorder", "Record"]
 class Record:
     """One storage: its allocation, size, phase and (once known) category."""
 
-    __slots__ = ("id", "size", "phase", "micro", "category", "alive", "host", "__weakref__")
+    __slots__ = ("id", "size", "phase", "micro", "category", "alive", "host", "param",
+                 "__weakref__")
 
     def __init__(self, rid: int, size: int, phase: str, micro: int, category: str | None) -> None:
         self.id = rid
@@ -51,6 +52,7 @@ class Record:
         self.category = category
         self.alive = True
         self.host = False  # lives in host memory on the target (e.g. optimizer step counters)
+        self.param = -1  # a gradient's parameter (index among the trainable ones)
 
 
 class StorageRecorder(TorchDispatchMode):
