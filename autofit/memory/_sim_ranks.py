@@ -45,6 +45,10 @@ def simulate_ranks(sim: Simulator, config: TrainConfig, seq_len: int,
     except ProcessGroupExists:
         return simulate_transformed(sim, config, seq_len, layout,
                                     why="this process already has a process group")
+    except (ValueError, RuntimeError, NotImplementedError) as e:  # the wrapper refused
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return simulate_transformed(sim, config, seq_len, layout,
+                                    why=f"the wrapper failed on the fake clone: {first[:160]}")
     of_rank = {r: rep for rep, ranks in classes.items() for r in ranks}
     ests = [results[of_rank[r]].estimate for r in range(layout.world_size)]
     combined = combine_ranks(ests, layout, sim.device, method="simulate")

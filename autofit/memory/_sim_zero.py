@@ -312,7 +312,8 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
         for b in plan.state_bytes:
             st.alloc(b, "", "optimizer_states")
     if plan.stage == 3:
-        st.alloc(plan.bucket * plan.mb, "", "gradients")  # IPG bucket
+        if not plan.touched:  # a CPU counts the bucket's pages as gradients are written
+            st.alloc(plan.bucket * plan.mb, "", "gradients")  # IPG bucket
         if not plan.offload_opt:
             st.alloc(plan.partition * plan.mb, "", "gradients")  # grad_partitions_flat_buffer
     elif plan.offload_opt:
@@ -326,6 +327,8 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
     waiting: list[int] = []  # gradients not yet copied into a bucket (ZeRO-1 without hooks)
     large: list[int] = []  # gradients larger than the bucket, waiting for their reduction
     pending: list[int] = []  # parameters whose gradients sit in the open bucket
+    touched = [0] * plan.n_buckets  # elements of each bucket written (a CPU target)
+    index = 0  # the bucket being filled
     in_part_pieces: list[int] = []
     gathered: dict[int, int] = {}  # parameter index -> alloc id (ZeRO-3)
     phase = ""
@@ -352,18 +355,27 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
         elif in_part is None:
             in_part = st.alloc(plan.partition * plan.mb, phase, "gradients")
 
+    def touch(upto: int, phase: str) -> None:
+        """A CPU: the current bucket's pages written up to ``upto`` elements."""
+        if upto > touched[index]:
+            ipg.append(st.alloc((upto - touched[index]) * plan.mb, phase, "gradients"))
+            touched[index] = upto
+
     def take_grad(gid: int, size: int, phase: str) -> None:
-        nonlocal fill
+        nonlocal fill, index
         numel = size // plan.mb
-        if plan.stage < 3 and not ipg:
+        if plan.stage < 3 and not ipg and not plan.touched:
             ipg.extend(st.alloc(plan.bucket * plan.mb, phase, "gradients")
                        for _ in range(plan.n_buckets))
         if fill + numel > plan.bucket and fill > 0:
             reduce(phase)
+            index = (index + 1) % plan.n_buckets  # overlap_comm: the other buffer
         pending.append(grad_params.get(gid, -1))
         if numel > plan.bucket:
             large.append(gid)  # reduced on its own, kept until then
         else:
+            if plan.touched:
+                touch(fill + numel, phase)
             st.free(gid, phase, "gradients")  # copied into the bucket: .grad is a view now
         fill += numel
 
@@ -375,9 +387,11 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
         reduce(phase)
         if plan.stage < 3 and not plan.offload_opt and averaged is None:
             averaged = st.alloc(plan.partition * plan.mb, phase, "gradients")
-        for b in ipg:
-            st.free(b, phase, "gradients")
-        ipg.clear()
+        if plan.stage < 3:  # the buckets are released (ZeRO-3 keeps its one)
+            for b in ipg:
+                st.free(b, phase, "gradients")
+            ipg.clear()
+            touched[:] = [0] * plan.n_buckets
         if in_part is not None:
             st.free(in_part, phase, "gradients")
             in_part = None
@@ -419,11 +433,11 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
             if label.startswith(("step", "end")):
                 if in_backward:
                     epilogue(phase)
+                    for g in list(gathered):  # what no backward hook released (a module
+                        st.free(gathered.pop(g), phase, "weights")  # without input grads)
                     in_backward = False
                 if label.endswith("optimizer"):
                     optimizer_step("optimizer")
-                    for g in list(gathered):  # what no backward hook released
-                        st.free(gathered.pop(g), "optimizer", "weights")
                 if "/micro" in label:
                     step = int(label[4:label.index("/")])
             elif plan.stage == 3 and ":" in label:

@@ -572,9 +572,10 @@ def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
     opt_temp = _optimizer_step_temporaries(local, one, device)
     host = 0
     if layout.offload != "none":
-        # CPUOffloadPolicy: sharded parameters and gradients (pinned) and the optimizer's
-        # states and step on the host; the device gathers from host copies
-        host = (sum(pinned_bytes(fsdp_shard_numel(s, n) * _bytes(_sharded_dtype(d, tr, config)))
+        # CPUOffloadPolicy: sharded parameters and gradients (pinned on a GPU host) and the
+        # optimizer's states and step on the host; the device gathers from host copies
+        pin = pinned_bytes if device.allocator == "cuda" else (lambda b: b)
+        host = (sum(pin(fsdp_shard_numel(s, n) * _bytes(_sharded_dtype(d, tr, config)))
                     * c * (2 if tr else 1) for s, c, tr, d in every) + S + opt_temp)
         W = G = S = opt_temp = 0
     big = [u for u in units if u.params]
@@ -701,6 +702,9 @@ def _zero_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
     offload_par = layout.offload == "optimizer+params" and stage == 3
     pin = (lambda b: b) if cpu else pinned_bytes
     host = 0
+    # a CPU counts a torch.empty bucket's pages as gradients are written into it (each
+    # gradient's own storage freed): at backward's start only the first gradient's
+    first = min(bucket, largest) * mb if cpu else bucket * mb
     if stage == 3:
         ipg, kept_grads = bucket * mb, p * mb  # IPG bucket, grad_partitions_flat_buffer
         gip = averaged = 0
@@ -710,6 +714,7 @@ def _zero_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
         kept_grads = 0
         gip = averaged = p * mb  # grads_in_partition, the flattened partition
         large = largest * mb if largest > bucket else 0
+    ipg_start = min(first, ipg)
     step_grad = max(2 * p * mb, p * mb + (4 * p if mb != 4 else 0), 4 * p + opt_temp)
     if offload_opt:
         host = (pin(master) + S + pin(4 * p)
@@ -726,10 +731,11 @@ def _zero_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
     G_held = (gip if stage < 3 else 0) if config.grad_accum_steps > 1 else 0
     A, A_base, A_tr, bbt = t.A, t.A_base, t.A_transient, t.block_bwd_temp
     bw_ipg = ipg if stage < 3 else 0
+    start_ipg = ipg_start if stage < 3 else 0
     phases = {
-        "backward": (state + A + G_held + t.loss_temp + gathered + bw_ipg + large,
+        "backward": (state + A + G_held + t.loss_temp + gathered + start_ipg + large,
                      {"weights": W + master + gathered, "optimizer_states": S,
-                      "activations": A, "gradients": kept_grads + G_held + large + bw_ipg,
+                      "activations": A, "gradients": kept_grads + G_held + large + start_ipg,
                       "temporaries": t.loss_temp + (ipg if stage == 3 else 0)}),
         "backward-end": (state + A_base // 2 + A_tr + bbt + bw_ipg + gip + averaged,
                          {"weights": W + master, "optimizer_states": S,
