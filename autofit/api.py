@@ -52,6 +52,11 @@ def estimate(
     eval_steps: int | None = None,
     eval_batch_size: int | None = None,
     save_steps: int | None = None,
+    nproc_per_node: int | None = None,
+    nnodes: int | None = None,
+    strategy: str | None = None,
+    offload: str | None = None,
+    sharding: Any = None,
 ) -> MemoryEstimate:
     """Estimate the device memory of one training step (and, with a dataset, of the run).
 
@@ -86,6 +91,13 @@ def estimate(
             an interval longer than the run evaluates once, at its end).
         save_steps: the run saves a checkpoint every ``save_steps`` optimizer steps (to
             the host: no device memory on a GPU).
+        nproc_per_node, nnodes, strategy, offload: several processes (override the
+            config's fields): every rank is estimated (``per_rank``), the top-level figures
+            are those of the rank that peaks, ``host_bytes`` is a node's host memory
+            (``autofit.memory.sharding``).
+        sharding: how the ranks run beyond the config: a dict of
+            ``autofit.memory.sharding.Layout`` fields, e.g. ``{"fsdp_recipe": "torch",
+            "zero_optimizer": "deepspeed"}`` (default: what the Trainer runs).
 
     Returns:
         A ``MemoryEstimate``.
@@ -106,6 +118,9 @@ def estimate(
     config = config if config is not None else TrainConfig()
     if not isinstance(config, TrainConfig):
         raise BadInputError(f"config must be a TrainConfig, got {type(config).__name__}")
+    config = _with_ranks(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                         strategy=strategy, offload=offload)
+    layout = _layout(config, sharding)
     if method not in METHODS:
         raise BadInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     data = None
@@ -141,8 +156,15 @@ def estimate(
         from autofit.memory.simulate import Simulator
 
         sim = Simulator(module, task=t, device=dev, model_name=info.name)
-    est = (sim.simulate(config, seq_len=seq) if method == "simulate"
-           else estimate_analytic(info, config, seq, dev))
+    if layout is not None:  # several ranks launched otherwise than the Trainer does
+        from autofit.memory._sim_ranks import simulate_ranks
+        from autofit.memory.sharding import estimate_ranks_analytic
+
+        est = (simulate_ranks(sim, config, seq, layout).estimate if method == "simulate"
+               else estimate_ranks_analytic(info, config, seq, dev, layout))
+    else:
+        est = (sim.simulate(config, seq_len=seq) if method == "simulate"
+               else estimate_analytic(info, config, seq, dev))
     if data is None:
         return est
     if (eval_steps is None) != (eval_batch_size is None):
@@ -156,6 +178,43 @@ def estimate(
     return _with_run(est, sim, config, data, epochs=epochs, seed=seed, sampling=sampling,
                      max_seq_len=max_seq_len, eval_steps=eval_steps, eval_bytes=eval_bytes,
                      save_steps=save_steps)
+
+
+def _with_ranks(config: TrainConfig, **fields: Any) -> TrainConfig:
+    """``config`` with the several-process fields given (``None``: the config's)."""
+    given = {k: v for k, v in fields.items() if v is not None}
+    if not given:
+        return config
+    if "nproc_per_node" in given or "nnodes" in given:
+        n = given.get("nproc_per_node", config.nproc_per_node)
+        m = given.get("nnodes", config.nnodes)
+        for name, v in (("nproc_per_node", n), ("nnodes", m)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise BadInputError(f"{name} must be a positive integer, got {v!r}")
+        given["world_size"] = n * m
+    return config.replace(**given)
+
+
+def _layout(config: TrainConfig, sharding: Any) -> Any:
+    """The ``Layout`` of ``sharding`` (a dict of its fields or a Layout), or None."""
+    if sharding is None:
+        return None
+    import dataclasses
+
+    from autofit.memory.sharding import Layout
+
+    if isinstance(sharding, Layout):
+        return dataclasses.replace(sharding, strategy=config.strategy, offload=config.offload,
+                                   nproc_per_node=config.nproc_per_node, nnodes=config.nnodes)
+    if not isinstance(sharding, dict):
+        raise BadInputError(f"sharding must be a dict of Layout fields, got {type(sharding).__name__}")
+    known = {f.name for f in dataclasses.fields(Layout)} - {"strategy", "offload",
+                                                            "nproc_per_node", "nnodes"}
+    unknown = sorted(set(sharding) - known)
+    if unknown:
+        raise BadInputError(f"unknown sharding field(s) {', '.join(unknown)}; "
+                            f"choose from {', '.join(sorted(known))}")
+    return Layout.of(config, **sharding)
 
 
 def _with_run(est: MemoryEstimate, sim: Any, config: TrainConfig, data: Any, *, epochs: float,

@@ -16,7 +16,8 @@ from autofit.knobs import KNOBS
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "EXIT_TRIAL_FAILED",
            "add_model_options",
            "add_adapter_options", "add_peft_option", "model_kwargs", "train_config", "tokenizer_for",
-           "add_file_subject_options", "FileSubject", "file_subject", "add_config_options"]
+           "add_file_subject_options", "FileSubject", "file_subject", "add_config_options",
+           "add_rank_options"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
 # a trial that neither fitted nor ran out of memory: a timeout, a crash, a killed process
@@ -30,6 +31,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sample (default with --dataset: its longest sample)")
     add_config_options(p)
+    add_rank_options(p)
     add_adapter_options(p)
     p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
     p.add_argument("--device", default="auto",
@@ -44,6 +46,25 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     for k in KNOBS:
         k.add_option(p)
     p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
+
+
+def add_rank_options(p: argparse.ArgumentParser) -> None:
+    """``--nproc-per-node N --nnodes M``: several processes, estimated rank by rank (with the
+    knobs' ``--strategy`` / ``--offload``)."""
+    p.add_argument("--nproc-per-node", type=_positive, default=1, metavar="N",
+                   help="processes (ranks) per node, as torchrun's; estimates are per rank")
+    p.add_argument("--nnodes", type=_positive, default=1, metavar="M",
+                   help="nodes, as torchrun's")
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return v
 
 
 def add_adapter_options(p: argparse.ArgumentParser) -> None:
@@ -94,11 +115,13 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def train_config(args: argparse.Namespace):
     from autofit.config import TrainConfig
 
+    ranks = {k: getattr(args, k) for k in ("nproc_per_node", "nnodes") if hasattr(args, k)}
     return TrainConfig(
         micro_batch_size=args.batch_size,
         grad_accum_steps=args.grad_accum,
         optim_args=args.optim_args,
         seq_len=args.seq_len,
+        **ranks,
         **{k.name: k.option_value(args) for k in KNOBS},
     )
 

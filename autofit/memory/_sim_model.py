@@ -29,7 +29,9 @@ __all__ = [
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PeftModel (or the module itself)."""
+    """The transformers model under a PeftModel or DDP (or the module itself)."""
+    if type(module).__name__ == "DistributedDataParallel":
+        module = module.module
     get_base = getattr(module, "get_base_model", None)
     if callable(get_base) and hasattr(module, "peft_config"):
         return get_base()
@@ -47,6 +49,7 @@ def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     seen: set[int] = set()
     out = []
     for t in [*model.parameters(), *model.buffers()]:
+        t = getattr(t, "_local_tensor", t)  # an FSDP2 DTensor: this rank's shard
         for x in [t, *quant_tensors(t)]:
             key = id(x.untyped_storage())
             if key not in seen:

@@ -9,6 +9,14 @@ is how torch's own ``MemTracker`` (torch/distributed/_tools/mem_tracker.py) sees
 storages; it works the same on FakeTensors, whose storages are meta storages with
 the real ``nbytes``.
 
+Storages resized in place (``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2
+frees and re-allocates its unsharded parameters so, ``_fsdp_param.free_storage`` /
+``alloc_storage``) are followed by patching ``resize_`` while the recorder is active, as
+torch's ``MemTracker._track_resize`` does: a resize to 0 is a free, a resize of an empty
+storage an allocation (category ``resize_category``). Ops on tensor subclasses that
+desugar into ops on plain tensors (``DTensor``: FSDP2's sharded parameters) are handed
+back to the subclass (``NotImplemented``), so the recorder sees the local tensors' ops.
+
 Each allocation gets a category once the step is over, as the analytic breakdown
 defines them: parameters and buffers are ``weights``; a storage that became a
 parameter's ``.grad`` is ``gradients``; one created in the optimizer phase that
@@ -33,7 +41,8 @@ __all__ = ["StorageRecorder", "Record"]
 class Record:
     """One storage: its allocation, size, phase and (once known) category."""
 
-    __slots__ = ("id", "size", "phase", "micro", "category", "alive", "host", "__weakref__")
+    __slots__ = ("id", "size", "phase", "micro", "category", "alive", "host", "param",
+                 "__weakref__")
 
     def __init__(self, rid: int, size: int, phase: str, micro: int, category: str | None) -> None:
         self.id = rid
@@ -43,6 +52,7 @@ class Record:
         self.category = category
         self.alive = True
         self.host = False  # lives in host memory on the target (e.g. optimizer step counters)
+        self.param = -1  # a gradient's parameter (index among the trainable ones)
 
 
 class StorageRecorder(TorchDispatchMode):
@@ -75,6 +85,48 @@ class StorageRecorder(TorchDispatchMode):
         self._decomposing = False
         # (label, index into the log): where each micro step and optimizer step begins
         self.marks: list[tuple[str, int]] = []
+        # category of a storage grown back by resize_ (FSDP2's unsharded parameters)
+        self.resize_category: str | None = "weights"
+        self._orig_resize: Any = None
+        self._depth = 0
+        # > 0 while ops run that allocate nothing on the target (DTensor's sharding
+        # propagation computes output metadata on global-shape fake tensors)
+        self.paused = 0
+
+    def __enter__(self) -> StorageRecorder:
+        if self._depth == 0:
+            self._patch_resize()
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._restore_resize()
+        return super().__exit__(*args)
+
+    def _patch_resize(self) -> None:
+        """Follow ``UntypedStorage.resize_`` (invisible to dispatch modes) while active."""
+        original = self._orig_resize = torch.UntypedStorage.resize_
+        recorder = self
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            before = st.nbytes()
+            out = original(st, size)
+            after = st.nbytes()
+            key = id(st)
+            if after != before and key in recorder._live:
+                recorder._free(key)
+            if after > 0 and after != before:
+                recorder._track_storage(st, recorder.resize_category)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+    def _restore_resize(self) -> None:
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+            self._orig_resize = None
 
     def mark(self, label: str) -> None:
         """Note that ``label`` (e.g. ``"step1/micro0"``, ``"step1/optimizer"``) starts here."""
@@ -83,7 +135,9 @@ class StorageRecorder(TorchDispatchMode):
     # ------------------------------------------------------------------ tracking
     def track(self, t: torch.Tensor, category: str | None = None) -> Record | None:
         """Record ``t``'s storage as allocated now (no-op if already seen or empty)."""
-        st = t.untyped_storage()
+        return self._track_storage(_local(t).untyped_storage(), category)
+
+    def _track_storage(self, st: Any, category: str | None) -> Record | None:
         key = id(st)
         hit = self._live.get(key)
         if hit is not None:
@@ -109,7 +163,7 @@ class StorageRecorder(TorchDispatchMode):
 
     def record_of(self, t: torch.Tensor) -> Record | None:
         """The live record of ``t``'s storage, if it was tracked."""
-        hit = self._live.get(id(t.untyped_storage()))
+        hit = self._live.get(id(_local(t).untyped_storage()))
         return hit[0] if hit is not None else None
 
     def _free(self, key: int) -> None:
@@ -148,6 +202,12 @@ class StorageRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if _has_subclass(types):
+            return NotImplemented  # the subclass desugars; its local ops come back here
+        if self.paused:
+            return func(*args, **kwargs)
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return args[0]  # eager waits in place (its fake kernel makes a new tensor)
         if func is torch.ops.aten._local_scalar_dense.default:
             try:
                 return func(*args, **kwargs)
@@ -183,6 +243,21 @@ class StorageRecorder(TorchDispatchMode):
             ws.alive = False
             self._log.append(("free", ws, self.phase))
         return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s storage: a DTensor's local shard, else ``t``."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _has_subclass(types: Any) -> bool:
+    """Whether an op's tensor types include a subclass that desugars into plain tensors
+    (``DTensor``), only when ``torch.distributed`` was imported."""
+    import sys
+
+    mod = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(mod, "DTensor", None) if mod is not None else None
+    return dtensor is not None and any(t is dtensor for t in types)
 
 
 # Checks whose usual answer is False (``x.isinf().any()``: no inf in the weights).

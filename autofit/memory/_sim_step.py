@@ -406,11 +406,12 @@ def run_steps(
             else:
                 loss.backward()
             del loss
-            for p in params:
+            for j, p in enumerate(params):
                 if p.grad is not None:
                     r = rec.record_of(p.grad)
                     if r is not None:
                         r.category = "gradients"
+                        r.param = j
         rec.mark(f"step{step}/optimizer")
         rec.phase = "optimizer"
         found_inf = scaler.unscale_(params) if scaler is not None else None

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -549,31 +550,39 @@ def _compile_parts(info: ModelInfo, config: TrainConfig, seq_len: int) -> tuple[
     return int(tokens * sum(x * n for x, n in per_layer)), int(base)
 
 
-def estimate_analytic(
-    info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo
-) -> MemoryEstimate:
-    """Estimate one training step's memory in closed form (see the module docstring).
+@dataclass(frozen=True)
+class AnalyticTerms:
+    """The closed form's pieces for one rank holding everything (``analytic_phases``).
 
-    Example:
-        >>> from autofit.probe.model import probe_model
-        >>> from autofit.probe.device import resolve_device
-        >>> est = estimate_analytic(probe_model("tiny-llama"), TrainConfig(micro_batch_size=2),
-        ...                         512, resolve_device("cpu"))
-        >>> est.peak_allocated_bytes > 0
-        True
+    Attributes:
+        phases: candidate peak -> (bytes, component -> bytes): ``"backward"`` (its start),
+            ``"backward-end"``, ``"optimizer"`` and, with checkpointing, ``"recompute"``.
+        host: pinned host bytes (activation offloading).
+        W, copies, copies_head, G, S, G_held, opt_temp, A, A_base, A_transient, loss_temp,
+        block_bwd_temp: the terms the phases add up (bytes; see ``estimate_analytic``).
     """
-    if seq_len <= 0:
-        raise BadInputError(f"seq_len must be positive, got {seq_len}")
-    if info.trainable_params == 0:
-        raise NoTrainableParametersError(
-            f"{info.name} has no trainable parameter; unfreeze some or add LoRA "
-            f"({fix('--lora-r 8', 'lora={' + repr('r') + ': 8}')})"
-        )
-    if not info.is_transformer:
-        raise BadInputError(
-            f"{info.name} is not a transformer autofit recognises; use "
-            + fix("--method simulate", "method='simulate'")
-        )
+
+    phases: dict[str, tuple[float, dict[str, float]]]
+    host: int
+    W: int
+    copies: int
+    copies_head: int
+    G: int
+    S: int
+    G_held: int
+    opt_temp: int
+    A: float
+    A_base: float
+    A_transient: float
+    loss_temp: float
+    block_bwd_temp: float
+
+
+def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
+                    device: DeviceInfo) -> AnalyticTerms:
+    """The candidate peaks of one rank holding the whole model (``estimate_analytic``'s
+    closed form before it picks the largest; the several-rank rules of
+    ``autofit.memory.sharding`` rework them)."""
     B, T = config.micro_batch_size, seq_len
     N = B * T  # tokens in the micro batch
     spec = config.precision_spec
@@ -677,6 +686,45 @@ def estimate_analytic(
             W + copies_layer + S + G + A_kept + A_transient + block_bwd_temp,
             {"weights": W + copies_layer, "optimizer_states": S, "gradients": G,
              "activations": A_kept + A_transient, "temporaries": block_bwd_temp})
+    return AnalyticTerms(phases=phases, host=int(host), W=W, copies=copies,
+                         copies_head=copies_head, G=G, S=S, G_held=G_held, opt_temp=opt_temp,
+                         A=A, A_base=A_base, A_transient=A_transient, loss_temp=loss_temp,
+                         block_bwd_temp=block_bwd_temp)
+
+
+def estimate_analytic(
+    info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo
+) -> MemoryEstimate:
+    """Estimate one training step's memory in closed form (see the module docstring).
+
+    Example:
+        >>> from autofit.probe.model import probe_model
+        >>> from autofit.probe.device import resolve_device
+        >>> est = estimate_analytic(probe_model("tiny-llama"), TrainConfig(micro_batch_size=2),
+        ...                         512, resolve_device("cpu"))
+        >>> est.peak_allocated_bytes > 0
+        True
+    """
+    if seq_len <= 0:
+        raise BadInputError(f"seq_len must be positive, got {seq_len}")
+    if info.trainable_params == 0:
+        raise NoTrainableParametersError(
+            f"{info.name} has no trainable parameter; unfreeze some or add LoRA "
+            f"({fix('--lora-r 8', 'lora={' + repr('r') + ': 8}')})"
+        )
+    if not info.is_transformer:
+        raise BadInputError(
+            f"{info.name} is not a transformer autofit recognises; use "
+            + fix("--method simulate", "method='simulate'")
+        )
+    if config.world_size > 1:
+        from autofit.memory.sharding import estimate_ranks_analytic
+
+        return estimate_ranks_analytic(info, config, seq_len, device)
+    terms = analytic_phases(info, config, seq_len, device)
+    phases, host = terms.phases, terms.host
+    spec = config.precision_spec
+    T = seq_len
     phase, (peak_alloc, parts) = max(phases.items(), key=lambda kv: kv[1][0])
     peak_alloc = int(peak_alloc)
     parts = {k: int(v) for k, v in parts.items()}

@@ -48,6 +48,13 @@ class MemoryEstimate:
             ``activation_offloading``, the offloaded activations (each block rounded up
             to a power of two by torch's host caching allocator, which keeps them for the
             next step); 0 when nothing is offloaded. Not part of ``device_total_bytes``.
+            With several processes: the host memory of a node (its ranks' offloaded
+            shares together, ``autofit.memory.sharding``).
+        per_rank: with several processes, one dict per rank (``rank``,
+            ``peak_allocated_bytes``, ``peak_reserved_bytes``, ``device_total_bytes``,
+            ``host_bytes`` (the rank's share), ``breakdown``); the top-level figures are
+            those of the rank that peaks. Empty for one process.
+        peak_rank: the rank whose figures are the top-level ones (the lowest on ties).
     """
 
     peak_allocated_bytes: int
@@ -68,6 +75,8 @@ class MemoryEstimate:
     run_peak_reserved_bytes: int | None = None
     run_device_total_bytes: int | None = None
     host_bytes: int = 0
+    per_rank: tuple[dict[str, Any], ...] = ()
+    peak_rank: int = 0
 
     @property
     def needed_bytes(self) -> int:
@@ -90,5 +99,9 @@ class MemoryEstimate:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["notes"] = list(self.notes)
+        if self.per_rank:
+            d["per_rank"] = [dict(r) for r in self.per_rank]
+        else:  # one process: the keys of a single-rank estimate only
+            del d["per_rank"], d["peak_rank"]
         d["headroom_bytes"] = self.headroom_bytes
         return d

@@ -143,6 +143,8 @@ class SimulationResult:
     # (label, index into events) where each micro step / optimizer step begins:
     # "step0/micro0", ..., "step1/optimizer", "end"
     marks: tuple[tuple[str, int], ...] = ()
+    # a gradient's event id -> its parameter's index among the trainable ones
+    grad_params: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -243,7 +245,12 @@ class Simulator:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        result = self._run(config, s)
+        if config.world_size > 1:
+            from autofit.memory._sim_ranks import simulate_ranks
+
+            result = simulate_ranks(self, config, s)
+        else:
+            result = self._run(config, s)
         self._cache[key] = result
         return result
 
@@ -255,7 +262,9 @@ class Simulator:
         """The allocation stream of two steps of ``config``."""
         return list(self.run(config, seq_len=seq_len).events)
 
-    def _run(self, config: TrainConfig, seq_len: int) -> SimulationResult:
+    def _run(self, config: TrainConfig, seq_len: int, trace: Any = None) -> SimulationResult:
+        """One simulation; ``trace`` (``_sim_dist.RankTrace``): one rank of several, its
+        wrapper applied to the clone and its step config run."""
         import torch
 
         from autofit.memory._sim_bnb import gemm_4bit_workspace, is_fake_4bit
@@ -293,8 +302,9 @@ class Simulator:
                     # a CPU target (refused by the knob's check) has nothing to offload
                     activation_offloading=config.activation_offloading and target.kind == "cuda",
                 )
-            weights = weight_tensors(model)
-            for t in weights:
+            if trace is not None:
+                model = trace.wrap(model, rec, fake_mode)
+            for t in weight_tensors(model):  # no reference kept: FSDP2 may replace them
                 rec.track(t, "weights")
             num_params, trainable = _count_params(model)
             optimizer = build_optimizer(model, config, target)
@@ -311,11 +321,12 @@ class Simulator:
             offload: Any = (offloaded_to_host(rec)
                             if config.activation_offloading and target.kind == "cuda"
                             else contextlib.nullcontext([]))
-            with fake_mode, rec, ctx, offload as host:
+            running = trace.running(rec) if trace is not None else contextlib.nullcontext()
+            with fake_mode, rec, ctx, offload as host, running:
                 run_steps(
                     model,
                     optimizer,
-                    config,
+                    trace.step_config if trace is not None else config,
                     task=self.task,
                     seq_len=seq_len,
                     rec=rec,
@@ -323,9 +334,11 @@ class Simulator:
                 )
             num_ops = rec.num_ops
             log = rec.events()
+            grad_params = {r.id: r.param for kind, r, _ in log
+                           if kind == "alloc" and r.param >= 0}
             log_marks = list(rec.marks)
             host_bytes, host_tensors = host_peak_bytes(log, host)
-            del model, optimizer, weights, host
+            del model, optimizer, host
         event_list, marks = _to_events(log, log_marks)
         events = tuple(event_list)
         replay = _replay(events, self.device)
@@ -351,6 +364,7 @@ class Simulator:
             wall_s=time.perf_counter() - t0,
             num_ops=num_ops,
             marks=tuple(marks),
+            grad_params=grad_params,
         )
 
     def _estimate(

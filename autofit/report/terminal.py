@@ -63,7 +63,9 @@ def estimate_renderable(est: MemoryEstimate) -> RenderableType:
         table.add_row(Text("run device total", style="bold"), "",
                       Text(format_bytes(est.run_device_total_bytes), style="bold"), "", "")
     table.add_row("capacity", "", format_bytes(est.capacity_bytes), "", "")
-    if est.host_bytes:  # activation offloading: outside the device
+    if est.host_bytes and est.per_rank:  # several ranks offloading: a node's host memory
+        table.add_row("host per node", "", format_bytes(est.host_bytes), "", "")
+    elif est.host_bytes:  # activation offloading: outside the device
         table.add_row("host (pinned)", "", format_bytes(est.host_bytes), "", "")
     head = est.headroom_bytes
     pct = 100 * head / max(est.capacity_bytes, 1)
@@ -81,10 +83,47 @@ def estimate_renderable(est: MemoryEstimate) -> RenderableType:
     from rich.console import Group
 
     parts: list = [table, Text(""), verdict]
+    if est.per_rank:
+        parts[1:1] = [Text(""), _ranks_table(est)]
     subtitle = f"{est.method} estimate · peak in {est.peak_phase} · {est.num_params / 1e6:,.1f}M params ({est.trainable_params / 1e6:,.1f}M trainable)"
     for note in est.notes:
         parts.append(Text(f"note: {note}", style="dim"))
     return Panel(Group(*parts), title=title, subtitle=subtitle, expand=False)
+
+
+def _ranks_table(est: MemoryEstimate) -> Any:
+    """Per-rank figures (several processes): the top-level ones above are the peaking
+    rank's; ranks with the same figures share a row."""
+    from rich.table import Table
+    from rich.text import Text
+
+    alike = len({r["device_total_bytes"] for r in est.per_rank}) == 1
+    title = ("per rank: every rank alike" if alike
+             else f"per rank: rank {est.peak_rank} peaks (its figures above)")
+    table = Table(box=None, pad_edge=False, show_header=True, header_style="bold",
+                  title=title, title_justify="left")
+    table.add_column("ranks")
+    table.add_column("peak allocated", justify="right")
+    table.add_column("peak reserved", justify="right")
+    table.add_column("device total", justify="right")
+    table.add_column("host", justify="right")
+    rows: list[tuple[list[int], dict[str, Any]]] = []
+    for r in est.per_rank:
+        key = (r["peak_allocated_bytes"], r["peak_reserved_bytes"], r["device_total_bytes"],
+               r["host_bytes"])
+        if rows and (rows[-1][1]["peak_allocated_bytes"], rows[-1][1]["peak_reserved_bytes"],
+                     rows[-1][1]["device_total_bytes"], rows[-1][1]["host_bytes"]) == key:
+            rows[-1][0].append(r["rank"])
+        else:
+            rows.append(([r["rank"]], r))
+    for ranks, r in rows:
+        name = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+        style = "bold" if est.peak_rank in ranks else ""
+        table.add_row(Text(name, style=style), format_bytes(r["peak_allocated_bytes"]),
+                      format_bytes(r["peak_reserved_bytes"]),
+                      Text(format_bytes(r["device_total_bytes"]), style=style),
+                      format_bytes(r["host_bytes"]))
+    return table
 
 
 def render_estimate(est: MemoryEstimate, width: int = 100) -> str:

@@ -1,0 +1,828 @@
+"""Per-rank memory of several processes: the rules both estimators share.
+
+With ``world_size > 1`` every rank holds its own share of the model state and the
+buffers its strategy allocates. This module states those shares, where each number
+comes from (torch 2.13, DeepSpeed 0.19.8, transformers 5.x, accelerate 1.15 source), and
+builds the analytic per-rank estimate from the single-rank closed form
+(``autofit.memory.analytic.analytic_phases``). The simulate method traces FSDP2 and DDP
+themselves (``_sim_dist``) and transforms the single-rank step for ZeRO (``_sim_zero``);
+both use the sizes below.
+
+    >>> from autofit.config import TrainConfig
+    >>> layout = Layout.of(TrainConfig(nproc_per_node=4, nnodes=2, strategy="hsdp"))
+    >>> layout.world_size, layout.shard_ranks, layout.replicas
+    (8, 4, 2)
+    >>> fsdp_shard_numel((10, 3), 4)   # dim 0 padded to 4 x 3 rows: 3 rows of 3 per rank
+    9
+    >>> [fsdp_local_numel((10, 3), 4, r) for r in range(4)]
+    [9, 9, 9, 3]
+
+The rules (N: ranks that shard a tensor; P: parameters; bytes per element as the
+precision holds them):
+
+* **DDP** (``torch.nn.parallel.DistributedDataParallel``): a full replica of P, grads and
+  optimizer states per rank, plus the Reducer's gradient buckets: one flat
+  ``at::empty`` per bucket (``Reducer::initialize_buckets``), together the size of every
+  trainable gradient, allocated when the model is wrapped and kept. Buckets are filled
+  by ``dist._compute_bucket_assignment_by_size`` in reverse parameter order, the first
+  capped at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) when ``bucket_cap_mb`` is left
+  at its default, the others at ``bucket_cap_mb`` (25). With
+  ``gradient_as_bucket_view=False`` (torch's, accelerate's and the Trainer's default)
+  the buckets are a second copy of the gradients; with True the ``.grad`` tensors are
+  views into them (no second copy, but alive for the whole run). Every rank is alike.
+* **FSDP2** (``torch.distributed.fsdp.fully_shard``): each parameter is chunked on dim 0
+  (``_chunk_with_empty``); every rank stores ``ceil(rows / N)`` rows, the last ranks'
+  chunks padded (``FSDPParam._init_sharded_param``: ``padded_sharded_param_size =
+  chunks[0].size()``), so sharded parameters and the reduce-scattered gradients (views
+  into a padded output) are equal on every rank; optimizer states follow the unpadded
+  local shard (``zeros_like`` of the DTensor's local tensor), so the first ranks hold
+  the most and rank 0 peaks. A unit's forward and backward all-gather its parameters
+  into padded unsharded buffers (``init_all_gather_outputs``: ``N x`` the padded shard,
+  in ``MixedPrecisionPolicy.param_dtype``) through a flat all-gather output of the
+  same size (freed after ``foreach_all_gather_copy_out``); after its backward the
+  unsharded gradients are copied into a reduce-scatter input (``N x`` padded shard in
+  ``reduce_dtype``) and reduced into a padded shard. ``reshard_after_forward=False``
+  keeps every unit's unsharded parameters from its forward to its backward. CPU offload
+  (``CPUOffloadPolicy``) keeps sharded parameters, gradients and optimizer states on the
+  host (pinned parameters and gradients) and runs the optimizer there.
+  Units: what the Trainer runs (accelerate 1.15 ``fsdp2_prepare_model``): one unit per
+  ``_no_split_modules`` block, the input embedding alone (untied), the final norm and
+  output head together with ``reshard_after_forward=False``, the root with torch's
+  default for a root (kept after forward); bf16-mixed is
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` under autocast, the
+  trainable parameters upcast to fp32 first. The plain torch recipe
+  (``fsdp_recipe="torch"``): blocks + the root (the rest), ``MixedPrecisionPolicy(bf16,
+  reduce_dtype=fp32)``, no autocast.
+* **HSDP**: FSDP2 sharded over a node's ``nproc_per_node`` ranks and replicated over
+  ``nnodes`` (the replicas' all-reduce runs in place on the reduce-scatter output).
+* **DeepSpeed ZeRO-1/2** (``stage_1_and_2.py``): the trainable parameters of each
+  optimizer group are flattened into one buffer in the module's dtype (bf16 when
+  DeepSpeed's bf16 is on: the module is cast, no autocast), aligned to ``2 x N``
+  elements (``nccl_start_alignment_factor``), and partitioned equally; every rank keeps
+  an fp32 copy of its partition (``single_partition_of_fp32_groups``: a clone even in
+  fp32) and the optimizer's states for it. With ``overlap_comm`` (emitted) or at
+  stage 2, a hook copies each gradient into an IPG bucket as autograd makes it
+  (``reduce_bucket_size`` elements, ``setup_buckets``; two with ``overlap_comm``) and
+  the parameter's ``.grad`` becomes a view of it (the gradient's own storage is freed;
+  one larger than the bucket waits for its own reduction); a reduced bucket's share of
+  this rank's partition is copied into ``grads_in_partition`` (the partition in the
+  module's dtype); at the end of backward the partition is flattened
+  (``averaged_gradients``) and the bucket(s) and ``grads_in_partition`` released.
+  ZeRO-1 without ``overlap_comm`` keeps the full gradients until the end of backward. The step makes an fp32 copy of the gradient partition
+  (``flat_grad_partition.to(fp32)``; none when it already is fp32), runs the optimizer
+  over the flat partition and all-gathers the partitions back into the flat buffer.
+* **DeepSpeed ZeRO-3** (``stage3.py``, ``partition_parameters.py``,
+  ``partitioned_param_coordinator.py``): every parameter is partitioned,
+  ``ceil(numel / N)`` elements per rank (``_aligned_size``), into flat buffers;
+  parameters of at most ``stage3_param_persistence_threshold`` elements stay whole on
+  every rank once gathered. A module's parameters are all-gathered (full size, module
+  dtype) at its forward; once the first step has traced the order, a parameter is
+  released only if it is not used again within ``stage3_max_reuse_distance`` elements
+  (``__params_to_release``): with the 1e9 autofit emits (and DeepSpeed's default) every
+  parameter stays gathered from its forward until its backward — the whole model is on
+  each rank at the start of backward, as with FSDP2 without resharding (measured: ZeRO-3
+  fp32 644 MiB against ZeRO-1's 518 on the benchmark llama). Kept from
+  ``deepspeed.initialize``: an fp32 copy of the partition (a clone, in fp32 too:
+  measured 3 partitions resident), the IPG bucket (``reduce_bucket_size``) and the
+  gradient partition buffer (``grad_partitions_flat_buffer``, in
+  ``gradient_accumulation_dtype``, which is the module's dtype unless configured:
+  ``engine.get_data_types``); the optimizer's states appear at the first step.
+* ZeRO sizes: what the Trainer emits is ``"auto"``, which transformers fills from the
+  model (``HfTrainerDeepSpeedConfig``): ``reduce_bucket_size = hidden^2``,
+  ``stage3_prefetch_bucket_size = 0.9 hidden^2``, ``stage3_param_persistence_threshold =
+  10 hidden``; DeepSpeed's own defaults (``zero/config.py``, ``zero_sizes="deepspeed"``) are 5e8,
+  5e7 and 1e5. Offload (``offload_optimizer`` / ``offload_param``, ``pin_memory``): the
+  fp32 partition, its states and fp32 gradients (and with ``offload_param`` the
+  parameter partitions) live in pinned host memory (torch's host caching allocator
+  rounds each to a power of two); every node holds its ``nproc_per_node`` ranks' share.
+
+Rank differences: FSDP2's optimizer states (the last ranks' chunks are shorter), and
+ZeRO's last partition's padding (same size); the estimate reports every rank and the
+one that peaks (the lowest on ties).
+
+Known limitations:
+    * NB: communication libraries' own buffers (NCCL channels, gloo's scratch) are not
+      tensors and are not counted; on a GPU they sit outside PyTorch's allocator.
+    * NB: a CPU target counts a buffer's pages as RSS only once written: DeepSpeed's
+      ``torch.empty`` buckets and ``grads_in_partition`` count as gradients are written
+      into them (measured: DeepSpeed's 5e8-element default bucket costs no more than
+      the ``"auto"`` h^2 one on the CPU); a GPU holds them whole.
+    * NB: on the CPU the measured peaks hold 7-17 MiB the tensors do not (MKL's and
+      oneDNN's caches, as for one process; more with bf16): the estimates run 1-5 %
+      low on the ~300-700 MiB benchmark ranks.
+    * NB: DeepSpeed allocates its flat buffers at ``deepspeed.initialize``; the transient
+      of flattening (two copies of the parameters for a moment) is before the first
+      step and not estimated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from autofit.config import TrainConfig
+from autofit.memory._common import pinned_bytes
+from autofit.memory.breakdown import MemoryEstimate
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autofit.probe.device import DeviceInfo
+    from autofit.probe.model import ModelInfo, ParamGroup
+
+__all__ = [
+    "Layout", "ZeroSizes", "Unit", "ZERO_STAGE", "DDP_FIRST_BUCKET_BYTES",
+    "fsdp_shard_numel", "fsdp_local_numel", "fsdp_units_of_info", "ddp_bucket_sizes",
+    "zero_flat_numel", "zero3_partition_numel", "estimate_ranks_analytic", "combine_ranks",
+    "single_rank_config", "activation_config",
+]
+
+ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
+DDP_FIRST_BUCKET_BYTES = 1048576  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+_DDP_BUCKET_CAP_MB = 25  # torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB
+_NCCL_START_ALIGNMENT = 2  # stage_1_and_2.py: nccl_start_alignment_factor
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class ZeroSizes:
+    """DeepSpeed's ZeRO sizes in elements, as ``zero/config.py`` reads them."""
+
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    prefetch_bucket_size: int
+    param_persistence_threshold: int
+    max_live_parameters: int
+    overlap_comm: bool
+    contiguous_gradients: bool = True
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks of a run hold the model (``TrainConfig`` + how it is launched).
+
+    Attributes:
+        strategy, offload, nproc_per_node, nnodes: the config's fields.
+        fsdp_recipe: ``"accelerate"`` — what the Trainer runs (accelerate 1.15
+            ``fsdp2_prepare_model``: units, ``MixedPrecisionPolicy(bf16, bf16)`` under
+            autocast); ``"torch"`` — blocks + root, ``MixedPrecisionPolicy(bf16,
+            reduce_dtype=fp32)``, no autocast.
+        zero_sizes: ``"auto"`` — what autofit emits as transformers resolves it
+            (``reduce_bucket_size = hidden^2``, ...; ``overlap_comm`` and
+            ``contiguous_gradients`` on); ``"deepspeed"`` — DeepSpeed's defaults.
+        zero_optimizer: ``"torch"`` — the Trainer's torch optimizer, which ZeRO wraps (the
+            emitted config has no optimizer section); ``"deepspeed"`` — DeepSpeed's own
+            Adam (``{"optimizer": {"type": "AdamW"}}``: FusedAdam / DeepSpeedCPUAdam, one
+            parameter group, updated in place).
+        bucket_cap_mb: DDP's ``bucket_cap_mb``; None: torch's default (25, first 1 MiB).
+        gradient_as_bucket_view: DDP's flag (False: torch's and the Trainer's default).
+    """
+
+    strategy: str = "ddp"
+    offload: str = "none"
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    fsdp_recipe: str = "accelerate"
+    zero_sizes: str = "auto"
+    zero_optimizer: str = "torch"
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+
+    @classmethod
+    def of(cls, config: TrainConfig, **overrides: Any) -> Layout:
+        """The layout of ``config`` (``overrides``: the launch details it does not hold)."""
+        return cls(strategy=config.strategy, offload=config.offload,
+                   nproc_per_node=config.nproc_per_node, nnodes=config.nnodes, **overrides)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def family(self) -> str:
+        """``"single"`` (one rank), ``"ddp"``, ``"fsdp"`` (FSDP2 and HSDP) or ``"zero"``."""
+        if self.world_size == 1:
+            return "single"
+        if self.strategy == "ddp":
+            return "ddp"
+        return "zero" if self.strategy in ZERO_STAGE else "fsdp"
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks a tensor is sharded over: all for FSDP / ZeRO, a node's for HSDP, 1 for DDP."""
+        if self.family in ("single", "ddp"):
+            return 1
+        return self.nproc_per_node if self.strategy == "hsdp" else self.world_size
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.shard_ranks
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.strategy != "fsdp-shard-grad-op"
+
+    @property
+    def zero_stage(self) -> int:
+        return ZERO_STAGE.get(self.strategy, 0)
+
+    def zero_sizes_of(self, hidden_size: int | None) -> ZeroSizes:
+        """The ZeRO sizes this recipe runs with: transformers' ``"auto"`` (from the hidden
+        size, ``HfTrainerDeepSpeedConfig.trainer_config_finalize``) and what autofit
+        emits (``overlap_comm`` and ``contiguous_gradients`` on), or DeepSpeed's defaults
+        (``overlap_comm`` only at stage 3)."""
+        if self.zero_sizes == "deepspeed" or not hidden_size:
+            return ZeroSizes(reduce_bucket_size=int(5e8), allgather_bucket_size=int(5e8),
+                             prefetch_bucket_size=int(5e7), param_persistence_threshold=int(1e5),
+                             max_live_parameters=int(1e9), overlap_comm=self.zero_stage == 3)
+        h = int(hidden_size)
+        return ZeroSizes(reduce_bucket_size=h * h, allgather_bucket_size=int(5e8),
+                         prefetch_bucket_size=int(0.9 * h * h),
+                         param_persistence_threshold=10 * h, max_live_parameters=int(1e9),
+                         overlap_comm=True)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.nproc_per_node
+
+    def describe(self) -> str:
+        if self.family == "single":
+            return "1 rank"
+        what = {"ddp": "DDP", "fsdp": "FSDP2", "fsdp-shard-grad-op": "FSDP2 (no reshard)",
+                "hsdp": "HSDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+        off = f", offload {self.offload}" if self.offload != "none" else ""
+        return (f"{what[self.strategy]} on {self.world_size} ranks ({self.nproc_per_node} "
+                f"per node x {self.nnodes} nodes){off}")
+
+
+def single_rank_config(config: TrainConfig) -> TrainConfig:
+    """``config`` on one rank (the step every rank runs, before the strategy's shares)."""
+    return config.replace(nproc_per_node=1, nnodes=1, world_size=1, strategy="ddp",
+                          offload="none")
+
+
+def activation_config(config: TrainConfig, layout: Layout) -> TrainConfig:
+    """The single-rank config whose forward and backward each rank runs.
+
+    DeepSpeed's bf16 / fp16 cast the module and run without autocast (a "-true" step);
+    FSDP2's torch recipe gathers bf16 parameters without autocast (also "-true"); the
+    Trainer's FSDP2 gathers them in the compute dtype under autocast (the "-mixed" step,
+    whose autocast weight copies then cost nothing: the weights already are 16-bit)."""
+    single = single_rank_config(config)
+    spec = config.precision_spec
+    if not spec.autocast:
+        return single
+    true = "bf16-true" if spec.compute_dtype == "bfloat16" else "16-true"
+    if layout.family == "zero" or (layout.family == "fsdp" and layout.fsdp_recipe == "torch"):
+        return single.replace(precision=true)
+    return single
+
+
+# --------------------------------------------------------------------------- FSDP2
+
+
+def _rows_rest(shape: tuple[int, ...]) -> tuple[int, int]:
+    if not shape:
+        return 1, 1
+    return int(shape[0]), math.prod(int(s) for s in shape[1:])
+
+
+def fsdp_shard_numel(shape: tuple[int, ...], n: int) -> int:
+    """Elements every rank stores of a parameter sharded on dim 0 over ``n`` ranks (padded:
+    ``chunks[0].size()`` of ``_chunk_with_empty``)."""
+    rows, rest = _rows_rest(shape)
+    return -(-rows // n) * rest
+
+
+def fsdp_local_numel(shape: tuple[int, ...], n: int, rank: int) -> int:
+    """Elements of rank ``rank``'s unpadded chunk (what its optimizer states cover)."""
+    rows, rest = _rows_rest(shape)
+    chunk = -(-rows // n)
+    return max(0, min(chunk, rows - rank * chunk)) * rest
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One ``fully_shard`` group: its parameters as (shape, count, trainable, dtype)."""
+
+    name: str
+    params: tuple[tuple[tuple[int, ...], int, bool, str], ...]
+    reshard_after_forward: bool
+
+
+def fsdp_units_of_info(info: ModelInfo, layout: Layout) -> list[Unit]:
+    """FSDP2's units in forward order, from the parameter groups of ``info``.
+
+    A group of ``c`` parameters over ``L`` blocks puts ``c // L`` in every block and the
+    remaining ``c % L`` outside them (the final norm beside the blocks' norms); outside
+    the blocks an ``embedding`` group is the input side, a (vocab, hidden) matrix the
+    output head. NB: blocks of different shapes (an encoder and a decoder) are averaged.
+    """
+    L = info.num_layers or 0
+    raf = layout.reshard_after_forward
+    block: list[tuple[tuple[int, ...], int, bool, str]] = []
+    embed, tail, rest = [], [], []
+    for g in info.params:
+        per, out = (g.count // L, g.count % L) if L else (0, g.count)
+        if per:
+            block.append((tuple(g.shape), per, g.trainable, g.dtype))
+        if not out:
+            continue
+        item = (tuple(g.shape), out, g.trainable, g.dtype)
+        if g.role == "embedding" and g.shape[0] == info.vocab_size:
+            embed.append(item)
+        elif info.vocab_size and tuple(g.shape) == (info.vocab_size, info.hidden_size):
+            tail.append(item)  # the output head
+        elif g.role == "norm":
+            tail.append(item)  # the final norm
+        else:
+            rest.append(item)
+    blocks = [Unit(f"block{i}", tuple(block), raf) for i in range(L)]
+    if layout.fsdp_recipe == "torch":
+        return [Unit("root", tuple(embed + rest + tail), raf), *blocks]
+    units = []
+    if info.tie_word_embeddings:
+        tail = embed + tail  # accelerate: the tied embedding joins the tail
+    elif embed:
+        units.append(Unit("embed", tuple(embed), raf))
+    return [Unit("root", tuple(rest), False), *units, *blocks,
+            Unit("tail", tuple(tail), False)]
+
+
+# --------------------------------------------------------------------------- DDP
+
+
+def ddp_bucket_sizes(numels_bytes: list[tuple[int, int]], bucket_cap_mb: float | None) -> list[int]:
+    """Bytes of each DDP gradient bucket for trainable parameters given as (numel, element
+    bytes) in registration order: ``dist._compute_bucket_assignment_by_size`` over the
+    reversed list (a tensor joins the open bucket of its dtype; the bucket closes once it
+    reaches its limit), first limit 1 MiB when ``bucket_cap_mb`` is None.
+
+        >>> [b // 2**20 for b in ddp_bucket_sizes([(2**18, 4)] * 4, None)]  # 1 MiB each
+        [1, 3]
+    """
+    cap = int((bucket_cap_mb if bucket_cap_mb is not None else _DDP_BUCKET_CAP_MB) * 2**20)
+    limits = [DDP_FIRST_BUCKET_BYTES, cap] if bucket_cap_mb is None else [cap]
+    buckets: dict[int, int] = {}
+    out: list[int] = []
+    li: dict[int, int] = {}
+    for numel, size in reversed(numels_bytes):
+        b = buckets.get(size, 0) + numel * size
+        limit = limits[min(li.get(size, 0), len(limits) - 1)]
+        if b >= limit:
+            out.append(b)
+            buckets[size] = 0
+            li[size] = li.get(size, 0) + 1
+        else:
+            buckets[size] = b
+    out += [b for b in buckets.values() if b]
+    return out
+
+
+# --------------------------------------------------------------------------- ZeRO
+
+
+def zero_flat_numel(numel: int, n: int) -> int:
+    """Elements of a ZeRO-1/2 flat group: aligned to ``2 x n`` (stage_1_and_2.py)."""
+    align = _NCCL_START_ALIGNMENT * n
+    return -(-numel // align) * align
+
+
+def zero3_partition_numel(numel: int, n: int) -> int:
+    """Elements of one ZeRO-3 parameter partition: ``ceil(numel / n)`` (``_aligned_size``)."""
+    return -(-numel // n)
+
+
+# --------------------------------------------------------------------------- analytic
+
+
+def _bytes(dtype: str) -> int:
+    return _BYTES.get(dtype, 4)
+
+
+def _sharded_dtype(dtype: str, trainable: bool, config: TrainConfig) -> str:
+    """dtype a parameter is stored in by FSDP2 / ZeRO (mixed precision: fp32 trainable)."""
+    spec = config.precision_spec
+    if spec.param_dtype != "float32":
+        return spec.param_dtype
+    return "float32" if trainable or dtype == "float32" else dtype
+
+
+def _gather_dtype(dtype: str, trainable: bool, config: TrainConfig) -> str:
+    spec = config.precision_spec
+    if spec.autocast:
+        return spec.compute_dtype
+    return _sharded_dtype(dtype, trainable, config)
+
+
+def _local_info(info: ModelInfo, shapes: list[ParamGroup]) -> ModelInfo:
+    return dataclasses.replace(info, params=tuple(shapes))
+
+
+def _fsdp_local_groups(info: ModelInfo, n: int, rank: int) -> list[ParamGroup]:
+    """``info``'s parameter groups as rank ``rank``'s unpadded FSDP2 chunks."""
+    out = []
+    for g in info.params:
+        rows, rest = _rows_rest(tuple(g.shape))
+        local = fsdp_local_numel(tuple(g.shape), n, rank) // max(rest, 1)
+        shape = (local, *g.shape[1:]) if g.shape else (local,)
+        out.append(dataclasses.replace(g, shape=tuple(shape)))
+    return out
+
+
+def _zero_groups(info: ModelInfo, config: TrainConfig, layout: Layout) -> list[int]:
+    """Trainable elements of each optimizer group ZeRO flattens: the Trainer's decay and
+    no-decay groups (``recipe="trainer"``; biases and norms undecayed), one group with
+    DeepSpeed's own optimizer."""
+    train = [g for g in info.params if g.trainable]
+    if layout.zero_optimizer == "deepspeed":
+        return [sum(g.numel * g.count for g in train)]
+    nodecay = sum(g.numel * g.count for g in train if g.role in ("norm", "bias"))
+    decay = sum(g.numel * g.count for g in train) - nodecay
+    return [x for x in (decay, nodecay) if x]
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """One rank's candidate peaks: phase -> (bytes, components); host bytes; notes."""
+
+    phases: dict[str, tuple[float, dict[str, float]]]
+    host: int = 0
+    notes: tuple[str, ...] = ()
+
+
+def estimate_ranks_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
+                            device: DeviceInfo, layout: Layout | None = None) -> MemoryEstimate:
+    """The analytic estimate of every rank of ``config`` (``world_size > 1``): the
+    single-rank closed form of the step each rank runs (``activation_config``) with the
+    model state replaced by the rank's share and the strategy's buffers added at each
+    candidate peak (the rules of this module's docstring); the top-level figures are
+    those of the rank that peaks.
+
+        >>> from autofit.probe.model import probe_model
+        >>> from autofit.probe.device import resolve_device
+        >>> info, cpu = probe_model("tiny-llama"), resolve_device("cpu")
+        >>> one = estimate_ranks_analytic(info, TrainConfig(), 128, cpu, Layout())
+        >>> two = estimate_ranks_analytic(info, TrainConfig(nproc_per_node=2, strategy="fsdp"), 128, cpu)
+        >>> len(two.per_rank), two.peak_allocated_bytes < one.peak_allocated_bytes
+        (2, True)
+    """
+    from autofit.memory.analytic import analytic_phases
+
+    layout = layout or Layout.of(config)
+    act_config = activation_config(config, layout)
+    terms = analytic_phases(info, act_config, seq_len, device)
+    if layout.family == "single":
+        ranks = [_Rank(terms.phases, terms.host)]
+    elif layout.family == "ddp":
+        ranks = [_ddp_rank(info, config, layout, terms)] * layout.world_size
+    elif layout.family == "fsdp":
+        ranks = [_fsdp_rank(info, config, layout, terms, device, r)
+                 for r in range(layout.world_size)]
+    else:
+        ranks = [_zero_rank(info, config, layout, terms, device, r)
+                 for r in range(layout.world_size)]
+    ests = [_rank_estimate(info, config, seq_len, device, r, terms) for r in ranks]
+    return combine_ranks(ests, layout, device, method="analytic")
+
+
+def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo,
+                   rank: _Rank, terms: Any) -> MemoryEstimate:
+    """One rank's MemoryEstimate from its phases (as ``estimate_analytic`` builds one)."""
+    from autofit.memory.analytic import _CUDA_FRAGMENTATION, _CUDA_FRAGMENTATION_CHECKPOINTING
+
+    phase, (peak, parts) = max(rank.phases.items(), key=lambda kv: kv[1][0])
+    peak = int(peak)
+    parts = {k: int(v) for k, v in parts.items()}
+    if device.allocator == "cuda":
+        frag = (_CUDA_FRAGMENTATION_CHECKPOINTING if config.gradient_checkpointing
+                else _CUDA_FRAGMENTATION)
+        reserved = int(peak * (1 + frag))
+    else:
+        reserved = peak
+    total = reserved + device.overhead_bytes
+    breakdown = {k: parts.get(k, 0) for k in ("weights", "gradients", "optimizer_states",
+                                              "activations", "temporaries")}
+    breakdown["overhead"] = total - peak
+    return MemoryEstimate(
+        peak_allocated_bytes=peak, peak_reserved_bytes=reserved, device_total_bytes=total,
+        capacity_bytes=device.capacity_bytes, fits=total <= device.capacity_bytes,
+        breakdown=breakdown, method="analytic", device=device.name,
+        peak_phase="optimizer" if phase == "optimizer" else "backward", model=info.name,
+        num_params=info.num_params, trainable_params=info.trainable_params, seq_len=seq_len,
+        config=config.to_dict(), notes=rank.notes, host_bytes=int(rank.host))
+
+
+def _ddp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any) -> _Rank:
+    """DDP: every phase + the buckets (the gradients' bytes); with gradient_as_bucket_view
+    the gradients are the buckets (counted once, alive from the start)."""
+    from autofit.memory.analytic import gradients_bytes
+
+    B = gradients_bytes(info, single_rank_config(config))
+    out = {}
+    for name, (total, parts) in t.phases.items():
+        parts = dict(parts)
+        grads = parts.get("gradients", 0)
+        if layout.gradient_as_bucket_view:
+            parts["gradients"] = B  # the .grad views live in the buckets
+            total = total - grads + B
+        else:
+            parts["temporaries"] = parts.get("temporaries", 0) + B  # the buckets
+            total = total + B
+        out[name] = (total, parts)
+    return _Rank(out, 0, (f"DDP buckets: {B / 2**20:.1f} MiB ("
+                          + ("the gradients are views of them" if layout.gradient_as_bucket_view
+                             else "a second copy of the gradients") + ")",))
+
+
+def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
+               device: DeviceInfo, rank: int) -> _Rank:
+    """FSDP2 / HSDP on rank ``rank``: the single-rank step's candidate peaks with sharded
+    state, and the units gathered at each, found by tracing ``fully_shard``:
+
+    * ``gather``: backward starts by re-gathering the output head's unit if it was
+      resharded (the torch recipe's root): its flat all-gather output and the unsharded
+      buffers it is copied into (two copies) on top of the units kept from forward;
+    * ``backward``: the loss's gradients with the head's unit gathered and the last block
+      prefetched;
+    * ``block``: a block's backward: it and the next gathered, its unsharded gradients and
+      reduce-scatter input; the torch recipe's root (and the output head's gradient)
+      stays until the end, a no-reshard run keeps every unit not yet reduced;
+    * ``backward-end``: the first unit's backward: gathered with its unsharded gradients,
+      then resharded and reduce-scattered (unsharded gradients + reduce-scatter input);
+    * ``optimizer``: sharded parameters, gradients and states + the step's temporaries
+      over the rank's local chunks.
+    """
+    from autofit.memory.analytic import _optimizer_step_temporaries, optimizer_state_bytes
+
+    n = layout.shard_ranks
+    r = rank % n  # the rank within its shard group
+    units = fsdp_units_of_info(info, layout)
+    spec = config.precision_spec
+    # the Trainer's FSDP2 reduces in the compute dtype; the torch recipe in fp32
+    red = "float32" if layout.fsdp_recipe == "torch" or not spec.autocast else spec.compute_dtype
+
+    def gdt(dtype: str, trainable: bool) -> str:  # MixedPrecisionPolicy.param_dtype
+        return spec.compute_dtype if spec.autocast else _sharded_dtype(dtype, trainable, config)
+
+    def gathered(u: Unit | None) -> int:  # a unit's unsharded (padded) parameters
+        return 0 if u is None else sum(n * fsdp_shard_numel(s, n) * c * _bytes(gdt(d, tr))
+                                       for s, c, tr, d in u.params)
+
+    def ugrads(u: Unit | None) -> int:  # its unsharded gradients
+        return 0 if u is None else sum(n * fsdp_shard_numel(s, n) * c * _bytes(gdt(d, tr))
+                                       for s, c, tr, d in u.params if tr)
+
+    def rs_in(u: Unit | None) -> int:  # its reduce-scatter input
+        return 0 if u is None else sum(n * fsdp_shard_numel(s, n) * c * _bytes(red)
+                                       for s, c, tr, _ in u.params if tr)
+
+    def sharded(tensors: Any, only_trainable: bool = False) -> int:
+        return sum(fsdp_shard_numel(s, n) * c * _bytes(_sharded_dtype(d, tr, config))
+                   for s, c, tr, d in tensors if tr or not only_trainable)
+
+    every = [p for u in units for p in u.params]
+    W, G = sharded(every), sharded(every, only_trainable=True)
+    local = _local_info(info, _fsdp_local_groups(info, n, r))
+    one = single_rank_config(config)
+    S = optimizer_state_bytes(local, one)
+    opt_temp = _optimizer_step_temporaries(local, one, device)
+    host = 0
+    if layout.offload != "none":
+        # CPUOffloadPolicy: sharded parameters and gradients (pinned on a GPU host) and the
+        # optimizer's states and step on the host; the device gathers from host copies
+        pin = pinned_bytes if device.allocator == "cuda" else (lambda b: b)
+        host = (sum(pin(fsdp_shard_numel(s, n) * _bytes(_sharded_dtype(d, tr, config)))
+                    * c * (2 if tr else 1) for s, c, tr, d in every) + S + opt_temp)
+        W = G = S = opt_temp = 0
+    big = [u for u in units if u.params]
+    blocks = [u for u in big if u.name.startswith("block")]
+    head = next((u for u in reversed(big) if u.name in ("tail", "root")), None)
+    first = big[0] if big else None  # gathered first in forward, reduced last in backward
+    kept = sum(gathered(u) for u in big if not u.reshard_after_forward)
+    regather = gathered(head) if head is not None and head.reshard_after_forward else 0
+    last = blocks[-1] if blocks else None
+    prefetch = gathered(last) if last is not None and last.reshard_after_forward else 0
+    # the block whose backward runs (and the next, prefetched) when blocks are resharded
+    blk = max((gathered(u) for u in blocks if u.reshard_after_forward), default=0)
+    # the torch recipe's root keeps the output head's unsharded gradient until its
+    # post-backward at the end; a no-reshard run keeps the units not yet reduced
+    held = 0
+    if layout.fsdp_recipe == "torch" and head is not None and info.vocab_size:
+        held = max((n * fsdp_shard_numel(s, n) * _bytes(gdt(d, tr))  # one (V, h) matrix
+                    for s, c, tr, d in head.params
+                    if tr and s == (info.vocab_size, info.hidden_size)), default=0)
+    root_kept = regather if layout.fsdp_recipe == "torch" else 0
+    G_held = G if config.grad_accum_steps > 1 else 0
+    A, A_base, A_tr, bbt = t.A, t.A_base, t.A_transient, t.block_bwd_temp
+    base = W + S + G_held
+    cur = last
+    A_blk = A - A_base + A_base // 2  # the loss's saved logits are gone by then
+    # the first unit's end of backward: gathered + unsharded gradients; resharded, the
+    # gradients copied into the reduce-scatter input (the copies freed, but the one the
+    # autograd engine still holds: the embedding's, produced last); its sharded gradients
+    Gf = 0 if layout.offload != "none" or first is None else sharded(first.params, True)
+    g_last = 0 if first is None else max(
+        (n * fsdp_shard_numel(s, n) * _bytes(gdt(d, tr)) for s, _, tr, d in first.params if tr),
+        default=0)
+    end = max(gathered(first) + ugrads(first), ugrads(first) + rs_in(first),
+              rs_in(first) + Gf + g_last)
+    phases = {
+        "gather": (base + A + kept + 2 * regather,
+                   {"weights": W + kept + regather, "optimizer_states": S, "activations": A,
+                    "gradients": G_held, "temporaries": regather}),
+        "backward": (base + A + kept + regather + prefetch + t.loss_temp,
+                     {"weights": W + kept + regather + prefetch, "optimizer_states": S,
+                      "activations": A, "gradients": G_held, "temporaries": t.loss_temp}),
+        "block": (base + A_blk + kept + root_kept + blk + prefetch + held + ugrads(cur)
+                  + rs_in(cur) + bbt,
+                  {"weights": W + kept + root_kept + blk + prefetch, "optimizer_states": S,
+                   "activations": A_blk, "gradients": G_held + held + ugrads(cur),
+                   "temporaries": rs_in(cur) + bbt}),
+        "backward-end": (W + S + G - Gf + A_base // 2 + A_tr + bbt + end,
+                         {"weights": W, "optimizer_states": S, "gradients": G - Gf + ugrads(first),
+                          "activations": A_base // 2 + A_tr,
+                          "temporaries": bbt + end - ugrads(first)}),
+        "optimizer": (W + S + G + opt_temp,
+                      {"weights": W, "optimizer_states": S, "gradients": G,
+                       "activations": 0, "temporaries": opt_temp}),
+    }
+    if config.gradient_checkpointing and "recompute" in t.phases:
+        # the last block recomputed for its backward: it and the next gathered, one
+        # checkpointed input left, its unsharded gradients and reduce-scatter input; the
+        # first unit's sharded gradients not made yet
+        a_kept = t.phases["recompute"][1]["activations"]
+        a_last = A_tr + (a_kept - A_tr) / max(info.num_layers or 1, 1)
+        extra = kept + root_kept + held + ugrads(cur) + rs_in(cur)
+        phases["recompute"] = (
+            W + S + G - Gf + a_last + bbt + 2 * blk + extra,
+            {"weights": W + kept + root_kept + 2 * blk, "optimizer_states": S,
+             "gradients": G - Gf + held + ugrads(cur), "activations": a_last,
+             "temporaries": bbt + rs_in(cur)})
+    notes = [f"FSDP2 over {n} ranks: sharded parameters {W / 2**20:.1f} MiB per rank, "
+             f"{len(big)} units"]
+    if layout.offload != "none":
+        notes.append(f"CPU offload: {host / 2**20:.1f} MiB of host memory per rank")
+    return _Rank(phases, host, tuple(notes))
+
+
+def _zero_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
+               device: DeviceInfo, rank: int) -> _Rank:
+    """DeepSpeed ZeRO-1/2/3 on rank ``rank`` (see the module docstring and ``_sim_zero``):
+
+    * state: the flat bit16 groups (ZeRO-1/2) or partitions + persistent parameters
+      (ZeRO-3), the fp32 partition (a clone), the optimizer's states over it, ZeRO-3's IPG
+      bucket and gradient partition buffer;
+    * ``backward`` (its start): the activations, the loss's gradients, ZeRO-1/2's IPG
+      bucket(s) and a gradient larger than the bucket waiting for its reduction, and with
+      ZeRO-3 every parameter gathered (kept from its forward to its backward:
+      ``max_reuse_distance``);
+    * ``backward-end``: ``grads_in_partition`` and the flattened partition
+      (``averaged_gradients``) of ZeRO-1/2;
+    * ``optimizer``: the partition flattened again and cast to fp32, the optimizer's
+      temporaries over the flat partition.
+    """
+    from autofit.memory.analytic import _optimizer_step_temporaries, optimizer_state_bytes
+    from autofit.probe.model import ParamGroup
+
+    n = layout.shard_ranks
+    stage = layout.zero_stage
+    spec = config.precision_spec
+    sizes = layout.zero_sizes_of(info.hidden_size)
+    mb = 2 if spec.half else 4  # DeepSpeed's bf16 / fp16 cast the module
+    frozen = sum(g.numel * g.count for g in info.params if not g.trainable)
+    trainable = sum(g.numel * g.count for g in info.params if g.trainable)
+    largest = max((g.numel for g in info.params if g.trainable), default=0)
+    groups = _zero_groups(info, config, layout)
+    if stage == 3:
+        parts = [sum(zero3_partition_numel(g.numel, n) * g.count
+                     for g in info.params if g.trainable)]
+        small = sizes.param_persistence_threshold
+        persist = sum(g.numel * g.count for g in info.params if g.numel <= small)
+        W = (sum(zero3_partition_numel(g.numel, n) * g.count for g in info.params)
+             + persist) * mb
+        gathered = sum(g.numel * g.count for g in info.params if g.numel > small) * mb
+    else:
+        parts = [zero_flat_numel(x, n) // n for x in groups]
+        W = (sum(zero_flat_numel(x, n) for x in groups) + frozen) * mb
+        gathered = 0
+    p = sum(parts)
+    flat = [ParamGroup(shape=(x,), count=1, dtype="float32", trainable=True) for x in parts]
+    one = single_rank_config(config).replace(precision="32-true")  # fp32 states
+    S = optimizer_state_bytes(_local_info(info, flat), one)
+    opt_temp = (0 if layout.zero_optimizer == "deepspeed"  # DeepSpeed's Adam: in place
+                else _optimizer_step_temporaries(_local_info(info, flat), one, device))
+    master = 4 * p
+    cpu = device.allocator == "cpu"
+    bucket = min(sizes.reduce_bucket_size, trainable) if cpu else sizes.reduce_bucket_size
+    offload_opt = layout.offload in ("optimizer", "optimizer+params")
+    offload_par = layout.offload == "optimizer+params" and stage == 3
+    pin = (lambda b: b) if cpu else pinned_bytes
+    host = 0
+    # a CPU counts a torch.empty bucket's pages as gradients are written into it (each
+    # gradient's own storage freed): at backward's start only the first gradient's
+    first = min(bucket, largest) * mb if cpu else bucket * mb
+    if stage == 3:
+        ipg, kept_grads = bucket * mb, p * mb  # IPG bucket, grad_partitions_flat_buffer
+        gip = averaged = 0
+        large = 0
+    else:
+        ipg = (2 if sizes.overlap_comm else 1) * bucket * mb
+        kept_grads = 0
+        gip = averaged = p * mb  # grads_in_partition, the flattened partition
+        large = largest * mb if largest > bucket else 0
+    ipg_start = min(first, ipg)
+    step_grad = max(2 * p * mb, p * mb + (4 * p if mb != 4 else 0), 4 * p + opt_temp)
+    if offload_opt:
+        host = (pin(master) + S + pin(4 * p)
+                + (pin(p * mb) + pin(largest * mb) if stage < 3 else pin(kept_grads)))
+        master = S = opt_temp = step_grad = 0
+        kept_grads = 0
+        gip = averaged = 0
+        if stage < 3:
+            kept_grads = largest * mb  # temp_grad_buffer_for_gpu_offload
+    if offload_par:
+        host += pin(W - persist * mb)
+        W = persist * mb
+    state = W + master + S + kept_grads + (ipg if stage == 3 else 0)
+    G_held = (gip if stage < 3 else 0) if config.grad_accum_steps > 1 else 0
+    A, A_base, A_tr, bbt = t.A, t.A_base, t.A_transient, t.block_bwd_temp
+    bw_ipg = ipg if stage < 3 else 0
+    start_ipg = ipg_start if stage < 3 else 0
+    phases = {
+        "backward": (state + A + G_held + t.loss_temp + gathered + start_ipg + large,
+                     {"weights": W + master + gathered, "optimizer_states": S,
+                      "activations": A, "gradients": kept_grads + G_held + large + start_ipg,
+                      "temporaries": t.loss_temp + (ipg if stage == 3 else 0)}),
+        "backward-end": (state + A_base // 2 + A_tr + bbt + bw_ipg + gip + averaged,
+                         {"weights": W + master, "optimizer_states": S,
+                          "gradients": kept_grads + gip + averaged + bw_ipg,
+                          "activations": A_base // 2 + A_tr,
+                          "temporaries": bbt + (ipg if stage == 3 else 0)}),
+        "optimizer": (state + step_grad,
+                      {"weights": W + master, "optimizer_states": S, "gradients": kept_grads,
+                       "activations": 0,
+                       "temporaries": step_grad + (ipg if stage == 3 else 0)}),
+    }
+    if config.gradient_checkpointing and "recompute" in t.phases:
+        a_kept = t.phases["recompute"][1]["activations"]
+        total = state + a_kept + bbt + gathered + bw_ipg + large
+        phases["recompute"] = (total, {"weights": W + master + gathered, "optimizer_states": S,
+                                       "gradients": kept_grads + bw_ipg + large,
+                                       "activations": a_kept,
+                                       "temporaries": bbt + (ipg if stage == 3 else 0)})
+    notes = [f"ZeRO-{stage} over {n} ranks: partition {p:,} elements; reduce bucket "
+             f"{sizes.reduce_bucket_size:,} elements"]
+    if host:
+        notes.append(f"offload ({layout.offload}): {host / 2**20:.1f} MiB of host memory per rank")
+    return _Rank(phases, host, tuple(notes))
+
+
+# --------------------------------------------------------------------------- combine
+
+
+def combine_ranks(ests: list[MemoryEstimate], layout: Layout, device: DeviceInfo, *,
+                  method: str) -> MemoryEstimate:
+    """One MemoryEstimate of every rank: the top-level figures are the peaking rank's
+    (the lowest rank on ties), ``per_rank`` lists each, ``host_bytes`` is the host memory
+    of the node that needs the most (its ranks' shares together).
+
+    On a CPU target the host is the device: host shares are counted in the peak and
+    ``host_bytes`` stays 0."""
+    if len(ests) == 1 and layout.family == "single":
+        return ests[0]
+    cpu = device.allocator == "cpu"
+    if cpu:
+        ests = [_host_on_device(e) for e in ests]
+    totals = [e.device_total_bytes for e in ests]
+    peak = max(range(len(ests)), key=lambda i: (totals[i], -i))
+    per_node: dict[int, int] = {}
+    for r, e in enumerate(ests):
+        per_node[layout.node_of(r)] = per_node.get(layout.node_of(r), 0) + e.host_bytes
+    host = max(per_node.values(), default=0)
+    per_rank = tuple({"rank": r, "peak_allocated_bytes": e.peak_allocated_bytes,
+                      "peak_reserved_bytes": e.peak_reserved_bytes,
+                      "device_total_bytes": e.device_total_bytes, "host_bytes": e.host_bytes,
+                      "breakdown": dict(e.breakdown)} for r, e in enumerate(ests))
+    top = ests[peak]
+    same = len(set(totals)) == 1
+    note = (f"{layout.describe()}: per-rank estimates; "
+            + ("every rank alike" if same else f"rank {peak} peaks"))
+    if host:
+        note += f"; host memory per node {host / 2**30:.2f} GiB"
+    return dataclasses.replace(top, method=method, per_rank=per_rank, peak_rank=peak,
+                               host_bytes=host, notes=(*top.notes, note))
+
+
+def _host_on_device(e: MemoryEstimate) -> MemoryEstimate:
+    """A CPU rank's estimate with its host share counted as device memory (the same RAM)."""
+    if not e.host_bytes:
+        return e
+    h = e.host_bytes
+    b = dict(e.breakdown)
+    b["optimizer_states"] = b.get("optimizer_states", 0) + h
+    total = e.device_total_bytes + h
+    return dataclasses.replace(
+        e, peak_allocated_bytes=e.peak_allocated_bytes + h,
+        peak_reserved_bytes=e.peak_reserved_bytes + h, device_total_bytes=total,
+        fits=total <= e.capacity_bytes, breakdown=b, host_bytes=0,
+        notes=(*e.notes, "offloaded state counted in RAM: on a CPU the host is the device"))
