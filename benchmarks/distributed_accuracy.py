@@ -89,6 +89,19 @@ def autofit_strategy(spec: dict[str, Any]) -> str:
     return spec["strategy"]
 
 
+def sharding_of(spec: dict[str, Any], recipe: str) -> dict[str, Any] | None:
+    """How the measured ranks ran, as ``estimate(..., sharding=)`` takes it: the plain torch
+    FSDP2 recipe (``fully_shard`` per block + root, ``MixedPrecisionPolicy(bf16, reduce
+    fp32)``, no autocast), DeepSpeed's own AdamW, DDP's bucket settings as measured; None
+    (``recipe="trainer"``) estimates what the Trainer would run instead."""
+    if recipe == "trainer":
+        return None
+    return {"fsdp_recipe": "torch", "zero_optimizer": "deepspeed",
+            "zero_sizes": "deepspeed" if spec.get("ds_buckets") == "deepspeed-default" else "auto",
+            "bucket_cap_mb": spec["bucket_cap_mb"],
+            "gradient_as_bucket_view": spec["gradient_as_bucket_view"]}
+
+
 def estimate_caveat(spec: dict[str, Any]) -> str | None:
     """What of the measured configuration the estimate cannot be told, or None."""
     if spec["strategy"] != "ddp":
@@ -124,7 +137,8 @@ def _config_path(tmp: Path, name: str, model_type: str, config: dict[str, Any]) 
     return str(path)
 
 
-def _estimate(spec: dict[str, Any], method: str, tmp: Path) -> tuple[Any, float]:
+def _estimate(spec: dict[str, Any], method: str, tmp: Path,
+              recipe: str = "measured") -> tuple[Any, float]:
     from autofit import TrainConfig, estimate
 
     config = TrainConfig(
@@ -135,7 +149,8 @@ def _estimate(spec: dict[str, Any], method: str, tmp: Path) -> tuple[Any, float]
     t = time.perf_counter()
     est = estimate(_config_path(tmp, spec["name"], spec["model_type"], spec["config"]), config,
                    seq_len=spec["seq"], device="cpu", method=method, task=spec["task"],
-                   attn_implementation=spec["attn_implementation"])
+                   attn_implementation=spec["attn_implementation"],
+                   sharding=sharding_of(spec, recipe))
     return est, time.perf_counter() - t
 
 
@@ -154,7 +169,8 @@ def _describe(spec: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def compare_row(measured: dict[str, Any], methods: list[str], tmp: Path) -> dict[str, Any]:
+def compare_row(measured: dict[str, Any], methods: list[str], tmp: Path,
+                recipe: str = "measured") -> dict[str, Any]:
     """One table row: the measurement and each method's estimate with its signed error."""
     spec = measured["spec"]
     row: dict[str, Any] = {
@@ -165,11 +181,11 @@ def compare_row(measured: dict[str, Any], methods: list[str], tmp: Path) -> dict
         "optimizer_class": "/".join(c for c in (measured.get("optimizer_class"),
                                                  measured.get("basic_optimizer_class")) if c),
         "measured_parts": {k: measured["ranks"][measured["peak_rank"]][k] for k in PARTS},
-        "caveat": estimate_caveat(spec),
+        "caveat": estimate_caveat(spec) if recipe == "trainer" else None,
     }
     for method in methods:
         try:
-            est, secs = _estimate(spec, method, tmp)
+            est, secs = _estimate(spec, method, tmp, recipe)
         except Exception as e:  # noqa: BLE001 - a row the estimator refuses is reported, not fatal
             row[f"{method}_failed"] = f"{type(e).__name__}: {e}"
             continue
@@ -379,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--names", default=None, help="comma-separated subset of measured configs")
     ap.add_argument("--measured", default=str(MEASURED))
     ap.add_argument("--out", default=str(RESULTS / "distributed_accuracy"))
+    ap.add_argument("--recipe", choices=["measured", "trainer"], default="measured",
+                    help="estimate the recipe that was measured (default), or what the "
+                         "Trainer would run with the same strategy")
     args = ap.parse_args(argv)
 
     methods = [m for m in args.methods.split(",") if m in TARGETS]
@@ -394,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, pub_estimates = [], {}
     with tempfile.TemporaryDirectory() as d:
         for m in measured:
-            row = compare_row(m, [] if missing else methods, Path(d))
+            row = compare_row(m, [] if missing else methods, Path(d), args.recipe)
             rows.append(row)
             print(f"{row['name']:<26} measured {_mib(row['measured']):>8} MiB  " + "  ".join(
                 f"{x} {_cell(row, x)}" for x in methods), flush=True)

@@ -265,3 +265,16 @@ def test_published_verdict_brackets_selective_checkpointing():
     assert acc.published_verdict({**row, "reported_value": 40.0}, both) == \
         "below the bracket (+25.0%)"
     assert acc.published_verdict(row, {"ckpt": {"reserved": 88 * g}}) == "+10.0%"
+
+
+def test_a_measured_spec_is_estimated_with_the_recipe_that_ran():
+    spec = {"batch": 2, "seq": 256, "precision": "bf16-mixed", "gradient_checkpointing": False,
+            "optimizer": "adamw_torch", "nproc": 2, "strategy": "fsdp", "offload": "none",
+            "reshard_after_forward": False, "gradient_as_bucket_view": True, "bucket_cap_mb": 25}
+    assert acc.autofit_strategy(spec) == "fsdp-shard-grad-op"
+    s = acc.sharding_of(spec, "measured")
+    assert s["fsdp_recipe"] == "torch" and s["zero_optimizer"] == "deepspeed"
+    assert s["gradient_as_bucket_view"] is True and s["zero_sizes"] == "auto"
+    assert acc.sharding_of({**spec, "ds_buckets": "deepspeed-default"}, "measured")[
+        "zero_sizes"] == "deepspeed"
+    assert acc.sharding_of(spec, "trainer") is None

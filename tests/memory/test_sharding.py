@@ -218,7 +218,7 @@ def test_sharding_saves_what_it_should(llama):
     assert est["fsdp"].peak_allocated_bytes < est["ddp"].peak_allocated_bytes
     # ZeRO-3 as emitted (max_reuse_distance 1e9) keeps every gathered parameter from its
     # forward to its backward: the whole model is on the device at backward's start
-    # (measured: zero3-fp32 644 MiB vs zero1-fp32 518 MiB, benchmarks/distributed_compare.py)
+    # (measured: zero3-fp32 644 MiB vs zero1-fp32 518 MiB, benchmarks/distributed_accuracy.py)
     assert est["zero3"].breakdown["weights"] >= one.breakdown["weights"]
     assert est["zero2"].breakdown["optimizer_states"] == est["zero1"].breakdown["optimizer_states"]
 
