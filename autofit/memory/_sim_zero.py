@@ -151,6 +151,27 @@ class ModuleMarks:
         yield
 
 
+def _kept_modules(plan: ZeroPlan, at: dict[int, list[str]]) -> set[int]:
+    """ZeRO-3's modules whose gathered parameters stay from their forward to their backward
+    (``partitioned_param_coordinator.__params_to_release``): those used again within
+    ``max_reuse_distance`` elements of the modules traced after them — with ``x`` elements
+    of the forward after a module, its backward comes after ``~2x``
+    (``sharding.zero3_kept_numel`` states the same rule in closed form)."""
+    order: list[int] = []
+    for k in sorted(at):
+        for label in at[k]:
+            if label.startswith("fwd-pre:") and (m := int(label.split(":")[1])) not in order:
+                order.append(m)
+    size = {m: sum(n for _, n in plan.gathered.get(m, ()) if n > plan.persist_threshold)
+            for m in order}
+    after, keep = sum(size.values()), set()
+    for m in order:
+        after -= size[m]
+        if 2 * after < plan.max_reuse:
+            keep.add(m)
+    return keep
+
+
 @dataclass(frozen=True)
 class ZeroPlan:
     """One rank's ZeRO state, in bytes and elements (see the module docstring)."""
@@ -173,6 +194,7 @@ class ZeroPlan:
     host: int  # host bytes per rank (offload)
     persist_threshold: int = 0
     gathered: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    max_reuse: int = int(1e9)  # stage3_max_reuse_distance
     # ZeRO-1/2: elements of each trainable parameter inside this rank's partition
     in_partition: dict[int, int] = field(default_factory=dict)
     touched: bool = False  # a CPU target: torch.empty buffers count as they are written
@@ -235,7 +257,8 @@ def zero_plan(sim: Simulator, config: TrainConfig, layout: Layout,
         hooks=stage >= 2 or sizes.overlap_comm, opt_temp=opt_temp, offload_opt=offload_opt,
         offload_par=offload_par, largest=largest, host=host,
         persist_threshold=sizes.param_persistence_threshold,
-        gathered=dict(marks.params) if marks is not None else {})
+        gathered=dict(marks.params) if marks is not None else {},
+        max_reuse=sizes.max_reuse_distance)
 
 
 def _in_partition(module: torch.nn.Module, layout: Layout, rank: int) -> dict[int, int]:
@@ -332,6 +355,7 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
     in_part_pieces: list[int] = []
     gathered: dict[int, int] = {}  # parameter index -> alloc id (ZeRO-3)
     phase = ""
+    keep = _kept_modules(plan, at)
 
     def reduce(phase: str) -> None:
         nonlocal fill
@@ -445,8 +469,10 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
                 mod = int(m)
                 if kind in ("fwd-pre", "bwd-pre"):
                     gather(mod, e.phase)
-                elif kind == "fwd-post" and step == 0:
-                    release(mod, e.phase)  # the first step: no trace to keep them by
+                elif kind == "fwd-post" and (step == 0 or mod not in keep):
+                    # the first step: no trace to keep them by; later, what is not used again
+                    # within max_reuse_distance elements of traced modules
+                    release(mod, e.phase)
                 elif kind == "bwd-post":
                     release(mod, e.phase)
         phase = e.phase

@@ -78,10 +78,13 @@ precision holds them):
   every rank once gathered. A module's parameters are all-gathered (full size, module
   dtype) at its forward; once the first step has traced the order, a parameter is
   released only if it is not used again within ``stage3_max_reuse_distance`` elements
-  (``__params_to_release``): with the 1e9 autofit emits (and DeepSpeed's default) every
-  parameter stays gathered from its forward until its backward — the whole model is on
-  each rank at the start of backward, as with FSDP2 without resharding (measured: ZeRO-3
-  fp32 644 MiB against ZeRO-1's 518 on the benchmark llama). Kept from
+  of the modules traced after it (``__params_to_release``): a parameter ``x`` elements
+  before the end of the forward is used again in backward after ``~2x`` elements, so the
+  last ``max_reuse_distance / 2`` elements of the forward (1e9 / 2, what autofit emits
+  and DeepSpeed's default) stay gathered from their forward until their backward
+  (``zero3_kept_numel``) — on a model below 5e8 parameters, the whole model is on each
+  rank at the start of backward, as with FSDP2 without resharding (measured: ZeRO-3 fp32
+  644 MiB against ZeRO-1's 518 on the benchmark llama); a 7B model keeps 5e8 elements. Kept from
   ``deepspeed.initialize``: an fp32 copy of the partition (a clone, in fp32 too:
   measured 3 partitions resident), the IPG bucket (``reduce_bucket_size``) and the
   gradient partition buffer (``grad_partitions_flat_buffer``, in
@@ -155,6 +158,7 @@ class ZeroSizes:
     max_live_parameters: int
     overlap_comm: bool
     contiguous_gradients: bool = True
+    max_reuse_distance: int = int(1e9)  # stage3_max_reuse_distance (emitted and default)
 
 
 @dataclass(frozen=True)
@@ -385,6 +389,17 @@ def zero_flat_numel(numel: int, n: int) -> int:
     """Elements of a ZeRO-1/2 flat group: aligned to ``2 x n`` (stage_1_and_2.py)."""
     align = _NCCL_START_ALIGNMENT * n
     return -(-numel // align) * align
+
+
+def zero3_kept_numel(gathered_numel: int, max_reuse_distance: int) -> int:
+    """Elements of ZeRO-3's gathered parameters kept from their forward to their backward:
+    those within the last ``max_reuse_distance / 2`` elements of the forward (used again
+    within ``max_reuse_distance`` elements of traced modules; see the module docstring).
+
+        >>> zero3_kept_numel(31_000_000, int(1e9)), zero3_kept_numel(7_000_000_000, int(1e9))
+        (31000000, 500000000)
+    """
+    return min(gathered_numel, max_reuse_distance // 2)
 
 
 def zero3_partition_numel(numel: int, n: int) -> int:
@@ -700,7 +715,9 @@ def _zero_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
         persist = sum(g.numel * g.count for g in info.params if g.numel <= small)
         W = (sum(zero3_partition_numel(g.numel, n) * g.count for g in info.params)
              + persist) * mb
-        gathered = sum(g.numel * g.count for g in info.params if g.numel > small) * mb
+        gathered = zero3_kept_numel(
+            sum(g.numel * g.count for g in info.params if g.numel > small),
+            sizes.max_reuse_distance) * mb
     else:
         parts = [zero_flat_numel(x, n) // n for x in groups]
         W = (sum(zero_flat_numel(x, n) for x in groups) + frozen) * mb
