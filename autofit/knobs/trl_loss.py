@@ -22,9 +22,9 @@ TRL falls back to the full logits (the model's own loss) with label smoothing
 Known limitations:
     * NB: on CUDA with Triton TRL scores only the positions whose label is not -100;
       autofit counts every position (the worst case: a batch without prompt masking).
-    * NB: the simulated step runs TRL's torch fallback (the CPU's ``_forward_tile``,
-      fp32 temporaries per tile); on CUDA the Triton kernels have none, so a CUDA target's
-      simulated loss is high by those temporaries (a few (4096, 32768) fp32 tiles at most).
+    * NB: a CUDA target is simulated on fake CPU tensors with TRL's torch folds and its
+      fp32 accumulation replaced by no-ops (``triton_folds``: on CUDA the Triton kernels
+      and ``addmm(out_dtype=float32)`` work in place); not checked on a GPU here.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["SFT_CONFIG", "TRL_OUTPUTS", "TOKEN_TILE", "VOCAB_TILE", "is_sft_config", "trl_loss_type",
-           "loss_impl_of", "fused_lm_head", "trl_sft_loss", "trl_loss_reason", "trl_loss_bytes"]
+           "loss_impl_of", "fused_lm_head", "trl_sft_loss", "triton_folds", "trl_loss_reason", "trl_loss_bytes"]
 
 TRL_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what SFTTrainer asks add_fused_lm_head for
 TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE (TRL 1.16)
@@ -113,6 +113,27 @@ def _vocab_tile(model: Any) -> Iterator[None]:
         tu._CHUNKED_LOGPROB_CHUNK_SIZE = old
 
 
+def _noop_fold(*args: Any, **kwargs: Any) -> None:
+    """A tile's fold as TRL's Triton kernels do it for memory: in place, nothing allocated."""
+
+
+@contextlib.contextmanager
+def triton_folds() -> Iterator[None]:
+    """TRL's torch fallback folds replaced by no-ops for the call (a CUDA target simulated on
+    fake CPU tensors: the Triton kernels write the tile and the per-token statistics in
+    place; the values of fake tensors do not matter)."""
+    import trl.kernels.chunked_logprob as ck
+
+    old = ck._forward_tile, ck._backward_tile, ck._addmm_fp32
+    # CUDA's _addmm_fp32 accumulates 16-bit products into fp32 by addmm(out_dtype=float32)
+    # in place; the CPU's upcasts both operands first (an fp32 tile and weight chunk)
+    ck._forward_tile = ck._backward_tile = ck._addmm_fp32 = _noop_fold
+    try:
+        yield
+    finally:
+        ck._forward_tile, ck._backward_tile, ck._addmm_fp32 = old
+
+
 def trl_sft_loss(model: Any, inputs: dict[str, Any], loss_type: str = "nll", *,
                  resident_only: bool = False) -> Any:
     """The loss ``SFTTrainer.compute_loss`` returns (no ``num_items_in_batch``): the fused
@@ -122,7 +143,8 @@ def trl_sft_loss(model: Any, inputs: dict[str, Any], loss_type: str = "nll", *,
     ``resident_only`` (the simulated step for a CPU): TRL's (rows, 32768) buffer is made
     only as wide as the vocabulary: on a CPU the columns past it are never written, so
     their pages never become resident (measured: a 16000 vocabulary's step is 10% below
-    the full buffer's count); CUDA's allocator holds the whole buffer."""
+    the full buffer's count); CUDA's allocator holds the whole buffer (a CUDA target is
+    simulated under ``triton_folds``, forward and backward)."""
     narrow = _vocab_tile(model) if resident_only else contextlib.nullcontext()
     with fused_lm_head(model), narrow:
         out = model(**inputs, use_cache=False, fused_lm_head=True)

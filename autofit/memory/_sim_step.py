@@ -378,7 +378,20 @@ def run_steps(
     target: StepTarget,
     steps: int = 2,
 ) -> None:
-    """Run ``steps`` Trainer steps of ``config`` under ``rec`` (inside the fake mode)."""
+    """Run ``steps`` Trainer steps of ``config`` under ``rec`` (inside the fake mode); TRL's
+    loss for a CUDA target with its folds as the Triton kernels (``triton_folds``)."""
+    folds: Any = contextlib.nullcontext()
+    if config.loss_impl == "trl" and target.kind == "cuda":
+        from autofit.knobs.trl_loss import triton_folds
+
+        folds = triton_folds()
+    with folds:
+        _run_steps(model, optimizer, config, task=task, seq_len=seq_len, rec=rec,
+                   target=target, steps=steps)
+
+
+def _run_steps(model: torch.nn.Module, optimizer: Any, config: TrainConfig, *, task: str,
+               seq_len: int, rec: StorageRecorder, target: StepTarget, steps: int) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     _, _, _, max_grad_norm = optimizer_cls_and_kwargs(config.optimizer, config.optim_args)
     if _is_bnb(type(optimizer)) and target.kind == "cpu":

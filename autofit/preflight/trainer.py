@@ -112,6 +112,20 @@ def config_of(args: Any) -> TrainConfig:
     return config
 
 
+def trainer_loss(config: TrainConfig, trainer: Any) -> TrainConfig:
+    """``config`` with the loss ``trainer`` computes: ``autofit.ChunkedLossTrainer``'s chunked
+    one; TRL's fused LM head only under ``SFTTrainer`` without a ``compute_loss_func``
+    (with one, SFTTrainer's loss uses the full logits)."""
+    mro = type(trainer).__mro__
+    if any(c.__name__ == "ChunkedLossTrainer" and c.__module__ == "autofit.knobs.loss"
+           for c in mro):
+        return config.replace(chunked_loss=True, loss_impl="model")
+    if config.loss_impl == "trl" and (getattr(trainer, "compute_loss_func", None) is not None
+                                      or not any(c.__name__ == "SFTTrainer" for c in mro)):
+        return config.replace(loss_impl="model")
+    return config
+
+
 def _eval_settings(d: dict[str, Any], eval_dataset: Any,
                    generate_max_new_tokens: int | None) -> tuple[int | None, int | None]:
     strategy = str(d.get("eval_strategy") or "no")
@@ -216,16 +230,8 @@ def preflight(
                             "longest sample)")
     d = _fields(args)
     config = config_of(args)
-    if trainer is not None and any(c.__name__ == "ChunkedLossTrainer" and
-                                   c.__module__ == "autofit.knobs.loss"
-                                   for c in type(trainer).__mro__):
-        # its compute_loss is the chunked one (not SFTTrainer's, whatever the arguments)
-        config = config.replace(chunked_loss=True, loss_impl="model")
-    if config.loss_impl == "trl" and trainer is not None and (
-            getattr(trainer, "compute_loss_func", None) is not None
-            or not any(c.__name__ == "SFTTrainer" for c in type(trainer).__mro__)):
-        # not SFTTrainer's fused loss: another trainer, or a compute_loss_func (full logits)
-        config = config.replace(loss_impl="model")
+    if trainer is not None:
+        config = trainer_loss(config, trainer)
     if max_seq_len is None and isinstance(d.get("max_length"), int):
         max_seq_len = d["max_length"]  # SFTConfig truncates to it
     eval_batch, gen = _eval_settings(d, eval_dataset, generate_max_new_tokens)

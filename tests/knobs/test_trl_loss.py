@@ -64,6 +64,28 @@ def test_detects_sftconfig_and_the_fallbacks(tmp_path):
     assert loss_impl_of(ulysses) == "model"
 
 
+def test_preflight_reads_the_loss_from_the_arguments_and_the_trainer(tmp_path):
+    from autofit.preflight.trainer import config_of, trainer_loss
+
+    config = config_of(_sft(tmp_path, per_device_train_batch_size=2))
+    assert config.loss_impl == "trl" and config.micro_batch_size == 2
+    assert config_of(_sft(tmp_path, label_smoothing_factor=0.1)).loss_impl == "model"
+    assert config_of({"per_device_train_batch_size": 2}).loss_impl == "model"
+
+    class SFTTrainer:
+        compute_loss_func = None
+
+    class Custom(SFTTrainer):
+        compute_loss_func = staticmethod(lambda *a, **k: None)
+
+    class Trainer:
+        pass
+
+    assert trainer_loss(config, SFTTrainer()).loss_impl == "trl"
+    assert trainer_loss(config, Custom()).loss_impl == "model"  # full logits for the function
+    assert trainer_loss(config, Trainer()).loss_impl == "model"  # not SFTTrainer's loss
+
+
 def test_config_refuses_trl_with_chunked_loss_and_unknown_impl():
     with pytest.raises(InvalidConfigError, match="loss_impl"):
         TrainConfig(loss_impl="liger")
@@ -158,3 +180,23 @@ def test_autofit_with_an_sftconfig_runs_trls_loss_and_emits_an_sftconfig(
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(torch.isfinite(torch.tensor(x)) for x in losses)
+
+
+def test_cuda_target_counts_no_fallback_temporaries():
+    """For a GPU TRL's Triton kernels fold the tiles in place (the simulated step replaces
+    the torch folds for the run, then restores them); both methods agree within 5%, and
+    each is below the CPU's estimate by about the fallback's fp32 tiles."""
+    import trl.kernels.chunked_logprob as ck
+
+    folds = (ck._forward_tile, ck._backward_tile, ck._addmm_fp32)
+    model = _llama(**BIG_VOCAB)
+    B, T, V = 4, 128, BIG_VOCAB["vocab_size"]
+    for precision in ("32-true", "bf16-mixed"):
+        config = TrainConfig(micro_batch_size=B, precision=precision, loss_impl="trl")
+        gpu = {m: estimate(model, config, seq_len=T, device="H100-80GB", method=m)
+               for m in ("analytic", "simulate")}
+        cpu = estimate(model, config, seq_len=T, device="cpu", method="simulate")
+        a, s = (gpu[m].peak_allocated_bytes for m in ("analytic", "simulate"))
+        assert abs(a - s) <= 0.05 * s, (precision, a, s)
+        assert cpu.peak_allocated_bytes - s >= 5 * B * T * V * 4, precision
+    assert (ck._forward_tile, ck._backward_tile, ck._addmm_fp32) == folds
