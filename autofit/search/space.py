@@ -50,8 +50,11 @@ class SearchSpace:
     loss_impl: str = "model"  # TrainConfig.loss_impl, fixed: from the user's training_args
 
     def __post_init__(self) -> None:
-        names = [k.name for k in KNOBS if k.name in self.choices]
-        unknown = set(self.choices) - set(names)
+        names = [k.name for k in KNOBS if k.name in self.choices
+                 # TRL's loss runs (SFTTrainer): autofit's chunked loss is no choice, and
+                 # "full logits" no description of it
+                 and not (k.name == "chunked_loss" and self.loss_impl == "trl")]
+        unknown = set(self.choices) - set(names) - {"chunked_loss"}
         if unknown:
             raise BadInputError(f"unknown knob(s) {', '.join(sorted(unknown))}")
         # a copy in registry order, so that combinations and keys read the same everywhere

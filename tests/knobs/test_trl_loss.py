@@ -159,6 +159,17 @@ def test_autofit_with_an_sftconfig_runs_trls_loss_and_emits_an_sftconfig(
     assert r.config.loss_impl == "trl" and not r.config.chunked_loss
     assert any("TRL's fused LM-head loss (SFTConfig loss_type=nll)" in x for x in r.reasons)
     assert "forward" not in vars(tiny_llama)
+    import io
+
+    from rich.console import Console
+
+    from autofit.report.terminal import print_fit
+
+    out = io.StringIO()
+    print_fit(r, console=Console(file=out, width=100))
+    text = out.getvalue()  # the chosen plan is not labelled with autofit's "full logits"
+    assert "· full logits" not in text and ", full logits" not in text
+    assert "TRL's fused LM-head loss" in text
     args = r.training_arguments
     assert isinstance(args, trl.SFTConfig) and args.loss_type == "nll"
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 8
