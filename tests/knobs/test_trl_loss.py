@@ -211,3 +211,16 @@ def test_cuda_target_counts_no_fallback_temporaries():
         assert abs(a - s) <= 0.05 * s, (precision, a, s)
         assert cpu.peak_allocated_bytes - s >= 5 * B * T * V * 4, precision
     assert (ck._forward_tile, ck._backward_tile, ck._addmm_fp32) == folds
+
+
+def test_nothing_fits_with_trls_loss_is_a_does_not_fit_error(tiny_llama, tmp_path, monkeypatch):
+    """The "nothing fits" suggestions leave autofit's chunked loss out (it cannot be combined
+    with TRL's): the answer is the usual error naming what to try, not a config error."""
+    from autofit.api import autofit
+    from autofit.errors import DoesNotFitError
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+    rows = [{"input_ids": list(range(1, 33))}] * 8
+    with pytest.raises(DoesNotFitError, match="no configuration fits"):
+        autofit(tiny_llama, rows, device="cpu:4MiB", training_args=_sft(tmp_path / "o"),
+                precision=["32-true"], optimizer=["adamw_torch"], gradient_checkpointing=False)
