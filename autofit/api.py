@@ -22,6 +22,13 @@ from autofit.config import TrainConfig
 from autofit.errors import BadInputError, fix
 from autofit.knobs import KNOBS, choice_of, describe_choice, knob_names
 from autofit.knobs.loss import unsupported_reason
+from autofit.knobs.trl_loss import (
+    SFT_CONFIG,
+    is_sft_config,
+    loss_impl_of,
+    trl_loss_reason,
+    trl_loss_type,
+)
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import DeviceInfo, resolve_device
 
@@ -475,6 +482,10 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
     if training_args is not None:
         if hasattr(training_args, "to_dict"):  # a TrainingArguments: already valid
             base_args = training_args.to_dict()
+            if is_sft_config(training_args):  # to_dict masks every *_token field: these are
+                for k in ("eos_token", "pad_token"):  # SFTConfig's tokens, not secrets
+                    if hasattr(training_args, k):
+                        base_args[k] = getattr(training_args, k)
         else:  # a dict of its fields: what TrainingArguments would refuse, all at once
             from autofit.emit.validate import check_training_arguments
 
@@ -489,8 +500,17 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
     if target_batch_size is None:  # no target: more samples than the dataset has gain nothing
         max_micro = min(max_micro, max(probed.data.num_samples, 1))
     allowed = {k.name: opts.get(k.name) for k in KNOBS}
+    loss_impl = loss_impl_of(training_args)
     why = unsupported_reason(probed.module, probed.task)
-    if why is not None:  # the knob has one value for this model: say why
+    if loss_impl == "trl":  # SFTTrainer computes its own loss: autofit's is not what runs
+        asked = allowed.get("chunked_loss")
+        if asked is True or (isinstance(asked, (list, tuple)) and True in asked):
+            raise BadInputError("chunked loss: training_args is an SFTConfig, whose "
+                                "SFTTrainer computes TRL's fused LM-head loss; drop "
+                                + fix("--chunked-loss", "chunked_loss=True"))
+        allowed["chunked_loss"] = False
+        reasons.append(trl_loss_reason(trl_loss_type(training_args) or "nll"))
+    elif why is not None:  # the knob has one value for this model: say why
         asked = allowed.get("chunked_loss")
         check_chunked_loss(asked if isinstance(asked, bool) else
                            any(bool(v) for v in (asked or ())), probed.module, probed.task)
@@ -498,7 +518,8 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
         reasons.append(f"no chunked loss: {why}")
     space = build_space(probed.device, max_micro_batch=max_micro,
                         target_batch_size=target_batch_size, world_size=world_size,
-                        optim_args=opts.get("optim_args"), reasons=reasons, **allowed)
+                        optim_args=opts.get("optim_args"), reasons=reasons,
+                        loss_impl=loss_impl, **allowed)
     return space, base_args
 
 
@@ -941,6 +962,8 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
             "versions": library_versions(), "predicted_run_bytes": predicted_run}
     if adapter is not None:
         meta["adapter"] = adapter
+    if is_sft_config(opts.get("training_args")):  # emitted as the user's class: SFTConfig
+        meta["arguments_class"] = SFT_CONFIG
     result = FitResult(config=config, estimate=est, trials=() if simulated else tuple(outcome.trials),
                        reasons=tuple(reasons), confirmed=confirmed, device=dev.name,
                        candidates=rows, training_arguments_kwargs=kwargs, meta=meta,

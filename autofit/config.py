@@ -31,6 +31,7 @@ __all__ = [
     "normalize_strategy",
     "normalize_offload",
     "strategy_conflict",
+    "LOSS_IMPLS",
 ]
 
 
@@ -162,6 +163,8 @@ _STRATEGY_ALIASES = {"fsdp2": "fsdp", "full_shard": "fsdp", "full-shard": "fsdp"
                      "shard_grad_op": "fsdp-shard-grad-op", "shard-grad-op": "fsdp-shard-grad-op",
                      "hybrid_shard": "hsdp", "hybrid": "hsdp", "no_shard": "ddp",
                      "zero-1": "zero1", "zero-2": "zero2", "zero-3": "zero3"}
+# whose loss the step computes: the model's (or autofit's chunked one), or TRL's fused LM head
+LOSS_IMPLS: tuple[str, ...] = ("model", "trl")
 # what a sharded strategy keeps in host memory
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
 _OFFLOAD_ALIASES = {"": "none", "no": "none", "false": "none", "cpu": "optimizer+params",
@@ -260,6 +263,10 @@ class TrainConfig:
             what checkpointing keeps).
         torch_compile: run the step through ``torch.compile`` (inductor), as
             ``TrainingArguments(torch_compile=True)`` does.
+        loss_impl: whose loss the step computes: ``"model"`` (the model's forward with
+            labels, or autofit's chunked loss) or ``"trl"`` (TRL's fused LM head, as
+            ``trl.SFTTrainer`` runs it: ``autofit.knobs.trl_loss``). Not searched: set from
+            the user's ``training_args`` (an ``SFTConfig``).
 
     Example:
         >>> TrainConfig(micro_batch_size=2, grad_accum_steps=8).effective_batch_size
@@ -281,6 +288,7 @@ class TrainConfig:
     nnodes: int = 1
     strategy: str = "ddp"
     offload: str = "none"
+    loss_impl: str = "model"
 
     def __post_init__(self) -> None:
         problems = []
@@ -299,6 +307,12 @@ class TrainConfig:
         for name in ("chunked_loss", "torch_compile"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.loss_impl not in LOSS_IMPLS:
+            problems.append(f"loss_impl must be one of {', '.join(LOSS_IMPLS)}, "
+                            f"got {self.loss_impl!r}")
+        elif self.loss_impl == "trl" and self.chunked_loss:
+            problems.append("chunked_loss cannot be combined with loss_impl='trl' (TRL's "
+                            "fused LM head already computes the loss without full logits)")
         if self.seq_len is not None and (
             isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len <= 0
         ):

@@ -59,7 +59,8 @@ class FitResult:
 
     @property
     def training_arguments(self) -> Any:
-        """A ``transformers.TrainingArguments`` with the tuned fields.
+        """A ``transformers.TrainingArguments`` with the tuned fields (a ``trl.SFTConfig``
+        when the user's ``training_args`` was one).
 
         Raises:
             BadInputError: when they cannot be built on this machine (e.g. bf16 on
@@ -68,7 +69,8 @@ class FitResult:
         """
         from autofit.emit import build_training_arguments
 
-        return build_training_arguments(dict(self.training_arguments_kwargs))
+        return build_training_arguments(dict(self.training_arguments_kwargs),
+                                        self.meta.get("arguments_class"))
 
     @property
     def ooms(self) -> int:

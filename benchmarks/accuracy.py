@@ -55,6 +55,7 @@ def _estimate(spec: dict, method: str, tmp: Path):
         optim_args=spec.get("optim_args"),
         chunked_loss=bool(spec.get("chunked_loss", False)),
         torch_compile=bool(spec.get("torch_compile", False)),
+        loss_impl="trl" if spec.get("trl_loss") else "model",
     )
     t = time.perf_counter()
     est = estimate(str(cfg_path), config, seq_len=spec["seq"], device="cpu", method=method,
@@ -92,6 +93,8 @@ def _describe(spec: dict) -> str:
         parts.append("chunked loss")
     if spec.get("torch_compile"):
         parts.append("torch.compile")
+    if spec.get("trl_loss"):
+        parts.append("TRL SFT loss")
     if spec.get("attn_implementation") == "eager":
         parts.append("eager")
     return " ".join(parts)

@@ -140,9 +140,10 @@ def spec(
     chunked: bool = False,
     compiled: bool = False,
     peft: dict[str, Any] | None = None,
+    trl: bool = False,
 ) -> dict[str, Any]:
-    """One spec dict with exactly the project-wide keys (``chunked_loss``, ``torch_compile``
-    only when on, ``peft`` only when given)."""
+    """One spec dict with exactly the project-wide keys (``chunked_loss``, ``torch_compile``,
+    ``trl_loss`` only when on, ``peft`` only when given)."""
     out = {
         "name": name,
         "model_type": model_type,
@@ -163,6 +164,8 @@ def spec(
         out["torch_compile"] = True
     if peft is not None:
         out["peft"] = dict(peft)
+    if trl:
+        out["trl_loss"] = True
     return out
 
 
@@ -193,6 +196,9 @@ CONFIGS: list[dict[str, Any]] = [
     _llama("llama-b4s256-bf16m-chunk", precision="bf16-mixed", chunked=True),
     _llama("llama-b4s256-bf16t-chunk", precision="bf16-true", chunked=True),
     _llama("llama-b2s512-gc-chunk", batch=2, seq=512, gc=True, chunked=True),
+    # TRL's SFT loss (SFTTrainer's fused LM head: (4096, 32768) tiles, no (B, T, V) logits)
+    _llama("llama-b4s256-trl", trl=True),
+    _llama("llama-b4s256-bf16m-trl", precision="bf16-mixed", trl=True),
     # llama, other shapes
     _llama("llama-b1s128", batch=1, seq=128),
     _llama("llama-b2s512", batch=2, seq=512),
@@ -231,6 +237,7 @@ CONFIGS: list[dict[str, Any]] = [
     _gpt2("gpt2-b4s256-bf16t-sgd", precision="bf16-true", optimizer="sgd"),
     _gpt2("gpt2-b2s256-chunk", batch=2, chunked=True),
     _gpt2("gpt2-b4s256-bf16m-gc-chunk", precision="bf16-mixed", gc=True, chunked=True),
+    _gpt2("gpt2-b4s256-trl", trl=True),  # tied head: the embedding gets both gradients
     _gpt2("gpt2-b2s256-fused", batch=2, optimizer="adamw_torch_fused"),
     _gpt2("gpt2-b1s512-adafactor", batch=1, seq=512, optimizer="adafactor"),
     _gpt2("gpt2-b1s128-bnb8", batch=1, seq=128, optimizer="adamw_bnb_8bit"),

@@ -30,8 +30,11 @@ Spec (a JSON-able dict; the project-wide format)::
      "torch_compile": false,  # optional: the step's forward through
                               # torch.compile(model, backend="inductor"), as the Trainer's
                               # accelerate does for TrainingArguments(torch_compile=True)
-     "peft": {"peft_type": "IA3", ...}}  # optional, instead of "lora": any peft method, a
+     "peft": {"peft_type": "IA3", ...},  # optional, instead of "lora": any peft method, a
                               # dict as in adapter_config.json (task_type from "task")
+     "trl_loss": false}       # optional: TRL's SFT loss as trl.SFTTrainer computes it
+                              # (trl.trainer.utils.add_fused_lm_head with SFTTrainer's
+                              # outputs, model(..., fused_lm_head=True), loss_type "nll")
 
 Protocol (one configuration per fresh child process, so nothing leaks between runs):
 
@@ -141,7 +144,7 @@ SPEC_KEYS = (
     "attn_implementation",
     "lora",
 )
-OPTIONAL_KEYS = ("chunked_loss", "torch_compile", "peft")
+OPTIONAL_KEYS = ("chunked_loss", "torch_compile", "peft", "trl_loss")
 
 TASK_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",
@@ -184,6 +187,9 @@ def check_spec(spec: dict[str, Any]) -> None:
         problems.append("attn_implementation must be 'eager' or 'sdpa'")
     if spec.get("chunked_loss") and spec.get("task") != "causal-lm":
         problems.append("chunked_loss needs task causal-lm")
+    if spec.get("trl_loss") and (spec.get("task") != "causal-lm" or spec.get("chunked_loss")
+                                 or spec.get("torch_compile")):
+        problems.append("trl_loss needs task causal-lm, without chunked_loss or torch_compile")
     if spec.get("torch_compile") and spec.get("chunked_loss"):
         problems.append("torch_compile with chunked_loss is not measured here")
     lora = spec.get("lora")
@@ -412,8 +418,20 @@ def _chunked_loss(model, batch):
                                   ignore_index=-100, options=LinearCrossEntropyOptions())
 
 
+def _trl_loss(model, batch):
+    """TRL's SFT loss as ``SFTTrainer.compute_loss`` computes it (loss_type "nll", no
+    ``num_items_in_batch``): the forward with ``fused_lm_head=True`` (the head added once,
+    in ``_child``), ``-log_probs`` summed over the labelled tokens / their count."""
+    outputs = model(**batch, use_cache=False, fused_lm_head=True)
+    loss = (-outputs.log_probs).sum() / outputs.label_mask.sum().clamp(min=1)
+    # compute_loss reads its metrics (entropy, top-1 accuracy) and drops the outputs
+    float(outputs.entropy.detach().sum()), float(outputs.is_top1.sum())
+    del outputs
+    return loss
+
+
 def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None,
-          chunked=False) -> float:
+          chunked=False, trl=False) -> float:
     """One Trainer training step + optimizer step; returns the loss. ``mark(phase)`` hooks.
     ``model`` may be the ``torch.compile`` wrapper of the model (its forward compiled)."""
     import torch
@@ -428,6 +446,9 @@ def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None,
     if chunked:  # the backbone and the loss under the same autocast, the loss a scalar
         with ctx:
             loss = _chunked_loss(model, batch)
+    elif trl:  # SFTTrainer: the fused forward under the Trainer's autocast, a scalar loss
+        with ctx:
+            loss = _trl_loss(model, batch)
     else:
         with ctx:
             outputs = model(**batch)
@@ -492,8 +513,15 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     warm_batch = _make_batch(spec, config, *warm_shape)
     warm_opt = _make_optimizer(model, opt_cls, opt_kwargs, args.weight_decay)
     chunked = bool(spec.get("chunked_loss"))
+    trl = bool(spec.get("trl_loss"))
+    if trl:  # as SFTTrainer.__init__ does, with the outputs its metrics need
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model,
+                          outputs=("log_probs", "entropy", "is_top1"))
     t_warm = time.perf_counter()
-    _step(stepped, warm_batch, warm_opt, params, autocast_dtype, new_scaler(), chunked=chunked)
+    _step(stepped, warm_batch, warm_opt, params, autocast_dtype, new_scaler(), chunked=chunked,
+          trl=trl)
     model.zero_grad(set_to_none=True)
     warm_opt.state.clear()
     del warm_opt, warm_batch
@@ -508,15 +536,15 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     baseline = _rss_bytes()  # bytes; weights, batch and imports already resident
     _reset_hwm()
     _step(stepped, batch, optimizer, params, autocast_dtype, scaler,
-          chunked=chunked)  # optimizer state appears
+          chunked=chunked, trl=trl)  # optimizer state appears
     first_step_peak = _hwm_bytes() - baseline
 
     _reset_hwm()
     t0 = time.perf_counter()
-    _step(stepped, batch, optimizer, params, autocast_dtype, scaler, chunked=chunked)
+    _step(stepped, batch, optimizer, params, autocast_dtype, scaler, chunked=chunked, trl=trl)
     marks = _PhaseMarks(baseline)
     loss = _step(stepped, batch, optimizer, params, autocast_dtype, scaler, mark=marks,
-                 chunked=chunked)
+                 chunked=chunked, trl=trl)
     step_time_s = (time.perf_counter() - t0) / 2
     # VmHWM is a running max, so the peak over both steps is the high-water mark up to
     # the last step's first reset (read by `marks`) or any phase peak after it.

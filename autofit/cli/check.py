@@ -63,6 +63,8 @@ def run_check_command(args: argparse.Namespace) -> int:
     if (meta.get("config") or {}).get("chunked_loss") and not config.chunked_loss:
         # no TrainingArguments field says so (autofit.ChunkedLossTrainer): the plan's metadata
         config = config.replace(chunked_loss=True)
+    if (meta.get("config") or {}).get("loss_impl") == "trl" and not config.chunked_loss:
+        config = config.replace(loss_impl="trl")  # the plan of an SFTConfig (SFTTrainer's loss)
     s = file_subject(args, meta)
     eval_batch = fields.get("per_device_eval_batch_size")
     # an eval batch that does not fit stops the job only when the file evaluates

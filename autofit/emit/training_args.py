@@ -13,6 +13,7 @@ from typing import Any
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError
 from autofit.knobs import KNOBS, owned_fields
+from autofit.knobs.trl_loss import SFT_CONFIG
 
 __all__ = [
     "training_arguments_dict",
@@ -54,9 +55,13 @@ def training_arguments_dict(
     return {k: (v.value if hasattr(v, "value") else v) for k, v in out.items()}
 
 
-def build_training_arguments(kwargs: dict[str, Any]) -> Any:
-    """``transformers.TrainingArguments(**kwargs)``, with autofit's error on failure."""
-    from transformers import TrainingArguments
+def build_training_arguments(kwargs: dict[str, Any], cls: str | None = None) -> Any:
+    """``transformers.TrainingArguments(**kwargs)`` (``trl.SFTConfig`` when ``cls`` is
+    ``"trl.SFTConfig"``: the user's arguments were one), with autofit's error on failure."""
+    if cls == SFT_CONFIG:
+        from trl import SFTConfig as TrainingArguments
+    else:
+        from transformers import TrainingArguments
 
     try:
         return TrainingArguments(**kwargs)

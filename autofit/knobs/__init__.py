@@ -6,6 +6,10 @@ causal-LM loss and its Trainer), ``offloading`` and ``compile`` (torch.compile) 
 cache key, the
 candidates table, the emitted fields and the "nothing fits" suggestions are
 generic over ``KNOBS``.
+
+``trl_loss`` is not a knob: TRL's fused LM-head loss is what ``trl.SFTTrainer`` runs, so it
+is read from the user's ``SFTConfig`` (``TrainConfig.loss_impl="trl"``, fixed for every
+candidate) and only takes the chunked loss out of the search.
 """
 
 from autofit.knobs.base import Knob, installed, restrict, training_arguments_fields

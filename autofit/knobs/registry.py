@@ -47,8 +47,11 @@ def knob_names() -> tuple[str, ...]:
 
 
 def choice_of(config: Any) -> dict[str, Any]:
-    """``{knob name: value}`` of a ``TrainConfig`` (or anything with those attributes)."""
-    return {k.name: getattr(config, k.name) for k in KNOBS}
+    """``{knob name: value}`` of a ``TrainConfig`` (or anything with those attributes); with
+    TRL's loss (``loss_impl="trl"``) the chunked loss is no choice (SFTTrainer's loss runs)."""
+    trl = getattr(config, "loss_impl", "model") == "trl"
+    return {k.name: getattr(config, k.name) for k in KNOBS
+            if not (trl and k.name == "chunked_loss")}
 
 
 def describe_choice(choice: dict[str, Any], sep: str = ", ") -> str:

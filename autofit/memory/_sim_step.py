@@ -13,6 +13,10 @@ opaque to a dispatch mode (its fake implementation makes the outputs only), so i
 real implementation runs instead (``chunked_loss_kernels``): the recorder sees every
 chunk's logits and the gradients it accumulates.
 
+With ``config.loss_impl == "trl"`` the loss is TRL's fused LM head as ``SFTTrainer`` runs
+it (``autofit.knobs.trl_loss.trl_sft_loss``: ``add_fused_lm_head`` on the fake clone for
+the call), TRL's torch fallback tiles recorded op by op.
+
 With ``config.activation_offloading`` the checkpointed blocks run under transformers' own
 offloading (``activation_checkpointing_enable(offload=True)``: torch's ``save_on_cpu``
 around each checkpoint), with ``save_on_cpu`` given its CUDA semantics on the fake CPU
@@ -334,7 +338,8 @@ def _mark_host_steps(optimizer: Any, rec: StorageRecorder) -> None:
 
 
 def forward_loss(model: torch.nn.Module, config: TrainConfig, task: str, batch_size: int,
-                 seq_len: int, rec: StorageRecorder) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+                 seq_len: int, rec: StorageRecorder, target_kind: str = "cpu",
+                 ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """One micro batch's forward and loss as the Trainer runs them (inside the fake mode):
     the batch made and tracked as activations, the loss under autocast (the chunked loss
     when asked), the outputs dropped as ``compute_loss`` drops them. Returns (loss, batch,
@@ -345,7 +350,13 @@ def forward_loss(model: torch.nn.Module, config: TrainConfig, task: str, batch_s
             rec.track(v, "activations")  # the batch on the device
     kwargs = {k: batch[k] for k in batch["_model_kwargs"]}
     with _autocast(config), unpacked_batches():
-        if config.chunked_loss:
+        if config.loss_impl == "trl":  # TRL's fused LM head, on this fake clone only
+            from autofit.knobs.trl_loss import trl_sft_loss
+
+            # on a CPU only the pages TRL writes are resident: its (rows, 32768) buffer as
+            # wide as the vocabulary (the same tiles and loop for V <= 32768)
+            loss = trl_sft_loss(model, kwargs, resident_only=target_kind == "cpu")
+        elif config.chunked_loss:
             from autofit.knobs.loss import causal_lm_chunked_loss
 
             loss = causal_lm_chunked_loss(model, kwargs)
@@ -367,7 +378,20 @@ def run_steps(
     target: StepTarget,
     steps: int = 2,
 ) -> None:
-    """Run ``steps`` Trainer steps of ``config`` under ``rec`` (inside the fake mode)."""
+    """Run ``steps`` Trainer steps of ``config`` under ``rec`` (inside the fake mode); TRL's
+    loss for a CUDA target with its folds as the Triton kernels (``triton_folds``)."""
+    folds: Any = contextlib.nullcontext()
+    if config.loss_impl == "trl" and target.kind == "cuda":
+        from autofit.knobs.trl_loss import triton_folds
+
+        folds = triton_folds()
+    with folds:
+        _run_steps(model, optimizer, config, task=task, seq_len=seq_len, rec=rec,
+                   target=target, steps=steps)
+
+
+def _run_steps(model: torch.nn.Module, optimizer: Any, config: TrainConfig, *, task: str,
+               seq_len: int, rec: StorageRecorder, target: StepTarget, steps: int) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     _, _, _, max_grad_norm = optimizer_cls_and_kwargs(config.optimizer, config.optim_args)
     if _is_bnb(type(optimizer)) and target.kind == "cpu":
@@ -389,7 +413,7 @@ def run_steps(
             rec.micro += 1
             rec.phase = "forward"
             loss, batch, kwargs = forward_loss(model, config, task, config.micro_batch_size,
-                                               seq_len, rec)
+                                               seq_len, rec, target.kind)
             if not isinstance(loss, torch.Tensor):
                 raise BadInputError(
                     f"{type(model).__name__}(input_ids=..., labels=...) returned no loss; "

@@ -17,6 +17,10 @@ at its three candidate peaks and reports the largest:
   their loss gradients and the head's autocast copy are gone; the loss holds its
   precomputed input and head-weight gradients and one (rows, V) chunk
   (``chunked_loss_bytes``) at the end of the forward;
+* with ``loss_impl="trl"`` (TRL's fused LM head, ``trl.SFTTrainer``) no (B, T, V) tensor
+  exists either: the loss saves a copy of the shifted hidden states and a few values per
+  token, and its backward holds fp32 input and head-weight gradients, one (4096, 32768)
+  tile buffer and, on a CPU, TRL's torch temporaries per tile (``trl_loss_bytes``);
 * with ``activation_offloading`` (and checkpointing) the blocks' inputs are in pinned
   host memory (``host_bytes``: one power-of-two block each) instead of on the device;
   the recompute holds one of them, copied back;
@@ -70,6 +74,7 @@ from typing import TYPE_CHECKING
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, NoTrainableParametersError, fix
+from autofit.knobs.trl_loss import trl_loss_bytes
 from autofit.memory._common import pinned_bytes
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import sm_version
@@ -92,6 +97,13 @@ _DTYPE_BYTES = {
 # GPT-2, BERT, T5 and tiny models on an H100 target: 1.6-12.5% without
 # checkpointing, 16-28% with it: recomputed activations interleave with gradients).
 _CUDA_FRAGMENTATION = 0.06
+# TRL's fused loss (autofit.knobs.trl_loss): fp32 (rows, cols) temporaries of TRL's torch
+# fallback (CPU) alive at once in a tile's backward (TRL 1.16 _backward_tile at
+# ``grad += g * (is_target.float() - p)``: y, z, log_p, p, grad, the difference and the
+# product, + the bool one-hot, a quarter; measured llama-b4s256-trl); bytes per token it
+# saves besides the hidden states (fp32 log Z and entropy, int64 labels, the clamped copy)
+TRL_CPU_TILE_TEMPS = 7.25
+TRL_SAVED_PER_TOKEN = 4 + 4 + 8 + 8
 _CUDA_FRAGMENTATION_CHECKPOINTING = 0.20
 # bitsandbytes: 8-bit states for tensors of at least this many elements, fp32 below.
 _BNB_MIN_8BIT_SIZE = 4096
@@ -322,6 +334,8 @@ def _coef(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> dict:
 
         module = module_of(info)
         if module is not None:
+            if config.loss_impl == "trl":  # no logits kept, as autofit's chunked loss
+                config = config.replace(loss_impl="model", chunked_loss=True)
             return derived_coefficients(module, info, config, device)
         if info.peft not in (None, "lora"):  # (a LoRA or family falls back to the table)
             raise BadInputError(f"no analytic coefficients for {info.name} "
@@ -606,11 +620,14 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     A_layers_full = sum(x * n for x, n in layer_costs)
     A_layer_max = max((x for x, _ in layer_costs), default=0)
     num_layers = sum(n for _, n in layer_costs)
-    chunked = config.chunked_loss and lm
+    trl = config.loss_impl == "trl" and lm  # TRL's fused LM head (SFTTrainer)
+    chunked = (config.chunked_loss or trl) and lm
     # the V term is the logits the loss keeps for backward; a chunked loss keeps none
     A_base = N * max(base_c["h"] * h + (0 if chunked else base_c["V"] * V) + base_c["c0"]
                      + base_c.get("T", 0.0) * T, 0.0)
     A_base = max(A_base + B * base_c.get("s", 0.0), 0.0) + base_c.get("F", 0.0)
+    if trl:  # TRL saves the shifted hidden states (a copy) and per token log Z, entropy, labels
+        A_base += N * (h * act + TRL_SAVED_PER_TOKEN)
 
     # autocast keeps a 16-bit copy of every matmul weight from its forward to its backward
     copies_all = 2 * _linear_weight_numel(info) if spec.autocast else 0
@@ -660,7 +677,12 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     # the next forward and backward
     G_held = G if config.grad_accum_steps > 1 else 0
     loss_temp = max(loss_grads, (0 if G_held else head_grad_in_G) + NL * V * 4)
-    if chunked:
+    if trl:
+        head_trainable = any(g.trainable and tuple(g.shape) == (V, h) for g in info.params)
+        loss_temp = trl_loss_bytes(NL, V, h, 2 if spec.autocast else act,
+                                   cuda=device.allocator == "cuda", head_trainable=head_trainable,
+                                   accumulating=bool(G_held), tile_temps=TRL_CPU_TILE_TEMPS)
+    elif chunked:
         head_trainable = any(g.trainable and tuple(g.shape) == (V, h) for g in info.params)
         loss_temp = chunked_loss_bytes(NL, V, h, act, device, accumulating=bool(G_held),
                                        head_trainable=head_trainable)

@@ -155,7 +155,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                 rec.decompositions.update(chunked_loss_kernels())
             with fake_mode, rec, ctx:
                 rec.phase = "forward"
-                loss, data, kwargs = forward_loss(model, config, task, batch, seq_len, rec)
+                loss, data, kwargs = forward_loss(model, config, task, batch, seq_len, rec,
+                                                   "cuda" if device.allocator == "cuda" else "cpu")
                 alive = {id(r) for r in rec.live_records() if r.category != "weights"}
                 log = rec.events()
                 per_kind = [

@@ -48,6 +48,7 @@ from typing import Any
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError
 from autofit.knobs import owned_fields
+from autofit.knobs.trl_loss import loss_impl_of
 from autofit.preflight.verdict import PreflightError, PreflightReport
 
 __all__ = ["preflight", "config_of"]
@@ -106,6 +107,22 @@ def config_of(args: Any) -> TrainConfig:
     ws = d.get("world_size")
     if isinstance(ws, int) and ws > 1:
         config = config.replace(world_size=ws)
+    if not isinstance(args, dict) and loss_impl_of(args) == "trl":
+        config = config.replace(loss_impl="trl")  # an SFTConfig: SFTTrainer's fused loss
+    return config
+
+
+def trainer_loss(config: TrainConfig, trainer: Any) -> TrainConfig:
+    """``config`` with the loss ``trainer`` computes: ``autofit.ChunkedLossTrainer``'s chunked
+    one; TRL's fused LM head only under ``SFTTrainer`` without a ``compute_loss_func``
+    (with one, SFTTrainer's loss uses the full logits)."""
+    mro = type(trainer).__mro__
+    if any(c.__name__ == "ChunkedLossTrainer" and c.__module__ == "autofit.knobs.loss"
+           for c in mro):
+        return config.replace(chunked_loss=True, loss_impl="model")
+    if config.loss_impl == "trl" and (getattr(trainer, "compute_loss_func", None) is not None
+                                      or not any(c.__name__ == "SFTTrainer" for c in mro)):
+        return config.replace(loss_impl="model")
     return config
 
 
@@ -213,10 +230,8 @@ def preflight(
                             "longest sample)")
     d = _fields(args)
     config = config_of(args)
-    if trainer is not None and any(c.__name__ == "ChunkedLossTrainer" and
-                                   c.__module__ == "autofit.knobs.loss"
-                                   for c in type(trainer).__mro__):
-        config = config.replace(chunked_loss=True)  # its compute_loss is the chunked one
+    if trainer is not None:
+        config = trainer_loss(config, trainer)
     if max_seq_len is None and isinstance(d.get("max_length"), int):
         max_seq_len = d["max_length"]  # SFTConfig truncates to it
     eval_batch, gen = _eval_settings(d, eval_dataset, generate_max_new_tokens)

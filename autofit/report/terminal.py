@@ -78,7 +78,10 @@ def estimate_renderable(est: MemoryEstimate) -> RenderableType:
     cfg = est.config
     title = (
         f"{est.model} · batch {cfg.get('micro_batch_size')} × seq {est.seq_len} · "
-        + describe_choice({k.name: cfg[k.name] for k in KNOBS if k.name in cfg}, sep=" · ")
+        + describe_choice({k.name: cfg[k.name] for k in KNOBS if k.name in cfg
+                           and not (k.name == "chunked_loss" and cfg.get("loss_impl") == "trl")},
+                          sep=" · ")
+        + (" · TRL's loss" if cfg.get("loss_impl") == "trl" else "")
     )
     from rich.console import Group
 

@@ -206,6 +206,7 @@ class Engine:
             optim_args=self.space.optim_args,
             seq_len=self.seq_len,
             world_size=self.space.world_size,
+            loss_impl=self.space.loss_impl,
             **c.choice,
         )
 

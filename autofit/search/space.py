@@ -47,10 +47,14 @@ class SearchSpace:
     target_batch_size: int | None = None
     world_size: int = 1
     optim_args: str | None = None
+    loss_impl: str = "model"  # TrainConfig.loss_impl, fixed: from the user's training_args
 
     def __post_init__(self) -> None:
-        names = [k.name for k in KNOBS if k.name in self.choices]
-        unknown = set(self.choices) - set(names)
+        names = [k.name for k in KNOBS if k.name in self.choices
+                 # TRL's loss runs (SFTTrainer): autofit's chunked loss is no choice, and
+                 # "full logits" no description of it
+                 and not (k.name == "chunked_loss" and self.loss_impl == "trl")]
+        unknown = set(self.choices) - set(names) - {"chunked_loss"}
         if unknown:
             raise BadInputError(f"unknown knob(s) {', '.join(sorted(unknown))}")
         # a copy in registry order, so that combinations and keys read the same everywhere
@@ -82,7 +86,8 @@ class SearchSpace:
     def describe(self) -> list[Any]:
         """Plain data for a cache key."""
         return [[n, list(v)] for n, v in self.choices.items()] + [
-            self.micro_batches[-1], self.target_batch_size, self.world_size, self.optim_args]
+            self.micro_batches[-1], self.target_batch_size, self.world_size, self.optim_args,
+            *(() if self.loss_impl == "model" else (self.loss_impl,))]
 
 
 def check_batch_size(name: str, value: Any, *, optional: bool = False) -> int | None:
@@ -151,6 +156,7 @@ def build_space(
     world_size: int = 1,
     optim_args: str | None = None,
     reasons: list[str] | None = None,
+    loss_impl: str = "model",
     **allowed: Any,
 ) -> SearchSpace:
     """The space the caller allows on ``device``, with a reason for every default.
@@ -170,4 +176,4 @@ def build_space(
     if note:
         reasons.append(note)
     return SearchSpace(choices, micro, target_batch_size=target_batch_size,
-                       world_size=world_size, optim_args=optim_args)
+                       world_size=world_size, optim_args=optim_args, loss_impl=loss_impl)

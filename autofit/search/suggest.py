@@ -157,7 +157,10 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
     thrifty = smallest_cfg
     for k in KNOBS:
         if k.saving is not None and getattr(thrifty, k.name) != k.saving:
-            other = thrifty.replace(**{k.name: k.saving})
+            try:  # e.g. autofit's chunked loss beside TRL's (loss_impl="trl"): not a config
+                other = thrifty.replace(**{k.name: k.saving})
+            except AutofitError:
+                continue
             if scaled(info, other, seq_len) <= scaled(info, thrifty, seq_len):
                 thrifty = other
     if info.peft is not None and info.quantization is None and info.is_transformer:

@@ -71,6 +71,7 @@ class StepPlan:
     chunked_loss: bool = False  # the loss is autofit.causal_lm_chunked_loss (no full logits)
     activation_offloading: bool = False  # checkpointing with offload=True (CUDA)
     torch_compile: bool = False  # forward through torch.compile(model, backend="inductor")
+    loss_impl: str = "model"  # "trl": TRL's fused LM head, as SFTTrainer computes it
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -177,6 +178,7 @@ def plan_step(model: torch.nn.Module, config: TrainConfig, *, use_cpu: bool) -> 
         chunked_loss=config.chunked_loss,
         activation_offloading=config.activation_offloading,
         torch_compile=config.torch_compile,
+        loss_impl=config.loss_impl,
     )
 
 
@@ -333,9 +335,14 @@ def _loss_of(out: Any) -> torch.Tensor:
 
 
 def _forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                  chunked: bool) -> torch.Tensor:
-    """The loss of one micro batch: the model's own (forward with labels), or the chunked
-    loss ``ChunkedLossTrainer.compute_loss`` runs."""
+                  chunked: bool, loss_impl: str = "model") -> torch.Tensor:
+    """The loss of one micro batch: the model's own (forward with labels), the chunked
+    loss ``ChunkedLossTrainer.compute_loss`` runs, or TRL's (``SFTTrainer.compute_loss``:
+    the fused LM head added to the trial's own copy for the call)."""
+    if loss_impl == "trl":
+        from autofit.knobs.trl_loss import trl_sft_loss
+
+        return trl_sft_loss(model, batch)
     if chunked:
         from autofit.knobs.loss import causal_lm_chunked_loss
 
@@ -390,7 +397,8 @@ class Stepper:
         """
         for _ in range(self.plan.micro_batches_per_step):
             with self._autocast_ctx():
-                loss = _forward_loss(self.forward, batch, self.plan.chunked_loss)
+                loss = _forward_loss(self.forward, batch, self.plan.chunked_loss,
+                                     self.plan.loss_impl)
             loss = loss / self.plan.grad_accum_steps
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
@@ -422,7 +430,8 @@ class Stepper:
         self.model.eval()
         try:
             with torch.no_grad(), self._autocast_ctx():
-                loss = _forward_loss(self.forward, batch, self.plan.chunked_loss).detach()
+                loss = _forward_loss(self.forward, batch, self.plan.chunked_loss,
+                                     self.plan.loss_impl).detach()
             del loss
         finally:
             self.model.train(was_training)
