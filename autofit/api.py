@@ -119,7 +119,7 @@ def estimate(
         >>> est.fits
         True
     """
-    from autofit.memory.analytic import estimate_analytic
+    from autofit.memory.ranked import estimate_analytic
     from autofit.probe.model import adapter_request, build_model, describe
 
     config = config if config is not None else TrainConfig()
@@ -535,7 +535,7 @@ def _estimator(probed: _Probed, opts: dict[str, Any], progress: Any,
                reasons: list[str]) -> _Estimator:
     """Stage 3: the closed form, or on a present device with ``method='simulate'`` the
     simulated step's peak line per combination."""
-    from autofit.memory.analytic import estimate_analytic
+    from autofit.memory.ranked import estimate_analytic
     from autofit.search.speed import predict_speed
 
     info, dev, seq = probed.info, probed.device, probed.seq_len
@@ -866,7 +866,7 @@ def check_chunked_loss(asked: bool, module: Any, task: str) -> None:
 
 def _chunked_loss_saving(info: Any, config: TrainConfig, seq: int, dev: Any) -> str:
     """The reason line of a chosen chunked loss: what it saves, by the closed form."""
-    from autofit.memory.analytic import estimate_analytic
+    from autofit.memory.ranked import estimate_analytic
     from autofit.probe.device import format_bytes as _gib
 
     on = estimate_analytic(info, config, seq, dev).device_total_bytes
@@ -879,7 +879,7 @@ def _chunked_loss_saving(info: Any, config: TrainConfig, seq: int, dev: Any) -> 
 def _offloading_saving(info: Any, config: TrainConfig, seq: int, dev: Any) -> str:
     """The reason line of chosen activation offloading: what it saves on the device, the host
     memory it needs and the time its copies take, by the closed form and the speed model."""
-    from autofit.memory.analytic import estimate_analytic
+    from autofit.memory.ranked import estimate_analytic
     from autofit.probe.device import format_bytes as _gib
     from autofit.search.speed import predict_speed
 
@@ -909,7 +909,7 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
     """Stage 7: the ``FitResult`` (estimate, reasons, TrainingArguments, eval batch, the
     candidates), stored in the cache when confirmed; or "nothing fits" with suggestions."""
     from autofit.emit import training_arguments_dict
-    from autofit.memory.analytic import estimate_analytic
+    from autofit.memory.ranked import estimate_analytic
     from autofit.preflight.cache import model_identity
     from autofit.probe.versions import library_versions
     from autofit.result import FitResult
@@ -1083,7 +1083,7 @@ def _result_from_cache(cached: dict, recorder: Any, probed: _Probed,
                        base_args: dict[str, Any] | None):
     """The ``FitResult`` of the same question answered before (no trial)."""
     from autofit.emit import training_arguments_dict
-    from autofit.memory.analytic import estimate_analytic
+    from autofit.memory.ranked import estimate_analytic
     from autofit.result import FitResult
 
     dev = probed.device

@@ -232,7 +232,7 @@ def compare_peft(
 
 def _row(model: Any, name: str, request: Any, config: TrainConfig, seq: int, dev: Any,
          budget: int, task: str | None, method: str, limit: int) -> PeftRow:
-    from autofit.memory.analytic import estimate_analytic
+    from autofit.memory.ranked import estimate_analytic
     from autofit.probe.model import build_model, describe
     from autofit.search.speed import predict_speed
 

@@ -10,13 +10,14 @@ transforming the single-rank step (``_sim_zero``).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autofit.config import TrainConfig
 from autofit.memory.sharding import Layout, combine_ranks
 
-if TYPE_CHECKING:  # pragma: no cover
-    from autofit.memory.simulate import SimulationResult, Simulator
+# ``Simulator`` and ``SimulationResult`` (autofit.memory.simulate, which calls this module)
+# are written ``Any`` here: importing them, even for types, would make an import cycle.
+Simulator = SimulationResult = Any
 
 __all__ = ["simulate_ranks"]
 

@@ -70,7 +70,10 @@ from autofit.memory.sharding import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.memory.allocator import AllocEvent
-    from autofit.memory.simulate import SimulationResult, Simulator
+
+# ``Simulator`` and ``SimulationResult`` (autofit.memory.simulate, which calls this module)
+# are written ``Any`` here: importing them, even for types, would make an import cycle.
+Simulator = SimulationResult = Any
 
 __all__ = ["ModuleMarks", "simulate_transformed", "zero_events"]
 
@@ -499,7 +502,7 @@ def simulate_transformed(sim: Simulator, config: TrainConfig, seq_len: int, layo
                          why: str = "") -> SimulationResult:
     """Every rank of ``config`` from the single-rank step (module docstring): ZeRO, or
     DDP / FSDP2 where tracing is not possible (``why``)."""
-    from autofit.memory.simulate import _replay
+    from autofit.memory.allocator import replay as replay_events
 
     t0 = time.perf_counter()
     act = activation_config(config, layout)
@@ -520,7 +523,7 @@ def simulate_transformed(sim: Simulator, config: TrainConfig, seq_len: int, layo
         plan = zero_plan(sim, config, layout, marks, r % layout.shard_ranks)
         events = tuple(zero_events(base.events, base.marks, plan, weights_bytes=weights,
                                    param_bytes=params, grad_params=base.grad_params))
-        replay = _replay(events, sim.device)
+        replay = replay_events(events, "cuda" if sim.device.allocator == "cuda" else "cpu")
         est = sim._estimate(config, seq_len, replay, base.estimate.num_params,
                             base.estimate.trainable_params,
                             [f"target allocator: {sim.device.allocator}",

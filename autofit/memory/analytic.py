@@ -739,10 +739,9 @@ def estimate_analytic(
             f"{info.name} is not a transformer autofit recognises; use "
             + fix("--method simulate", "method='simulate'")
         )
-    if config.world_size > 1:
-        from autofit.memory.sharding import estimate_ranks_analytic
-
-        return estimate_ranks_analytic(info, config, seq_len, device)
+    if config.world_size > 1:  # the ranks' estimate builds on this one, not the reverse
+        raise ValueError("estimate_analytic of autofit.memory.analytic is one rank's; "
+                         "use autofit.memory.ranked.estimate_analytic for several")
     terms = analytic_phases(info, config, seq_len, device)
     phases, host = terms.phases, terms.host
     spec = config.precision_spec

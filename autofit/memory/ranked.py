@@ -1,0 +1,40 @@
+"""The analytic estimate of a configuration, one rank or several.
+
+``autofit.memory.analytic`` holds one rank's closed form (a full replica of the model);
+``autofit.memory.sharding`` builds every rank's estimate of a several-process strategy on
+its terms. This is the one entry point callers use, so that neither knows the other's
+caller.
+
+    >>> from autofit import TrainConfig
+    >>> from autofit.probe.device import resolve_device
+    >>> from autofit.probe.model import probe_model
+    >>> info, h100 = probe_model("tiny-llama"), resolve_device("H100-80GB")
+    >>> one = estimate_analytic(info, TrainConfig(micro_batch_size=2), 512, h100)
+    >>> four = estimate_analytic(info, TrainConfig(micro_batch_size=2, nproc_per_node=4,
+    ...                                            strategy="zero3"), 512, h100)
+    >>> len(four.per_rank), four.breakdown["optimizer_states"] < one.breakdown["optimizer_states"]
+    (4, True)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autofit.memory import analytic, sharding
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autofit.config import TrainConfig
+    from autofit.memory.breakdown import MemoryEstimate
+    from autofit.probe.device import DeviceInfo
+    from autofit.probe.model import ModelInfo
+
+__all__ = ["estimate_analytic"]
+
+
+def estimate_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
+                      device: DeviceInfo) -> MemoryEstimate:
+    """One training step's memory in closed form: the rank that peaks (with ``per_rank``)
+    when ``config`` has several processes, else the one device's."""
+    if config.world_size > 1:
+        return sharding.estimate_ranks_analytic(info, config, seq_len, device)
+    return analytic.estimate_analytic(info, config, seq_len, device)
