@@ -77,9 +77,15 @@ def deepspeed_config(stage: int, offload: str) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload == "optimizer+params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}
+    out = {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+           "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}
+    if offload != "none":
+        # the Trainer passes its own optimizer (TrainingArguments.optim) to DeepSpeed; with
+        # an offloaded optimizer DeepSpeed refuses any but its DeepSpeedCPUAdam unless told
+        # (ZeRORuntimeException at deepspeed.initialize: found by a trial, DeepSpeed 0.19.8)
+        out["zero_force_ds_cpu_optimizer"] = False
+    return out
 
 
 class StrategyKnob:
