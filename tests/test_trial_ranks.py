@@ -314,6 +314,32 @@ def test_a_hanging_rank_is_a_timeout_naming_it(own_tmp):
     assert not any(own_tmp.iterdir())
 
 
+class DyingGPT2(GPT2LMHeadModel):
+    """Rank 1's process exits in its third forward (a crash: no result written)."""
+
+    calls = 0
+
+    def forward(self, *args, **kwargs):
+        import torch.distributed as dist
+
+        DyingGPT2.calls += 1
+        if dist.is_initialized() and dist.get_rank() == 1 and DyingGPT2.calls >= 3:
+            print("rank 1 crashes now", flush=True)
+            os._exit(7)
+        return super().forward(*args, **kwargs)
+
+
+@pytest.mark.slow
+def test_a_dying_rank_is_a_failure_naming_it(own_tmp):
+    r = measure(_tiny_gpt2(DyingGPT2), TrainConfig(micro_batch_size=2, nproc_per_node=2),
+                seq_len=32, device="cpu:1GiB", timeout_s=120)
+    assert not r.oom and not r.timed_out and not r.fits
+    assert r.error.startswith("rank 1: exited with status 7 in 'warm-up step 1/1"), r.error
+    assert "rank 1 crashes now" in r.error
+    assert r.per_rank[0]["stopped_by"] == "another rank stopped"
+    assert not _rank_processes()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not installed("deepspeed"), reason="DeepSpeed not installed")
 def test_zero2_trial_partitions_the_optimizer(own_tmp):

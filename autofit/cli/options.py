@@ -16,7 +16,8 @@ from autofit.knobs import KNOBS
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "EXIT_TRIAL_FAILED",
            "add_model_options",
            "add_adapter_options", "add_peft_option", "model_kwargs", "train_config", "tokenizer_for",
-           "add_file_subject_options", "FileSubject", "file_subject", "add_config_options"]
+           "add_file_subject_options", "FileSubject", "file_subject", "add_config_options",
+           "add_rank_options", "rank_kwargs"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
 # a trial that neither fitted nor ran out of memory: a timeout, a crash, a killed process
@@ -44,6 +45,21 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     for k in KNOBS:
         k.add_option(p)
     p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
+    add_rank_options(p)
+
+
+def add_rank_options(p: argparse.ArgumentParser) -> None:
+    """``--nproc-per-node N --nnodes M``: the run's ranks, as torchrun counts them."""
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="processes (devices) per node, as torchrun --nproc-per-node (default 1)")
+    p.add_argument("--nnodes", type=int, default=None, metavar="M",
+                   help="nodes, as torchrun --nnodes (default 1); a trial runs every rank here")
+
+
+def rank_kwargs(args: argparse.Namespace) -> dict[str, int]:
+    """``nproc_per_node`` / ``nnodes`` from parsed options (those given)."""
+    return {k: v for k in ("nproc_per_node", "nnodes")
+            if (v := getattr(args, k, None)) is not None}
 
 
 def add_adapter_options(p: argparse.ArgumentParser) -> None:
@@ -99,6 +115,7 @@ def train_config(args: argparse.Namespace):
         grad_accum_steps=args.grad_accum,
         optim_args=args.optim_args,
         seq_len=args.seq_len,
+        **rank_kwargs(args),
         **{k.name: k.option_value(args) for k in KNOBS},
     )
 

@@ -127,6 +127,20 @@ class StrategyKnob:
                 "'autofit[deepspeed]' (or choose "
                 + fix("--strategy fsdp", "strategy='fsdp'") + ")")
 
+    def conflict(self, choice: dict[str, Any]) -> str | None:
+        """FSDP2 with a bitsandbytes optimizer: its update ops have no DTensor sharding rule
+        (a trial on two ranks: ``NotImplementedError: Operator
+        bitsandbytes.optimizer_update_32bit.default does not have a sharding strategy``)."""
+        from autofit.config import OPTIMIZERS
+
+        strategy, optimizer = choice.get("strategy", "ddp"), choice.get("optimizer")
+        spec = OPTIMIZERS.get(optimizer) if optimizer is not None else None
+        if strategy in _FSDP_RESHARD and spec is not None and spec.bnb:
+            return (f"{optimizer} (bitsandbytes) does not run on FSDP2's sharded (DTensor) "
+                    "parameters: use " + fix("--optim adamw_torch", "optimizer='adamw_torch'")
+                    + " or a ZeRO strategy")
+        return None
+
     def describe(self, value: str) -> str:
         return STRATEGIES[value].split(":")[0] if value != "ddp" else "DDP"
 

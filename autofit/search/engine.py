@@ -205,6 +205,8 @@ class Engine:
             optim_args=self.space.optim_args,
             seq_len=self.seq_len,
             world_size=self.space.world_size,
+            nproc_per_node=self.space.nproc_per_node,
+            nnodes=self.space.nnodes,
             **c.choice,
         )
 

@@ -47,6 +47,11 @@ class SearchSpace:
     target_batch_size: int | None = None
     world_size: int = 1
     optim_args: str | None = None
+    nnodes: int = 1  # world_size = nproc_per_node x nnodes
+
+    @property
+    def nproc_per_node(self) -> int:
+        return max(1, self.world_size // self.nnodes)
 
     def __post_init__(self) -> None:
         names = [k.name for k in KNOBS if k.name in self.choices]
@@ -82,7 +87,8 @@ class SearchSpace:
     def describe(self) -> list[Any]:
         """Plain data for a cache key."""
         return [[n, list(v)] for n, v in self.choices.items()] + [
-            self.micro_batches[-1], self.target_batch_size, self.world_size, self.optim_args]
+            self.micro_batches[-1], self.target_batch_size, self.world_size, self.optim_args] + (
+            [self.nnodes] if self.nnodes != 1 else [])
 
 
 def check_batch_size(name: str, value: Any, *, optional: bool = False) -> int | None:
@@ -151,6 +157,7 @@ def build_space(
     world_size: int = 1,
     optim_args: str | None = None,
     reasons: list[str] | None = None,
+    nnodes: int = 1,
     **allowed: Any,
 ) -> SearchSpace:
     """The space the caller allows on ``device``, with a reason for every default.
@@ -170,4 +177,4 @@ def build_space(
     if note:
         reasons.append(note)
     return SearchSpace(choices, micro, target_batch_size=target_batch_size,
-                       world_size=world_size, optim_args=optim_args)
+                       world_size=world_size, optim_args=optim_args, nnodes=nnodes)

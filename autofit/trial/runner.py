@@ -721,6 +721,10 @@ def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
         raise BadInputError(f"{config.world_size} ranks run as {config.world_size} processes: "
                             "use isolation='auto' or 'subprocess'")
     check_ranks(config, dev)
+    if config.chunked_loss:
+        from autofit.knobs.chunked_loss import SEVERAL_RANKS
+
+        raise BadInputError(f"chunked loss: {SEVERAL_RANKS}; measure without --chunked-loss")
     spec = rank_spec(config, module, dev, timeout_s)
     done = run_ranks(model, batch, plan, spec, tdev, warmup_steps=warmup_steps,
                      measure_steps=measure_steps, timeout_s=timeout_s, run=run,
@@ -731,8 +735,8 @@ def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
     micro = plan.micro_batches_per_step
     caps = [c for c in spec.caps if c is not None]
     capacity = min(caps) if caps else dev.capacity_bytes
-    shape = (f"{config.nnodes} nodes x {config.nproc_per_node}" if config.nnodes > 1
-             else f"{config.nproc_per_node}")
+    shape = (f"{config.nnodes} nodes x {config.nproc_per_node} processes" if config.nnodes > 1
+             else "one node")
     reason = (f"{config.world_size} ranks ({shape}, {config.strategy}"
               + (f", offload {config.offload}" if config.offload != "none" else "")
               + f"): torchrun started one process per rank, each on its own {dev.name}")
