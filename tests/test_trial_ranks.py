@@ -147,6 +147,13 @@ def test_progress_line_shows_each_rank_s_step():
     assert line == "2 ranks (fsdp): rank 0 measured step 2/3 · rank 1 starting"
 
 
+def test_torchrun_keeps_its_logs_in_the_work_dir(tmp_path):
+    args = trial_ranks._torchrun_args(tmp_path, 4)
+    assert args[args.index("--nproc-per-node") + 1] == "4"
+    assert args[args.index("--log-dir") + 1] == str(tmp_path / "torchrun")  # removed with it
+    assert args[args.index("-m") + 1:args.index("-m") + 3] == ["autofit.trial.rank", "worker"]
+
+
 def test_peer_gone_is_a_closed_connection():
     assert peer_gone(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:677"))
     assert not peer_gone(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
@@ -338,6 +345,40 @@ def test_a_dying_rank_is_a_failure_naming_it(own_tmp):
     assert "rank 1 crashes now" in r.error
     assert r.per_rank[0]["stopped_by"] == "another rank stopped"
     assert not _rank_processes()
+
+
+@pytest.mark.slow
+def test_ranks_die_with_a_killed_parent(tmp_path):
+    """SIGKILL to autofit mid-trial: the launcher, every rank and the work dir (the pickled
+    model) are gone within seconds."""
+    import signal
+    import subprocess
+    import sys
+
+    from proc_watch import GONE_WITHIN_S, leftovers, script_env, wait_for
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = ("from autofit.config import TrainConfig\nfrom autofit.trial import measure\n"
+              "measure('tiny-gpt2', TrainConfig(micro_batch_size=1, nproc_per_node=2), "
+              "seq_len=32, device='cpu:1GiB', measure_steps=100000)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], env=script_env(tmp),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def measuring():
+            return all(any("measured" in f.read_text() for f in tmp.glob(f"autofit-trial-*/"
+                                                                       f"rank-{r}.status"))
+                       for r in (0, 1))
+
+        wait_for(measuring, 300, "both ranks in their measured steps")
+        ranks = _rank_processes()
+        assert len(ranks) >= 3  # the launcher and two ranks
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        wait_for(lambda: not _rank_processes(), GONE_WITHIN_S + 5, "every rank process gone")
+        wait_for(lambda: not leftovers(tmp), GONE_WITHIN_S, "the work dir removed")
+    finally:
+        parent.kill()
 
 
 @pytest.mark.slow

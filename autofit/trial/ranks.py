@@ -220,6 +220,7 @@ def _env(device_type: str) -> dict[str, str]:
 def _torchrun_args(work: Path, world_size: int) -> list[str]:
     return ["--nnodes", "1", "--nproc-per-node", str(world_size), "--standalone",
             "--max-restarts", "0", "--monitor-interval", "0.2",
+            "--log-dir", str(work / "torchrun"),  # not a torchelastic_* dir in the temp dir
             "-m", "autofit.trial.rank", "worker", str(work), str(os.getpid())]
 
 
