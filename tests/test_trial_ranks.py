@@ -136,9 +136,18 @@ def test_a_rank_that_died_names_its_signal(tmp_path):
         "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 4242)\n")
     done = trial_ranks._collect(tmp_path, SPEC2, statuses, timed_out=False, timeout_s=60)
     assert not done.raw.oom  # SIGKILL from outside says nothing about memory
+    assert done.raw.killed_by == "SIGKILL"
     assert done.raw.error.startswith(
         "rank 1: died (SIGKILL (signal 9)) in 'measured step 1/3: backward'")
     assert "about to die" in done.raw.error
+
+
+def test_a_launcher_that_started_no_rank_says_why(tmp_path):
+    (tmp_path / "launch.log").write_text("torch.distributed.elastic.rendezvous.api."
+                                         "RendezvousConnectionError: the port is taken\n")
+    done = trial_ranks._collect(tmp_path, SPEC2, [None, None], timed_out=False, timeout_s=60)
+    assert done.raw.error == ("torchrun started no rank: torch.distributed.elastic.rendezvous"
+                              ".api.RendezvousConnectionError: the port is taken")
 
 
 def test_progress_line_shows_each_rank_s_step():

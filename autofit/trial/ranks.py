@@ -43,6 +43,10 @@ Known limitations:
     this machine's memory.
     NB: a rank's process starts with the interpreter and its imports (seconds); the
     trial server's fork is not used for ranks.
+    NB: a rank killed from outside (the host's out-of-memory killer) is reported
+    (``killed_by``), not retried as a single trial process is.
+    NB: the CUDA path (NCCL, ``cuda:<local rank>``) has not been run on a machine with
+    several GPUs by these tests; the CPU path (gloo) has.
 """
 
 from __future__ import annotations
@@ -386,6 +390,14 @@ def _collect(work: Path, spec: Any, statuses: list[dict[str, Any] | None], *, ti
                     "step_time_s": None, "stopped_by": None, "last_output": last or None,
                     "phase_n": status["n"] if status else 0, "stuck_in": phase})
     raw = _verdict(per, raws, spec, timed_out=timed_out, timeout_s=timeout_s)
+    if not timed_out:  # a rank ended by a signal from outside (the host's OOM killer): said so
+        from autofit.trial.process import killed_by
+
+        raw.killed_by = next((k for r in range(world) if r not in raws
+                              and (k := killed_by(codes.get(r))) is not None), None)
+    why = _launch_failure(work, statuses)
+    if why is not None and not raws:
+        raw.error = why if not raw.timed_out else f"{raw.error} ({why})"
     for p in per:
         p.pop("phase_n", None)
         p.pop("stuck_in", None)
@@ -448,6 +460,14 @@ def _verdict(per: list[dict[str, Any]], raws: dict[int, Any], spec: Any, *, time
         out.error = "; ".join(f"rank {p['rank']}: {p['error']}" for p in per
                               if p["rank"] not in raws)
     return out
+
+
+def _launch_failure(work: Path, statuses: list[dict[str, Any] | None]) -> str | None:
+    """Why torchrun started no rank (its last line), when no rank ever wrote a status."""
+    if any(s is not None for s in statuses):
+        return None
+    last = _last_line(work / "launch.log")
+    return f"torchrun started no rank: {last}" if last else "torchrun started no rank"
 
 
 def _timeout_message(per: list[dict[str, Any]], timeout_s: float | None) -> str:

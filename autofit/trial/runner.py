@@ -766,6 +766,7 @@ def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
         eval_oom=raw.eval_oom,
         eval_error=raw.eval_error,
         compile_s=raw.compile_s,
+        killed_by=raw.killed_by,
         per_rank=done.per_rank,
     )
 
