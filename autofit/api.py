@@ -254,7 +254,7 @@ _OPTIONS = {
     "max_micro_batch", "training_args", "method", "task", "tokenizer", "collator", "text_column",
     "cache", "confirm_top", "max_trials", "progress", "isolation", "trial_timeout_s",
     "attn_implementation", "lora", "peft_config", "load_in_4bit", "optim_args", "world_size",
-    "generate_max_new_tokens",
+    "generate_max_new_tokens", "nproc_per_node", "nnodes",
 }
 
 
@@ -413,7 +413,7 @@ def _number_problems(values: dict[str, Any]) -> list[str]:
         problems.append(f"trial_timeout_s must be a positive, finite number of seconds, "
                         f"got {timeout!r}")
     for name in ("max_trials", "confirm_top", "world_size", "max_seq_len",
-                 "generate_max_new_tokens"):
+                 "generate_max_new_tokens", "nproc_per_node", "nnodes"):
         v = values.get(name)
         if v is not None and not (whole(v) and v >= 1):
             problems.append(f"{_named(name)} must be a positive integer, got {v!r}")
@@ -445,7 +445,7 @@ def _probe(model: Any, dataset: Any, device: Any, max_seq_len: int | None,
     from autofit.probe.data import probe_data
     from autofit.probe.model import build_model, describe, token_limits
 
-    dev = resolve_device(device)
+    dev = _with_ranks(resolve_device(device), opts, reasons)
     if dev.present and opts.get("load_in_4bit") and isinstance(model, str | os.PathLike):
         raise BadInputError(
             "load_in_4bit=True with a model given by name can only be planned for a card "
@@ -470,6 +470,32 @@ def _probe(model: Any, dataset: Any, device: Any, max_seq_len: int | None,
     return _Probed(model, module, task, info, data, dev, data.length_max)
 
 
+def _with_ranks(dev: DeviceInfo, opts: dict[str, Any], reasons: list[str]) -> DeviceInfo:
+    """The device with the run's ranks (``nproc_per_node`` x ``nnodes``; ``world_size`` alone
+    is that many processes on one node); each rank is a device like ``dev``."""
+    import dataclasses
+
+    nproc, nnodes = opts.get("nproc_per_node"), opts.get("nnodes")
+    world = opts.get("world_size")
+    if nproc is None and nnodes is None and world is None:
+        return dev
+    nnodes = int(nnodes or 1)
+    nproc = int(nproc) if nproc is not None else (
+        max(1, int(world) // nnodes) if world is not None else 1)
+    if world is not None and int(world) != nproc * nnodes:
+        raise BadInputError(f"world_size {world} is not nproc_per_node x nnodes = {nproc} x "
+                            f"{nnodes}; give " + fix("--nproc-per-node and --nnodes",
+                                                     "nproc_per_node and nnodes") + " alone")
+    if nproc * nnodes > 1:
+        where = f"{nnodes} nodes x {nproc}" if nnodes > 1 else f"{nproc} processes"
+        reasons.append(f"{nproc * nnodes} ranks ({where}), each on a {dev.name}: estimates are "
+                       "per rank; trials run every rank (torchrun on this machine)"
+                       if dev.present else
+                       f"{nproc * nnodes} ranks ({where}), each on a {dev.name}: estimates are "
+                       "per rank")
+    return dataclasses.replace(dev, nproc_per_node=nproc, nnodes=nnodes)
+
+
 def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
            reasons: list[str]) -> tuple[Any, dict[str, Any] | None]:
     """Stage 2: the search space (each knob's values, the micro batches that keep the target),
@@ -477,7 +503,8 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
     from autofit.search import build_space
 
     base_args = None
-    world_size = int(opts.get("world_size", 1))
+    dev = probed.device
+    world_size = dev.nproc_per_node * dev.nnodes
     training_args = opts.get("training_args")
     if training_args is not None:
         if hasattr(training_args, "to_dict"):  # a TrainingArguments: already valid
@@ -518,7 +545,7 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
         reasons.append(f"no chunked loss: {why}")
     space = build_space(probed.device, max_micro_batch=max_micro,
                         target_batch_size=target_batch_size, world_size=world_size,
-                        optim_args=opts.get("optim_args"), reasons=reasons,
+                        nnodes=dev.nnodes, optim_args=opts.get("optim_args"), reasons=reasons,
                         loss_impl=loss_impl, **allowed)
     return space, base_args
 
@@ -587,6 +614,10 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
 
     whole = whole if whole is not None else _WholeRun(probed, None, opts)
     batches: dict[int, Any] = {}
+    # while the ranks of a trial run: each rank's step, as a status line (not a new trial)
+    shown = opts.get("progress")
+    rank_progress = getattr(shown, "status", None) or (
+        _progress_printer(shown) if shown else None)
     longest: dict[str, Any] = {}  # the largest worst-case batch the key hashed (no collator)
 
     def rows(b: int, collator: Any) -> Any:
@@ -610,7 +641,8 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
                        isolation=opts.get("isolation", "auto"),
                        timeout_s=opts.get("trial_timeout_s", 600.0),
                        attn_implementation=opts.get("attn_implementation"), lora=opts.get("lora"),
-                       run=trial_run(probed, config, kept, None, opts, whole))
+                       run=trial_run(probed, config, kept, None, opts, whole),
+                       progress=rank_progress)
 
     def digest(largest: int) -> str:
         """The content of every batch a trial can be fed: the ``largest`` longest rows (each
@@ -931,6 +963,8 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
     confirmed = outcome.confirmed and not simulated
     reasons = outcome.reasons + reasons
     reasons += [n for k in KNOBS if (n := k.note(getattr(config, k.name)))]
+    if confirmed and config.world_size > 1:
+        reasons += _ranks_line(outcome, config)
     if config.chunked_loss:
         reasons.append(_chunked_loss_saving(info, config, seq, dev))
     if config.activation_offloading:
@@ -978,6 +1012,23 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
                                "candidates": list(rows), "meta": meta,
                                "eval_micro_batch": eval_micro})
     return result
+
+
+def _ranks_line(outcome: Any, config: TrainConfig) -> list[str]:
+    """``confirmed on every rank: rank 0 1.21 GiB, rank 1 1.23 GiB (rank 1 peaks)``: the
+    chosen configuration's trial, rank by rank."""
+    from autofit.probe.device import format_bytes
+
+    ran = [t for t in outcome.trials if getattr(t, "per_rank", ()) and t.fits
+           and t.config.get("micro_batch_size") == config.micro_batch_size
+           and all(t.config.get(k.name) == getattr(config, k.name) for k in KNOBS)]
+    if not ran:
+        return []
+    per = ran[-1].per_rank
+    top = max(per, key=lambda r: r["device_total_bytes"] or 0)
+    return [f"confirmed on every rank ({len(per)} processes): " + ", ".join(
+        f"rank {r['rank']} {format_bytes(r['device_total_bytes'] or 0)}" for r in per)
+        + f" (rank {top['rank']} peaks; its peak is the one kept within the budget)"]
 
 
 def _whole_run(probed: _Probed, engine: Any, outcome: Any, est: MemoryEstimate, kept: Any,

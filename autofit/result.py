@@ -80,6 +80,10 @@ class FitResult:
     def save(self, path: str | Path) -> Path:
         """Write the TrainingArguments fields as YAML or JSON (by suffix).
 
+        With several ranks (``config.world_size > 1``) the launch configs go beside it
+        (``autofit.emit.launch``): ``<stem>-accelerate.yaml`` and, for ZeRO,
+        ``<stem>-deepspeed.json`` (the file's ``deepspeed`` field points at it).
+
         Raises:
             BadInputError: ``path`` is not a .yaml/.yml/.json name or cannot be written
                 (a folder, a read-only file or folder); nothing is written then.
@@ -98,7 +102,12 @@ class FitResult:
         meta["candidates"] = list(self.candidates)
         meta["trials"] = [trial_summary(t) for t in self.trials]
         meta["eval_micro_batch"] = self.eval_micro_batch
-        return write_config(path, self.training_arguments_kwargs, meta)
+        # several ranks: the DeepSpeed JSON and the accelerate config beside the file
+        from autofit.emit.launch import launch_files
+
+        args, beside, launch = launch_files(path, self.config, self.training_arguments_kwargs)
+        meta.update(launch)
+        return write_config(path, args, meta, beside)
 
     def report(self, path: str | Path | None = None) -> tuple[Path, Path]:
         """Draw the memory breakdown and the candidates as ``<stem>.png`` + ``<stem>.html``.

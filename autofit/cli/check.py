@@ -3,6 +3,7 @@
     autofit check tuned.yaml                      # exit 0 fits here, 3 does not, 2 bad input
     autofit check tuned.yaml --device cuda:1 --json
     autofit check train_args.yaml --model ./my-model --dataset train.jsonl
+    autofit check tuned.yaml                      # a tuned run on 2 ranks: a trial on 2 ranks
 
 ``check`` reads a file ``FitResult.save`` wrote (model, task, sequence length and
 device are in its ``# autofit: {...}`` line) or a plain TrainingArguments
@@ -23,6 +24,7 @@ from autofit.cli.options import (
     EXIT_DOES_NOT_FIT,
     EXIT_OK,
     add_file_subject_options,
+    add_rank_options,
     file_subject,
 )
 
@@ -41,6 +43,7 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("config", help="tuned.yaml / .json (autofit tune -o), or a TrainingArguments "
                    "YAML/JSON with --model")
     add_file_subject_options(p)
+    add_rank_options(p)  # default: the ranks the tuned file records
     p.add_argument("--margin", type=float, default=0.0,
                    help="fraction of the capacity that must stay free (default 0)")
     p.add_argument("--no-trial", action="store_true", help="estimate only")
@@ -65,6 +68,7 @@ def run_check_command(args: argparse.Namespace) -> int:
         config = config.replace(chunked_loss=True)
     if (meta.get("config") or {}).get("loss_impl") == "trl" and not config.chunked_loss:
         config = config.replace(loss_impl="trl")  # the plan of an SFTConfig (SFTTrainer's loss)
+    config = _with_ranks(config, meta, args)
     s = file_subject(args, meta)
     eval_batch = fields.get("per_device_eval_batch_size")
     # an eval batch that does not fit stops the job only when the file evaluates
@@ -90,6 +94,21 @@ def run_check_command(args: argparse.Namespace) -> int:
     else:
         _print_check(report, args.config)
     return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
+
+
+def _with_ranks(config: Any, meta: dict[str, Any], args: argparse.Namespace) -> Any:
+    """``config`` on the ranks the tuned file records (no TrainingArguments field says how many
+    processes a run has: the launcher does), or those ``--nproc-per-node`` / ``--nnodes`` give."""
+    from autofit.cli.options import rank_kwargs
+
+    recorded = meta.get("config") or {}
+    ranks = {k: recorded[k] for k in ("nproc_per_node", "nnodes")
+             if isinstance(recorded.get(k), int) and not isinstance(recorded.get(k), bool)}
+    ranks.update(rank_kwargs(args))
+    if not ranks:
+        return config
+    nproc, nnodes = int(ranks.get("nproc_per_node", 1)), int(ranks.get("nnodes", 1))
+    return config.replace(nproc_per_node=nproc, nnodes=nnodes, world_size=nproc * nnodes)
 
 
 def _print_check(report: Any, path: str) -> None:

@@ -119,6 +119,11 @@ def _print_human(result: Any, args: argparse.Namespace) -> None:
     else:
         console.print(f"[yellow]trial failed[/yellow]  {what}")
         console.print(f"  {result.error}")
+    for r in result.per_rank:  # several ranks: each rank's own numbers
+        what = (f"{_fmt(r['device_total_bytes'])} (resident {_fmt(r['resident_bytes'])})"
+                if r["device_total_bytes"] is not None else "not measured")
+        end = f": {r['error']}" if r["error"] else ""
+        console.print(f"  rank {r['rank']}: {what}{end}")
     console.print(f"  [dim]{result.isolation}: {result.isolation_reason}[/dim]")
     for note in result.notes:
         console.print(f"  [dim]note: {note}[/dim]")
@@ -145,10 +150,31 @@ def run_measure(args: argparse.Namespace) -> int:
 def _measure(args: argparse.Namespace) -> Any:
     from autofit.cli.options import train_config
     from autofit.errors import BadInputError
-    from autofit.probe.model import LoraSpec
-    from autofit.trial import measure
 
     config = train_config(args)  # the same TrainConfig as `autofit estimate` builds
+    _lora(args)  # checked before any work
+    data = None
+    tokenizer = None
+    if args.dataset:
+        from autofit.cli.datasets import load_dataset_ref
+
+        data = load_dataset_ref(args.dataset)
+        tokenizer = tokenizer_for(args, data)
+    elif args.seq_len is None:
+        raise BadInputError("give --seq-len (random tokens) or --dataset")
+    if args.json or config.world_size == 1:
+        return _run(args, config, data, tokenizer, None)
+    from rich.console import Console
+
+    # while the ranks run: what each is doing, on one line that updates (stderr)
+    with Console(stderr=True).status(f"starting {config.world_size} ranks") as shown:
+        return _run(args, config, data, tokenizer, shown.update)
+
+
+def _lora(args: argparse.Namespace) -> Any:
+    from autofit.errors import BadInputError
+    from autofit.probe.model import LoraSpec
+
     lora = None
     if args.lora_r is not None:
         targets = args.lora_target_modules or "all-linear"
@@ -161,15 +187,13 @@ def _measure(args: argparse.Namespace) -> Any:
         )
     elif args.lora_alpha is not None or args.lora_target_modules:
         raise BadInputError("--lora-alpha / --lora-target-modules need --lora-r")
-    data = None
-    tokenizer = None
-    if args.dataset:
-        from autofit.cli.datasets import load_dataset_ref
+    return lora
 
-        data = load_dataset_ref(args.dataset)
-        tokenizer = tokenizer_for(args, data)
-    elif args.seq_len is None:
-        raise BadInputError("give --seq-len (random tokens) or --dataset")
+
+def _run(args: argparse.Namespace, config: Any, data: Any, tokenizer: Any,
+         progress: Any) -> Any:
+    from autofit.trial import measure
+
     return measure(
         args.model,
         config,
@@ -184,6 +208,7 @@ def _measure(args: argparse.Namespace) -> Any:
         timeout_s=args.timeout,
         tokenizer=tokenizer,
         attn_implementation=args.attn_implementation,
-        lora=lora,
+        lora=_lora(args),
         peft_config=args.peft_config,
+        progress=progress,
     )

@@ -17,7 +17,7 @@ __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "EXI
            "add_model_options",
            "add_adapter_options", "add_peft_option", "model_kwargs", "train_config", "tokenizer_for",
            "add_file_subject_options", "FileSubject", "file_subject", "add_config_options",
-           "add_rank_options"]
+           "add_rank_options", "rank_kwargs"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
 # a trial that neither fitted nor ran out of memory: a timeout, a crash, a killed process
@@ -30,8 +30,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, required=True, help="micro batch size per device")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sample (default with --dataset: its longest sample)")
-    add_config_options(p)
-    add_rank_options(p)
+    add_config_options(p)  # with --nproc-per-node / --nnodes
     add_adapter_options(p)
     p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
     p.add_argument("--device", default="auto",
@@ -46,15 +45,23 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     for k in KNOBS:
         k.add_option(p)
     p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
+    add_rank_options(p)
 
 
 def add_rank_options(p: argparse.ArgumentParser) -> None:
-    """``--nproc-per-node N --nnodes M``: several processes, estimated rank by rank (with the
-    knobs' ``--strategy`` / ``--offload``)."""
-    p.add_argument("--nproc-per-node", type=_positive, default=1, metavar="N",
-                   help="processes (ranks) per node, as torchrun's; estimates are per rank")
-    p.add_argument("--nnodes", type=_positive, default=1, metavar="M",
-                   help="nodes, as torchrun's")
+    """``--nproc-per-node N --nnodes M``: the run's ranks, as torchrun counts them (with the
+    knobs' ``--strategy`` / ``--offload``); estimates are per rank, trials run every rank."""
+    p.add_argument("--nproc-per-node", type=_positive, default=None, metavar="N",
+                   help="processes (devices) per node, as torchrun --nproc-per-node (default 1); "
+                        "estimates are per rank")
+    p.add_argument("--nnodes", type=_positive, default=None, metavar="M",
+                   help="nodes, as torchrun --nnodes (default 1); a trial runs every rank here")
+
+
+def rank_kwargs(args: argparse.Namespace) -> dict[str, int]:
+    """``nproc_per_node`` / ``nnodes`` from parsed options (those given)."""
+    return {k: v for k in ("nproc_per_node", "nnodes")
+            if (v := getattr(args, k, None)) is not None}
 
 
 def _positive(text: str) -> int:
@@ -115,13 +122,12 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def train_config(args: argparse.Namespace):
     from autofit.config import TrainConfig
 
-    ranks = {k: getattr(args, k) for k in ("nproc_per_node", "nnodes") if hasattr(args, k)}
     return TrainConfig(
         micro_batch_size=args.batch_size,
         grad_accum_steps=args.grad_accum,
         optim_args=args.optim_args,
         seq_len=args.seq_len,
-        **ranks,
+        **rank_kwargs(args),
         **{k.name: k.option_value(args) for k in KNOBS},
     )
 

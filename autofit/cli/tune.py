@@ -2,6 +2,8 @@
 
     autofit tune tiny-gpt2 --dataset tiny-samples --device cpu:1GiB --target-batch-size 16 \\
         -o tuned.yaml
+    autofit tune tiny-gpt2 --dataset tiny-samples --device cpu:2GiB --nproc-per-node 2 \\
+        --strategy fsdp -o tuned.yaml     # + tuned-accelerate.yaml (accelerate launch)
 
 Exit codes: 0 ok, 3 nothing fits (the message says what would), 2 bad input.
 """
@@ -12,7 +14,14 @@ import argparse
 import json
 from typing import Any
 
-from autofit.cli.options import EXIT_OK, add_adapter_options, model_kwargs, tokenizer_for
+from autofit.cli.options import (
+    EXIT_OK,
+    add_adapter_options,
+    add_rank_options,
+    model_kwargs,
+    rank_kwargs,
+    tokenizer_for,
+)
 from autofit.knobs import KNOBS
 
 __all__ = ["add_tune_parser", "run_tune"]
@@ -41,6 +50,7 @@ def add_tune_parser(sub: Any) -> argparse.ArgumentParser:
     t.add_argument("-o", "--output", default="tuned.yaml", help="tuned file (.yaml or .json)")
     for k in KNOBS:  # each knob's own options restrict it (--precision, --optim, ...)
         k.add_options(t)
+    add_rank_options(t)  # --nproc-per-node, --nnodes: the ranks the tuned run has
     t.add_argument("--max-micro-batch", type=int, default=256)
     add_adapter_options(t)
     t.add_argument("--task", default=None)
@@ -74,6 +84,7 @@ def run_tune(args: argparse.Namespace) -> int:
         max_trials=args.max_trials, cache=not args.no_cache, method=args.method,
     )
     kwargs.update({k.name: k.from_options(args) for k in KNOBS})
+    kwargs.update(rank_kwargs(args))
     kwargs.update({k: v for k, v in model_kwargs(args).items() if k != "task"})
     if args.json:
         result = autofit(args.model, data, **kwargs)

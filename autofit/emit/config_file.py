@@ -41,14 +41,22 @@ def _sidecar(p: Path) -> Path:
     return p.with_name(p.stem + ".autofit.json")  # a JSON file's metadata
 
 
-def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any]) -> Path:
+def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any],
+                 beside: dict[Path, str] | None = None) -> Path:
     """Write TrainingArguments fields (+ autofit's metadata) as YAML or JSON by suffix.
+
+    ``beside``: more files written with it (path -> text: a run's launch configs,
+    ``autofit.emit.launch``), checked before anything is written.
 
     Raises:
         BadInputError: ``path`` is not a .yaml/.yml/.json name, or cannot be written
             (a folder, a read-only file or folder); nothing is written then.
     """
     p = check_config_output(path)
+    if beside:
+        from autofit.emit.output import check_output
+
+        check_output(p, writes=list(beside), name="path")
     suffix = p.suffix.lower()
     side = _sidecar(p)
     if suffix in (".yaml", ".yml"):
@@ -63,6 +71,7 @@ def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any]) -
     else:
         files = {p: json.dumps(args, indent=2) + "\n",
                  side: json.dumps(meta, indent=2, default=str) + "\n"}
+    files.update(beside or {})
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         for target, text in files.items():

@@ -35,6 +35,18 @@ def liger_offered(args: dict[str, Any]) -> bool:
             and _LIGER in training_arguments_fields())
 
 
+# NB: found by trials on two ranks (CPU, gloo): the gradients of a ChunkedLossTrainer step
+# under DDP differ between ranks; FSDP2 raises "FSDP requires a single root module".
+SEVERAL_RANKS = ("one rank only: autofit's ChunkedLossTrainer runs the backbone and the head "
+                 "apart, around the DDP / FSDP wrapper (DDP leaves the gradients unsynced, "
+                 "FSDP2 refuses)")
+
+
+def _several_ranks(device: Any) -> bool:
+    return (int(getattr(device, "nproc_per_node", 1) or 1)
+            * int(getattr(device, "nnodes", 1) or 1)) > 1
+
+
 class ChunkedLossKnob(OnOffKnob):
     name = "chunked_loss"
     title = "loss"  # the candidates table: 4 columns wide, as "ckpt" (80 columns in all)
@@ -44,6 +56,18 @@ class ChunkedLossKnob(OnOffKnob):
     help_on = "always compute the causal-LM loss in chunks (no full logits)"
     help_off = "never chunk the loss"
     help_one = "compute the causal-LM loss in chunks (no full logits)"
+
+    def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
+        if _several_ranks(device):
+            return (False,), "no chunked loss: " + SEVERAL_RANKS
+        return (False, True), None
+
+    def check(self, device: Any, value: bool) -> None:
+        """Raise ``BadInputError`` for the chunked loss on a device with several ranks."""
+        if value and _several_ranks(device):
+            from autofit.errors import BadInputError
+
+            raise BadInputError(f"chunked loss: {SEVERAL_RANKS}; drop --chunked-loss")
 
     def describe(self, value: bool) -> str:
         return "chunked loss" if value else "full logits"

@@ -77,9 +77,15 @@ def deepspeed_config(stage: int, offload: str) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload == "optimizer+params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}
+    out = {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+           "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}
+    if offload != "none":
+        # the Trainer passes its own optimizer (TrainingArguments.optim) to DeepSpeed; with
+        # an offloaded optimizer DeepSpeed refuses any but its DeepSpeedCPUAdam unless told
+        # (ZeRORuntimeException at deepspeed.initialize: found by a trial, DeepSpeed 0.19.8)
+        out["zero_force_ds_cpu_optimizer"] = False
+    return out
 
 
 class StrategyKnob:
@@ -120,6 +126,20 @@ class StrategyKnob:
                 f"strategy {value} runs under DeepSpeed, which is not installed: pip install "
                 "'autofit[deepspeed]' (or choose "
                 + fix("--strategy fsdp", "strategy='fsdp'") + ")")
+
+    def conflict(self, choice: dict[str, Any]) -> str | None:
+        """FSDP2 with a bitsandbytes optimizer: its update ops have no DTensor sharding rule
+        (a trial on two ranks: ``NotImplementedError: Operator
+        bitsandbytes.optimizer_update_32bit.default does not have a sharding strategy``)."""
+        from autofit.config import OPTIMIZERS
+
+        strategy, optimizer = choice.get("strategy", "ddp"), choice.get("optimizer")
+        spec = OPTIMIZERS.get(optimizer) if optimizer is not None else None
+        if strategy in _FSDP_RESHARD and spec is not None and spec.bnb:
+            return (f"{optimizer} (bitsandbytes) does not run on FSDP2's sharded (DTensor) "
+                    "parameters: use " + fix("--optim adamw_torch", "optimizer='adamw_torch'")
+                    + " or a ZeRO strategy")
+        return None
 
     def describe(self, value: str) -> str:
         return STRATEGIES[value].split(":")[0] if value != "ddp" else "DDP"

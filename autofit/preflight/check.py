@@ -246,6 +246,14 @@ class _Checker:
                           "(run the check on the target to confirm)")
         if static:
             return None, "no trial: the configuration cannot run here as it is"
+        if config.world_size > 1:
+            from autofit.errors import AutofitError
+            from autofit.trial.ranks import check_ranks
+
+            try:
+                check_ranks(config, self.dev)
+            except AutofitError as e:
+                return None, f"no trial: {e}; the verdict is the estimate's"
         if est is not None and est.device_total_bytes > CERTAIN_OVER * self.dev.capacity_bytes:
             over = est.device_total_bytes / self.dev.capacity_bytes - 1
             return None, (f"no trial: the estimate is {over:.0%} over the capacity, beyond the "
@@ -259,7 +267,8 @@ class _Checker:
                          peft_config=self.adapter,
                          seq_len=self.max_seq_len if self.dataset is not None else self.seq_len,
                          isolation=self.isolation, timeout_s=self.timeout_s,
-                         tokenizer=self.tokenizer, collator=self.collator)
+                         tokenizer=self.tokenizer, collator=self.collator,
+                         progress=self.progress if config.world_size > 1 else None)
         return result, None
 
     # -- the verdict ---------------------------------------------------------------------
@@ -394,7 +403,15 @@ def run_check(
     if not isinstance(config, TrainConfig):
         raise BadInputError(f"config must be a TrainConfig, got {type(config).__name__}")
     dev = resolve_device(device)
+    if config.world_size > 1:  # each rank a device like this one
+        import dataclasses
+
+        dev = dataclasses.replace(dev, nproc_per_node=config.nproc_per_node, nnodes=config.nnodes)
     reasons: list[str] = []
+    if config.world_size > 1:
+        reasons.append(f"{config.world_size} ranks ({config.strategy}"
+                       + (f", offload {config.offload}" if config.offload != "none" else "")
+                       + f"), each on a {dev.name}: the verdict is the peaking rank's")
     if dataset is not None:
         from autofit.probe.data import probe_data
 

@@ -76,6 +76,9 @@ def trial_summary(t: Any) -> dict[str, Any]:
         "tokens_per_s": d.get("tokens_per_s"),
         "step_time_s": d.get("step_time_s"),
         "error": d.get("error"),
+        **({"per_rank": [{"rank": r.get("rank"), "oom": bool(r.get("oom")),
+                          "device_total_bytes": r.get("device_total_bytes")}
+                         for r in d["per_rank"]]} if d.get("per_rank") else {}),
     }
 
 

@@ -199,6 +199,13 @@ class TrialProgress:
             self._started += 1
         self._progress.update(self._task, description=line)
 
+    def status(self, line: str) -> None:
+        """Show ``line`` under the current trial (what its ranks are doing): no new trial."""
+        if self._task is None:
+            self(line)
+            return
+        self._progress.update(self._task, description=line)
+
 
 def candidates_renderable(result: Any) -> RenderableType:
     """Table of the candidates — one column per knob, then the micro batch, the peak as
@@ -290,3 +297,11 @@ def print_fit(result: Any, path: Any = None, console: Console | None = None) -> 
         console.print(f"  • {r}")
     if path is not None:
         console.print(f"wrote {path}")
+        if c.world_size > 1:  # the launch configs written beside it (autofit.emit.launch)
+            from autofit.emit.launch import accelerate_path, deepspeed_path, launch_commands
+
+            beside = [accelerate_path(path)] + (
+                [deepspeed_path(path)] if deepspeed_path(path).is_file() else [])
+            console.print(f"wrote {' and '.join(str(b) for b in beside)}; launch with:")
+            for cmd in launch_commands(path, c):
+                console.print(f"  {cmd}")

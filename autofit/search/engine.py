@@ -207,6 +207,8 @@ class Engine:
             seq_len=self.seq_len,
             world_size=self.space.world_size,
             loss_impl=self.space.loss_impl,
+            nproc_per_node=self.space.nproc_per_node,
+            nnodes=self.space.nnodes,
             **c.choice,
         )
 

@@ -48,6 +48,11 @@ class SearchSpace:
     world_size: int = 1
     optim_args: str | None = None
     loss_impl: str = "model"  # TrainConfig.loss_impl, fixed: from the user's training_args
+    nnodes: int = 1  # world_size = nproc_per_node x nnodes
+
+    @property
+    def nproc_per_node(self) -> int:
+        return max(1, self.world_size // self.nnodes)
 
     def __post_init__(self) -> None:
         names = [k.name for k in KNOBS if k.name in self.choices
@@ -87,7 +92,8 @@ class SearchSpace:
         """Plain data for a cache key."""
         return [[n, list(v)] for n, v in self.choices.items()] + [
             self.micro_batches[-1], self.target_batch_size, self.world_size, self.optim_args,
-            *(() if self.loss_impl == "model" else (self.loss_impl,))]
+            *(() if self.loss_impl == "model" else (self.loss_impl,))] + (
+            [self.nnodes] if self.nnodes != 1 else [])
 
 
 def check_batch_size(name: str, value: Any, *, optional: bool = False) -> int | None:
@@ -157,6 +163,7 @@ def build_space(
     optim_args: str | None = None,
     reasons: list[str] | None = None,
     loss_impl: str = "model",
+    nnodes: int = 1,
     **allowed: Any,
 ) -> SearchSpace:
     """The space the caller allows on ``device``, with a reason for every default.
@@ -176,4 +183,5 @@ def build_space(
     if note:
         reasons.append(note)
     return SearchSpace(choices, micro, target_batch_size=target_batch_size,
-                       world_size=world_size, optim_args=optim_args, loss_impl=loss_impl)
+                       world_size=world_size, optim_args=optim_args, loss_impl=loss_impl,
+                       nnodes=nnodes)

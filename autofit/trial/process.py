@@ -52,6 +52,7 @@ from typing import Any
 
 __all__ = [
     "OUTSIDE_SIGNALS",
+    "child_env",
     "PARENT_DEATH_SIGNAL",
     "PREFIX",
     "describe_signal",
@@ -219,6 +220,24 @@ def _start_time(pid: int) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a trial's processes: this one's, glibc's allocator set to measure
+    (``procmem.CHILD_MALLOC_ENV``), this checkout and ``sys.path`` importable."""
+    from autofit.trial import procmem
+
+    env = dict(os.environ)
+    env.update(procmem.CHILD_MALLOC_ENV)
+    package_root = str(Path(__file__).resolve().parents[2])  # the directory holding autofit/
+    paths = [package_root] + [p if p else os.getcwd() for p in sys.path if isinstance(p, str)]
+    seen: list[str] = []
+    for p in paths:
+        if p not in seen and os.path.isdir(p):
+            seen.append(p)
+    env["PYTHONPATH"] = os.pathsep.join(seen)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
 
 
 # ---------------------------------------------------------------- the child's side

@@ -19,7 +19,10 @@ class TrialResult:
     SIGKILL), in the attempt and its one retry: not an out-of-memory result, so
     ``oom`` is False and ``error`` says so. On a CPU the three memory
     fields are equal and include weights, buffers and batch (see the module
-    docstring); on an accelerator they are the allocator's peaks.
+    docstring); on an accelerator they are the allocator's peaks. With several ranks
+    (``config["world_size"] > 1``) ``per_rank`` holds each rank's numbers and the
+    top-level ones are those of the rank that peaks (``autofit.trial.ranks``);
+    ``tokens_per_s`` is then one rank's.
     """
 
     oom: bool
@@ -50,6 +53,9 @@ class TrialResult:
     eval_oom: bool = False  # the evaluation step ran out of memory (the training did not)
     eval_error: str | None = None
     compile_s: float | None = None  # torch_compile: the set-up steps that compiled (not timed)
+    # several ranks (world_size > 1): one dict per rank (autofit.trial.ranks); the peaks
+    # above are the peaking rank's, capacity_bytes the smallest rank's
+    per_rank: tuple[dict[str, Any], ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -60,6 +66,7 @@ class TrialResult:
         d = asdict(self)
         d["batch_shape"] = list(self.batch_shape)
         d["notes"] = list(self.notes)
+        d["per_rank"] = [dict(p) for p in self.per_rank]
         return d
 
 
@@ -73,4 +80,6 @@ def trial_from_dict(d: dict[str, Any]) -> TrialResult:
         kw["batch_shape"] = tuple(kw["batch_shape"])
     if kw.get("notes") is not None:
         kw["notes"] = tuple(kw["notes"])
+    if kw.get("per_rank") is not None:
+        kw["per_rank"] = tuple(dict(p) for p in kw["per_rank"])
     return TrialResult(**kw)

@@ -321,19 +321,7 @@ def _run_in_process(
 
 
 def _child_env() -> dict[str, str]:
-    from autofit.trial import procmem
-
-    env = dict(os.environ)
-    env.update(procmem.CHILD_MALLOC_ENV)
-    package_root = str(Path(__file__).resolve().parents[2])  # the directory holding autofit/
-    paths = [package_root] + [p if p else os.getcwd() for p in sys.path if isinstance(p, str)]
-    seen: list[str] = []
-    for p in paths:
-        if p not in seen and os.path.isdir(p):
-            seen.append(p)
-    env["PYTHONPATH"] = os.pathsep.join(seen)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return env
+    return process.child_env()
 
 
 def _describe_exit(code: int) -> str:
@@ -503,6 +491,7 @@ def measure(
     lora: Any = None,
     peft_config: Any = None,
     run: Any = None,
+    progress: Any = None,
 ) -> TrialResult:
     """Run ``warmup_steps`` + ``measure_steps`` real training steps and measure them.
 
@@ -623,6 +612,11 @@ def measure(
     tdev = _torch_device(dev)
     cap = dev.capacity_bytes if dev.capped else None
 
+    if config.world_size > 1:
+        return _measure_ranks(ref if ref is not None else model, module, batch, plan, config,
+                              dev, tdev, isolation=isolation, warmup_steps=warmup_steps,
+                              measure_steps=measure_steps, timeout_s=timeout_s, run=run,
+                              progress=progress)
     mode, reason = _choose_isolation(isolation, dev)
     raw = None
     if mode == "subprocess":
@@ -713,6 +707,67 @@ def measure(
         eval_oom=raw.eval_oom,
         eval_error=raw.eval_error,
         compile_s=raw.compile_s,
+    )
+
+
+def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
+                   config: TrainConfig, dev: Any, tdev: Any, *, isolation: str,
+                   warmup_steps: int, measure_steps: int, timeout_s: float | None, run: Any,
+                   progress: Any) -> TrialResult:
+    """``measure`` on ``config.world_size`` ranks (``autofit.trial.ranks``)."""
+    from autofit.trial.ranks import check_ranks, rank_spec, run_ranks
+
+    if isolation == "in-process":
+        raise BadInputError(f"{config.world_size} ranks run as {config.world_size} processes: "
+                            "use isolation='auto' or 'subprocess'")
+    check_ranks(config, dev)
+    if config.chunked_loss:
+        from autofit.knobs.chunked_loss import SEVERAL_RANKS
+
+        raise BadInputError(f"chunked loss: {SEVERAL_RANKS}; measure without --chunked-loss")
+    spec = rank_spec(config, module, dev, timeout_s)
+    done = run_ranks(model, batch, plan, spec, tdev, warmup_steps=warmup_steps,
+                     measure_steps=measure_steps, timeout_s=timeout_s, run=run,
+                     progress=progress)
+    raw = done.raw
+    b, t = (int(s) for s in batch["input_ids"].shape)
+    step = raw.step_time_s
+    micro = plan.micro_batches_per_step
+    caps = [c for c in spec.caps if c is not None]
+    capacity = min(caps) if caps else dev.capacity_bytes
+    shape = (f"{config.nnodes} nodes x {config.nproc_per_node} processes" if config.nnodes > 1
+             else "one node")
+    reason = (f"{config.world_size} ranks ({shape}, {config.strategy}"
+              + (f", offload {config.offload}" if config.offload != "none" else "")
+              + f"): torchrun started one process per rank, each on its own {dev.name}")
+    return TrialResult(
+        oom=bool(raw.oom),
+        peak_allocated_bytes=raw.peak_allocated_bytes,
+        peak_reserved_bytes=raw.peak_reserved_bytes,
+        device_total_bytes=raw.device_total_bytes,
+        step_time_s=step,
+        tokens_per_s=(micro * b * t / step) if step else None,
+        samples_per_s=(micro * b / step) if step else None,
+        error=raw.error,
+        config=config.replace(seq_len=t).to_dict(),
+        device=dev.name,
+        batch_shape=(b, t),
+        isolation="subprocess",
+        isolation_reason=reason,
+        steps=len(raw.step_times_s),
+        warmup_steps=raw.warmup_done,
+        micro_batches_per_step=micro,
+        capacity_bytes=capacity,
+        resident_bytes=raw.resident_bytes,
+        timed_out=raw.timed_out,
+        notes=tuple(raw.notes),
+        run_steps=raw.run_steps,
+        eval_device_total_bytes=raw.eval_device_total_bytes,
+        eval_oom=raw.eval_oom,
+        eval_error=raw.eval_error,
+        compile_s=raw.compile_s,
+        killed_by=raw.killed_by,
+        per_rank=done.per_rank,
     )
 
 
