@@ -445,7 +445,7 @@ def _probe(model: Any, dataset: Any, device: Any, max_seq_len: int | None,
     from autofit.probe.data import probe_data
     from autofit.probe.model import build_model, describe, token_limits
 
-    dev = _with_ranks(resolve_device(device), opts, reasons)
+    dev = _device_with_ranks(resolve_device(device), opts, reasons)
     if dev.present and opts.get("load_in_4bit") and isinstance(model, str | os.PathLike):
         raise BadInputError(
             "load_in_4bit=True with a model given by name can only be planned for a card "
@@ -470,7 +470,7 @@ def _probe(model: Any, dataset: Any, device: Any, max_seq_len: int | None,
     return _Probed(model, module, task, info, data, dev, data.length_max)
 
 
-def _with_ranks(dev: DeviceInfo, opts: dict[str, Any], reasons: list[str]) -> DeviceInfo:
+def _device_with_ranks(dev: DeviceInfo, opts: dict[str, Any], reasons: list[str]) -> DeviceInfo:
     """The device with the run's ranks (``nproc_per_node`` x ``nnodes``; ``world_size`` alone
     is that many processes on one node); each rank is a device like ``dev``."""
     import dataclasses
