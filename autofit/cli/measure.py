@@ -22,6 +22,8 @@ from autofit.cli.options import (
     EXIT_TRIAL_FAILED,
     add_config_options,
     add_peft_option,
+    add_quant_options,
+    quant_spec,
     tokenizer_for,
 )
 from autofit.knobs import KNOBS, describe_choice
@@ -58,6 +60,7 @@ def add_measure_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="module names, or all-linear (default)",
     )
     add_peft_option(p)
+    add_quant_options(p)
     p.add_argument("--task", default=None, help="causal-lm | masked-lm | seq2seq | seq-cls")
     p.add_argument(
         "--dataset",
@@ -161,6 +164,9 @@ def _measure(args: argparse.Namespace) -> Any:
         )
     elif args.lora_alpha is not None or args.lora_target_modules:
         raise BadInputError("--lora-alpha / --lora-target-modules need --lora-r")
+    quant = quant_spec(args)
+    if quant is not None and lora is None and args.peft_config is None:
+        lora = LoraSpec()  # a frozen quantized base trains through adapters
     data = None
     tokenizer = None
     if args.dataset:
@@ -186,4 +192,5 @@ def _measure(args: argparse.Namespace) -> Any:
         attn_implementation=args.attn_implementation,
         lora=lora,
         peft_config=args.peft_config,
+        quantization_config=quant,
     )
