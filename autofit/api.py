@@ -13,7 +13,6 @@ below that takes what the earlier ones made and never reaches back:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from autofit.knobs.trl_loss import (
 )
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import DeviceInfo, resolve_device
+from autofit.probe.quant import check_precision
 
 __all__ = ["estimate", "autofit", "METHODS"]
 
@@ -50,6 +50,7 @@ def estimate(
     peft_config: Any = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
+    quantization_config: Any = None,
     dataset: Any = None,
     max_seq_len: int | None = None,
     tokenizer: Any = None,
@@ -84,7 +85,13 @@ def estimate(
         peft_config: any PEFT method, for a model built by name: a ``peft.PeftConfig``,
             a dict as in ``adapter_config.json`` (with ``peft_type``), or a path to
             such a file (``autofit.probe.peft``); not together with ``lora``.
-        load_in_4bit: QLoRA-style 4-bit base (bitsandbytes), for a model built by name.
+        load_in_4bit: a 4-bit base (bitsandbytes, QLoRA's nf4 computing in bfloat16),
+            for a model given by reference.
+        load_in_8bit: an 8-bit base (bitsandbytes' LLM.int8, float32).
+        quantization_config: how the base is quantized, in detail: a
+            ``transformers.BitsAndBytesConfig``, a dict as in a config.json's
+            ``quantization_config``, or a path to such a JSON file
+            (``autofit.probe.quant``). The base is loaded in its compute dtype.
         dataset: the training samples: the step is the longest batch's (``seq_len``
             defaults to the longest sample), and the whole run — its micro batches in
             the Trainer's order (``epochs``, ``seed``, ``sampling``:
@@ -147,17 +154,20 @@ def estimate(
     dev = resolve_device(device)
     for k in KNOBS:  # what the device and the installed libraries allow
         k.check(dev, getattr(config, k.name))
+    from autofit.probe.quant import resolve
+
     module, t = build_model(
         model,
         task=task,
         attn_implementation=attn_implementation,
         lora=adapter_request(lora, peft_config),
-        load_in_4bit=load_in_4bit,
-        load_in_8bit=load_in_8bit,
+        quantization_config=resolve(load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
+                                    quantization_config=quantization_config, device=dev),
     )
     name = model if isinstance(model, str) else None
     check_chunked_loss(config.chunked_loss, module, t)
     info = describe(module, task=t, name=str(name) if name else None)
+    check_precision(info.quant, info.dtype, config.precision)
     sim = None
     if method == "simulate" or data is not None:
         from autofit.memory.simulate import Simulator
@@ -253,7 +263,8 @@ def _with_run(est: MemoryEstimate, sim: Any, config: TrainConfig, data: Any, *, 
 _OPTIONS = {
     "max_micro_batch", "training_args", "method", "task", "tokenizer", "collator", "text_column",
     "cache", "confirm_top", "max_trials", "progress", "isolation", "trial_timeout_s",
-    "attn_implementation", "lora", "peft_config", "load_in_4bit", "optim_args", "world_size",
+    "attn_implementation", "lora", "peft_config", "load_in_4bit", "load_in_8bit",
+    "quantization_config", "optim_args", "world_size",
     "generate_max_new_tokens", "nproc_per_node", "nnodes",
 }
 
@@ -330,6 +341,14 @@ def autofit(
 
     # one adapter request (the LoRA shorthand or any PEFT config) travels as "lora"
     opts["lora"] = adapter_request(opts.get("lora"), opts.pop("peft_config", None))
+    # how the base is quantized travels as one QuantSpec (or None), resolved for the device
+    from autofit.probe.quant import resolve
+
+    quant = dict(load_in_4bit=bool(opts.pop("load_in_4bit", False)),
+                 load_in_8bit=bool(opts.pop("load_in_8bit", False)),
+                 quantization_config=opts.get("quantization_config"))
+    opts["quantization_config"] = resolve(**quant)  # bad input: before anything is built
+    opts["_quant_request"] = quant
     reasons: list[str] = []
     progress = _progress_printer(opts.get("progress", False))
     probed = _probe(model, dataset, device, max_seq_len, opts, reasons)
@@ -446,16 +465,21 @@ def _probe(model: Any, dataset: Any, device: Any, max_seq_len: int | None,
     from autofit.probe.model import build_model, describe, token_limits
 
     dev = _device_with_ranks(resolve_device(device), opts, reasons)
-    if dev.present and opts.get("load_in_4bit") and isinstance(model, str | os.PathLike):
-        raise BadInputError(
-            "load_in_4bit=True with a model given by name can only be planned for a card "
-            "(device='A100-40GB', ...): a trial cannot build a 4-bit base from a config. To "
-            "tune on this device, pass the quantized model itself (from_pretrained(..., "
-            "quantization_config=BitsAndBytesConfig(load_in_4bit=True)) + peft.get_peft_model)")
+    if opts.get("_quant_request") is not None:
+        from autofit.probe.quant import resolve
+
+        opts["quantization_config"] = resolve(**opts.pop("_quant_request"), device=dev)
     module, task = build_model(model, task=opts.get("task"),
                                attn_implementation=opts.get("attn_implementation"),
-                               lora=opts.get("lora"), load_in_4bit=opts.get("load_in_4bit", False))
+                               lora=opts.get("lora"),
+                               quantization_config=opts.get("quantization_config"))
     info = describe(module, task=task, name=model if isinstance(model, str) else None)
+    precisions = opts.get("precision")
+    for p in [precisions] if isinstance(precisions, str) else (precisions or ()):
+        check_precision(info.quant, info.dtype, p)
+    if info.quant is not None:
+        reasons.append(f"base quantized: {info.quant.describe()} (bitsandbytes); the base "
+                       "is loaded in its compute dtype and never cast")
     if info.trainable_params == 0:
         raise NoTrainableParametersError(
             f"{info.name} has no trainable parameter; unfreeze some or add LoRA "
@@ -528,6 +552,24 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
         max_micro = min(max_micro, max(probed.data.num_samples, 1))
     allowed = {k.name: opts.get(k.name) for k in KNOBS}
     loss_impl = loss_impl_of(training_args)
+    info = probed.info
+    if info.quant is not None and allowed.get("precision") is None:
+        # a bitsandbytes base is never cast and autocasts only to its own 16-bit dtype
+        from autofit.errors import AutofitError
+        from autofit.knobs import PRECISION
+
+        values, _ = PRECISION.defaults(probed.device)
+        ok = []
+        for v in values:
+            try:
+                check_precision(info.quant, info.dtype, v)
+                ok.append(v)
+            except AutofitError:
+                pass
+        if ok != list(values):
+            allowed["precision"] = ok
+            reasons.append(f"precision: {', '.join(ok)} searched (the base is quantized in "
+                           f"{info.dtype}: never cast, autocast only to its own dtype)")
     why = unsupported_reason(probed.module, probed.task)
     if loss_impl == "trl":  # SFTTrainer computes its own loss: autofit's is not what runs
         asked = allowed.get("chunked_loss")
@@ -641,6 +683,7 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
                        isolation=opts.get("isolation", "auto"),
                        timeout_s=opts.get("trial_timeout_s", 600.0),
                        attn_implementation=opts.get("attn_implementation"), lora=opts.get("lora"),
+                       quantization_config=opts.get("quantization_config"),
                        run=trial_run(probed, config, kept, None, opts, whole),
                        progress=rank_progress)
 
@@ -988,16 +1031,22 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
         from autofit.probe.peft import config_dict
 
         adapter = config_dict(next(iter(probed.module.peft_config.values())))
+    # how a base given by reference was quantized: check rebuilds the same quantized base
+    quant = (opts.get("quantization_config").to_dict()
+             if opts.get("quantization_config") is not None and not hasattr(model, "parameters")
+             else None)
     meta = {"model": probed.name, "task": probed.task, "seq_len": seq, "device": dev.name,
             "margin": margin, "cache_key": key, "target_batch_size": space.target_batch_size,
             "max_seq_len": max_seq_len,
             "model_id": model_identity(probed.module if hasattr(model, "parameters") else model,
-                                       adapter),
+                                       adapter, quant),
             "versions": library_versions(), "predicted_run_bytes": predicted_run}
     if adapter is not None:
         meta["adapter"] = adapter
     if is_sft_config(opts.get("training_args")):  # emitted as the user's class: SFTConfig
         meta["arguments_class"] = SFT_CONFIG
+    if quant is not None:
+        meta["quantization"] = quant
     result = FitResult(config=config, estimate=est, trials=() if simulated else tuple(outcome.trials),
                        reasons=tuple(reasons), confirmed=confirmed, device=dev.name,
                        candidates=rows, training_arguments_kwargs=kwargs, meta=meta,

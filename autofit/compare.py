@@ -150,6 +150,9 @@ def compare_peft(
     max_micro_batch: int = 1024,
     tokenizer: Any = None,
     progress: Callable[[str], None] | None = None,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+    quantization_config: Any = None,
 ) -> PeftComparison:
     """Compare PEFT methods on ``model`` (see the module docstring).
 
@@ -169,6 +172,8 @@ def compare_peft(
             where the device runs bf16, else 32-true).
         margin: fraction of the device kept free when deciding what fits.
         method: ``"analytic"`` or ``"simulate"`` for the estimates.
+        load_in_4bit, load_in_8bit, quantization_config: every method on the same
+            quantized base (``autofit.probe.quant``).
 
     Raises:
         AutofitError: bad input (a module, an unknown method name, no sequence length).
@@ -190,7 +195,11 @@ def compare_peft(
         raise BadInputError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
     if not 0 <= margin < 1:
         raise BadInputError(f"margin must be in [0, 1), got {margin!r}")
+    from autofit.probe.quant import resolve
+
     dev = resolve_device(device)
+    quant = resolve(load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
+                    quantization_config=quantization_config, device=dev)
     if precision is None:
         values, _ = next(k for k in KNOBS if k.name == "precision").defaults(dev)
         precision = "bf16-mixed" if "bf16-mixed" in values else values[0]
@@ -217,28 +226,32 @@ def compare_peft(
     for i, (name, request) in enumerate(chosen, 1):
         say(f"[{i}/{len(chosen)}] {name}: estimating")
         rows.append(_row(model, name, request, config, seq, dev, budget, task, method,
-                         max_micro_batch))
+                         max_micro_batch, quant))
     if dev.present and confirm_top > 0:
         order = sorted((r for r in rows if r.error is None and (r.max_micro_batch or 0) > 0),
                        key=lambda r: -(r.tokens_per_s or 0.0))[:confirm_top]
         for r in order:
             say(f"confirming {r.method} at micro batch {r.max_micro_batch} with a trial")
             rows[rows.index(r)] = _confirm(model, r, config, data, dataset, seq, dev, task,
-                                           tokenizer)
+                                           tokenizer, quant)
     return PeftComparison(model=str(model), device=dev.name, capacity_bytes=int(dev.capacity_bytes),
                           budget_bytes=budget, seq_len=seq, micro_batch_size=micro_batch_size,
                           config=config, method=method, rows=tuple(rows))
 
 
 def _row(model: Any, name: str, request: Any, config: TrainConfig, seq: int, dev: Any,
-         budget: int, task: str | None, method: str, limit: int) -> PeftRow:
+         budget: int, task: str | None, method: str, limit: int, quant: Any = None) -> PeftRow:
     from autofit.memory.ranked import estimate_analytic
     from autofit.probe.model import build_model, describe
     from autofit.search.speed import predict_speed
 
     try:
-        module, t = build_model(model, task=task, peft_config=request)
+        module, t = build_model(model, task=task, peft_config=request,
+                                quantization_config=quant)
         info = describe(module, task=t, name=str(model))
+        from autofit.probe.quant import check_precision
+
+        check_precision(info.quant, info.dtype, config.precision)
         if method == "simulate":
             from autofit.memory.simulate import Simulator
 
@@ -272,7 +285,7 @@ def _row(model: Any, name: str, request: Any, config: TrainConfig, seq: int, dev
 
 
 def _confirm(model: Any, row: PeftRow, config: TrainConfig, data: Any, dataset: Any, seq: int,
-             dev: Any, task: str | None, tokenizer: Any) -> PeftRow:
+             dev: Any, task: str | None, tokenizer: Any, quant: Any = None) -> PeftRow:
     from dataclasses import replace
 
     from autofit.trial import measure
@@ -281,7 +294,8 @@ def _confirm(model: Any, row: PeftRow, config: TrainConfig, data: Any, dataset: 
         trial = measure(model, config.replace(micro_batch_size=row.max_micro_batch),
                         dataset if data is not None else None, device=dev,
                         seq_len=None if data is not None else seq, task=task,
-                        tokenizer=tokenizer, peft_config=row.peft_config)
+                        tokenizer=tokenizer, peft_config=row.peft_config,
+                        quantization_config=quant)
     except AutofitError as e:
         return replace(row, error=f"trial: {str(e).splitlines()[0]}")
     return replace(row, measured_bytes=int(trial.device_total_bytes), measured_oom=bool(trial.oom),

@@ -60,7 +60,8 @@ def _estimate(spec: dict, method: str, tmp: Path):
     t = time.perf_counter()
     est = estimate(str(cfg_path), config, seq_len=spec["seq"], device="cpu", method=method,
                    task=spec["task"], attn_implementation=spec.get("attn_implementation"),
-                   lora=lora, peft_config=spec.get("peft"))
+                   lora=lora, peft_config=spec.get("peft"),
+                   quantization_config=spec.get("quantization"))
     return est, time.perf_counter() - t
 
 
@@ -89,6 +90,15 @@ def _describe(spec: dict) -> str:
         parts.append(f"lora r{spec['lora']['r']}")
     if spec.get("peft"):
         parts.append(_peft_name(spec["peft"]))
+    q = spec.get("quantization")
+    if q:
+        if q.get("load_in_8bit"):
+            base = "int8"
+        else:
+            base = str(q.get("bnb_4bit_quant_type", "fp4"))
+            base += "+dq" if q.get("bnb_4bit_use_double_quant") else ""
+        dtype = str(q.get("bnb_4bit_compute_dtype", "float32")).replace("bfloat16", "bf16")
+        parts.append(f"{base} base ({dtype.replace('float32', 'fp32')})")
     if spec.get("chunked_loss"):
         parts.append("chunked loss")
     if spec.get("torch_compile"):

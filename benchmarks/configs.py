@@ -123,6 +123,18 @@ PEFT = {
                     "target_modules": ["wte"]},
 }
 
+# Quantized bases (the spec's "quantization" key): BitsAndBytesConfig fields; the base is
+# loaded in bnb_4bit_compute_dtype (float32 when not given), as a user loads it.
+INT8 = {"load_in_8bit": True}
+INT8_BF16 = {"load_in_8bit": True, "bnb_4bit_compute_dtype": "bfloat16"}  # base in bf16
+NF4_BF16 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_compute_dtype": "bfloat16"}
+NF4_DQ_BF16 = {**NF4_BF16, "bnb_4bit_use_double_quant": True}
+FP4_FP32 = {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4",
+            "bnb_4bit_compute_dtype": "float32"}
+NF4_DQ_FP32 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+               "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "float32"}
+
 
 def spec(
     name: str,
@@ -141,9 +153,10 @@ def spec(
     compiled: bool = False,
     peft: dict[str, Any] | None = None,
     trl: bool = False,
+    quantization: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One spec dict with exactly the project-wide keys (``chunked_loss``, ``torch_compile``,
-    ``trl_loss`` only when on, ``peft`` only when given)."""
+    ``trl_loss`` only when on, ``peft`` and ``quantization`` only when given)."""
     out = {
         "name": name,
         "model_type": model_type,
@@ -166,6 +179,8 @@ def spec(
         out["peft"] = dict(peft)
     if trl:
         out["trl_loss"] = True
+    if quantization is not None:
+        out["quantization"] = dict(quantization)
     return out
 
 
@@ -286,6 +301,22 @@ CONFIGS: list[dict[str, Any]] = [
     _gpt2("gpt2-prompt-b4s256-gc", gc=True, peft=PEFT["prompt"]),
     _gpt2("gpt2-ln-b4s256-bf16t", precision="bf16-true", peft=PEFT["ln"]),
     _gpt2("gpt2-tokens-b2s256", batch=2, peft=PEFT["gpt2-tokens"]),
+    # quantized bases (bitsandbytes) + LoRA: 8-bit LLM.int8 (MatMul8bitFp on the CPU: each
+    # layer keeps its input, checkpointing or not), 4-bit nf4 / fp4, double quantization,
+    # compute dtype bf16 vs fp32
+    _llama("llama-int8-lora-b4s256", lora=LORA_QV, quantization=INT8),
+    _llama("llama-int8-lora-b4s256-gc", gc=True, lora=LORA_QV, quantization=INT8),
+    _llama("llama-int8bf16-lora-b4s256-bf16m", precision="bf16-mixed", lora=LORA_QV,
+           quantization=INT8_BF16),
+    _llama("llama-nf4bf16-lora-b4s256-bf16m", precision="bf16-mixed", lora=LORA_QV,
+           quantization=NF4_BF16),
+    _llama("llama-nf4dqbf16-lora-b4s256-gc", gc=True, lora=LORA_QV, quantization=NF4_DQ_BF16),
+    _llama("llama-fp4-lora-b4s256", lora=LORA_QV, quantization=FP4_FP32),
+    _llama("llama-nf4dq-lora-all-b2s512-gc", batch=2, seq=512, gc=True, lora=LORA_ALL,
+           quantization=NF4_DQ_FP32),
+    _gpt2("gpt2-int8-lora-b4s256", lora=LORA_GPT2, quantization=INT8),
+    _gpt2("gpt2-nf4bf16-lora-b4s256-bf16m-gc", precision="bf16-mixed", gc=True, lora=LORA_GPT2,
+          quantization=NF4_BF16),
     # bert: masked-lm and sequence classification
     spec("bert-mlm-b4s256", "bert", BERT, "masked-lm", 4, 256),
     spec(

@@ -32,9 +32,13 @@ Spec (a JSON-able dict; the project-wide format)::
                               # accelerate does for TrainingArguments(torch_compile=True)
      "peft": {"peft_type": "IA3", ...},  # optional, instead of "lora": any peft method, a
                               # dict as in adapter_config.json (task_type from "task")
-     "trl_loss": false}       # optional: TRL's SFT loss as trl.SFTTrainer computes it
+     "trl_loss": false,      # optional: TRL's SFT loss as trl.SFTTrainer computes it
                               # (trl.trainer.utils.add_fused_lm_head with SFTTrainer's
                               # outputs, model(..., fused_lm_head=True), loss_type "nll")
+     "quantization": {"load_in_4bit": true, "bnb_4bit_quant_type": "nf4", ...}}
+                              # optional: a bitsandbytes base, the BitsAndBytesConfig
+                              # fields; the base is saved and loaded back quantized with
+                              # dtype = bnb_4bit_compute_dtype (default float32)
 
 Protocol (one configuration per fresh child process, so nothing leaks between runs):
 
@@ -46,7 +50,14 @@ Protocol (one configuration per fresh child process, so nothing leaks between ru
    the model are built first (real fp32 weights from a fixed seed), then LoRA and the
    precision cast (or, for ``"peft"``, the precision cast, the base frozen and
    ``get_peft_model`` with ``PeftConfig.from_peft_type``) and gradient checkpointing
-   are applied.
+   are applied. With ``"quantization"`` the fp32 model is saved to a temporary
+   directory and loaded back as a user loads a quantized base,
+   ``from_pretrained(dir, quantization_config=BitsAndBytesConfig(**quantization),
+   device_map="cpu", dtype=<compute dtype>)`` (bitsandbytes quantizes while loading;
+   the fp32 model is freed first), and every tensor that is not a quantized weight is
+   cloned into anonymous memory (safetensors loads by ``mmap``: file-backed pages
+   would enter RSS only when first touched, inside the measured steps); the
+   precision cast is skipped (transformers refuses to cast a bitsandbytes model).
 3. Warm-up: one step of the same kind at batch 1 x seq 8 with a throwaway
    optimizer; its gradients (``set_to_none``) and optimizer state are freed and
    ``gc.collect()`` runs. This absorbs one-time autograd/kernel setup (16-31 MiB).
@@ -56,8 +67,10 @@ Protocol (one configuration per fresh child process, so nothing leaks between ru
    counted, as a long run amortises them.
 4. Baseline = RSS from ``/proc/self/statm``. Weights and buffers already exist here,
    so every number below EXCLUDES them; they are reported as ``weights_bytes``
-   (computed from the tensors' storages) so that ``peak_bytes + weights_bytes`` can
-   be compared with an estimator's absolute peak.
+   (computed from the tensors' storages, with bitsandbytes' quantization states: a
+   4-bit weight's absmax, code and nested statistics, an 8-bit weight's row scales) so
+   that ``peak_bytes + weights_bytes`` can be compared with an estimator's absolute
+   peak.
 5. One real step (the optimizer state appears), then the high-water mark is reset
    (``5`` -> ``/proc/self/clear_refs``), two more steps run, and
    ``peak_bytes = VmHWM - baseline``.
@@ -76,7 +89,11 @@ for the mixed precisions under ``torch.autocast("cpu", ...)`` with the half outp
 then copied to fp32 (accelerate's ``convert_outputs_to_fp32``, which the Trainer
 wraps around forward); ``loss.backward()`` outside autocast;
 ``clip_grad_norm_(params, 1.0)``; ``optimizer.step()``;
-``optimizer.zero_grad(set_to_none=True)``. The optimizer and its kwargs come from
+``optimizer.zero_grad(set_to_none=True)``. The loss (and the autograd graph it roots)
+is dropped right after ``backward()``, as ``Trainer.training_step`` returns
+``loss.detach()``: a graph node that holds a tensor as a Python attribute
+(bitsandbytes' 8-bit matmul keeps its input so) would otherwise keep it through the
+optimizer step. The optimizer and its kwargs come from
 ``Trainer.get_optimizer_cls_and_kwargs`` with the Trainer's two parameter groups
 (decay / no-decay as ``Trainer.get_decay_parameter_names`` splits them; trainable
 parameters only).
@@ -144,7 +161,7 @@ SPEC_KEYS = (
     "attn_implementation",
     "lora",
 )
-OPTIONAL_KEYS = ("chunked_loss", "torch_compile", "peft", "trl_loss")
+OPTIONAL_KEYS = ("chunked_loss", "torch_compile", "peft", "trl_loss", "quantization")
 
 TASK_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",
@@ -201,8 +218,24 @@ def check_spec(spec: dict[str, Any]) -> None:
             problems.append("peft must be a dict with peft_type (as in adapter_config.json)")
         if lora is not None:
             problems.append("give lora or peft, not both")
+    q = spec.get("quantization")
+    if q is not None:
+        if not isinstance(q, dict) or bool(q.get("load_in_4bit")) == bool(q.get("load_in_8bit")):
+            problems.append("quantization must be a dict with one of load_in_4bit / load_in_8bit")
+        elif PRECISIONS.get(spec.get("precision"), (None,))[0] not in (None, _compute_dtype(q)):
+            problems.append("a *-true precision casts the model; a bitsandbytes base is loaded "
+                            "in its bnb_4bit_compute_dtype instead (use the same, or 32-true)")
+        if spec.get("lora") is None and spec.get("peft") is None:
+            problems.append("a quantized base trains through adapters: give lora or peft")
+        if spec.get("torch_compile"):
+            problems.append("torch_compile with a quantized base is not measured here")
     if problems:
         raise ValueError(f"spec {spec.get('name')!r}: " + "; ".join(problems))
+
+
+def _compute_dtype(q: dict[str, Any]) -> str:
+    """The dtype a quantized base is loaded in: its ``bnb_4bit_compute_dtype``."""
+    return str(q.get("bnb_4bit_compute_dtype") or "float32").replace("torch.", "")
 
 
 # --------------------------------------------------------------------------- parent side
@@ -256,13 +289,62 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
+def _quant_state_tensors(model) -> list:
+    """bitsandbytes' tensors beside the parameters: a 4-bit weight's QuantState (absmax,
+    code, offset, nested absmax and code); an 8-bit layer's row scales (SCB) and int8
+    weight, on the weight or, after its first forward, on the layer's state."""
+    import torch
+
+    out = []
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        qs = getattr(w, "quant_state", None)
+        if qs is not None:
+            out += [qs.absmax, qs.code, qs.offset]
+            if qs.state2 is not None:
+                out += [qs.state2.absmax, qs.state2.code]
+        for owner in (w, getattr(m, "state", None)):
+            out += [getattr(owner, "CB", None), getattr(owner, "SCB", None)]
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
 def _weights_bytes(model) -> int:
-    """Bytes of the storages behind all parameters and buffers, each storage once (ties)."""
+    """Bytes of the storages behind all parameters, buffers and quantization states, each
+    storage once (ties)."""
     seen: dict[int, int] = {}
-    for t in [*model.parameters(), *model.buffers()]:
+    for t in [*model.parameters(), *model.buffers(), *_quant_state_tensors(model)]:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _load_quantized(model, config, cls, spec: dict[str, Any]):
+    """``model`` (fp32) saved and loaded back quantized, as a user loads a quantized base;
+    every tensor but the quantized weights cloned into anonymous memory (see the protocol)."""
+    import torch
+    import transformers
+
+    q = dict(spec["quantization"])
+    dtype = getattr(torch, _compute_dtype(q))
+    if "bnb_4bit_compute_dtype" in q:
+        q["bnb_4bit_compute_dtype"] = dtype
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        del model
+        gc.collect()
+        model = cls.from_pretrained(tmp, quantization_config=transformers.BitsAndBytesConfig(**q),
+                                    device_map="cpu", dtype=dtype,
+                                    attn_implementation=spec["attn_implementation"])
+    with torch.no_grad():
+        for p in model.parameters():
+            if type(p).__name__ not in ("Params4bit", "Int8Params"):
+                p.data = p.data.clone()
+        for m in model.modules():
+            for name, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[name] = b.clone()
+    gc.collect()
+    return model
 
 
 def _build_model(spec: dict[str, Any]):
@@ -277,6 +359,9 @@ def _build_model(spec: dict[str, Any]):
     cls = getattr(transformers, TASK_CLASSES[spec["task"]])
     torch.manual_seed(SEED_MODEL)
     model = cls.from_config(config, attn_implementation=spec["attn_implementation"])
+    quantized = spec.get("quantization") is not None
+    if quantized:
+        model = _load_quantized(model, config, cls, spec)
 
     task_type = {
         "causal-lm": "CAUSAL_LM",
@@ -284,7 +369,8 @@ def _build_model(spec: dict[str, Any]):
         "seq-cls": "SEQ_CLS",
         "masked-lm": None,
     }[spec["task"]]
-    model_dtype = PRECISIONS[spec["precision"]][0]
+    # a quantized base is never cast: it was loaded in its compute dtype
+    model_dtype = None if quantized else PRECISIONS[spec["precision"]][0]
     lora = spec["lora"]
     if spec.get("peft") is not None:
         # A user's script: the base loaded in its dtype, frozen, then get_peft_model
@@ -463,6 +549,8 @@ def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None,
         scaler.scale(loss).backward()
     else:
         loss.backward()
+    value = float(loss.detach())
+    del loss  # Trainer.training_step returns loss.detach(): the graph is freed here
     mark("optimizer")
     if scaler is not None:
         scaler.unscale_(optimizer)
@@ -474,7 +562,7 @@ def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None,
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     mark(None)
-    return float(loss.detach())
+    return value
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:

@@ -228,8 +228,17 @@ def test_nothing_fits_for_a_lora_model_suggests_its_base_in_bf16_or_4_bits():
     assert r.config.precision == "bf16-true" and not r.confirmed
 
 
-def test_a_4_bit_base_by_name_is_planned_not_trialled(data):
-    with pytest.raises(BadInputError, match="can only be planned"):
-        autofit("tiny-llama", data, device=CAP, lora={"r": 8}, load_in_4bit=True)
+def test_a_4_bit_base_by_name_is_planned_for_a_card(data):
     r = autofit("tiny-llama", data, device="A100-40GB", lora={"r": 8}, load_in_4bit=True)
     assert not r.confirmed and r.estimate.config["precision"] == r.config.precision
+    assert any("base quantized: 4-bit nf4" in x for x in r.reasons)
+    assert r.meta["quantization"]["load_in_4bit"] is True
+
+
+@pytest.mark.slow
+def test_an_8_bit_base_by_name_is_tuned_with_trials(data):
+    """Trials build the 8-bit base on the device (a capped CPU here)."""
+    r = autofit("tiny-llama", data, device="cpu:1GiB", lora={"r": 8}, load_in_8bit=True,
+                target_batch_size=4, max_trials=3, cache=False)
+    assert r.confirmed and r.meta["quantization"]["load_in_8bit"] is True
+    assert all(t.error is None for t in r.trials)

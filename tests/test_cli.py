@@ -75,6 +75,87 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, needle):
         assert needle in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+_Q = ["tiny-llama", "--batch-size", "1", "--seq-len", "8", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["estimate", *_Q, "--load-in-4bit", "--load-in-8bit"], "not allowed with argument"),
+    (["measure", *_Q, "--load-in-4bit", "--load-in-8bit"], "not allowed with argument"),
+    (["tune", "tiny-llama", "--dataset", "tiny-samples", "--load-in-8bit", "--load-in-4bit"],
+     "not allowed with argument"),
+    (["compare-peft", "tiny-llama", "--seq-len", "8", "--load-in-8bit", "--load-in-4bit"],
+     "not allowed with argument"),
+    (["estimate", *_Q, "--bnb-4bit-quant-type", "nf4"], "add --load-in-4bit"),
+    (["estimate", *_Q, "--load-in-8bit", "--bnb-4bit-use-double-quant"],
+     "--bnb-4bit-use-double-quant applies to 4-bit bases"),
+    (["measure", *_Q, "--load-in-8bit", "--bnb-4bit-quant-type", "fp4"],
+     "--bnb-4bit-quant-type applies to 4-bit bases"),
+    (["compare-peft", "tiny-llama", "--seq-len", "8", "--bnb-4bit-use-double-quant"],
+     "add --load-in-4bit"),
+    (["estimate", *_Q, "--bnb-4bit-quant-type", "int4", "--load-in-4bit"], "invalid choice"),
+    (["estimate", *_Q, "--load-in-8bit", "--quantization-config", '{"load_in_4bit": true}'],
+     "--load-in-8bit disagrees"),
+    (["estimate", *_Q, "--quantization-config", '{"load_in_4bit": true, "bits": 4}'],
+     "unknown key(s) bits"),
+    (["estimate", *_Q, "--quantization-config", "{nope"], "not valid JSON"),
+    (["estimate", *_Q, "--quantization-config", "/no/such.json"], "neither a JSON file"),
+    (["estimate", *_Q, "--load-in-4bit", "--bnb-4bit-compute-dtype", "fp32", "--precision",
+      "bf16-true"], "cannot be cast"),
+])
+def test_bad_quantization_options_exit_2_with_one_line(capsys, argv, needle):
+    try:
+        code, _, err = run(capsys, *argv)
+    except SystemExit as e:  # argparse: usage errors
+        code, err = e.code, capsys.readouterr().err
+    assert code == 2
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_quantization_options_reach_the_estimate(capsys):
+    def weights(*extra):
+        code, out, _ = run(capsys, "estimate", *_Q, "--json", *extra)
+        assert code == 0, out
+        return json.loads(out)["breakdown"]["weights"]
+
+    eight = weights("--load-in-8bit")
+    nf4 = weights("--load-in-4bit", "--bnb-4bit-compute-dtype", "fp32")
+    dq = weights("--load-in-4bit", "--bnb-4bit-compute-dtype", "fp32",
+                 "--bnb-4bit-use-double-quant")
+    same = weights("--quantization-config", '{"load_in_4bit": true, "bnb_4bit_quant_type": '
+                   '"nf4", "bnb_4bit_compute_dtype": "float32", '
+                   '"bnb_4bit_use_double_quant": true}')
+    assert nf4 < eight and dq < nf4 and same == dq
+
+
+def test_a_tuned_quantized_base_is_checked_with_it(tmp_path, capsys, monkeypatch):
+    """The tuned file records how the base was quantized; `autofit check` rebuilds the same
+    quantized base (its estimate, its identity)."""
+    from autofit import autofit
+    from autofit.emit import read_config
+    from autofit.preflight.cache import model_identity
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+    data = [{"input_ids": [(7 * i + j) % 500 + 1 for j in range(40 + i)]} for i in range(24)]
+    result = autofit("tiny-llama", data, device="A100-80GB", target_batch_size=8,
+                     lora={"r": 8}, load_in_4bit=True)
+    path = result.save(tmp_path / "tuned.yaml")
+    _, meta = read_config(path)
+    assert meta["quantization"]["bnb_4bit_quant_type"] == "nf4"
+    assert meta["model_id"] == model_identity("tiny-llama", meta["adapter"],
+                                              meta["quantization"])
+    assert meta["model_id"] != model_identity("tiny-llama", meta["adapter"])
+    code, out, _ = run(capsys, "check", str(path), "--device", "A100-80GB", "--no-cache",
+                       "--json")
+    d = json.loads(out)
+    assert code == 0 and d["fits"] is True
+    assert d["estimate"]["breakdown"]["weights"] == result.estimate.breakdown["weights"]
+    # an edited record is refused in one line
+    text = path.read_text().replace('"load_in_4bit":true', '"load_in_4bit":false')
+    path.write_text(text)
+    code, _, err = run(capsys, "check", str(path), "--device", "A100-80GB", "--no-cache")
+    assert code == 2 and "quantization" in err and err.count("\n") == 1
+
+
 class _nullcontext:
     def __enter__(self):
         return self
@@ -178,7 +259,8 @@ def test_tune_on_capped_cpu_json(tmp_path, capsys, monkeypatch):
     (["tune", "meta-llama/Llama-3.1-8B", "--dataset", "tiny-samples", "--device", "T4",
       "--lora-r", "16", "--max-seq-len", "2048", "-o", "x.yaml"], 3, "--load-in-4bit"),
     (["tune", "tiny-llama", "--dataset", "tiny-samples", "--device", "cpu:1GiB", "--lora-r", "8",
-      "--load-in-4bit", "-o", "x.yaml"], 2, "can only be planned"),
+      "--load-in-8bit", "--bnb-4bit-quant-type", "nf4", "-o", "x.yaml"], 2,
+     "--bnb-4bit-quant-type applies to 4-bit bases"),
 ])
 def test_tune_errors(tmp_path, capsys, monkeypatch, argv, code, needle):
     monkeypatch.chdir(tmp_path)

@@ -85,3 +85,35 @@ def test_peft_key_is_checked():
     lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj"]}
     with pytest.raises(ValueError, match=r"lora or peft, not both"):
         measure_cpu.check_spec({**TINY, "lora": lora, "peft": {"peft_type": "LORA"}})
+
+
+def test_quantization_key_is_checked():
+    lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj"]}
+    measure_cpu.check_spec({**TINY, "lora": lora, "quantization": {"load_in_8bit": True}})
+    measure_cpu.check_spec({**TINY, "lora": lora, "precision": "bf16-true", "quantization": {
+        "load_in_4bit": True, "bnb_4bit_compute_dtype": "bfloat16"}})
+    for q, why in (({"load_in_4bit": True, "load_in_8bit": True}, "one of load_in_4bit"),
+                   ({}, "one of load_in_4bit")):
+        with pytest.raises(ValueError, match=why):
+            measure_cpu.check_spec({**TINY, "lora": lora, "quantization": q})
+    with pytest.raises(ValueError, match="trains through adapters"):
+        measure_cpu.check_spec({**TINY, "quantization": {"load_in_8bit": True}})
+    with pytest.raises(ValueError, match="casts the model"):
+        measure_cpu.check_spec({**TINY, "lora": lora, "precision": "bf16-true",
+                                "quantization": {"load_in_8bit": True}})
+
+
+@pytest.mark.slow
+def test_a_quantized_base_is_measured_with_its_states():
+    """The harness loads the base back quantized: its weights count the 8-bit row scales,
+    and an 8-bit step's peak sits above a 4-bit one's (int8 weights, inputs kept)."""
+    lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    eight = measure_cpu.measure({**TINY, "lora": lora, "quantization": {"load_in_8bit": True}})
+    four = measure_cpu.measure({**TINY, "lora": lora, "quantization": {
+        "load_in_4bit": True, "bnb_4bit_compute_dtype": "float32"}})
+    c = TINY["config"]
+    h, i, n = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    linear = n * (2 * h * h + 2 * h * (h // 2) + 3 * h * i)  # q, o, k, v (GQA), gate/up/down
+    # int8 + a row scale vs packed 4-bit + an absmax per 64: ~0.45 byte per weight more
+    assert 0.4 * linear < eight["weights_bytes"] - four["weights_bytes"] < 0.6 * linear
+    assert eight["peak_bytes"] > four["peak_bytes"]

@@ -17,7 +17,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from autofit.cli.options import EXIT_DOES_NOT_FIT, EXIT_OK, tokenizer_for
+from autofit.cli.options import (
+    EXIT_DOES_NOT_FIT,
+    EXIT_OK,
+    add_quant_options,
+    quant_spec,
+    tokenizer_for,
+)
 
 __all__ = ["add_compare_peft_parser", "run_compare_peft"]
 
@@ -47,6 +53,7 @@ def add_compare_peft_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--method", choices=list(METHODS), default="analytic")
     p.add_argument("--confirm-top", type=int, default=2,
                    help="confirm this many of the fastest by trials (present device only)")
+    add_quant_options(p)
     p.add_argument("--plot", default="compare-peft.png", help="the picture (.png)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_compare_peft)
@@ -58,6 +65,7 @@ def run_compare_peft(args: argparse.Namespace) -> int:
     from autofit.compare import compare_peft
     from autofit.errors import BadInputError
 
+    quant = quant_spec(args)  # a bad combination: one line, exit 2, before any work
     plot = Path(args.plot)
     if plot.suffix.lower() != ".png" or plot.is_dir() or not plot.parent.exists():
         raise BadInputError(f"--plot must be a .png path in an existing folder, got {args.plot}")
@@ -79,7 +87,8 @@ def run_compare_peft(args: argparse.Namespace) -> int:
                      max_seq_len=args.max_seq_len, precision=args.precision,
                      gradient_checkpointing=args.gradient_checkpointing, optimizer=args.optim,
                      task=args.task, margin=args.margin, method=args.method,
-                     confirm_top=args.confirm_top, tokenizer=tokenizer, progress=progress)
+                     confirm_top=args.confirm_top, tokenizer=tokenizer, progress=progress,
+                     quantization_config=quant)
     png = c.plot(plot) if any(r.error is None for r in c.rows) else None
     if args.json:
         import json

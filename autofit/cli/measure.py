@@ -22,6 +22,8 @@ from autofit.cli.options import (
     EXIT_TRIAL_FAILED,
     add_config_options,
     add_peft_option,
+    add_quant_options,
+    quant_spec,
     tokenizer_for,
 )
 from autofit.knobs import KNOBS, describe_choice
@@ -58,6 +60,7 @@ def add_measure_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="module names, or all-linear (default)",
     )
     add_peft_option(p)
+    add_quant_options(p)
     p.add_argument("--task", default=None, help="causal-lm | masked-lm | seq2seq | seq-cls")
     p.add_argument(
         "--dataset",
@@ -192,7 +195,13 @@ def _lora(args: argparse.Namespace) -> Any:
 
 def _run(args: argparse.Namespace, config: Any, data: Any, tokenizer: Any,
          progress: Any) -> Any:
+    from autofit.probe.model import LoraSpec
     from autofit.trial import measure
+
+    lora = _lora(args)
+    quant = quant_spec(args)
+    if quant is not None and lora is None and args.peft_config is None:
+        lora = LoraSpec()  # a frozen quantized base trains through adapters
 
     return measure(
         args.model,
@@ -208,7 +217,8 @@ def _run(args: argparse.Namespace, config: Any, data: Any, tokenizer: Any,
         timeout_s=args.timeout,
         tokenizer=tokenizer,
         attn_implementation=args.attn_implementation,
-        lora=_lora(args),
+        lora=lora,
         peft_config=args.peft_config,
         progress=progress,
+        quantization_config=quant,
     )

@@ -15,7 +15,8 @@ from autofit.knobs import KNOBS
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "EXIT_TRIAL_FAILED",
            "add_model_options",
-           "add_adapter_options", "add_peft_option", "model_kwargs", "train_config", "tokenizer_for",
+           "add_adapter_options", "add_peft_option", "add_quant_options", "quant_spec",
+           "model_kwargs", "train_config", "tokenizer_for",
            "add_file_subject_options", "FileSubject", "file_subject", "add_config_options",
            "add_rank_options", "rank_kwargs"]
 
@@ -75,7 +76,7 @@ def _positive(text: str) -> int:
 
 
 def add_adapter_options(p: argparse.ArgumentParser) -> None:
-    """Attention implementation, LoRA and a 4-bit base, for a model given by name."""
+    """Attention implementation, LoRA and a quantized base, for a model given by name."""
     p.add_argument("--attn-implementation", choices=["eager", "sdpa"], default=None)
     p.add_argument("--lora-r", type=int, default=None, help="add a LoRA adapter of this rank")
     p.add_argument("--lora-alpha", type=int, default=None)
@@ -83,7 +84,41 @@ def add_adapter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-target-modules", nargs="+", default=None,
                    help="module names, or all-linear (default)")
     add_peft_option(p)
-    p.add_argument("--load-in-4bit", action="store_true", help="QLoRA-style 4-bit base")
+    add_quant_options(p)
+
+
+def add_quant_options(p: argparse.ArgumentParser) -> None:
+    """How the base is quantized (bitsandbytes; ``autofit.probe.quant``): the shorthands,
+    their 4-bit settings, or a whole ``BitsAndBytesConfig`` as JSON."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--load-in-4bit", action="store_true",
+                   help="4-bit base (QLoRA: nf4, computing in bf16 unless set below)")
+    g.add_argument("--load-in-8bit", action="store_true",
+                   help="8-bit base (LLM.int8, fp32 unless --bnb-4bit-compute-dtype)")
+    p.add_argument("--bnb-4bit-quant-type", choices=["nf4", "fp4"], default=None)
+    p.add_argument("--bnb-4bit-compute-dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="the dtype the base is loaded in and computes in")
+    p.add_argument("--bnb-4bit-use-double-quant", action="store_true",
+                   help="quantize the 4-bit absmax again (8-bit + fp32 per 256)")
+    p.add_argument("--quantization-config", default=None, metavar="FILE|JSON",
+                   help="a BitsAndBytesConfig as JSON: a file (a model's config.json too) or "
+                        "inline, e.g. '{\"load_in_4bit\": true, \"bnb_4bit_quant_type\": "
+                        "\"nf4\"}'")
+
+
+def quant_spec(args: argparse.Namespace) -> Any:
+    """The ``QuantSpec`` the quantization options ask for, or None (a bad combination is a
+    ``BadInputError``: one line, exit 2)."""
+    from autofit.probe.quant import resolve
+
+    dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    dtype = getattr(args, "bnb_4bit_compute_dtype", None)
+    return resolve(load_in_4bit=getattr(args, "load_in_4bit", False),
+                   load_in_8bit=getattr(args, "load_in_8bit", False),
+                   quantization_config=getattr(args, "quantization_config", None),
+                   quant_type=getattr(args, "bnb_4bit_quant_type", None),
+                   compute_dtype=dtypes.get(dtype, dtype),
+                   double_quant=getattr(args, "bnb_4bit_use_double_quant", False))
 
 
 def add_peft_option(p: argparse.ArgumentParser) -> None:
@@ -108,14 +143,15 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             dropout=args.lora_dropout,
         )
     peft_config = getattr(args, "peft_config", None)
-    if args.load_in_4bit and lora is None and peft_config is None:
-        lora = LoraSpec()  # QLoRA: a frozen 4-bit base trains through adapters
+    quant = quant_spec(args)
+    if quant is not None and lora is None and peft_config is None:
+        lora = LoraSpec()  # QLoRA: a frozen quantized base trains through adapters
     return dict(
         task=args.task,
         attn_implementation=args.attn_implementation,
         lora=lora,
         peft_config=peft_config,
-        load_in_4bit=args.load_in_4bit,
+        quantization_config=quant,
     )
 
 

@@ -209,6 +209,18 @@ def _train_config(v: Any) -> bool:
     return True
 
 
+def _quantization(v: Any) -> bool:
+    """A tuned file's quantization settings: what ``QuantSpec.from_dict`` reads."""
+    from autofit.errors import AutofitError
+    from autofit.probe.quant import QuantSpec
+
+    try:
+        QuantSpec.from_dict(v)
+    except AutofitError:
+        return False
+    return True
+
+
 _NUMERIC_SUFFIXES = ("_bytes", "_params", "_per_s", "_s")
 _NUMERIC_KEYS = ("micro_batch", "grad_accum", "calibration", "failed_micro_batch",
                  "micro_batch_size", "grad_accum_steps", "seq_len")
@@ -228,6 +240,7 @@ _META_KEYS: dict[str, tuple[Any, str]] = {
     "model_id": (_optional(_text), "text"),
     "adapter": (_optional(lambda v: isinstance(v, dict) and "peft_type" in v),
                 "a PEFT config with peft_type"),
+    "quantization": (_optional(_quantization), "a quantization config (load_in_4bit / 8bit)"),
     "versions": (_optional(lambda v: isinstance(v, dict)), "a mapping"),
     "confirmed": (lambda v: isinstance(v, bool), "true or false"),
     "reasons": (_list_of(lambda v: isinstance(v, str)), "a list of text"),

@@ -38,12 +38,9 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _is_quantized(p: torch.Tensor) -> bool:
-    return type(p).__name__ in {"Params4bit", "Int8Params"}
-
-
 def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters, buffers and 4-bit quantization states (each storage once)."""
+    """Parameters, buffers and quantization states (4-bit QuantState, 8-bit row scales),
+    each storage once."""
     from autofit.memory._sim_bnb import quant_tensors
 
     seen: set[int] = set()
@@ -66,8 +63,19 @@ def fake_clone(module: torch.nn.Module, *, float_dtype: torch.dtype | None) -> t
     Args:
         module: the model (meta or real); it is only read.
         float_dtype: cast floating parameters and buffers to this dtype (what
-            ``model.to(dtype)`` does for the "-true" precisions); None keeps them.
+            ``model.to(dtype)`` does for the "-true" precisions); None keeps them. A
+            bitsandbytes-quantized model is never cast (transformers refuses it): it
+            keeps the dtypes it was loaded (or built) in.
     """
+    from autofit.memory._sim_bnb import (
+        fake_int8_params,
+        fake_int8_state,
+        fake_params4bit,
+        has_quantized,
+    )
+
+    if has_quantized(module):
+        float_dtype = None
     memo: dict[int, Any] = {}
 
     def fake_like(t: torch.Tensor) -> torch.Tensor:
@@ -81,14 +89,12 @@ def fake_clone(module: torch.nn.Module, *, float_dtype: torch.dtype | None) -> t
             if p is None or id(p) in memo:
                 continue
             if type(p).__name__ == "Params4bit":
-                from autofit.memory._sim_bnb import fake_params4bit
-
                 memo[id(p)] = fake_params4bit(p, dtype=float_dtype)
-            elif _is_quantized(p):
-                raise BadInputError(
-                    "simulating an 8-bit (LLM.int8) quantized model is not supported; "
-                    "use method='analytic', or load it in 4 bits (QLoRA)"
-                )
+            elif type(p).__name__ == "Int8Params":
+                memo[id(p)] = fake_int8_params(p, m)
+                state = getattr(m, "state", None)
+                if state is not None and id(state) not in memo:
+                    memo[id(state)] = fake_int8_state(state)
             else:
                 memo[id(p)] = torch.nn.Parameter(fake_like(p), requires_grad=p.requires_grad)
         for b in m._buffers.values():

@@ -82,8 +82,10 @@ from autofit.probe.device import sm_version
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import BlockSpec, ModelInfo, ParamGroup
+    from autofit.probe.quant import QuantSpec
 
 __all__ = ["estimate_analytic", "weights_bytes", "gradients_bytes", "optimizer_state_bytes",
+           "quantized_weight_bytes", "int8_kept_bytes",
            "chunked_loss_bytes", "loss_chunk_rows", "pinned_bytes", "offload_note", "offloaded_bytes",
            "compile_saving_bytes"]
 
@@ -109,14 +111,18 @@ _CUDA_FRAGMENTATION_CHECKPOINTING = 0.20
 _BNB_MIN_8BIT_SIZE = 4096
 _BNB_BLOCK = 256  # blockwise quantization: one fp32 absmax per 256 elements
 _NF4_BLOCK = 64  # 4-bit base weights: one fp32 absmax per 64 elements
+_NESTED_BLOCK = 256  # double quantization: one fp32 absmax per 256 8-bit absmax
 
 
 def _bytes(dtype: str) -> int:
     return _DTYPE_BYTES.get(dtype, 4)
 
 
-def _param_dtype_bytes(g: ParamGroup, config: TrainConfig) -> int:
-    """Bytes per element of a (non-quantized) parameter during training."""
+def _param_dtype_bytes(g: ParamGroup, config: TrainConfig, quantized: bool = False) -> int:
+    """Bytes per element of a (non-quantized) parameter during training. A quantized
+    base is never cast: its parameters keep the dtype they were loaded in."""
+    if quantized:
+        return _bytes(g.dtype)
     spec = config.precision_spec
     if spec.param_dtype != "float32":  # *-true: the whole model is cast
         if g.role == "lora" or (g.role == "adapter" and g.trainable):
@@ -125,31 +131,51 @@ def _param_dtype_bytes(g: ParamGroup, config: TrainConfig) -> int:
     return max(_bytes(g.dtype), 2) if g.dtype != "float32" and not g.trainable else 4
 
 
+def quantized_weight_bytes(g: ParamGroup, quant: QuantSpec | None) -> int:
+    """Bytes one quantized weight of ``g`` holds on the device (bitsandbytes 0.50):
+
+    * 4 bits (nf4 and fp4 alike): the packed weight, two values per byte, and its
+      ``QuantState``: one fp32 absmax per 64 values and the 16-entry fp32 code; with
+      double quantization one uint8 absmax per 64 values, one fp32 absmax per 256 of
+      those, the 256-entry fp32 code of that second level and an fp32 offset;
+    * 8 bits: the int8 weight and one fp32 scale per output row (``SCB``).
+
+    A meta-built ``Params4bit`` has every element; a loaded one is packed (uint8).
+    """
+    n = g.numel
+    if g.quantized == "8bit":
+        return n + g.shape[0] * 4
+    values = 2 * n if g.dtype == "uint8" else n
+    blocks = math.ceil(values / _NF4_BLOCK)
+    if quant is not None and quant.double_quant:
+        absmax = blocks + math.ceil(blocks / _NESTED_BLOCK) * 4 + 256 * 4 + 4
+    else:
+        absmax = blocks * 4
+    return (values + 1) // 2 + absmax + 16 * 4
+
+
 def weights_bytes(info: ModelInfo, config: TrainConfig) -> int:
-    """Bytes of the parameters as they sit on the device during training."""
+    """Bytes of the parameters as they sit on the device during training (quantized
+    weights as ``quantized_weight_bytes`` says; a quantized base's other weights in the
+    dtype it was loaded in)."""
     total = 0
+    quantized = info.quant is not None
     for g in info.params:
-        n = g.numel * g.count
-        if g.quantized == "4bit":
-            # packed uint8 (two values per byte) + one fp32 absmax per 64 values; on the
-            # meta device Params4bit is not packed yet and still has every element
-            values = 2 * n if g.dtype == "uint8" else n
-            total += values // 2 + math.ceil(values / _NF4_BLOCK) * 4
-        elif g.quantized == "8bit":
-            total += n + g.shape[0] * 4 * g.count  # int8 + per-row fp32 scale
+        if g.quantized:
+            total += quantized_weight_bytes(g, info.quant) * g.count
         else:
-            total += n * _param_dtype_bytes(g, config)
+            total += g.numel * g.count * _param_dtype_bytes(g, config, quantized)
     # a PEFT method's float buffers (VeRA's projections, BOFT's permutations), cast with
     # the model for the "-true" precisions
-    half = config.precision_spec.param_dtype in ("bfloat16", "float16")
+    half = config.precision_spec.param_dtype in ("bfloat16", "float16") and not quantized
     return total + (info.adapter_buffer_bytes // 2 if half else info.adapter_buffer_bytes)
 
 
 def gradients_bytes(info: ModelInfo, config: TrainConfig) -> int:
     """Bytes of ``.grad`` of every trainable parameter (same dtype as the parameter)."""
-    return sum(
-        g.numel * g.count * _param_dtype_bytes(g, config) for g in info.params if g.trainable
-    )
+    quantized = info.quant is not None
+    return sum(g.numel * g.count * _param_dtype_bytes(g, config, quantized)
+               for g in info.params if g.trainable)
 
 
 def _momentum(config: TrainConfig) -> float:
@@ -206,7 +232,8 @@ def optimizer_state_bytes(info: ModelInfo, config: TrainConfig) -> int:
             per = spec.state_per_param * n * 4
         else:
             # torch optimizers: zeros_like(param), so states take the param's dtype
-            per = _states_per_element(config) * n * _param_dtype_bytes(g, config)
+            per = (_states_per_element(config) * n
+                   * _param_dtype_bytes(g, config, info.quant is not None))
         total += per * g.count
     return total
 
@@ -219,7 +246,8 @@ def _optimizer_step_temporaries(info: ModelInfo, config: TrainConfig, device: De
     """Peak bytes the optimizer step allocates beyond states and gradients."""
     spec = config.optimizer_spec
     largest = _largest_trainable(info)
-    elem = _bytes(config.precision_spec.param_dtype)
+    # a quantized base is never cast: its adapters stay fp32
+    elem = 4 if info.quant is not None else _bytes(config.precision_spec.param_dtype)
     trainable_bytes = sum(g.numel * g.count * elem for g in info.params if g.trainable)
     if spec.family == "adamw" and not spec.bnb:
         if spec.fused:
@@ -312,12 +340,14 @@ def _cuda_sdpa_is_math(info: ModelInfo, config: TrainConfig, device: DeviceInfo)
 
 def _needs_derived(info: ModelInfo, config: TrainConfig) -> bool:
     """Whether the fitted table lacks this model (its coefficients are then derived from
-    the model, ``autofit.memory.derived``): a PEFT method other than LoRA; LoRA other
+    the model, ``autofit.memory.derived``): a quantized base (its layers keep other
+    tensors than ``nn.Linear``: ``Linear8bitLt`` its input, whatever the weight's
+    ``requires_grad``); a PEFT method other than LoRA; LoRA other
     than the table's (fp32 adapters on a base of the same dtype, no dropout, no trainable
     tokens) — on a 16-bit base ("-true") peft keeps the adapters in fp32 and each adapted
     layer saves an fp32 copy of its input, a dropout saves a dropped-out copy; or a
     decoder / encoder family the table was not fitted to."""
-    if info.peft not in (None, "lora"):
+    if info.peft not in (None, "lora") or info.quant is not None:
         return True
     if info.peft == "lora":
         lora = json.loads(info.peft_config) if info.peft_config else {}
@@ -343,6 +373,8 @@ def _coef(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> dict:
                                 + fix("--method simulate", "method='simulate'"))
     prec = config.precision
     prec_key = {"16-mixed": "bf16-mixed", "16-true": "bf16-true"}.get(prec, prec)
+    if info.quant is not None and info.dtype != "float32" and not config.precision_spec.autocast:
+        prec_key = "bf16-true"  # (no module to derive from) a 16-bit base, never cast
     attn = "eager" if info.attn_implementation == "eager" else "sdpa"
     if attn == "sdpa" and _cuda_sdpa_is_math(info, config, device):
         attn = "eager"  # the math kernel saves the (T, T) scores as eager attention does
@@ -418,6 +450,50 @@ def _layer_bytes(c: dict, b: BlockSpec, batch: int, seq_len: int) -> float:
     the last two only in derived coefficients (``autofit.memory.derived``)."""
     per_token = batch * seq_len * _layer_bytes_per_token(c, b, seq_len)
     return max(per_token + batch * c.get("s", 0.0), 0.0) + c.get("F", 0.0)
+
+
+def _quantized_linears(info: ModelInfo, b: BlockSpec) -> list[tuple[str, int, int, bool]]:
+    """The block's linears bitsandbytes quantized (all but ``skip_modules``)."""
+    skip = set(info.quant.skip_modules) if info.quant is not None else set()
+    return [lin for lin in b.linears if lin[0].rsplit(".", 1)[-1] not in skip
+            and lin[0] not in skip]
+
+
+def int8_kept_bytes(info: ModelInfo, tokens: int, act: int, inner: int | None = None) -> int:
+    """Bytes an 8-bit (LLM.int8) base's layers hold for backward per micro batch, outside
+    what checkpointing can drop: every ``Linear8bitLt`` keeps its input ``A`` in its
+    autograd node (``ctx.A`` on the CPU's ``MatMul8bitFp``, ``ctx.tensors`` on CUDA's
+    ``MatMul8bitLt``, bitsandbytes 0.50), not through ``save_for_backward``, so it stays
+    from the forward until the graph is freed after ``backward()`` — with gradient
+    checkpointing too, and even where a frozen ``nn.Linear`` would keep nothing. Linears
+    that read the same tensor (q/k/v, gate/up) hold it once: per block ``tokens`` x the
+    in-features of each linear that does not share its input. Input projections read a
+    norm's output, in the activations' dtype (``act`` bytes); output projections (o_proj,
+    down_proj, c_proj, ...) read what attention and the MLP computed, in ``inner`` bytes
+    (under autocast its dtype; default ``act``). 0 for any other base. Measured: real and
+    simulated steps keep the same storages (``tests/memory/test_quantized_base.py``)."""
+    if info.quant is None or info.quant.bits != 8:
+        return 0
+    from autofit.probe.model import OUTPUT_PROJECTIONS
+
+    inner = act if inner is None else inner
+    total = 0
+    for b in info.blocks:
+        for name, i, _, shares in _quantized_linears(info, b):
+            if not shares:
+                out_proj = name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS
+                total += b.count * i * (inner if out_proj else act)
+    return tokens * total
+
+
+def _dequantized_bytes(info: ModelInfo) -> int:
+    """The largest quantized weight dequantized (in the base's dtype): what a quantized
+    layer's backward (and, on the CPU, its forward) holds besides its gradients."""
+    if info.quant is None:
+        return 0
+    largest = max((i * o for b in info.blocks for _, i, o, _ in _quantized_linears(info, b)),
+                  default=0)
+    return largest * _bytes(info.dtype)
 
 
 def _linear_weight_numel(info: ModelInfo) -> int:
@@ -600,7 +676,10 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     B, T = config.micro_batch_size, seq_len
     N = B * T  # tokens in the micro batch
     spec = config.precision_spec
-    act = _bytes(spec.param_dtype)  # residual-stream element size
+    # residual-stream element size (a quantized base is never cast: its own dtype)
+    act = _bytes(info.dtype) if info.quant is not None else _bytes(spec.param_dtype)
+    # what 8-bit layers hold past checkpointing
+    kept8 = int8_kept_bytes(info, N, act, _bytes(spec.compute_dtype) if spec.autocast else act)
     c = _coef(info, config, device)
     layer_c, base_c = c["layer"], c["base"]
 
@@ -630,16 +709,19 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
         A_base += N * (h * act + TRL_SAVED_PER_TOKEN)
 
     # autocast keeps a 16-bit copy of every matmul weight from its forward to its backward
-    copies_all = 2 * _linear_weight_numel(info) if spec.autocast else 0
-    copies_head = 2 * V * h if spec.autocast else 0
+    # (none of a weight already 16-bit: a quantized base loaded in its 16-bit compute dtype)
+    cast = spec.autocast and (info.quant is None or info.dtype == "float32")
+    copies_all = 2 * _linear_weight_numel(info) if cast else 0
+    copies_head = 2 * V * h if cast else 0
     if chunked:  # torch's chunked op is not autocast: the head's weight is used as it is
         copies_all -= copies_head
         copies_head = 0
 
     host = 0  # pinned host bytes (activation offloading)
     if config.gradient_checkpointing:
-        # each checkpointed block keeps its input; backward recomputes one block at a time
-        A_layers = num_layers * N * h * act
+        # each checkpointed block keeps its input (and an 8-bit base's layers their inputs);
+        # backward recomputes one block at a time
+        A_layers = num_layers * N * h * act + kept8
         A_transient = A_layer_max
         copies = copies_head + (copies_all - copies_head) // max(num_layers, 1)
         A_kept = A_layers  # the inputs on the device while backward recomputes
@@ -670,7 +752,7 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     head_grad_in_G = min(head_grad, G)
     # one block's backward: grads of its widest activations (e.g. MLP: 2 x (N, i))
     inter = max((b.intermediate_size for b in info.blocks), default=0)
-    block_bwd_temp = 2 * N * inter * act + 2 * N * h * act
+    block_bwd_temp = 2 * N * inter * act + 2 * N * h * act + _dequantized_bytes(info)
     opt_temp = _optimizer_step_temporaries(info, config, device)
 
     # with accumulation, the gradients of the earlier micro batches are held through
@@ -692,9 +774,11 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
                      {"weights": W + copies, "optimizer_states": S, "activations": A,
                       "gradients": G_held, "temporaries": loss_temp}),
         # gradients complete, the embedding side's activations and one block's temporaries
-        "backward-end": (W + S + G + A_base // 2 + block_bwd_temp + A_transient,
+        # (an 8-bit base's layers still hold their inputs: the graph is freed after backward)
+        "backward-end": (W + S + G + A_base // 2 + kept8 + block_bwd_temp + A_transient,
                          {"weights": W, "optimizer_states": S, "gradients": G,
-                          "activations": A_base // 2 + A_transient, "temporaries": block_bwd_temp}),
+                          "activations": A_base // 2 + kept8 + A_transient,
+                          "temporaries": block_bwd_temp}),
         "optimizer": (W + S + G + opt_temp,
                       {"weights": W, "optimizer_states": S, "gradients": G, "activations": 0,
                        "temporaries": opt_temp}),
@@ -744,7 +828,6 @@ def estimate_analytic(
                          "use autofit.memory.ranked.estimate_analytic for several")
     terms = analytic_phases(info, config, seq_len, device)
     phases, host = terms.phases, terms.host
-    spec = config.precision_spec
     T = seq_len
     phase, (peak_alloc, parts) = max(phases.items(), key=lambda kv: kv[1][0])
     peak_alloc = int(peak_alloc)
@@ -768,7 +851,7 @@ def estimate_analytic(
     notes = []
     if config.optimizer_spec.paged:
         notes.append("paged optimizer: states may spill to host memory under pressure")
-    if spec.autocast:
+    if terms.copies:
         notes.append("weights include autocast's 16-bit copies kept from forward to backward")
     if host:
         notes.append(offload_note(host, sum(c for _, c in _packed(info, config, T))))

@@ -104,6 +104,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from autofit.memory._sim_bnb import bnb_target
     from autofit.memory._sim_model import (
         fake_clone,
         prepare_for_training,
@@ -115,6 +116,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
     from autofit.probe.model import _layer_lists
 
     spec = config.precision_spec
+    target = "cuda" if device.allocator == "cuda" else "cpu"
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     out: list[tuple[float, int]] = []
     with warnings.catch_warnings():
@@ -153,7 +155,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                 ctx = CudaSemantics(device)
             if config.chunked_loss:
                 rec.decompositions.update(chunked_loss_kernels())
-            with fake_mode, rec, ctx:
+            with fake_mode, rec, ctx, bnb_target(model, rec, target):
                 rec.phase = "forward"
                 loss, data, kwargs = forward_loss(model, config, task, batch, seq_len, rec,
                                                    "cuda" if device.allocator == "cuda" else "cpu")
@@ -220,8 +222,8 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         # autocast's 16-bit weight copies, alive at the loss, are counted apart
         per_layer = info.block_matmul_numel * 2 / max(n, 1)
         lay["F"] -= per_layer
-        if not config.chunked_loss:
-            bas["F"] -= _head_numel(info) * 2
+        if not config.chunked_loss and (info.quant is None or info.dtype == "float32"):
+            bas["F"] -= _head_numel(info) * 2  # (a 16-bit head is used as it is)
     coef = {
         "layer": {"h": 0.0, "kv": 0.0, "i": 0.0, "H": 0.0, "HT": 0.0, "c0": lay["a"],
                   "T": lay["b"], "s": lay["s"], "F": max(lay["F"], 0.0)},

@@ -54,6 +54,7 @@ from autofit.errors import BadInputError, DoesNotFitError
 from autofit.memory.analytic import (
     _CUDA_FRAGMENTATION,
     _bytes,
+    _dequantized_bytes,
     _linear_weight_numel,
     optimizer_state_bytes,
 )
@@ -178,6 +179,9 @@ def estimate_eval(
     spec = config.precision_spec
     act = _bytes(spec.param_dtype)  # residual stream: the parameters' dtype
     cb = _bytes(spec.compute_dtype)  # matmul outputs: the compute dtype
+    if info.quant is not None:  # a quantized base is never cast: its own dtype throughout
+        act = _bytes(info.dtype)
+        cb = cb if spec.autocast else act
     B, T = micro_batch_size, seq_len
     N = B * T
     h = info.hidden_size or 0
@@ -185,8 +189,8 @@ def estimate_eval(
     V = info.vocab_size if lm else 0
     eager = info.attn_implementation == "eager"
 
-    W = _train_weights_bytes(info, config)
-    if spec.autocast:
+    W = _train_weights_bytes(info, config) + _dequantized_bytes(info)
+    if spec.autocast and (info.quant is None or info.dtype == "float32"):
         linear = _linear_weight_numel(info)
         if info.peft is not None:  # frozen weights are cast per op, not cached: one at a time
             linear = max((i * o for b in info.blocks for _, i, o, _ in b.linears), default=0)

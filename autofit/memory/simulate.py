@@ -101,10 +101,12 @@ Known limitations:
   ``autofit.knobs.compile`` applied to its replay (activations the compiled step
   recomputes are taken off every forward and backward event); the compiled graph is
   not traced.
-- NB: 4-bit (QLoRA) bases are simulated with bitsandbytes' ops as they run on CUDA
-  and on the CPU's default kernel (``gemm_4bit`` dequantizes the weight to a
-  temporary); an optimized CPU kernel (kernels-community) would not. 8-bit
-  (LLM.int8) bases are not simulated (``BadInputError``).
+- NB: quantized bases run bitsandbytes' own layers (``autofit.memory._sim_bnb``). 4-bit
+  (QLoRA) bases with bitsandbytes' ops as they run on CUDA and on the CPU's default
+  kernel (``gemm_4bit`` dequantizes the weight to a temporary); an optimized CPU kernel
+  (kernels-community) would not. 8-bit (LLM.int8) bases through ``MatMul8bitFp`` on a
+  CPU target and ``MatMul8bitLt`` (with its CUDA kernels' allocations) on a CUDA one;
+  LLM.int8's data-dependent outlier columns are assumed absent.
 """
 
 from __future__ import annotations
@@ -267,7 +269,7 @@ class Simulator:
         wrapper applied to the clone and its step config run."""
         import torch
 
-        from autofit.memory._sim_bnb import gemm_4bit_workspace, is_fake_4bit
+        from autofit.memory._sim_bnb import bnb_target
         from autofit.memory._sim_model import fake_clone, prepare_for_training, weight_tensors
         from autofit.memory._sim_recorder import StorageRecorder
         from autofit.memory._sim_step import (
@@ -314,15 +316,11 @@ class Simulator:
                 cuda = CudaSemantics(self.device)
                 ctx = cuda
                 rec.workspaces.update(cuda.workspaces())
-            if any(is_fake_4bit(p) for p in model.parameters()):
-                import bitsandbytes  # noqa: F401  (registers its ops)
-
-                rec.workspaces[torch.ops.bitsandbytes.gemm_4bit.default] = gemm_4bit_workspace
             offload: Any = (offloaded_to_host(rec)
                             if config.activation_offloading and target.kind == "cuda"
                             else contextlib.nullcontext([]))
             running = trace.running(rec) if trace is not None else contextlib.nullcontext()
-            with fake_mode, rec, ctx, offload as host, running:
+            with fake_mode, rec, ctx, bnb_target(model, rec, target.kind), offload as host, running:
                 run_steps(
                     model,
                     optimizer,

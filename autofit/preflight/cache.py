@@ -40,14 +40,22 @@ def _file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def model_identity(model: Any, adapter: dict[str, Any] | None = None) -> str:
+def model_identity(model: Any, adapter: dict[str, Any] | None = None,
+                   quantization: dict[str, Any] | None = None) -> str:
     """A short hash of what a model's memory depends on, cheap for a reference.
 
     A bundled name, a config.json or a model directory hashes its config file
     (no torch import); a hub id is its name; a module hashes its parameter shapes,
-    dtypes and trainability (``autofit.probe.model.fingerprint``). ``adapter``: the
-    PEFT config put on a reference (``autofit.probe.peft.config_dict``), hashed too.
+    dtypes, trainability and quantization (``autofit.probe.model.fingerprint``).
+    ``adapter``: the PEFT config put on a reference (``autofit.probe.peft.config_dict``),
+    ``quantization``: how its base is quantized (``QuantSpec.to_dict``), hashed too.
     """
+    if quantization:
+        from autofit.probe.quant import QuantSpec
+
+        key = QuantSpec.read(quantization).key  # the same spec however it was written
+        blob = json.dumps([model_identity(model, adapter), key], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
     if adapter:
         blob = json.dumps([model_identity(model), adapter], sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -109,7 +109,10 @@ class _Checker:
         # the PEFT config a tune put on a model given by reference (its file's metadata)
         self.adapter = (self.tune_meta.get("adapter")
                         if isinstance(model, (str, os.PathLike)) else None)
-        self.model_id = model_identity(model, self.adapter)
+        # how a tune quantized a base given by reference: the same quantized base again
+        self.quantization = (self.tune_meta.get("quantization")
+                             if isinstance(model, (str, os.PathLike)) else None)
+        self.model_id = model_identity(model, self.adapter, self.quantization)
         # the task as the key knows it: fixed now (building the model later may resolve it)
         self.task_key = (task if task is not None or not hasattr(model, "parameters")
                          else _task_of(model))
@@ -122,7 +125,8 @@ class _Checker:
         if self._info is None:
             from autofit.probe.model import build_model, describe
 
-            module, task = build_model(self.model, task=self.task, peft_config=self.adapter)
+            module, task = build_model(self.model, task=self.task, peft_config=self.adapter,
+                                       quantization_config=self.quantization)
             self.task = task
             self._module = module  # kept: the analytic model may derive coefficients from it
             name = self.model if isinstance(self.model, str) else None
@@ -159,6 +163,12 @@ class _Checker:
             out.append(f"the longest sample has {self.seq_len} tokens, more than the model's "
                        f"{pos} learned positions (an index error at the first long batch): "
                        f"truncate to max_seq_len={pos} (SFTConfig.max_length)")
+        from autofit.probe.quant import check_precision
+
+        try:
+            check_precision(info.quant, info.dtype, config.precision)
+        except AutofitError as e:
+            out.append(str(e))
         if config.gradient_checkpointing and not info.supports_gradient_checkpointing:
             out.append(f"gradient_checkpointing requested, but {info.architecture} does not "
                        "support it: turn it off")
@@ -264,7 +274,7 @@ class _Checker:
                       f"{self.dev.name}")
         self.trials_run += 1
         result = measure(self.model, config, self.dataset, device=self.dev, task=self.task,
-                         peft_config=self.adapter,
+                         peft_config=self.adapter, quantization_config=self.quantization,
                          seq_len=self.max_seq_len if self.dataset is not None else self.seq_len,
                          isolation=self.isolation, timeout_s=self.timeout_s,
                          tokenizer=self.tokenizer, collator=self.collator,

@@ -46,6 +46,7 @@ __all__ = [
     "probe_model",
     "describe",
     "module_of",
+    "OUTPUT_PROJECTIONS",
     "default_task",
     "token_limits",
 ]
@@ -61,7 +62,7 @@ TASKS: dict[str, str] = {
 _BUNDLED_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
 
 # Linear-like output projections: they never share their input with a sibling.
-_OUTPUT_PROJECTIONS = {"o_proj", "o", "out_proj", "c_proj", "down_proj", "wo", "fc2", "dense_4h_to_h"}
+OUTPUT_PROJECTIONS = _OUTPUT_PROJECTIONS = {"o_proj", "o", "out_proj", "c_proj", "down_proj", "wo", "fc2", "dense_4h_to_h"}
 
 
 @dataclass(frozen=True)
@@ -158,12 +159,13 @@ class ModelInfo:
     peft: str | None = None
     lora_r: int | None = None
     lora_targets: tuple[str, ...] = ()
-    quantization: str | None = None
+    quantization: str | None = None  # "4bit" | "8bit" (``quant.name``)
     dtype: str = "float32"
     supports_gradient_checkpointing: bool = True
     peft_config: str = ""  # the PEFT config as canonical JSON (autofit.probe.peft.config_key)
     virtual_tokens: int = 0  # prompt tokens a PEFT method prepends to every sample
     adapter_buffer_bytes: int = 0  # buffers a PEFT method adds (VeRA's shared projections)
+    quant: Any = None  # autofit.probe.quant.QuantSpec of a bitsandbytes-quantized base
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -400,32 +402,36 @@ def _peft_config(request: Any, task: str) -> Any:
     return read_peft_config(request, task)
 
 
-def _quantize_on_meta(model: torch.nn.Module, bits: int) -> None:
-    """Replace the base model's Linear layers by bitsandbytes' quantized layers (meta)."""
+def _quantize_on_meta(model: torch.nn.Module, spec: Any) -> None:
+    """Replace the base model's Linear / Conv1D layers by bitsandbytes' quantized layers
+    (meta), leaving out what transformers leaves out when it loads the model quantized
+    (the output head and tied modules, ``_keep_in_fp32_modules``, ``spec.skip_modules``).
+    The new layers' weights take the compute dtype, the dtype ``from_pretrained`` casts a
+    checkpoint to before quantizing it (what a 4-bit weight dequantizes back to)."""
     import torch
 
     try:
         import bitsandbytes as bnb  # noqa: F401
     except ImportError:
         raise MissingDependencyError(
-            fix("--load-in-4bit", "load_in_4bit/load_in_8bit")
+            fix("--load-in-4bit / --load-in-8bit", "load_in_4bit / load_in_8bit")
             + " needs bitsandbytes: pip install 'autofit[bnb]'"
         ) from None
     from transformers.integrations import bitsandbytes as hf_bnb
+    from transformers.quantizers.base import HfQuantizer
 
-    # The output head stays in full precision, as transformers does.
-    skip = ["lm_head"] + list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    from transformers import BitsAndBytesConfig
-
-    qc = BitsAndBytesConfig(
-        load_in_4bit=bits == 4,
-        load_in_8bit=bits == 8,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-        bnb_4bit_quant_type="nf4",
-    )
-    replace = hf_bnb.replace_with_bnb_linear
+    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    skip = HfQuantizer.get_modules_to_not_convert(model, list(spec.skip_modules) or None, keep)
     with torch.device("meta"):
-        replace(model, modules_to_not_convert=skip, quantization_config=qc)
+        hf_bnb.replace_with_bnb_linear(model, modules_to_not_convert=skip,
+                                       quantization_config=spec.to_bnb_config())
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if type(w).__name__ in {"Params4bit", "Int8Params"} and w.is_floating_point():
+            w.data = w.data.to(spec.torch_dtype)
+    config = getattr(model, "config", None)
+    if config is not None:  # as from_pretrained leaves it (a config.json's dict here)
+        config.quantization_config = spec.to_dict()
 
 
 def build_model(
@@ -437,16 +443,24 @@ def build_model(
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
     peft_config: Any = None,
+    quantization_config: Any = None,
 ) -> tuple[torch.nn.Module, str]:
     """Return (module, task). A model given by reference is built on the meta device.
+
+    A quantized base (``load_in_4bit`` / ``load_in_8bit`` / ``quantization_config``:
+    anything ``autofit.probe.quant.resolve`` reads; a checkpoint saved quantized brings
+    its own) is built as ``from_pretrained(..., quantization_config=...,
+    torch_dtype=compute dtype)`` loads it: the model in the compute dtype, its linear
+    layers bitsandbytes' (``_quantize_on_meta``).
 
     An ``nn.Module`` is returned as is (never modified); asking for LoRA or
     quantization on a module is an error, since that would change the user's model.
     """
     import torch
 
+    quant_asked = load_in_4bit or load_in_8bit or quantization_config is not None
     if isinstance(model, torch.nn.Module):
-        if lora is not None or peft_config is not None or load_in_4bit or load_in_8bit:
+        if lora is not None or peft_config is not None or quant_asked:
             raise BadInputError(
                 "PEFT/quantization options apply to a model given by name or config; "
                 "for a module, pass the PeftModel / quantized model itself"
@@ -473,6 +487,13 @@ def build_model(
                 f"unknown attention implementation {attn_implementation!r}; use eager or sdpa"
             )
         kwargs["attn_implementation"] = attn_implementation
+    from autofit.probe.quant import resolve
+
+    spec = resolve(load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
+                   quantization_config=quantization_config,
+                   saved=getattr(config, "quantization_config", None))
+    if spec is not None:
+        kwargs["dtype"] = spec.torch_dtype  # from_pretrained(..., torch_dtype=compute dtype)
     try:
         with torch.device("meta"):
             module = auto.from_config(config, **kwargs)
@@ -485,8 +506,8 @@ def build_model(
             f"{model} ({config.model_type}) cannot be built from its config: "
             f"{type(e).__name__}: {_one_line(e)}; fix the config"
         ) from None
-    if load_in_4bit or load_in_8bit:
-        _quantize_on_meta(module, 4 if load_in_4bit else 8)
+    if spec is not None:
+        _quantize_on_meta(module, spec)
     request = adapter_request(lora, peft_config)
     if request is not None:
         from autofit.probe.peft import apply_peft
@@ -678,6 +699,7 @@ def probe_model(
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
     peft_config: Any = None,
+    quantization_config: Any = None,
 ) -> ModelInfo:
     """Describe ``model`` (see the module docstring for the accepted forms).
 
@@ -693,6 +715,7 @@ def probe_model(
         load_in_4bit=load_in_4bit,
         load_in_8bit=load_in_8bit,
         peft_config=peft_config,
+        quantization_config=quantization_config,
     )
     return describe(module, task=t, name=str(model) if not hasattr(model, "parameters") else None)
 
@@ -752,7 +775,11 @@ def _describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
             quant += n
     dtypes = [g.dtype for g in params if g.role in {"linear", "embedding"} and not g.quantized]
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
-    quantization = next((g.quantized for g in params if g.quantized), None)
+    qspec = None
+    if any(g.quantized for g in params):
+        from autofit.probe.quant import spec_of_module
+
+        qspec = spec_of_module(module)
 
     blocks: list[BlockSpec] = []
     fields: dict[str, Any] = {}
@@ -823,7 +850,8 @@ def _describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
         peft=peft_kind,
         lora_r=lora_r,
         lora_targets=lora_targets,
-        quantization=quantization,
+        quantization=qspec.name if qspec is not None else None,
+        quant=qspec,
         dtype=dtype,
         peft_config=peft_key,
         adapter_buffer_bytes=adapter_buffers,
@@ -891,4 +919,5 @@ def fingerprint(info: ModelInfo) -> dict[str, Any]:
         "lora_r": info.lora_r,
         "lora_targets": list(info.lora_targets),
         "peft_config": info.peft_config,
+        "quant": info.quant.key if info.quant is not None else None,
     }

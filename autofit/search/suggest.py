@@ -33,12 +33,30 @@ def _block_linear(g: ParamGroup, info: ModelInfo) -> bool:
     return g.role == "linear" and info.vocab_size not in g.shape
 
 
+def _qlora_spec() -> Any:
+    """What ``load_in_4bit=True`` loads: nf4, the base in (and computing in) bfloat16."""
+    from autofit.probe.quant import resolve
+
+    return resolve(load_in_4bit=True)
+
+
+def _in_4bit(g: ParamGroup, info: ModelInfo, dtype: str) -> ParamGroup:
+    """A frozen group as QLoRA loads it: a block linear in 4 bits, the rest in ``dtype``."""
+    if _block_linear(g, info) and not g.trainable:
+        return replace(g, quantized="4bit", dtype=dtype)
+    if g.trainable or g.quantized:
+        return g
+    return replace(g, dtype=dtype)
+
+
 def with_lora(info: ModelInfo, r: int = _LORA_R, quantize: bool = False) -> ModelInfo:
-    """``info`` as if LoRA (rank r, every block linear) were added; optionally a 4-bit base."""
+    """``info`` as if LoRA (rank r, every block linear) were added; optionally a 4-bit base
+    (``load_in_4bit=True``: nf4, the rest of the base in bfloat16)."""
+    spec = _qlora_spec() if quantize else None
     params: list[ParamGroup] = []
     for g in info.params:
-        params.append(replace(g, trainable=False, quantized="4bit"
-                              if quantize and _block_linear(g, info) else g.quantized))
+        g = replace(g, trainable=False)
+        params.append(_in_4bit(g, info, spec.compute_dtype) if spec is not None else g)
     adapters: dict[tuple[int, ...], int] = {}
     for b in info.blocks:
         for _, i, o, _ in b.linears:
@@ -52,14 +70,18 @@ def with_lora(info: ModelInfo, r: int = _LORA_R, quantize: bool = False) -> Mode
     return replace(info, params=tuple(params), trainable_params=trainable, num_params=num,
                    frozen_params=num - trainable, peft="lora", lora_r=r,
                    lora_targets=("all-linear",),
-                   quantization="4bit" if quantize else info.quantization)
+                   quantization="4bit" if quantize else info.quantization,
+                   quant=spec if quantize else info.quant,
+                   dtype=spec.compute_dtype if quantize else info.dtype)
 
 
 def quantized_base(info: ModelInfo) -> ModelInfo:
-    """``info`` (a LoRA model) with its frozen block linears in 4 bits, as QLoRA loads them."""
-    params = tuple(replace(g, quantized="4bit") if _block_linear(g, info) and not g.trainable
-                   else g for g in info.params)
-    return replace(info, params=params, quantization="4bit")
+    """``info`` (a LoRA model) with its frozen block linears in 4 bits and the rest of its
+    base in bfloat16, as ``load_in_4bit=True`` loads them."""
+    spec = _qlora_spec()
+    params = tuple(_in_4bit(g, info, spec.compute_dtype) for g in info.params)
+    return replace(info, params=params, quantization="4bit", quant=spec,
+                   dtype=spec.compute_dtype)
 
 
 def _shorter_length(seq_len: int, positions: int | None, fits: Any) -> int | None:

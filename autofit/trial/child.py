@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(1)
     from autofit.trial.loop import RawTrial, run_steps
-    from autofit.trial.model import ModelRef, materialize
+    from autofit.trial.model import ModelRef, is_quantized_model, materialize
 
     try:
         payload = torch.load(workdir / "payload.pt", weights_only=False)
@@ -63,12 +63,13 @@ def main(argv: list[str]) -> int:
         model = payload["model"]
         if isinstance(model, ModelRef):
             model = materialize(model, device)
-        if plan.precision.endswith("-true"):
-            from autofit.probe.peft import upcast_adapters
+        if not is_quantized_model(model):  # a bitsandbytes base stays as it was loaded
+            if plan.precision.endswith("-true"):
+                from autofit.probe.peft import upcast_adapters
 
-            model.to(dtype=plan.param_dtype)  # the child owns this copy
-            upcast_adapters(model)  # as peft keeps them on a 16-bit base
-        model.to(device)
+                model.to(dtype=plan.param_dtype)  # the child owns this copy
+                upcast_adapters(model)  # as peft keeps them on a 16-bit base
+            model.to(device)
         wall = payload.get("deadline_wall")  # the parent's clock: start-up counts too
         deadline = time.monotonic() + (wall - time.time()) if wall else None
     except Exception as exc:  # noqa: BLE001 - reported to the parent, not raised

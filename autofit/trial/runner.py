@@ -85,8 +85,10 @@ killed by any signal, and leftovers are swept at the next start
 Known limitations:
     NB: a capped-CPU child runs single-threaded (steady memory numbers), so its
     step times are those of one core.
-    NB: 8-/4-bit quantized base models are not moved or cast by a trial; give them
-    already on the device, with a ``*-mixed`` precision.
+    NB: a quantized base given as a module (8-/4-bit bitsandbytes) is not moved or cast
+    by a trial; give it already on the device. One given by reference
+    (``load_in_4bit`` / ``load_in_8bit`` / ``quantization_config``) is built quantized
+    directly on the device (``autofit.trial.model``) and trains in its compute dtype.
     NB: a model on an accelerator that must be cast (``*-true``) is copied beside
     the original; the original's bytes are subtracted from the reported peaks.
 """
@@ -271,7 +273,7 @@ def _run_in_process(
 ) -> Any:
     from autofit.probe.peft import upcast_adapters
     from autofit.trial.loop import run_steps
-    from autofit.trial.model import ModelRef, materialize
+    from autofit.trial.model import ModelRef, is_quantized_model, materialize
     from autofit.trial.state import ModelSnapshot, RngSnapshot, needs_copy, working_copy
     from autofit.trial.step import storage_bytes
 
@@ -283,7 +285,7 @@ def _run_in_process(
         excluded = 0
         if isinstance(model, ModelRef):
             work = materialize(model, tdev)
-            if true_dtype is not None:
+            if true_dtype is not None and not is_quantized_model(work):
                 work.to(dtype=true_dtype)
                 upcast_adapters(work)  # as peft keeps them on a 16-bit base
         elif needs_copy(model, tdev, true_dtype):
@@ -490,6 +492,9 @@ def measure(
     attn_implementation: str | None = None,
     lora: Any = None,
     peft_config: Any = None,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+    quantization_config: Any = None,
     run: Any = None,
     progress: Any = None,
 ) -> TrialResult:
@@ -518,6 +523,8 @@ def measure(
         attn_implementation: ``eager`` | ``sdpa`` for a model given by reference.
         lora: a ``LoraSpec`` (or dict) to put on a model given by reference.
         peft_config: any PEFT method instead (``autofit.probe.peft.peft_config``).
+        load_in_4bit, load_in_8bit, quantization_config: a quantized base for a model
+            given by reference (``autofit.probe.quant``), built directly on the device.
         run: a ``autofit.trial.step.RunSpec``: a short run around the measured steps
             (the run's other lengths before them, whose peak counts; an evaluation
             step after them, measured apart: ``eval_device_total_bytes``, ``eval_oom``).
@@ -563,8 +570,13 @@ def measure(
     from autofit.probe.model import adapter_request
 
     lora = adapter_request(lora, peft_config)
+    from autofit.probe.quant import resolve
+
+    quant = resolve(load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
+                    quantization_config=quantization_config, device=dev)
     if isinstance(model, torch.nn.Module):
-        module, task_name = build_model(model, task=task, lora=lora)  # checks, never modifies
+        module, task_name = build_model(model, task=task, lora=lora,  # checks, never modifies
+                                        quantization_config=quant)
         ref = None
         if attn_implementation is not None:
             raise BadInputError(
@@ -577,15 +589,23 @@ def measure(
             task=task,
             attn_implementation=attn_implementation,
             lora=lora,
+            quant=quant,
         )
         module, task_name = ref.build_meta()  # meta device: cheap; validates the reference
-        ref = ModelRef(ref.ref, task_name, attn_implementation, lora)
+        ref = ModelRef(ref.ref, task_name, attn_implementation, lora, quant)
     if config.chunked_loss:
         from autofit.knobs.loss import unsupported_reason
 
         why = unsupported_reason(module, task_name)
         if why is not None:
             raise BadInputError(f"chunked loss: {why}; measure without --chunked-loss")
+    from autofit.probe.quant import check_precision, spec_of_module
+
+    spec = quant if quant is not None else spec_of_module(module)
+    if spec is not None:  # a bitsandbytes base is never cast: a *-true must be its dtype
+        from autofit.probe.model import describe
+
+        check_precision(spec, describe(module, task=task_name).dtype, config.precision)
     if not any(p.requires_grad for p in module.parameters()):
         from autofit.errors import NoTrainableParametersError
 

@@ -199,8 +199,11 @@ def test_qlora_base_is_4bit():
     info = probe_model("tiny-llama", load_in_4bit=True, lora={"r": 8})
     base = 4 * (512 * 512 * 2 + 256 * 512 * 2 + 3 * 512 * 1376)  # quantized block linears
     w = weights_bytes(info, TrainConfig(precision="bf16-mixed"))
-    fp = 4 * (info.num_params - base)  # embeddings, norms, head, adapters in fp32
-    assert w == fp + base // 2 + base // 64 * 4
+    lora = info.trainable_params
+    # load_in_4bit: the base in bf16 (embeddings, norms, head), adapters fp32; per quantized
+    # weight (7 per block) packed values, an fp32 absmax per 64 and the 16-entry fp32 code
+    half = 2 * (info.num_params - base - lora)
+    assert w == half + 4 * lora + base // 2 + base // 64 * 4 + 4 * 7 * 16 * 4
     assert info.quantization == "4bit" and info.trainable_params < info.num_params // 50
 
 
