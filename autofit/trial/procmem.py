@@ -47,12 +47,17 @@ __all__ = [
 # GPU does not have. Measured (tests/test_procmem.py): 60 new lengths of a tiny BERT
 # map +35 MiB with the cache, +0.8 MiB without; a whole soak (benchmarks/soak.py)
 # died of it at every micro batch. The cost is time: a kernel is JIT-compiled per call.
+# pyarrow (imported by transformers.trainer when `datasets` is installed, e.g. with TRL)
+# starts its bundled jemalloc's background thread at import: a process with a second
+# thread cannot be forked safely, so the trial server refused to start and every trial
+# paid a fresh process; the thread only purges pyarrow's own memory, unused by a trial.
 CHILD_MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "65536",
     "MALLOC_TRIM_THRESHOLD_": "0",
     "MALLOC_ARENA_MAX": "1",
     "OMP_NUM_THREADS": "1",
     "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0",
+    "JE_ARROW_MALLOC_CONF": "background_thread:false",
 }
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
