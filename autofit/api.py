@@ -552,8 +552,8 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
         max_micro = min(max_micro, max(probed.data.num_samples, 1))
     allowed = {k.name: opts.get(k.name) for k in KNOBS}
     loss_impl = loss_impl_of(training_args)
-    info = probed.info
-    if info.quant is not None and allowed.get("precision") is None:
+    info = getattr(probed, "info", None)
+    if getattr(info, "quant", None) is not None and allowed.get("precision") is None:
         # a bitsandbytes base is never cast and autocasts only to its own 16-bit dtype
         from autofit.errors import AutofitError
         from autofit.knobs import PRECISION

@@ -242,3 +242,14 @@ def test_an_8_bit_base_by_name_is_tuned_with_trials(data):
                 target_batch_size=4, max_trials=3, cache=False)
     assert r.confirmed and r.meta["quantization"]["load_in_8bit"] is True
     assert all(t.error is None for t in r.trials)
+
+
+def test_a_16_bit_quantized_base_is_searched_in_precisions_it_runs(data):
+    """An fp16 base on a bf16 card: bf16 autocast cannot mix with it, so only 32-true (no
+    autocast) is searched, and the reasons say why."""
+    r = autofit("tiny-llama", data, device="A100-80GB", lora={"r": 8},
+                quantization_config={"load_in_4bit": True, "bnb_4bit_compute_dtype": "float16"})
+    assert r.config.precision == "32-true"
+    assert {c["precision"] for c in r.candidates} == {"32-true"}
+    assert any("precision: 32-true searched (the base is quantized in float16" in x
+               for x in r.reasons)

@@ -30,6 +30,15 @@ at its three candidate peaks and reports the largest:
   ``compile_saving_bytes`` (the rule of ``autofit.knobs.compile``: inductor's min-cut
   partitioner recomputes pointwise chains in the backward instead of saving them).
 
+A quantized base (bitsandbytes; ``ModelInfo.quant``) keeps its weights as
+``quantized_weight_bytes`` says and its other weights in the dtype it was loaded in (its
+compute dtype, never cast); its activations come from coefficients derived from its
+own forward (``autofit.memory.derived``: bitsandbytes' layers keep other tensors than
+``nn.Linear``), an 8-bit base's layers hold their inputs past checkpointing and until
+the end of backward (``int8_kept_bytes``), and a layer's backward dequantizes its
+weight (the largest, in the base's dtype, is a temporary). Measured on nine quantized
+configurations by ``benchmarks/measure_cpu.py`` (within 2.4%).
+
 Activations per block come from ``coefficients.json``: bytes per token as a linear
 function of hidden size, KV width, intermediate size, heads and heads × seq,
 fitted per block family, precision, attention implementation and LoRA regime by
