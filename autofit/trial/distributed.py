@@ -50,6 +50,7 @@ from autofit.trial.step import (
     _forward_loss,
     build_optimizer,
     free_grads,
+    optimizer_step,
 )
 
 __all__ = ["RankSpec", "Ranks", "join", "wrap", "OK", "OOM", "FAILED", "FSDP_STRATEGIES",
@@ -194,19 +195,7 @@ class _TorchStepper(_Phases):
                     loss.backward()
                 del loss
         self._phase("optimizer step")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(params, self.plan.max_grad_norm)
-        stepped = True
-        if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        stepped = optimizer_step(self.model, self.optimizer, self.scaler, self.plan.max_grad_norm)
         if not stepped:
             self.skipped_steps += 1
         self._phase("")

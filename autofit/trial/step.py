@@ -405,19 +405,7 @@ class Stepper:
             else:
                 loss.backward()
             del loss
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(params, self.plan.max_grad_norm)
-        stepped = True
-        if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        stepped = optimizer_step(self.model, self.optimizer, self.scaler, self.plan.max_grad_norm)
         if not stepped:
             self.skipped_steps += 1
         return stepped
@@ -445,3 +433,24 @@ class Stepper:
         self.scaler = None
         self.forward = None
         free_grads(self.model)
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: Any, scaler: Any,
+                   max_grad_norm: float) -> bool:
+    """The Trainer's optimizer step after the accumulated backwards: unscale (fp16), clip
+    the gradients to ``max_grad_norm``, step (through the scaler, which skips a step with
+    inf/nan gradients), zero the gradients; whether the optimizer stepped."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    stepped = True
+    if scaler is not None:
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        stepped = scaler.get_scale() >= scale
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return stepped
