@@ -696,38 +696,13 @@ def measure(
     error = raw.error
     if raw.timed_out:
         error = f"timeout after {timeout_s:g}s"
-    step = raw.step_time_s
     micro = plan.micro_batches_per_step
-    return TrialResult(
-        oom=bool(raw.oom),
-        peak_allocated_bytes=raw.peak_allocated_bytes,
-        peak_reserved_bytes=raw.peak_reserved_bytes,
-        device_total_bytes=raw.device_total_bytes,
-        step_time_s=step,
-        tokens_per_s=(micro * b * t / step) if step else None,
-        samples_per_s=(micro * b / step) if step else None,
-        error=error,
-        config=config.replace(seq_len=t).to_dict(),
-        device=dev.name,
-        batch_shape=(b, t),
-        isolation=mode,
-        isolation_reason=reason,
-        steps=len(raw.step_times_s),
-        warmup_steps=raw.warmup_done,
-        micro_batches_per_step=micro,
+    return _trial_result(
+        raw, config, dev, b, t, micro, error=error, isolation=mode, isolation_reason=reason,
         capacity_bytes=dev.capacity_bytes,
-        resident_bytes=raw.resident_bytes,
-        timed_out=raw.timed_out,
         recovered=raw.recovered if mode == "in-process" else None,
         leaked_bytes=raw.leaked_bytes if mode == "in-process" else None,
-        notes=tuple(notes),
-        killed_by=raw.killed_by,
-        run_steps=raw.run_steps,
-        eval_device_total_bytes=raw.eval_device_total_bytes,
-        eval_oom=raw.eval_oom,
-        eval_error=raw.eval_error,
-        compile_s=raw.compile_s,
-    )
+        notes=tuple(notes))
 
 
 def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
@@ -751,7 +726,6 @@ def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
                      progress=progress)
     raw = done.raw
     b, t = (int(s) for s in batch["input_ids"].shape)
-    step = raw.step_time_s
     micro = plan.micro_batches_per_step
     caps = [c for c in spec.caps if c is not None]
     capacity = min(caps) if caps else dev.capacity_bytes
@@ -760,6 +734,17 @@ def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
     reason = (f"{config.world_size} ranks ({shape}, {config.strategy}"
               + (f", offload {config.offload}" if config.offload != "none" else "")
               + f"): torchrun started one process per rank, each on its own {dev.name}")
+    return _trial_result(
+        raw, config, dev, b, t, micro, error=raw.error, isolation="subprocess",
+        isolation_reason=reason, capacity_bytes=capacity, notes=tuple(raw.notes),
+        per_rank=done.per_rank)
+
+
+def _trial_result(raw: Any, config: TrainConfig, dev: Any, b: int, t: int, micro: int,
+                  **fields: Any) -> TrialResult:
+    """A ``TrialResult`` of a trial's raw measurement (one process or the peaking rank):
+    what every trial reports, and ``fields`` (isolation, capacity, error, notes, ...)."""
+    step = raw.step_time_s
     return TrialResult(
         oom=bool(raw.oom),
         peak_allocated_bytes=raw.peak_allocated_bytes,
@@ -768,26 +753,21 @@ def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
         step_time_s=step,
         tokens_per_s=(micro * b * t / step) if step else None,
         samples_per_s=(micro * b / step) if step else None,
-        error=raw.error,
         config=config.replace(seq_len=t).to_dict(),
         device=dev.name,
         batch_shape=(b, t),
-        isolation="subprocess",
-        isolation_reason=reason,
         steps=len(raw.step_times_s),
         warmup_steps=raw.warmup_done,
         micro_batches_per_step=micro,
-        capacity_bytes=capacity,
         resident_bytes=raw.resident_bytes,
         timed_out=raw.timed_out,
-        notes=tuple(raw.notes),
+        killed_by=raw.killed_by,
         run_steps=raw.run_steps,
         eval_device_total_bytes=raw.eval_device_total_bytes,
         eval_oom=raw.eval_oom,
         eval_error=raw.eval_error,
         compile_s=raw.compile_s,
-        killed_by=raw.killed_by,
-        per_rank=done.per_rank,
+        **fields,
     )
 
 
