@@ -8,9 +8,10 @@ A knob declares
   value changes what training computes (such values are searched only when the
   user asks for them, like SGD instead of AdamW);
 * ``defaults(device)``: the values searched when the user does not restrict the
-  knob, with the reason shown to the user; ``check(device, value)``: raises an
-  ``AutofitError`` naming what to do when the device or the installed libraries
-  cannot run a value;
+  knob, with the reason shown to the user; ``check(device, value, run=True)``: raises
+  an ``AutofitError`` naming what to do when the device or the installed libraries
+  cannot run a value (``run=False``: the value is only estimated, so a library that
+  only running it needs, such as DeepSpeed or a C++ compiler, is not asked for);
 * ``emit(config, args)`` / ``read(args)``: how its value is written into (and read
   back from) ``TrainingArguments`` fields, with the field names of the installed
   transformers; ``fields``: the fields it owns;
@@ -60,7 +61,7 @@ class Knob(Protocol):
 
     def defaults(self, device: Any) -> tuple[tuple[Any, ...], str | None]: ...
 
-    def check(self, device: Any, value: Any) -> None: ...
+    def check(self, device: Any, value: Any, run: bool = True) -> None: ...
 
     def describe(self, value: Any) -> str: ...
 
@@ -107,7 +108,7 @@ class OnOffKnob:
     def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
         return (False, True), None
 
-    def check(self, device: Any, value: bool) -> None:
+    def check(self, device: Any, value: bool, run: bool = True) -> None:
         return None  # every device runs it; whether the *model* supports it is the model's
 
     def flag(self, value: bool) -> str:

@@ -62,7 +62,7 @@ class ChunkedLossKnob(OnOffKnob):
             return (False,), "no chunked loss: " + SEVERAL_RANKS
         return (False, True), None
 
-    def check(self, device: Any, value: bool) -> None:
+    def check(self, device: Any, value: bool, run: bool = True) -> None:
         """Raise ``BadInputError`` for the chunked loss on a device with several ranks."""
         if value and _several_ranks(device):
             from autofit.errors import BadInputError

@@ -106,12 +106,12 @@ class TorchCompileKnob(OnOffKnob):
     def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
         return (False,), None  # searched only when asked (--torch-compile)
 
-    def check(self, device: Any, value: bool) -> None:
+    def check(self, device: Any, value: bool, run: bool = True) -> None:
         """Raise ``MissingDependencyError`` when this machine cannot compile for a present
         ``device``: inductor builds C++ kernels on the CPU (a C++ compiler: ``$CXX`` or
         g++ / clang++) and Triton kernels on a GPU (``triton``). A plan for an absent
-        device is not checked here."""
-        if not value or device is None or not getattr(device, "present", False):
+        device, or an estimate (``run=False``), is not checked here."""
+        if not run or not value or device is None or not getattr(device, "present", False):
             return
         if device.kind == "cpu":
             cxx = os.environ.get("CXX") or "g++"

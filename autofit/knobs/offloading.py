@@ -89,7 +89,7 @@ class OffloadingKnob(OnOffKnob):
     def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
         return (False,), None  # only when asked: it costs host transfers every step
 
-    def check(self, device: Any, value: bool) -> None:
+    def check(self, device: Any, value: bool, run: bool = True) -> None:
         """Raise ``BadInputError`` when ``value`` is on and ``device`` is not a CUDA device,
         ``MissingDependencyError`` when the installed transformers cannot offload."""
         if not value:

@@ -44,7 +44,7 @@ class OptimizerKnob:
         return tuple(opts), ("optimizer: AdamW variants searched (" + ", ".join(opts) + "); "
                              "other optimizers change training and are tried only when asked")
 
-    def check(self, device: Any, value: str) -> None:
+    def check(self, device: Any, value: str, run: bool = True) -> None:
         """Raise ``MissingDependencyError`` for a bitsandbytes optimizer without bitsandbytes."""
         if OPTIMIZERS[value].bnb and not base.installed("bitsandbytes"):
             raise MissingDependencyError(

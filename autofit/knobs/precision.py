@@ -45,7 +45,7 @@ class PrecisionKnob:
         return ("16-mixed", "32-true"), ("precision: 16-mixed and 32-true searched "
                                          "(device has no bf16)")
 
-    def check(self, device: Any, value: str) -> None:
+    def check(self, device: Any, value: str, run: bool = True) -> None:
         """Raise ``UnsupportedPrecisionError`` when ``device`` cannot run ``value``."""
         name = device.product or device.name
         if value.startswith("bf16") and not device.bf16:

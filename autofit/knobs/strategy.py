@@ -118,9 +118,10 @@ class StrategyKnob:
                               "(they change no math; ranked by predicted throughput with "
                               "communication)" + why)
 
-    def check(self, device: Any, value: str) -> None:
-        """Raise ``MissingDependencyError`` for ZeRO on a present device without DeepSpeed."""
-        if (value in ZERO_STAGE and getattr(device, "present", False)
+    def check(self, device: Any, value: str, run: bool = True) -> None:
+        """Raise ``MissingDependencyError`` for ZeRO to run on a present device without
+        DeepSpeed (an estimate, ``run=False``, needs no DeepSpeed: ZeRO is modelled)."""
+        if (run and value in ZERO_STAGE and getattr(device, "present", False)
                 and not base.installed("deepspeed")):
             raise MissingDependencyError(
                 f"strategy {value} runs under DeepSpeed, which is not installed: pip install "
@@ -234,7 +235,7 @@ class OffloadKnob:
     def defaults(self, device: Any) -> tuple[tuple[str, ...], str | None]:
         return ("none",), None
 
-    def check(self, device: Any, value: str) -> None:
+    def check(self, device: Any, value: str, run: bool = True) -> None:
         return None  # which strategy can offload what: conflict()
 
     def conflict(self, choice: dict[str, Any]) -> str | None:

@@ -59,6 +59,7 @@ def test_defaults_depend_on_the_ranks(monkeypatch):
     assert "zero1" not in values and "DeepSpeed is not installed" in why
     with pytest.raises(MissingDependencyError, match="autofit\\[deepspeed\\]"):
         STRATEGY.check(here, "zero2")
+    STRATEGY.check(here, "zero2", run=False)  # an estimate runs nothing: no DeepSpeed needed
     STRATEGY.check(EIGHT, "zero2")  # a plan for cards that are not here needs nothing
 
 

@@ -286,11 +286,26 @@ def test_one_process_is_byte_identical_to_main():
 # ----------------------------------------------------------------------- API and CLI
 
 
-def test_estimate_keywords_override_the_config():
+def test_estimate_keywords_override_the_config(monkeypatch):
+    from autofit.knobs import base
+
+    # an estimate of ZeRO on this (present) CPU needs no DeepSpeed: only a trial runs it
+    monkeypatch.setattr(base, "installed", lambda package: package != "deepspeed")
     est = estimate("tiny-gpt2", TrainConfig(micro_batch_size=1), seq_len=32, device="cpu",
                    nproc_per_node=2, nnodes=2, strategy="zero2")
     assert len(est.per_rank) == 4
     assert est.config["world_size"] == 4 and est.config["strategy"] == "zero2"
+
+
+def test_measure_of_zero_without_deepspeed_is_refused_before_any_work(monkeypatch):
+    from autofit import measure
+    from autofit.errors import MissingDependencyError
+    from autofit.knobs import base
+
+    monkeypatch.setattr(base, "installed", lambda package: package != "deepspeed")
+    with pytest.raises(MissingDependencyError, match="autofit\\[deepspeed\\]"):
+        measure("tiny-gpt2", TrainConfig(micro_batch_size=1, nproc_per_node=2,
+                                         strategy="zero2"), seq_len=32, device="cpu:2GiB")
 
 
 def test_cli_estimate_json_has_per_rank(capsys):
