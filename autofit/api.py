@@ -65,6 +65,7 @@ def estimate(
     strategy: str | None = None,
     offload: str | None = None,
     sharding: Any = None,
+    block_size: int | None = None,
 ) -> MemoryEstimate:
     """Estimate the device memory of one training step (and, with a dataset, of the run).
 
@@ -109,6 +110,9 @@ def estimate(
             config's fields): every rank is estimated (``per_rank``), the top-level figures
             are those of the rank that peaks, ``host_bytes`` is a node's host memory
             (``autofit.memory.sharding``).
+        block_size: pack the dataset into blocks of this many tokens as the transformers
+            examples' ``group_texts`` does (``autofit.probe.packing``): every sample
+            ``block_size`` long.
         sharding: how the ranks run beyond the config: a dict of
             ``autofit.memory.sharding.Layout`` fields, e.g. ``{"fsdp_recipe": "torch",
             "zero_optimizer": "deepspeed"}`` (default: what the Trainer runs).
@@ -137,11 +141,18 @@ def estimate(
     layout = _layout(config, sharding)
     if method not in METHODS:
         raise BadInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    data = None
+    data, packed = None, ()
     if dataset is not None:
         from autofit.probe.data import probe_data
+        from autofit.probe.packing import as_script_sees
 
+        seen = as_script_sees(dataset, block_size=block_size, max_seq_len=max_seq_len,
+                              tokenizer=tokenizer)
+        dataset, max_seq_len, packed = seen.dataset, seen.max_seq_len, seen.reasons
         data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=tokenizer)
+    elif block_size is not None:
+        raise BadInputError(fix("--block-size", "block_size=") + " packs a dataset: give "
+                            + fix("--dataset", "dataset=") + " too")
     seq = seq_len if seq_len is not None else config.seq_len
     if seq is None and data is not None:
         seq = data.length_max  # the longest batch: the worst step
@@ -165,6 +176,11 @@ def estimate(
                                     quantization_config=quantization_config, device=dev),
     )
     name = model if isinstance(model, str) else None
+    if block_size is not None:
+        from autofit.probe.model import token_limits
+        from autofit.probe.packing import check_block_size
+
+        check_block_size(block_size, max_positions=token_limits(module)[1])
     check_chunked_loss(config.chunked_loss, module, t)
     info = describe(module, task=t, name=str(name) if name else None)
     check_precision(info.quant, info.dtype, config.precision)
@@ -192,9 +208,14 @@ def estimate(
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise BadInputError(f"{name} must be a positive integer, got {v!r}")
     eval_bytes = _eval_working_set(info, config, seq, dev, eval_batch_size, None)
-    return _with_run(est, sim, config, data, epochs=epochs, seed=seed, sampling=sampling,
-                     max_seq_len=max_seq_len, eval_steps=eval_steps, eval_bytes=eval_bytes,
-                     save_steps=save_steps)
+    est = _with_run(est, sim, config, data, epochs=epochs, seed=seed, sampling=sampling,
+                    max_seq_len=max_seq_len, eval_steps=eval_steps, eval_bytes=eval_bytes,
+                    save_steps=save_steps)
+    if packed:
+        import dataclasses
+
+        est = dataclasses.replace(est, notes=(*packed, *est.notes))
+    return est
 
 
 def _with_ranks(config: TrainConfig, **fields: Any) -> TrainConfig:
@@ -265,7 +286,7 @@ _OPTIONS = {
     "cache", "confirm_top", "max_trials", "progress", "isolation", "trial_timeout_s",
     "attn_implementation", "lora", "peft_config", "load_in_4bit", "load_in_8bit",
     "quantization_config", "optim_args", "world_size",
-    "generate_max_new_tokens", "nproc_per_node", "nnodes",
+    "generate_max_new_tokens", "nproc_per_node", "nnodes", "block_size", "packing",
 }
 
 
@@ -314,7 +335,11 @@ def autofit(
             ``collator=``, ``task=``, ``cache=`` (False, True or a storage URL),
             ``confirm_top=``, ``max_trials=``, ``progress=``, ``isolation=``,
             ``trial_timeout_s=``, ``generate_max_new_tokens=`` (eval by generation:
-            sizes the eval batch's KV cache).
+            sizes the eval batch's KV cache), ``block_size=`` (the samples packed into
+            blocks of that many tokens as the transformers examples' ``group_texts``
+            does; ``packing=`` one of TRL's strategies instead, ``autofit.probe.packing``).
+            An ``SFTConfig`` as ``training_args`` brings its ``max_length`` (truncation)
+            and ``packing``: the lengths SFTTrainer produces are planned for.
 
     Returns:
         A ``FitResult``.
@@ -351,6 +376,7 @@ def autofit(
     opts["_quant_request"] = quant
     reasons: list[str] = []
     progress = _progress_printer(opts.get("progress", False))
+    dataset, max_seq_len = _script_data(dataset, max_seq_len, opts, reasons)
     probed = _probe(model, dataset, device, max_seq_len, opts, reasons)
     space, base_args = _space(probed, target_batch_size, opts, reasons)
     estimator = _estimator(probed, opts, progress, reasons)
@@ -439,6 +465,21 @@ def _number_problems(values: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _script_data(dataset: Any, max_seq_len: int | None, opts: dict[str, Any],
+                 reasons: list[str]) -> tuple[Any, int | None]:
+    """Stage 0: the samples as the script feeds them (``block_size=`` packing, an
+    SFTConfig's ``max_length`` / ``packing``; ``autofit.probe.packing``)."""
+    from autofit.probe.packing import as_script_sees
+
+    args = opts.get("training_args")
+    seen = as_script_sees(dataset, block_size=opts.get("block_size"), max_seq_len=max_seq_len,
+                          packing=opts.get("packing"), sft=args if is_sft_config(args) else None,
+                          tokenizer=opts.get("tokenizer"), text_column=opts.get("text_column"))
+    reasons += seen.reasons
+    opts["_script_data"] = seen  # _probe checks the block against the model, _result records it
+    return seen.dataset, seen.max_seq_len
+
+
 @dataclass(frozen=True)
 class _Probed:
     """What the probe stage found: the model as given and as built, its task and
@@ -485,6 +526,11 @@ def _probe(model: Any, dataset: Any, device: Any, max_seq_len: int | None,
             f"{info.name} has no trainable parameter; unfreeze some or add LoRA "
             f"({fix('--lora-r 8', 'lora=' + repr({'r': 8}))})")
     vocab, positions = token_limits(module)  # the data is checked against them
+    seen = opts.get("_script_data")
+    if seen is not None and seen.block_size is not None:
+        from autofit.probe.packing import check_block_size
+
+        check_block_size(seen.block_size, max_positions=positions, name=seen.source)
     data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=opts.get("tokenizer"),
                       text_column=opts.get("text_column"), vocab_size=vocab,
                       max_positions=positions)
@@ -900,6 +946,8 @@ def _study(probed: _Probed, space: Any, margin: float, objective: str, runner: A
         "device": [dev.name, dev.product, dev.capacity_bytes], "versions": library_versions(),
         "space": space.describe(), "margin": margin, "method": opts.get("method", "analytic"),
         "objective": objective, "engine": ENGINE_VERSION,
+        # packed samples: the file records how (a cached answer must carry it)
+        **({"packing": seen.meta} if (seen := opts.get("_script_data")) and seen.meta else {}),
     })
     cache = opts.get("cache", True)
     if not cache or not trials_run:
@@ -1043,6 +1091,8 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
             "versions": library_versions(), "predicted_run_bytes": predicted_run}
     if adapter is not None:
         meta["adapter"] = adapter
+    if opts.get("_script_data") is not None:  # packed: check re-derives the same blocks
+        meta.update(opts["_script_data"].meta)
     if is_sft_config(opts.get("training_args")):  # emitted as the user's class: SFTConfig
         meta["arguments_class"] = SFT_CONFIG
     if quant is not None:

@@ -395,8 +395,13 @@ def run_check(
     isolation: str = "auto",
     timeout_s: float | None = 600.0,
     progress: Any = None,
+    block_size: int | None = None,
+    packing: str | None = None,
 ) -> Any:
     """Check one configuration (see the module docstring); returns a ``PreflightReport``.
+
+    ``block_size`` packs the dataset into blocks of that many tokens first (``packing``: how,
+    default ``group_texts``; ``autofit.probe.packing``).
 
     ``eval_required=False`` reports an eval batch that would not fit as a reason
     (a warning), not a problem: the run may never evaluate. ``seq_len_source`` says
@@ -422,9 +427,15 @@ def run_check(
         reasons.append(f"{config.world_size} ranks ({config.strategy}"
                        + (f", offload {config.offload}" if config.offload != "none" else "")
                        + f"), each on a {dev.name}: the verdict is the peaking rank's")
+    seen = None
     if dataset is not None:
         from autofit.probe.data import probe_data
+        from autofit.probe.packing import as_script_sees
 
+        seen = as_script_sees(dataset, block_size=block_size, max_seq_len=max_seq_len,
+                              packing=packing, tokenizer=tokenizer)
+        dataset, max_seq_len = seen.dataset, seen.max_seq_len
+        reasons += seen.reasons
         data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=tokenizer)
         seq_len = data.length_max
         reasons.append(f"sequence length {seq_len}: the longest sample"
@@ -432,6 +443,8 @@ def run_check(
                        + f" (p50 {data.length_p50}, p99 {data.length_p99})")
     elif seq_len is None:
         raise BadInputError("give a dataset or seq_len (tokens of the longest sample)")
+    elif block_size is not None:
+        raise BadInputError("block_size packs a dataset: give the dataset too")
     else:
         reasons.append(f"sequence length {seq_len}: {seq_len_source} (no dataset: the trial "
                        "batch is random tokens of that length)")
@@ -446,6 +459,12 @@ def run_check(
                        generate_max_new_tokens=generate_max_new_tokens,
                        max_seq_len=max_seq_len, tokenizer=tokenizer, collator=collator,
                        isolation=isolation, timeout_s=timeout_s, progress=progress)
+    if seen is not None and seen.block_size is not None:  # a block past the positions: exit 2
+        from autofit.probe.packing import check_block_size
+
+        info = checker.info
+        check_block_size(seen.block_size, name=seen.source, max_positions=(
+            info.max_position_embeddings if _learned_positions(info) else None))
     first = checker.assess(config)
     final = first
     changes: dict[str, tuple[Any, Any]] = {}

@@ -168,6 +168,7 @@ def preflight(
     collator: Any = None,
     timeout_s: float | None = 600.0,
     raise_on_failure: bool = True,
+    block_size: int | None = None,
 ) -> PreflightReport:
     """Check (and with ``fix=True`` repair) the configuration a training run is about to use.
 
@@ -196,6 +197,9 @@ def preflight(
         timeout_s: wall-clock limit of a trial.
         raise_on_failure: raise ``PreflightError`` when it does not fit (else
             return the report with ``fits=False``).
+        block_size: the dataset packed into blocks of this many tokens, as the
+            transformers examples' ``group_texts`` (default: an ``SFTConfig`` with
+            ``packing=True`` packs into its ``max_length`` by its ``packing_strategy``).
 
     Returns:
         A ``PreflightReport``.
@@ -218,6 +222,7 @@ def preflight(
     if args is None or not (isinstance(args, dict) or hasattr(args, "per_device_train_batch_size")):
         raise BadInputError("preflight needs a Trainer, TrainingArguments or a dict of their "
                             f"fields, got {type(trainer_or_args).__name__}")
+    given = dataset  # a trainer's own train_dataset is already prepared (packed) by it
     if trainer is not None:
         model = model if model is not None else trainer.model
         dataset = dataset if dataset is not None else getattr(trainer, "train_dataset", None)
@@ -232,8 +237,12 @@ def preflight(
     config = config_of(args)
     if trainer is not None:
         config = trainer_loss(config, trainer)
-    if max_seq_len is None and isinstance(d.get("max_length"), int):
-        max_seq_len = d["max_length"]  # SFTConfig truncates to it
+    packing = None
+    if block_size is None and max_seq_len is None and isinstance(d.get("max_length"), int):
+        if d.get("packing") and given is not None:  # SFTTrainer packs into max_length rows
+            block_size, packing = d["max_length"], d.get("packing_strategy") or "bfd"
+        else:
+            max_seq_len = d["max_length"]  # SFTConfig truncates to it
     eval_batch, gen = _eval_settings(d, eval_dataset, generate_max_new_tokens)
     eval_seq = None
     if eval_batch and eval_dataset is not None:
@@ -245,7 +254,7 @@ def preflight(
                        margin=margin, trial=trial, cache=cache, eval_batch_size=eval_batch,
                        eval_seq_len=eval_seq, generate_max_new_tokens=gen, fix=fix,
                        max_seq_len=max_seq_len, tokenizer=tokenizer, collator=collator,
-                       timeout_s=timeout_s)
+                       timeout_s=timeout_s, block_size=block_size, packing=packing)
     if report.changes:
         _apply(args, trainer, report.changes)
         what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in report.changes.items())

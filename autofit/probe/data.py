@@ -48,7 +48,8 @@ from typing import Any
 
 from autofit.errors import BadInputError, EmptyDatasetError, UnknownTaskError, fix
 
-__all__ = ["DataInfo", "probe_data", "worst_case_batch", "random_batch", "check_batch"]
+__all__ = ["DataInfo", "probe_data", "worst_case_batch", "random_batch", "check_batch",
+           "sample_ids"]
 
 _TASKS = ("causal-lm", "masked-lm", "seq2seq", "seq-cls")
 _TEXT_COLUMNS = ("text", "content", "sentence", "prompt")
@@ -197,7 +198,9 @@ class _View:
         tokenizer: Any,
         max_seq_len: int | None,
         text_column: str | None,
+        text_suffix: str | None = None,
     ) -> None:
+        self.text_suffix = text_suffix  # appended to every text not ending with it (an EOS)
         if isinstance(dataset, (str, bytes)) or not hasattr(dataset, "__getitem__"):
             raise BadInputError(
                 f"a dataset must be a datasets.Dataset, a map-style torch Dataset or a list of "
@@ -258,6 +261,10 @@ class _View:
         """(index, input_ids) of every sample, tokenizing a text column in chunks of 1000."""
         if self.text_column is not None:
             texts = self._column(self.text_column)
+            end = self.text_suffix
+            if end:
+                texts = [t if not isinstance(t, str) or t.endswith(end) else t + end
+                         for t in texts]
             for start in range(0, len(texts), 1000):
                 enc = self.tokenizer(list(texts[start : start + 1000]), truncation=False)
                 yield from enumerate(enc["input_ids"], start)
@@ -431,6 +438,17 @@ def probe_data(
         text_column=view.text_column,
         lengths=tuple(lengths),
     )
+
+
+def sample_ids(dataset: Any, *, tokenizer: Any = None, text_column: str | None = None,
+               text_suffix: str | None = None) -> list[list[int]]:
+    """Every sample's token ids, in dataset order (a text column tokenized, each text ending
+    in ``text_suffix`` first); every sample checked as ``probe_data`` checks it."""
+    view = _View(dataset, tokenizer, None, text_column, text_suffix)
+    view.validate()
+    if view.scan is None:  # the arrow fast path read lengths only
+        return [list(map(int, ids)) for ids in view._column("input_ids")]
+    return [[int(v) for v in _ids_array(ids)] for _, ids in view._all_ids()]
 
 
 def worst_case_batch(

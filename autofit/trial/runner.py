@@ -497,6 +497,7 @@ def measure(
     quantization_config: Any = None,
     run: Any = None,
     progress: Any = None,
+    block_size: int | None = None,
 ) -> TrialResult:
     """Run ``warmup_steps`` + ``measure_steps`` real training steps and measure them.
 
@@ -525,6 +526,8 @@ def measure(
         peft_config: any PEFT method instead (``autofit.probe.peft.peft_config``).
         load_in_4bit, load_in_8bit, quantization_config: a quantized base for a model
             given by reference (``autofit.probe.quant``), built directly on the device.
+        block_size: pack the dataset into blocks of this many tokens first, as the
+            transformers examples' ``group_texts`` (``autofit.probe.packing``).
         run: a ``autofit.trial.step.RunSpec``: a short run around the measured steps
             (the run's other lengths before them, whose peak counts; an evaluation
             step after them, measured apart: ``eval_device_total_bytes``, ``eval_oom``).
@@ -558,6 +561,13 @@ def measure(
     if isolation not in ISOLATIONS:
         raise BadInputError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
     _check_counts(warmup_steps, measure_steps, timeout_s)
+    if block_size is not None:
+        from autofit.probe.packing import pack_dataset
+
+        if dataset_or_batch is None or isinstance(dataset_or_batch, dict):
+            raise BadInputError("block_size packs a dataset: give one (not a batch or seq_len)")
+        dataset_or_batch = pack_dataset(dataset_or_batch, block_size,
+                                        tokenizer=tokenizer).samples
     dev = resolve_device(device)
     if not dev.present:
         raise UnknownDeviceError(
@@ -611,6 +621,11 @@ def measure(
 
         raise NoTrainableParametersError("the model has no trainable parameter (requires_grad)")
 
+    if block_size is not None:
+        from autofit.probe.model import token_limits
+        from autofit.probe.packing import check_block_size
+
+        check_block_size(block_size, max_positions=token_limits(module)[1])
     batch = _make_batch(
         dataset_or_batch,
         config,
