@@ -85,6 +85,7 @@ def run_check_command(args: argparse.Namespace) -> int:
         margin=args.margin, trial=not args.no_trial, cache=not args.no_cache, tune_meta=meta,
         eval_batch_size=int(eval_batch) if eval_batch else None, eval_required=evaluates,
         seq_len_source=s.seq_len_source, max_seq_len=s.max_seq_len, progress=progress,
+        tokenizer=s.tokenizer, block_size=s.block_size, packing=s.packing,
     )
     from dataclasses import replace
 

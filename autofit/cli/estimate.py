@@ -16,6 +16,7 @@ from typing import Any
 from autofit.cli.options import (
     EXIT_DOES_NOT_FIT,
     EXIT_OK,
+    add_block_size_option,
     add_model_options,
     model_kwargs,
     tokenizer_for,
@@ -37,6 +38,7 @@ def add_estimate_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "bundled name): adds the whole run's need (run_* keys)")
     p.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this length")
     p.add_argument("--tokenizer", default=None, help="tokenizer for a dataset with text")
+    add_block_size_option(p)
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of the run (with --dataset)")
     p.add_argument("--seed", type=int, default=42, help="the run's seed (its batch order)")
     p.add_argument("--eval-steps", type=int, default=None,
@@ -61,7 +63,11 @@ def run_estimate(args: argparse.Namespace) -> int:
         run = dict(dataset=data, max_seq_len=args.max_seq_len, epochs=args.epochs,
                    seed=args.seed, tokenizer=tokenizer_for(args, data),
                    eval_steps=args.eval_steps, eval_batch_size=args.eval_batch_size,
-                   save_steps=args.save_steps)
+                   save_steps=args.save_steps, block_size=args.block_size)
+    elif args.block_size is not None:
+        from autofit.errors import BadInputError
+
+        raise BadInputError("--block-size packs a dataset: give --dataset too")
     est = estimate(
         args.model,
         train_config(args),

@@ -20,6 +20,7 @@ from autofit.cli.options import (
     EXIT_DOES_NOT_FIT,
     EXIT_OK,
     EXIT_TRIAL_FAILED,
+    add_block_size_option,
     add_config_options,
     add_peft_option,
     add_quant_options,
@@ -68,6 +69,7 @@ def add_measure_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=".json / .jsonl file of samples with input_ids (or text + --tokenizer)",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer for a dataset with text")
+    add_block_size_option(p)
     p.add_argument("--device", default="auto", help="auto | cpu | cpu:4GiB | cuda | cuda:N")
     p.add_argument("--isolation", choices=["auto", "in-process", "subprocess"], default="auto")
     p.add_argument("--warmup-steps", type=int, default=1)
@@ -165,6 +167,8 @@ def _measure(args: argparse.Namespace) -> Any:
         tokenizer = tokenizer_for(args, data)
     elif args.seq_len is None:
         raise BadInputError("give --seq-len (random tokens) or --dataset")
+    elif args.block_size is not None:
+        raise BadInputError("--block-size packs a dataset: give --dataset too")
     if args.json or config.world_size == 1:
         return _run(args, config, data, tokenizer, None)
     from rich.console import Console
@@ -221,4 +225,5 @@ def _run(args: argparse.Namespace, config: Any, data: Any, tokenizer: Any,
         peft_config=args.peft_config,
         progress=progress,
         quantization_config=quant,
+        block_size=args.block_size,
     )

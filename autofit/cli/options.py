@@ -18,7 +18,7 @@ __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "EXI
            "add_adapter_options", "add_peft_option", "add_quant_options", "quant_spec",
            "model_kwargs", "train_config", "tokenizer_for",
            "add_file_subject_options", "FileSubject", "file_subject", "add_config_options",
-           "add_rank_options", "rank_kwargs"]
+           "add_rank_options", "rank_kwargs", "add_block_size_option"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
 # a trial that neither fitted nor ran out of memory: a timeout, a crash, a killed process
@@ -188,6 +188,14 @@ def tokenizer_for(args: argparse.Namespace, data: list[Any]) -> Any:
         ) from None
 
 
+def add_block_size_option(p: argparse.ArgumentParser) -> None:
+    """``--block-size N``: the samples packed into N-token blocks, as the transformers
+    language-modeling examples' ``group_texts`` (``autofit.probe.packing``)."""
+    p.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help="pack the dataset into N-token blocks as the transformers examples' "
+                        "group_texts (concatenate, cut, drop the remainder)")
+
+
 def add_file_subject_options(p: argparse.ArgumentParser) -> None:
     """What a configuration file trains, when the file does not say (a plain
     TrainingArguments file) or to override what a tuned file says."""
@@ -200,6 +208,9 @@ def add_file_subject_options(p: argparse.ArgumentParser) -> None:
                    help="tokens of the longest sample, without --dataset (default: the file's)")
     p.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this length")
     p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer for a dataset with text (default: the model's)")
+    add_block_size_option(p)  # default: the file's
 
 
 @dataclass(frozen=True)
@@ -214,6 +225,9 @@ class FileSubject:
     task: str | None
     max_seq_len: int | None
     seq_len_source: str
+    tokenizer: Any = None  # for a dataset of text
+    block_size: int | None = None  # the samples packed into blocks of this many tokens
+    packing: str | None = None  # how (autofit.probe.packing.STRATEGIES); None: group_texts
 
 
 def file_subject(args: argparse.Namespace, meta: dict[str, Any]) -> FileSubject:
@@ -241,10 +255,21 @@ def file_subject(args: argparse.Namespace, meta: dict[str, Any]) -> FileSubject:
         device, why = args.device, f"device {args.device}: as given"
     else:
         device, why = _default_device(meta)
+    # packed as the tuned file records (a mixed args file's block_size too), unless given
+    block_size = getattr(args, "block_size", None)
+    packing = None
+    if block_size is None and dataset is not None and meta.get("block_size") is not None:
+        block_size, packing = meta["block_size"], meta.get("packing")
+    max_seq_len = args.max_seq_len or (meta.get("max_seq_len") if block_size is None else None)
+    tokenizer = None
+    if dataset is not None:
+        tokenizer = tokenizer_for(argparse.Namespace(tokenizer=getattr(args, "tokenizer", None),
+                                                     model=model), dataset)
     return FileSubject(model=model, dataset=dataset, seq_len=seq_len, device=device,
                        device_reason=why, task=args.task or meta.get("task"),
-                       max_seq_len=args.max_seq_len or meta.get("max_seq_len"),
-                       seq_len_source="as given" if args.seq_len is not None else "the file's")
+                       max_seq_len=max_seq_len,
+                       seq_len_source="as given" if args.seq_len is not None else "the file's",
+                       tokenizer=tokenizer, block_size=block_size, packing=packing)
 
 
 def _default_device(meta: dict[str, Any]) -> tuple[str, str]:

@@ -47,7 +47,7 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _overrides(args: argparse.Namespace) -> bool:
     return any(getattr(args, n) is not None for n in ("model", "dataset", "seq_len", "device",
-                                                       "max_seq_len", "task"))
+                                                       "max_seq_len", "task", "block_size"))
 
 
 def _estimated(args: argparse.Namespace, fields: dict[str, Any], meta: dict[str, Any]) -> Any:
@@ -60,8 +60,12 @@ def _estimated(args: argparse.Namespace, fields: dict[str, Any], meta: dict[str,
     seq_len, reasons = s.seq_len, [s.device_reason]
     if s.dataset is not None:
         from autofit.probe.data import probe_data
+        from autofit.probe.packing import as_script_sees
 
-        data = probe_data(s.dataset, max_seq_len=s.max_seq_len)
+        seen = as_script_sees(s.dataset, block_size=s.block_size, max_seq_len=s.max_seq_len,
+                              packing=s.packing, tokenizer=s.tokenizer)
+        reasons += seen.reasons
+        data = probe_data(seen.dataset, max_seq_len=seen.max_seq_len, tokenizer=s.tokenizer)
         seq_len = data.length_max
         reasons.append(f"sequence length {seq_len}: the longest sample (p50 {data.length_p50})")
     else:

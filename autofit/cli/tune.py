@@ -17,6 +17,7 @@ from typing import Any
 from autofit.cli.options import (
     EXIT_OK,
     add_adapter_options,
+    add_block_size_option,
     add_rank_options,
     model_kwargs,
     rank_kwargs,
@@ -55,6 +56,7 @@ def add_tune_parser(sub: Any) -> argparse.ArgumentParser:
     add_adapter_options(t)
     t.add_argument("--task", default=None)
     t.add_argument("--tokenizer", default=None, help="tokenizer for a dataset with text")
+    add_block_size_option(t)
     t.add_argument("--max-trials", type=int, default=12)
     t.add_argument("--method", choices=list(METHODS), default="analytic",
                    help="estimate: analytic (closed form) or simulate (for a card not "
@@ -83,6 +85,8 @@ def run_tune(args: argparse.Namespace) -> int:
         max_micro_batch=args.max_micro_batch, task=args.task, tokenizer=tokenizer,
         max_trials=args.max_trials, cache=not args.no_cache, method=args.method,
     )
+    if args.block_size is not None:
+        kwargs["block_size"] = args.block_size
     kwargs.update({k.name: k.from_options(args) for k in KNOBS})
     kwargs.update(rank_kwargs(args))
     kwargs.update({k: v for k, v in model_kwargs(args).items() if k != "task"})
