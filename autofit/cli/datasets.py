@@ -50,24 +50,68 @@ def load_dataset_ref(ref: str) -> Any:
 
 
 def load_dataset_file(path: str) -> list[Any]:
-    """Samples from a .json (a list, or {"data": [...]}, or columns) or .jsonl file."""
+    """Samples from a .json or .jsonl file, read as ``datasets``' json loader reads them: one
+    JSON object per line (either suffix), a list of objects (or of strings: ``text``),
+    ``{"data": [...]}``, or an object of columns (``{"text": [...]}``)."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise BadInputError(f"--dataset {path}: no such file")
     try:
         text = p.read_text(encoding="utf-8")
-        if p.suffix.lower() == ".jsonl":
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
-        data = json.loads(text)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInputError(f"--dataset {path}: not readable JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInputError(f"--dataset {path}: not a UTF-8 JSON text file ({e})") from None
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark, as datasets tolerates
+    data = _json_lines(text, path) if p.suffix.lower() == ".jsonl" else _json(text, path)
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
-    elif isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+    elif isinstance(data, dict) and _columns(data):
         n = len(next(iter(data.values())))
         data = [{k: v[i] for k, v in data.items()} for i in range(n)]
+    elif isinstance(data, dict):
+        data = [data]  # one JSON object: one sample (a JSON-lines file of one line)
+    if isinstance(data, list) and data and all(isinstance(x, str) for x in data):
+        data = [{"text": x} for x in data]  # a list of strings: a text column, as datasets
     if not isinstance(data, list):
         raise BadInputError(
             f"--dataset {path}: expected a list of samples (dicts with input_ids or text)"
         )
     return data
+
+
+def _json(text: str, path: str) -> Any:
+    """One JSON document, else JSON lines (``datasets`` reads a .json of lines too)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg != "Extra data":
+            raise BadInputError(f"--dataset {path}: not readable JSON ({e})") from None
+    except RecursionError:
+        raise BadInputError(f"--dataset {path}: JSON nested too deeply to be a dataset") from None
+    return _json_lines(text, path)
+
+
+def _json_lines(text: str, path: str) -> list[Any]:
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise BadInputError(f"--dataset {path}: line {n} is not readable JSON ({e}); "
+                                "give one JSON object per line") from None
+        except RecursionError:
+            raise BadInputError(f"--dataset {path}: line {n} is JSON nested too deeply to be "
+                                "a sample") from None
+    return out
+
+
+def _columns(data: dict[str, Any]) -> bool:
+    """Whether an object holds columns of equal length (not one sample's lists of ids)."""
+    values = list(data.values())
+    if not values or not all(isinstance(v, list) for v in values):
+        return False
+    if len({len(v) for v in values}) != 1:
+        return False
+    ids = data.get("input_ids")
+    return ids is None or not ids or isinstance(ids[0], (list, tuple))
