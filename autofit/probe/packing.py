@@ -1,8 +1,9 @@
 """Samples as the training script sees them: packed into fixed-size blocks.
 
 transformers' language-modeling examples (``run_clm.py``) tokenize the text, then
-``group_texts``: concatenate every sample and cut the stream into ``block_size``-token
-blocks, dropping the remainder. TRL's ``SFTTrainer`` with ``packing=True`` packs into
+``group_texts``: concatenate the samples and cut the stream into ``block_size``-token
+blocks, dropping the remainder. They map it batched: each 1000 samples are packed apart
+(each batch drops its own remainder), as here. TRL's ``SFTTrainer`` with ``packing=True`` packs into
 ``max_length``-token rows by ``packing_strategy``:
 
 - ``"bfd"``: best-fit decreasing; whole samples (truncated at the row size) share a row;
@@ -11,7 +12,7 @@ blocks, dropping the remainder. TRL's ``SFTTrainer`` with ``packing=True`` packs
 - ``"wrapped"``: the stream cut every ``max_length`` tokens; the remainder is kept as a
   shorter row.
 
-TRL packs through ``datasets.map``: each batch of 1000 samples apart, as here.
+TRL packs through ``datasets.map`` too: each batch of 1000 samples apart.
 
 The packed samples are plain ``{"input_ids": [...]}`` dicts: the rest of autofit reads
 their lengths (every one the block size for ``group_texts``) and builds the worst-case
@@ -41,7 +42,7 @@ __all__ = ["STRATEGIES", "Packed", "ScriptData", "pack_ids", "pack_dataset", "ch
 
 # how a script packs: transformers' group_texts, or TRL's packing_strategy values
 STRATEGIES = ("group_texts", "bfd", "bfd_split", "wrapped")
-_WRAPPED_BATCH = 1000  # datasets.map's default batch: TRL packs each batch apart
+_MAP_BATCH = 1000  # datasets.map's default batch: group_texts and TRL pack each apart
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ class Packed:
         """One line: how many rows of which length, from how much data."""
         n = len(self.samples)
         rows = sum(len(s["input_ids"]) for s in self.samples)
-        what = {"group_texts": "as group_texts does: concatenated, cut, remainder dropped",
+        what = {"group_texts": "as group_texts does: concatenated, cut, each 1000 samples' "
+                               "remainder dropped",
                 "bfd": "best-fit decreasing, longer samples truncated",
                 "bfd_split": "best-fit decreasing, longer samples split",
                 "wrapped": "concatenated and cut, remainder kept"}[self.strategy]
@@ -93,22 +95,25 @@ def pack_ids(ids: list[list[int]], block_size: int,
         return _group_texts(ids, block_size)
     if strategy == "wrapped":
         out: list[list[int]] = []
-        for start in range(0, len(ids), _WRAPPED_BATCH):
-            flat = [t for row in ids[start:start + _WRAPPED_BATCH] for t in row]
+        for start in range(0, len(ids), _MAP_BATCH):
+            flat = [t for row in ids[start:start + _MAP_BATCH] for t in row]
             out += [flat[i:i + block_size] for i in range(0, len(flat), block_size)]
         return out
     if strategy in ("bfd", "bfd_split"):
-        return [row for start in range(0, len(ids), _WRAPPED_BATCH)
-                for row in _best_fit_decreasing(ids[start:start + _WRAPPED_BATCH], block_size,
+        return [row for start in range(0, len(ids), _MAP_BATCH)
+                for row in _best_fit_decreasing(ids[start:start + _MAP_BATCH], block_size,
                                                 split=strategy == "bfd_split")]
     raise BadInputError(f"unknown packing strategy {strategy!r}; choose one of "
                         f"{', '.join(STRATEGIES)}")
 
 
 def _group_texts(ids: list[list[int]], block_size: int) -> list[list[int]]:
-    flat = [t for row in ids for t in row]
-    total = (len(flat) // block_size) * block_size  # the remainder is dropped
-    return [flat[i:i + block_size] for i in range(0, total, block_size)]
+    out: list[list[int]] = []
+    for start in range(0, len(ids), _MAP_BATCH):  # run_clm.py maps group_texts batched
+        flat = [t for row in ids[start:start + _MAP_BATCH] for t in row]
+        total = (len(flat) // block_size) * block_size  # each batch's remainder is dropped
+        out += [flat[i:i + block_size] for i in range(0, total, block_size)]
+    return out
 
 
 def _best_fit_decreasing(ids: list[list[int]], size: int, *, split: bool) -> list[list[int]]:
@@ -156,11 +161,15 @@ def pack_dataset(dataset: Any, block_size: int, *, strategy: str = "group_texts"
                      text_suffix=text_suffix)
     total = sum(len(r) for r in ids)
     rows = pack_ids(ids, block_size, strategy)
-    if not rows or (strategy == "group_texts" and total < block_size):
+    if not rows:
+        most = max(sum(len(r) for r in ids[i:i + _MAP_BATCH])
+                   for i in range(0, len(ids), _MAP_BATCH))
+        where = (f"the whole dataset's {total:,} tokens" if len(ids) <= _MAP_BATCH else
+                 f"the {most:,} tokens of any {_MAP_BATCH} samples (packed apart)")
         raise BadInputError(
-            f"{fix('--block-size', 'block_size=')} {block_size} is more than the whole "
-            f"dataset's {total:,} tokens: no block would be made; use "
-            + fix(f"--block-size {total}", f"block_size={total}") + " or less, or more data")
+            f"{fix('--block-size', 'block_size=')} {block_size} is more than {where}: no "
+            "block would be made; use " + fix(f"--block-size {most}", f"block_size={most}")
+            + " or less, or more data")
     return Packed([{"input_ids": r} for r in rows], block_size, strategy, len(ids), total)
 
 
