@@ -173,3 +173,18 @@ def test_an_sft_config_brings_its_max_length_and_packing(packing, seq, line):
         assert r.meta["packing"] == packing.get("packing_strategy", "bfd")
     else:
         assert r.meta["max_seq_len"] == 64 and "block_size" not in r.meta
+
+
+def test_a_mixed_files_block_size_packs_when_the_metadata_says_nothing(files):
+    import argparse
+
+    from autofit.cli.options import file_subject
+
+    d, _ = files
+    args = argparse.Namespace(config="args.yaml", model="tiny-gpt2", dataset=str(d / "train.json"),
+                              seq_len=None, device="cpu", task=None, max_seq_len=None,
+                              tokenizer=str(d / "tok"), block_size=None)
+    assert file_subject(args, {}, {"block_size": 128}).block_size == 128
+    assert file_subject(args, {"block_size": 64}, {"block_size": 128}).block_size == 64
+    args.block_size = 32  # the command line wins
+    assert file_subject(args, {"block_size": 64}, {"block_size": 128}).block_size == 32

@@ -69,7 +69,7 @@ def run_check_command(args: argparse.Namespace) -> int:
     if (meta.get("config") or {}).get("loss_impl") == "trl" and not config.chunked_loss:
         config = config.replace(loss_impl="trl")  # the plan of an SFTConfig (SFTTrainer's loss)
     config = _with_ranks(config, meta, args)
-    s = file_subject(args, meta)
+    s = file_subject(args, meta, fields)
     eval_batch = fields.get("per_device_eval_batch_size")
     # an eval batch that does not fit stops the job only when the file evaluates
     evaluates = (str(fields.get("eval_strategy") or "no") != "no" or bool(fields.get("do_eval"))

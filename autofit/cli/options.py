@@ -230,8 +230,11 @@ class FileSubject:
     packing: str | None = None  # how (autofit.probe.packing.STRATEGIES); None: group_texts
 
 
-def file_subject(args: argparse.Namespace, meta: dict[str, Any]) -> FileSubject:
-    """Resolve ``add_file_subject_options`` against a file's autofit metadata (may be empty).
+def file_subject(args: argparse.Namespace, meta: dict[str, Any],
+                 fields: dict[str, Any] | None = None) -> FileSubject:
+    """Resolve ``add_file_subject_options`` against a file's autofit metadata (may be empty)
+    and its fields (a mixed args file's ``block_size``, as the transformers examples' data
+    arguments name it, packs the dataset when the metadata says nothing).
 
     Raises:
         BadInputError: no model, or neither a dataset nor a sequence length.
@@ -260,6 +263,8 @@ def file_subject(args: argparse.Namespace, meta: dict[str, Any]) -> FileSubject:
     packing = None
     if block_size is None and dataset is not None and meta.get("block_size") is not None:
         block_size, packing = meta["block_size"], meta.get("packing")
+    elif block_size is None and dataset is not None:
+        block_size = (fields or {}).get("block_size")
     max_seq_len = args.max_seq_len or (meta.get("max_seq_len") if block_size is None else None)
     tokenizer = None
     if dataset is not None:

@@ -56,7 +56,7 @@ def _estimated(args: argparse.Namespace, fields: dict[str, Any], meta: dict[str,
     from autofit.preflight import config_of
     from autofit.report.files import ReportData
 
-    s = file_subject(args, meta)
+    s = file_subject(args, meta, fields)
     seq_len, reasons = s.seq_len, [s.device_reason]
     if s.dataset is not None:
         from autofit.probe.data import probe_data
