@@ -102,3 +102,19 @@ def test_an_sft_config_truncates_or_packs_as_sft_trainer():
     assert seen.meta == {"block_size": 8, "packing": "wrapped"}
     # an explicit truncation wins over the SFTConfig's
     assert as_script_sees(data, sft=_Sft(), max_seq_len=4).max_seq_len == 4
+
+
+def test_sft_texts_end_in_the_eos_token_as_sft_trainer_adds_it():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(10)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+    data = [{"text": "w1 w2 w3"}, {"text": "w4<eos>"}]  # the second already ends in it
+    seen = as_script_sees(data, sft=_Sft(max_length=3), tokenizer=tok)
+    assert [s["input_ids"] for s in seen.dataset] == [[3, 4, 5, 1], [6, 1]]
+    assert seen.max_seq_len == 3 and "(each text ending in '<eos>')" in seen.reasons[0]
+    seen = as_script_sees(data, sft=_Sft(max_length=4, packing=True), tokenizer=tok)
+    assert [s["input_ids"] for s in seen.dataset] == [[3, 4, 5, 1], [6, 1]]
