@@ -286,7 +286,7 @@ _OPTIONS = {
     "cache", "confirm_top", "max_trials", "progress", "isolation", "trial_timeout_s",
     "attn_implementation", "lora", "peft_config", "load_in_4bit", "load_in_8bit",
     "quantization_config", "optim_args", "world_size",
-    "generate_max_new_tokens", "nproc_per_node", "nnodes", "block_size", "packing",
+    "generate_max_new_tokens", "nproc_per_node", "nnodes", "block_size",
 }
 
 
@@ -337,7 +337,7 @@ def autofit(
             ``trial_timeout_s=``, ``generate_max_new_tokens=`` (eval by generation:
             sizes the eval batch's KV cache), ``block_size=`` (the samples packed into
             blocks of that many tokens as the transformers examples' ``group_texts``
-            does; ``packing=`` one of TRL's strategies instead, ``autofit.probe.packing``).
+            does, ``autofit.probe.packing``).
             An ``SFTConfig`` as ``training_args`` brings its ``max_length`` (truncation)
             and ``packing``: the lengths SFTTrainer produces are planned for.
 
@@ -473,7 +473,7 @@ def _script_data(dataset: Any, max_seq_len: int | None, opts: dict[str, Any],
 
     args = opts.get("training_args")
     seen = as_script_sees(dataset, block_size=opts.get("block_size"), max_seq_len=max_seq_len,
-                          packing=opts.get("packing"), sft=args if is_sft_config(args) else None,
+                          sft=args if is_sft_config(args) else None,
                           tokenizer=opts.get("tokenizer"), text_column=opts.get("text_column"))
     reasons += seen.reasons
     opts["_script_data"] = seen  # _probe checks the block against the model, _result records it
