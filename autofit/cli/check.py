@@ -56,20 +56,25 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_check_command(args: argparse.Namespace) -> int:
     """Run ``autofit check``; returns the exit code."""
-    from autofit.emit import check_training_arguments, read_config
+    from autofit.emit import check_training_arguments
+    from autofit.emit.args_file import read_args_file
+    from autofit.knobs.trl_loss import trl_loss_type
     from autofit.preflight import config_of
     from autofit.preflight.check import run_check
 
-    fields, meta = read_config(args.config)
+    source = read_args_file(args.config)  # a mixed file: its other keys are the script's
+    fields, meta = source.fields, source.meta
     check_training_arguments(fields, source=args.config)  # every problem at once, exit 2
     config = config_of(fields)
+    if source.sft and trl_loss_type(fields, sft=True) is not None and not config.chunked_loss:
+        config = config.replace(loss_impl="trl")  # an SFTConfig file: SFTTrainer's loss
     if (meta.get("config") or {}).get("chunked_loss") and not config.chunked_loss:
         # no TrainingArguments field says so (autofit.ChunkedLossTrainer): the plan's metadata
         config = config.replace(chunked_loss=True)
     if (meta.get("config") or {}).get("loss_impl") == "trl" and not config.chunked_loss:
         config = config.replace(loss_impl="trl")  # the plan of an SFTConfig (SFTTrainer's loss)
     config = _with_ranks(config, meta, args)
-    s = file_subject(args, meta)
+    s = file_subject(args, meta, source)
     eval_batch = fields.get("per_device_eval_batch_size")
     # an eval batch that does not fit stops the job only when the file evaluates
     evaluates = (str(fields.get("eval_strategy") or "no") != "no" or bool(fields.get("do_eval"))
@@ -88,7 +93,7 @@ def run_check_command(args: argparse.Namespace) -> int:
     )
     from dataclasses import replace
 
-    report = replace(report, reasons=(s.device_reason, *report.reasons))
+    report = replace(report, reasons=(*source.notes, s.device_reason, *report.reasons))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:

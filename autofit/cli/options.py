@@ -216,23 +216,34 @@ class FileSubject:
     seq_len_source: str
 
 
-def file_subject(args: argparse.Namespace, meta: dict[str, Any]) -> FileSubject:
-    """Resolve ``add_file_subject_options`` against a file's autofit metadata (may be empty).
+def file_subject(args: argparse.Namespace, meta: dict[str, Any],
+                 source: Any = None) -> FileSubject:
+    """Resolve ``add_file_subject_options`` against a file's autofit metadata (may be empty)
+    and, for a mixed arguments file (``autofit.emit.args_file.ArgsFile``), its own model and
+    data keys: the command line first, then the file's keys (what the script runs), then
+    the metadata.
 
     Raises:
         BadInputError: no model, or neither a dataset nor a sequence length.
     """
+    from autofit.cli.datasets import load_dataset_ref
     from autofit.errors import BadInputError
 
-    model = args.model or meta.get("model")
+    model = args.model or getattr(source, "model", None) or meta.get("model")
     if not model:
         raise BadInputError(f"{args.config} names no model (a plain TrainingArguments file?): "
                             "give --model")
     dataset = None
     if args.dataset:
-        from autofit.cli.datasets import load_dataset_ref
-
         dataset = load_dataset_ref(args.dataset)
+    elif getattr(source, "dataset", None) and args.seq_len is None:
+        try:
+            dataset = load_dataset_ref(source.dataset)
+        except BadInputError:
+            if source.dataset_key == "train_file" or not meta.get("seq_len"):
+                raise BadInputError(f"{args.config}: its {source.dataset_key} "
+                                    f"{source.dataset!r} is not a local file, folder or "
+                                    "bundled dataset: give --dataset or --seq-len") from None
     seq_len = args.seq_len if args.seq_len is not None else (
         None if dataset is not None else meta.get("seq_len"))
     if dataset is None and seq_len is None:
