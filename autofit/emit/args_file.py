@@ -116,6 +116,14 @@ class ArgsFile:
     def is_yaml(self) -> bool:
         return self.path.suffix.lower() in (".yaml", ".yml")
 
+    def merged(self, args: dict[str, Any]) -> dict[str, Any]:
+        """``merged_mapping(self, args)``."""
+        return merged_mapping(self, args)
+
+    def merged_yaml(self, args: dict[str, Any]) -> tuple[str, bool]:
+        """``merged_yaml(self, args)``."""
+        return merged_yaml(self, args)
+
 
 @lru_cache(maxsize=1)
 def _trl_fields() -> tuple[frozenset[str], frozenset[str]]:
@@ -152,15 +160,16 @@ def read_args_file(path: str | Path) -> ArgsFile:
     known = _EXAMPLE_KEYS | script
     notes: list[str] = []
     if other:
+        listed = ", ".join(_short(k) for k in other[:_LISTED])
+        more = f" and {len(other) - _LISTED} more" if len(other) > _LISTED else ""
         notes.append(f"{p.name}: {len(other)} key{'s' if len(other) > 1 else ''} outside "
-                     f"TrainingArguments kept untouched (your script's): "
-                     + ", ".join(str(k) for k in other))
+                     f"TrainingArguments kept untouched (your script's): {listed}{more}")
     for k in other:
         if isinstance(k, str) and k not in known:
             near = difflib.get_close_matches(k, list(names), n=1, cutoff=0.8)
             if near:
-                notes.append(f"warning: {p.name}: {k!r} is not a TrainingArguments field (did "
-                             f"you mean {near[0]}?); kept as your script's key")
+                notes.append(f"warning: {p.name}: {_short(k)!r} is not a TrainingArguments "
+                             f"field (did you mean {near[0]}?); kept as your script's key")
     model, why_model = _path_key(keys, _MODEL_KEYS, p, must_exist=False)
     dataset, why_data = _path_key(keys, _DATA_KEYS, p, must_exist=True)
     notes += [w for w in (why_model, why_data) if w]
@@ -168,6 +177,14 @@ def read_args_file(path: str | Path) -> ArgsFile:
     return ArgsFile(path=p, keys=keys, fields=fields, other=other, meta=meta,
                     text=_read_text(p), sft=sft, notes=tuple(notes), model=model,
                     dataset=dataset, dataset_key=data_key)
+
+
+_LISTED = 24  # keys named in the note; the rest counted
+
+
+def _short(key: Any, limit: int = 40) -> str:
+    text = str(key)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _path_key(keys: dict[str, Any], names: tuple[str, ...], p: Path,

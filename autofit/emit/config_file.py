@@ -49,7 +49,7 @@ def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any],
     ``autofit.emit.launch``), checked before anything is written. ``source``: the user's
     arguments file (``autofit.emit.args_file.ArgsFile``) the fields were tuned from: its
     other keys, their order and (YAML to YAML) its comments are kept, only ``args``
-    written in (``merged_yaml``).
+    written in (``ArgsFile.merged_yaml``).
 
     Raises:
         BadInputError: ``path`` is not a .yaml/.yml/.json name, or cannot be written
@@ -64,15 +64,13 @@ def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any],
     side = _sidecar(p)
     body = None
     if source is not None:
-        from autofit.emit.args_file import merged_mapping, merged_yaml
-
         if suffix in (".yaml", ".yml"):
-            body, kept = merged_yaml(source, args)
+            body, kept = source.merged_yaml(args)
             if not kept:
                 meta = {**meta, "reasons": [*meta.get("reasons", []),
                                             f"{source.path.name}: its comments are not kept "
                                             "(a changed field spans several lines)"]}
-        args = merged_mapping(source, args)
+        args = source.merged(args)
     if suffix in (".yaml", ".yml"):
         import yaml
 
