@@ -173,3 +173,43 @@ def test_no_model_anywhere_is_one_line(here, capsys):
     code, _, err = run(capsys, "tune", "--training-args", "args.yaml", "--dataset",
                        "tiny-samples")
     assert code == 2 and "model_name_or_path" in err and err.count("\n") == 1
+
+
+TRL_YAML = """\
+model_name_or_path: tiny-llama
+dataset_name: tiny-samples
+use_peft: true
+lora_r: 8
+max_length: 128
+per_device_train_batch_size: 4
+gradient_accumulation_steps: 2
+max_steps: 5
+"""
+
+
+def test_a_trl_file_is_tuned_as_an_sft_config_with_its_lora(here, capsys):
+    trl = pytest.importorskip("trl")
+    from transformers import HfArgumentParser
+
+    (here / "sft.yaml").write_text(TRL_YAML)
+    code, out, err = run(capsys, "tune", "--training-args", "sft.yaml", "--device", "T4",
+                         "--precision", "32-true", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["config"]["loss_impl"] == "trl"  # SFTTrainer's fused loss, as for an SFTConfig
+    assert d["config"]["micro_batch_size"] * d["config"]["grad_accum_steps"] == 8
+    assert d["estimate"]["trainable_params"] < d["estimate"]["num_params"] / 10  # LoRA
+    assert any(r.startswith("LoRA r=8: the file's use_peft") for r in d["reasons"])
+    text = (here / "sft-tuned.yaml").read_text()
+    assert '"arguments_class":"trl.SFTConfig"' in text
+    script, sft, model = HfArgumentParser((trl.ScriptArguments, trl.SFTConfig, trl.ModelConfig)
+                                          ).parse_yaml_file("sft-tuned.yaml")
+    assert model.use_peft and model.lora_r == 8 and sft.max_length == 128
+    assert sft.per_device_train_batch_size == d["config"]["micro_batch_size"]
+
+
+def test_a_script_that_evaluates_after_training_is_planned_with_that_evaluation():
+    from autofit.api import _RunPlan
+
+    assert _RunPlan.of({"do_eval": True}).eval_steps is not None  # trainer.evaluate() at the end
+    assert _RunPlan.of({"do_train": True}).eval_steps is None

@@ -64,6 +64,8 @@ def run_check_command(args: argparse.Namespace) -> int:
 
     source = read_args_file(args.config)  # a mixed file: its other keys are the script's
     fields, meta = source.fields, source.meta
+    if source.peft_config is not None and "adapter" not in meta:
+        meta = {**meta, "adapter": source.peft_config}  # a TRL file's use_peft: its LoRA
     check_training_arguments(fields, source=args.config)  # every problem at once, exit 2
     config = config_of(fields)
     if source.sft and trl_loss_type(fields, sft=True) is not None and not config.chunked_loss:

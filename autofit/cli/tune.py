@@ -166,6 +166,12 @@ def _arguments_file(args: argparse.Namespace) -> Any:
         if args.tokenizer is None and isinstance(tok, str) and tok:
             args.tokenizer = tok
             taken.append(f"tokenizer {tok}: the file's tokenizer_name")
+        adapter_given = (args.lora_r is not None or args.lora_alpha is not None
+                         or args.lora_target_modules or args.peft_config)
+        if source.peft_config is not None and not adapter_given:
+            args.peft_config = source.peft_config  # trains as trl.get_peft_config builds it
+            taken.append(f"LoRA r={source.peft_config['r']}: the file's use_peft and lora_* "
+                         "keys (as TRL builds the adapter)")
         source = dataclasses.replace(source, notes=(*source.notes, *taken))
     if args.model is None:
         raise BadInputError("no model: give MODEL, or a --training-args file with "

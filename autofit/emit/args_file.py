@@ -116,6 +116,23 @@ class ArgsFile:
     def is_yaml(self) -> bool:
         return self.path.suffix.lower() in (".yaml", ".yml")
 
+    @property
+    def peft_config(self) -> dict[str, Any] | None:
+        """The LoRA adapter a TRL file asks for (``use_peft: true`` and ModelConfig's
+        ``lora_*`` keys), as ``trl.get_peft_config`` builds it; None otherwise."""
+        k = self.keys
+        if not self.sft or k.get("use_peft") is not True:
+            return None
+        out = {"peft_type": "LORA", "task_type": k.get("lora_task_type") or "CAUSAL_LM",
+               "r": k.get("lora_r", 16), "target_modules": k.get("lora_target_modules"),
+               "lora_alpha": k.get("lora_alpha", 32), "lora_dropout": k.get("lora_dropout", 0.05),
+               "bias": "none", "use_rslora": bool(k.get("use_rslora")),
+               "use_dora": bool(k.get("use_dora")),
+               "modules_to_save": k.get("lora_modules_to_save")}
+        if k.get("lora_target_parameters") is not None:
+            out["target_parameters"] = k["lora_target_parameters"]
+        return out
+
     def merged(self, args: dict[str, Any]) -> dict[str, Any]:
         """``merged_mapping(self, args)``."""
         return merged_mapping(self, args)
