@@ -213,3 +213,18 @@ def test_a_script_that_evaluates_after_training_is_planned_with_that_evaluation(
 
     assert _RunPlan.of({"do_eval": True}).eval_steps is not None  # trainer.evaluate() at the end
     assert _RunPlan.of({"do_train": True}).eval_steps is None
+
+
+def test_where_the_output_goes(tmp_path):
+    from argparse import Namespace
+
+    from autofit.cli.tune import _output
+    from autofit.emit.args_file import read_args_file
+
+    src = tmp_path / "args.json"
+    src.write_text('{"per_device_train_batch_size": 2}')
+    f = read_args_file(src)
+    assert _output(Namespace(in_place=False, output=None), f) == tmp_path / "args-tuned.json"
+    assert _output(Namespace(in_place=True, output=None), f) == src  # only when asked
+    assert _output(Namespace(in_place=True, output=str(src)), f) == src
+    assert str(_output(Namespace(in_place=False, output=None), None)) == "tuned.yaml"

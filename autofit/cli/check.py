@@ -3,11 +3,17 @@
     autofit check tuned.yaml                      # exit 0 fits here, 3 does not, 2 bad input
     autofit check tuned.yaml --device cuda:1 --json
     autofit check train_args.yaml --model ./my-model --dataset train.jsonl
+    autofit check run_clm_args.yaml               # model_name_or_path / train_file: the file's
     autofit check tuned.yaml                      # a tuned run on 2 ranks: a trial on 2 ranks
 
 ``check`` reads a file ``FitResult.save`` wrote (model, task, sequence length and
 device are in its ``# autofit: {...}`` line) or a plain TrainingArguments
 YAML/JSON (then ``--model`` and ``--dataset`` or ``--seq-len`` say what it trains).
+A mixed arguments file (the transformers examples', ``trl sft --config``'s) is read
+as well: its keys outside TrainingArguments are ignored with one note, its
+``model_name_or_path`` / ``train_file`` are the model and data unless given here, a
+TRL file is judged with SFTTrainer's loss and its ``use_peft`` LoRA
+(``autofit.emit.args_file``).
 The device is ``--device``, else the file's device when it is present here, else
 ``auto``. The verdict comes from the check cache when exactly this configuration
 was measured before (no trial: about a second), else from one trial on the

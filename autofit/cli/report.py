@@ -8,7 +8,9 @@ A file ``autofit tune`` wrote is drawn from its metadata (the chosen
 configuration's breakdown, the candidates and the trials). A plain
 TrainingArguments file (or a tuned one with ``--model/--dataset/--seq-len/--device``
 overriding what it says) is estimated for that model, longest sample and device,
-as ``autofit check`` reads it: the breakdown against the device's capacity.
+as ``autofit check`` reads it: the breakdown against the device's capacity. A mixed
+arguments file (a script's model and data keys beside the fields) is read as ``check``
+reads it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 The file holds ``TrainingArguments`` fields only, so
 ``HfArgumentParser(TrainingArguments).parse_yaml_file`` (or ``parse_json_file``)
-loads it as is. What autofit needs to check the plan again later (model,
+loads it as is; tuned from a user's own arguments file (``source``:
+``autofit.emit.args_file``), it is that file with the tuned fields changed, so the
+script's own ``HfArgumentParser`` of its dataclasses loads it. What autofit needs to check the plan again later (model,
 sequence length, device, the estimate) travels in a comment line
 ``# autofit: {...}`` (YAML) or in a sibling ``<name>.autofit.json`` (JSON).
 
