@@ -777,13 +777,16 @@ class _RunPlan:
                 return max(1, int(n)) if float(n) >= 1 else None  # a fraction: at the end
             return 10**9  # epoch / best: at the end of the (first) epoch, modelled once
         max_steps = a.get("max_steps")
+        evals = every("eval_strategy", "eval_steps")
+        if evals is None and a.get("do_eval"):  # a script's trainer.evaluate() after training
+            evals = 10**9
         return cls(epochs=float(a.get("num_train_epochs") or 1.0),
                    max_steps=int(max_steps) if max_steps and int(max_steps) > 0 else None,
                    seed=int(a.get("seed") or 42), data_seed=a.get("data_seed"),
                    sampling=str(a.get("train_sampling_strategy") or "random"),
                    drop_last=bool(a.get("dataloader_drop_last")),
-                   eval_steps=every("eval_strategy", "eval_steps"),
-                   save_steps=every("save_strategy", "save_steps"), assumed=False)
+                   eval_steps=evals, save_steps=every("save_strategy", "save_steps"),
+                   assumed=False)
 
     def order(self, lengths: Any, config: TrainConfig, max_seq_len: int | None) -> Any:
         from autofit.probe.run import run_order

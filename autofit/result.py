@@ -77,8 +77,13 @@ class FitResult:
         """How many trials ran out of memory."""
         return sum(1 for t in self.trials if getattr(t, "oom", False))
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, *, source: str | Path | None = None) -> Path:
         """Write the TrainingArguments fields as YAML or JSON (by suffix).
+
+        ``source``: the user's arguments file the run was tuned from (``autofit tune
+        --training-args``): the output is that file with only the tuned fields changed —
+        every other key (a script's model and data keys too), its order and, YAML to
+        YAML, its comments kept.
 
         With several ranks (``config.world_size > 1``) the launch configs go beside it
         (``autofit.emit.launch``): ``<stem>-accelerate.yaml`` and, for ZeRO,
@@ -107,7 +112,11 @@ class FitResult:
 
         args, beside, launch = launch_files(path, self.config, self.training_arguments_kwargs)
         meta.update(launch)
-        return write_config(path, args, meta, beside)
+        if source is not None:
+            from autofit.emit.args_file import read_args_file
+
+            source = read_args_file(source)
+        return write_config(path, args, meta, beside, source=source)
 
     def report(self, path: str | Path | None = None) -> tuple[Path, Path]:
         """Draw the memory breakdown and the candidates as ``<stem>.png`` + ``<stem>.html``.

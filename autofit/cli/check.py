@@ -3,11 +3,17 @@
     autofit check tuned.yaml                      # exit 0 fits here, 3 does not, 2 bad input
     autofit check tuned.yaml --device cuda:1 --json
     autofit check train_args.yaml --model ./my-model --dataset train.jsonl
+    autofit check run_clm_args.yaml               # model_name_or_path / train_file: the file's
     autofit check tuned.yaml                      # a tuned run on 2 ranks: a trial on 2 ranks
 
 ``check`` reads a file ``FitResult.save`` wrote (model, task, sequence length and
 device are in its ``# autofit: {...}`` line) or a plain TrainingArguments
 YAML/JSON (then ``--model`` and ``--dataset`` or ``--seq-len`` say what it trains).
+A mixed arguments file (the transformers examples', ``trl sft --config``'s) is read
+as well: its keys outside TrainingArguments are ignored with one note, its
+``model_name_or_path`` / ``train_file`` are the model and data unless given here, a
+TRL file is judged with SFTTrainer's loss and its ``use_peft`` LoRA
+(``autofit.emit.args_file``).
 The device is ``--device``, else the file's device when it is present here, else
 ``auto``. The verdict comes from the check cache when exactly this configuration
 was measured before (no trial: about a second), else from one trial on the
@@ -56,20 +62,27 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_check_command(args: argparse.Namespace) -> int:
     """Run ``autofit check``; returns the exit code."""
-    from autofit.emit import check_training_arguments, read_config
+    from autofit.emit import check_training_arguments
+    from autofit.emit.args_file import read_args_file
+    from autofit.knobs.trl_loss import trl_loss_type
     from autofit.preflight import config_of
     from autofit.preflight.check import run_check
 
-    fields, meta = read_config(args.config)
+    source = read_args_file(args.config)  # a mixed file: its other keys are the script's
+    fields, meta = source.fields, source.meta
+    if source.peft_config is not None and "adapter" not in meta:
+        meta = {**meta, "adapter": source.peft_config}  # a TRL file's use_peft: its LoRA
     check_training_arguments(fields, source=args.config)  # every problem at once, exit 2
     config = config_of(fields)
+    if source.sft and trl_loss_type(fields, sft=True) is not None and not config.chunked_loss:
+        config = config.replace(loss_impl="trl")  # an SFTConfig file: SFTTrainer's loss
     if (meta.get("config") or {}).get("chunked_loss") and not config.chunked_loss:
         # no TrainingArguments field says so (autofit.ChunkedLossTrainer): the plan's metadata
         config = config.replace(chunked_loss=True)
     if (meta.get("config") or {}).get("loss_impl") == "trl" and not config.chunked_loss:
         config = config.replace(loss_impl="trl")  # the plan of an SFTConfig (SFTTrainer's loss)
     config = _with_ranks(config, meta, args)
-    s = file_subject(args, meta, fields)
+    s = file_subject(args, meta, source)
     eval_batch = fields.get("per_device_eval_batch_size")
     # an eval batch that does not fit stops the job only when the file evaluates
     evaluates = (str(fields.get("eval_strategy") or "no") != "no" or bool(fields.get("do_eval"))
@@ -89,7 +102,7 @@ def run_check_command(args: argparse.Namespace) -> int:
     )
     from dataclasses import replace
 
-    report = replace(report, reasons=(s.device_reason, *report.reasons))
+    report = replace(report, reasons=(*source.notes, s.device_reason, *report.reasons))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:

@@ -231,25 +231,35 @@ class FileSubject:
 
 
 def file_subject(args: argparse.Namespace, meta: dict[str, Any],
-                 fields: dict[str, Any] | None = None) -> FileSubject:
+                 source: Any = None) -> FileSubject:
     """Resolve ``add_file_subject_options`` against a file's autofit metadata (may be empty)
-    and its fields (a mixed args file's ``block_size``, as the transformers examples' data
-    arguments name it, packs the dataset when the metadata says nothing).
+    and, for a mixed arguments file (``autofit.emit.args_file.ArgsFile``), its own model,
+    data, tokenizer and block-size keys: the command line first, then the file's keys (what
+    the script runs), then the metadata (a tuned file's packing comes from its metadata, a
+    mixed args file's ``block_size`` — the transformers examples' data argument — when the
+    metadata says nothing).
 
     Raises:
         BadInputError: no model, or neither a dataset nor a sequence length.
     """
+    from autofit.cli.datasets import load_dataset_ref
     from autofit.errors import BadInputError
 
-    model = args.model or meta.get("model")
+    model = args.model or getattr(source, "model", None) or meta.get("model")
     if not model:
         raise BadInputError(f"{args.config} names no model (a plain TrainingArguments file?): "
                             "give --model")
     dataset = None
     if args.dataset:
-        from autofit.cli.datasets import load_dataset_ref
-
         dataset = load_dataset_ref(args.dataset)
+    elif getattr(source, "dataset", None) and args.seq_len is None:
+        try:
+            dataset = load_dataset_ref(source.dataset)
+        except BadInputError:
+            if source.dataset_key == "train_file" or not meta.get("seq_len"):
+                raise BadInputError(f"{args.config}: its {source.dataset_key} "
+                                    f"{source.dataset!r} is not a local file, folder or "
+                                    "bundled dataset: give --dataset or --seq-len") from None
     seq_len = args.seq_len if args.seq_len is not None else (
         None if dataset is not None else meta.get("seq_len"))
     if dataset is None and seq_len is None:
@@ -264,12 +274,14 @@ def file_subject(args: argparse.Namespace, meta: dict[str, Any],
     if block_size is None and dataset is not None and meta.get("block_size") is not None:
         block_size, packing = meta["block_size"], meta.get("packing")
     elif block_size is None and dataset is not None:
-        block_size = (fields or {}).get("block_size")
+        block_size = (getattr(source, "keys", None) or {}).get("block_size")
     max_seq_len = args.max_seq_len or (meta.get("max_seq_len") if block_size is None else None)
     tokenizer = None
     if dataset is not None:
-        tokenizer = tokenizer_for(argparse.Namespace(tokenizer=getattr(args, "tokenizer", None),
-                                                     model=model), dataset)
+        named = getattr(args, "tokenizer", None)
+        if named is None and isinstance(dataset[0], dict) and "input_ids" not in dataset[0]:
+            named = (getattr(source, "keys", None) or {}).get("tokenizer_name")  # the script's
+        tokenizer = tokenizer_for(argparse.Namespace(tokenizer=named, model=model), dataset)
     return FileSubject(model=model, dataset=dataset, seq_len=seq_len, device=device,
                        device_reason=why, task=args.task or meta.get("task"),
                        max_seq_len=max_seq_len,

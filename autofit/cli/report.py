@@ -8,7 +8,9 @@ A file ``autofit tune`` wrote is drawn from its metadata (the chosen
 configuration's breakdown, the candidates and the trials). A plain
 TrainingArguments file (or a tuned one with ``--model/--dataset/--seq-len/--device``
 overriding what it says) is estimated for that model, longest sample and device,
-as ``autofit check`` reads it: the breakdown against the device's capacity.
+as ``autofit check`` reads it: the breakdown against the device's capacity. A mixed
+arguments file (a script's model and data keys beside the fields) is read as ``check``
+reads it.
 """
 
 from __future__ import annotations
@@ -50,13 +52,14 @@ def _overrides(args: argparse.Namespace) -> bool:
                                                        "max_seq_len", "task", "block_size"))
 
 
-def _estimated(args: argparse.Namespace, fields: dict[str, Any], meta: dict[str, Any]) -> Any:
+def _estimated(args: argparse.Namespace, fields: dict[str, Any], meta: dict[str, Any],
+               source: Any = None) -> Any:
     """ReportData of the file's configuration, estimated for the model, data and device."""
     from autofit.api import estimate
     from autofit.preflight import config_of
     from autofit.report.files import ReportData
 
-    s = file_subject(args, meta, fields)
+    s = file_subject(args, meta, source)
     seq_len, reasons = s.seq_len, [s.device_reason]
     if s.dataset is not None:
         from autofit.probe.data import probe_data
@@ -101,17 +104,22 @@ def run_report_command(args: argparse.Namespace) -> int:
     """Run ``autofit report``; returns the exit code."""
     from rich.console import Console
 
-    from autofit.emit import check_training_arguments, read_config
+    from autofit.emit import check_training_arguments
+    from autofit.emit.args_file import read_args_file
     from autofit.report import estimate_renderable
     from autofit.report.files import report_data_from_file, write_report
 
-    fields, meta = read_config(args.config)
+    source = read_args_file(args.config)  # a mixed file: its other keys are the script's
+    fields, meta = source.fields, source.meta
     out = report_output(args.output, args.config)
     check_training_arguments(fields, source=args.config)  # every problem at once, exit 2
     if meta.get("estimate") and meta.get("config") and not _overrides(args):
         data = report_data_from_file(args.config)
-    else:
-        data = _estimated(args, fields, meta)
+    else:  # the file's notes first (a tuned file's metadata holds them already)
+        from dataclasses import replace
+
+        data = _estimated(args, fields, meta, source)
+        data = replace(data, reasons=(*source.notes, *data.reasons))
     png, page = write_report(data, out)
     console = Console()
     console.print(estimate_renderable(data.estimate))

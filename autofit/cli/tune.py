@@ -4,6 +4,19 @@
         -o tuned.yaml
     autofit tune tiny-gpt2 --dataset tiny-samples --device cpu:2GiB --nproc-per-node 2 \\
         --strategy fsdp -o tuned.yaml     # + tuned-accelerate.yaml (accelerate launch)
+    autofit tune --training-args args.yaml --device cpu:1GiB
+        # -> args-tuned.yaml: args.yaml with only the tuned fields changed
+
+``--training-args FILE`` takes your own arguments file, YAML or JSON: TrainingArguments
+fields alone, or beside your script's keys (the transformers examples' ModelArguments and
+DataTrainingArguments, ``trl sft --config``'s ModelConfig and ScriptArguments). Its batch
+(per-device x accumulation x devices) is the target unless ``--target-batch-size`` is given;
+its eval/save cadence and steps are the run planned; ``model_name_or_path`` and
+``train_file`` are the model and data when MODEL / ``--dataset`` are not given (a relative
+path as your script reads it: from the working directory). The output is that file in its
+format with only the tuned fields changed (every other key, its place and YAML comments
+kept), written beside it as ``<name>-tuned<suffix>`` unless ``-o`` says where; the file
+itself is written only with ``--in-place``.
 
 Exit codes: 0 ok, 3 nothing fits (the message says what would), 2 bad input.
 """
@@ -11,7 +24,9 @@ Exit codes: 0 ok, 3 nothing fits (the message says what would), 2 bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 from autofit.cli.options import (
@@ -36,9 +51,19 @@ def add_tune_parser(sub: Any) -> argparse.ArgumentParser:
                        description="Estimate every candidate, confirm the best with real "
                        "micro-steps on the worst-case batch, write the tuned TrainingArguments. "
                        "Exit 0 ok, 3 nothing fits, 2 bad input.")
-    t.add_argument("model", help="hub id, local directory, config.json path or bundled name")
-    t.add_argument("--dataset", required=True,
-                   help=".json/.jsonl file, a save_to_disk directory, or a bundled name (tiny-samples)")
+    t.add_argument("model", nargs="?", default=None,
+                   help="hub id, local directory, config.json path or bundled name (default: "
+                        "the --training-args file's model_name_or_path)")
+    t.add_argument("--dataset", default=None,
+                   help=".json/.jsonl file, a save_to_disk directory, or a bundled name "
+                        "(tiny-samples; default: the --training-args file's train_file)")
+    t.add_argument("--training-args", default=None, metavar="FILE",
+                   help="your arguments file (YAML or JSON): TrainingArguments fields, also "
+                        "beside your script's model/data keys (transformers examples, trl sft "
+                        "--config); its batch is the target, its eval/save cadence planned; "
+                        "the output is this file with only the tuned fields changed")
+    t.add_argument("--in-place", action="store_true",
+                   help="write the tuned fields into the --training-args file itself")
     t.add_argument("--device", default="auto")
     t.add_argument("--target-batch-size", type=int, default=None,
                    help="effective batch to keep (micro batch × accumulation × devices)")
@@ -48,7 +73,9 @@ def add_tune_parser(sub: Any) -> argparse.ArgumentParser:
                         "(default: what the modelled run needs above its longest step, "
                         "+ 0.03 safety; the reasons say how much)")
     t.add_argument("--time-budget", type=float, default=None, help="seconds; best so far after it")
-    t.add_argument("-o", "--output", default="tuned.yaml", help="tuned file (.yaml or .json)")
+    t.add_argument("-o", "--output", default=None,
+                   help="tuned file (.yaml or .json; default tuned.yaml, or with "
+                        "--training-args FILE: FILE's name + -tuned beside it, same format)")
     for k in KNOBS:  # each knob's own options restrict it (--precision, --optim, ...)
         k.add_options(t)
     add_rank_options(t)  # --nproc-per-node, --nnodes: the ranks the tuned run has
@@ -74,12 +101,15 @@ def run_tune(args: argparse.Namespace) -> int:
     from autofit.emit import check_config_output
     from autofit.report import print_fit
 
-    check_config_output(args.output, name="-o")  # before any work: never a tune lost at the end
+    source = _arguments_file(args)  # its fields, model and data: before any work
+    output = _output(args, source)
+    check_config_output(output, name="-o")  # before any work: never a tune lost at the end
     data = load_dataset_ref(args.dataset)
     tokenizer = None
     if args.tokenizer:
         tokenizer = tokenizer_for(args, data)
     kwargs: dict[str, Any] = dict(
+        training_args=_fields_of(source),
         device=args.device, target_batch_size=args.target_batch_size,
         max_seq_len=args.max_seq_len, margin=args.margin, time_budget_s=args.time_budget,
         max_micro_batch=args.max_micro_batch, task=args.task, tokenizer=tokenizer,
@@ -97,7 +127,9 @@ def run_tune(args: argparse.Namespace) -> int:
 
         with TrialProgress(args.max_trials) as progress:
             result = autofit(args.model, data, progress=progress, **kwargs)
-    path = result.save(args.output)
+    if source is not None:  # the file's keys kept, its model/data taken: first in the reasons
+        result = dataclasses.replace(result, reasons=(*source.notes, *result.reasons))
+    path = result.save(output, source=source.path if source is not None else None)
     if args.json:
         print(json.dumps({"config": result.config.to_dict(), "confirmed": result.confirmed,
                           "from_cache": result.from_cache, "reasons": list(result.reasons),
@@ -107,3 +139,93 @@ def run_tune(args: argparse.Namespace) -> int:
     else:
         print_fit(result, path)
     return EXIT_OK
+
+
+def _arguments_file(args: argparse.Namespace) -> Any:
+    """The ``--training-args`` file, read and checked (None without one); the model and
+    dataset it names fill in ``args.model`` / ``args.dataset`` / ``args.tokenizer`` when the
+    command line does not give them, with a note each.
+
+    Raises:
+        BadInputError: no model or no dataset, from either; a file that cannot be read.
+        InvalidArgumentsError: TrainingArguments fields that TrainingArguments would refuse.
+    """
+    from autofit.errors import BadInputError
+
+    source = None
+    if args.training_args:
+        from autofit.emit import check_training_arguments
+        from autofit.emit.args_file import read_args_file
+
+        source = read_args_file(args.training_args)
+        check_training_arguments(source.fields, source=args.training_args)  # all at once
+        taken = []
+        if args.model is None and source.model:
+            args.model = source.model
+            taken.append(f"model {source.model}: the file's model_name_or_path")
+        if args.dataset is None and source.dataset:
+            args.dataset = source.dataset
+            taken.append(f"dataset {source.dataset}: the file's {source.dataset_key}")
+        tok = source.keys.get("tokenizer_name")
+        if args.tokenizer is None and isinstance(tok, str) and tok:
+            args.tokenizer = tok
+            taken.append(f"tokenizer {tok}: the file's tokenizer_name")
+        adapter_given = (args.lora_r is not None or args.lora_alpha is not None
+                         or args.lora_target_modules or args.peft_config)
+        if source.peft_config is not None and not adapter_given:
+            args.peft_config = source.peft_config  # trains as trl.get_peft_config builds it
+            taken.append(f"LoRA r={source.peft_config['r']}: the file's use_peft and lora_* "
+                         "keys (as TRL builds the adapter)")
+        source = dataclasses.replace(source, notes=(*source.notes, *taken))
+    if args.model is None:
+        raise BadInputError("no model: give MODEL, or a --training-args file with "
+                            "model_name_or_path")
+    if args.dataset is None:
+        raise BadInputError("no dataset: give --dataset, or a --training-args file with "
+                            "train_file")
+    return source
+
+
+def _fields_of(source: Any) -> Any:
+    """The file's TrainingArguments fields as ``autofit(training_args=)`` takes them (an
+    SFTConfig's as ``SFTConfigFields``: SFTTrainer and its loss are what runs)."""
+    if source is None:
+        return None
+    from autofit.knobs.trl_loss import SFTConfigFields
+
+    return SFTConfigFields(source.fields) if source.sft else dict(source.fields)
+
+
+def _output(args: argparse.Namespace, source: Any) -> Path:
+    """``-o``; by default ``tuned.yaml``, or beside a ``--training-args`` file as
+    ``<name>-tuned<suffix>`` (its format). The arguments file itself only with --in-place.
+
+    Raises:
+        BadInputError: ``-o`` names the arguments file without --in-place, or --in-place
+            without a file or with another ``-o``.
+    """
+    from autofit.errors import BadInputError
+
+    if args.in_place:
+        if source is None:
+            raise BadInputError("--in-place writes into the --training-args file: give one")
+        if args.output and not _same(Path(args.output), source.path):
+            raise BadInputError("--in-place writes into the --training-args file: drop -o "
+                                f"{args.output}")
+        return source.path
+    if args.output is None:
+        if source is None:
+            return Path("tuned.yaml")
+        return source.path.with_name(f"{source.path.stem}-tuned{source.path.suffix}")
+    out = Path(args.output)
+    if source is not None and _same(out, source.path):
+        raise BadInputError(f"-o {args.output} is your --training-args file: give another -o, "
+                            "or --in-place to write the tuned fields into it")
+    return out
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False

@@ -2,7 +2,9 @@
 
 The file holds ``TrainingArguments`` fields only, so
 ``HfArgumentParser(TrainingArguments).parse_yaml_file`` (or ``parse_json_file``)
-loads it as is. What autofit needs to check the plan again later (model,
+loads it as is; tuned from a user's own arguments file (``source``:
+``autofit.emit.args_file``), it is that file with the tuned fields changed, so the
+script's own ``HfArgumentParser`` of its dataclasses loads it. What autofit needs to check the plan again later (model,
 sequence length, device, the estimate) travels in a comment line
 ``# autofit: {...}`` (YAML) or in a sibling ``<name>.autofit.json`` (JSON).
 
@@ -42,11 +44,14 @@ def _sidecar(p: Path) -> Path:
 
 
 def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any],
-                 beside: dict[Path, str] | None = None) -> Path:
+                 beside: dict[Path, str] | None = None, source: Any = None) -> Path:
     """Write TrainingArguments fields (+ autofit's metadata) as YAML or JSON by suffix.
 
     ``beside``: more files written with it (path -> text: a run's launch configs,
-    ``autofit.emit.launch``), checked before anything is written.
+    ``autofit.emit.launch``), checked before anything is written. ``source``: the user's
+    arguments file (``autofit.emit.args_file.ArgsFile``) the fields were tuned from: its
+    other keys, their order and (YAML to YAML) its comments are kept, only ``args``
+    written in (``ArgsFile.merged_yaml``).
 
     Raises:
         BadInputError: ``path`` is not a .yaml/.yml/.json name, or cannot be written
@@ -59,15 +64,28 @@ def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any],
         check_output(p, writes=list(beside), name="path")
     suffix = p.suffix.lower()
     side = _sidecar(p)
+    body = None
+    if source is not None:
+        if suffix in (".yaml", ".yml"):
+            body, kept = source.merged_yaml(args)
+            if not kept:
+                meta = {**meta, "reasons": [*meta.get("reasons", []),
+                                            f"{source.path.name}: its comments are not kept "
+                                            "(a changed field spans several lines)"]}
+        args = source.merged(args)
     if suffix in (".yaml", ".yml"):
         import yaml
 
         reasons = meta.get("reasons", [])
         header = ["# Tuned by autofit. Load with:",
                   "#   HfArgumentParser(TrainingArguments).parse_yaml_file(path)"]
+        if source is not None and source.other:
+            header[1] = "#   your script's HfArgumentParser(...).parse_yaml_file(path)"
         header += [f"#   - {r}" for r in reasons]
         header.append(_META_PREFIX + json.dumps(meta, separators=(",", ":"), default=str))
-        files = {p: "\n".join(header) + "\n" + yaml.safe_dump(args, sort_keys=False)}
+        if body is None:
+            body = yaml.safe_dump(args, sort_keys=False)
+        files = {p: "\n".join(header) + "\n" + body}
     else:
         files = {p: json.dumps(args, indent=2) + "\n",
                  side: json.dumps(meta, indent=2, default=str) + "\n"}

@@ -50,7 +50,7 @@ from typing import Any
 
 from autofit.errors import InvalidArgumentsError
 
-__all__ = ["training_arguments_problems", "check_training_arguments"]
+__all__ = ["training_arguments_problems", "check_training_arguments", "field_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +99,11 @@ def _definitions() -> dict[str, _Field]:
                 choices=tuple(str(c) for c in a.choices) if a is not None and a.choices else None,
                 many=getattr(a, "nargs", None) == "+", default=_plain(default))
     return out
+
+
+def field_names() -> frozenset[str]:
+    """Every field name the TrainingArguments family takes (TRL's ``SFTConfig`` when here)."""
+    return frozenset(_definitions())
 
 
 def _plain(v: Any) -> Any:

@@ -33,7 +33,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["SFT_CONFIG", "TRL_OUTPUTS", "TOKEN_TILE", "VOCAB_TILE", "is_sft_config", "trl_loss_type",
+__all__ = ["SFT_CONFIG", "SFTConfigFields", "TRL_OUTPUTS", "TOKEN_TILE", "VOCAB_TILE", "is_sft_config", "trl_loss_type",
            "loss_impl_of", "fused_lm_head", "trl_sft_loss", "triton_folds", "trl_loss_reason", "trl_loss_bytes"]
 
 TRL_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what SFTTrainer asks add_fused_lm_head for
@@ -43,9 +43,16 @@ LOSS_TYPES = ("nll", "dft")
 SFT_CONFIG = "trl.SFTConfig"  # FitResult.meta["arguments_class"]: emit the user's class
 
 
+class SFTConfigFields(dict):
+    """An ``SFTConfig``'s fields as a file holds them (a ``trl sft --config`` file given to
+    ``autofit tune --training-args``): a dict of fields that ``SFTTrainer`` runs."""
+
+
 def is_sft_config(args: Any) -> bool:
-    """Whether ``args`` is a ``trl.SFTConfig`` (by class name, so trl need not be imported)."""
-    return any(c.__name__ == "SFTConfig" for c in type(args).__mro__)
+    """Whether ``args`` is a ``trl.SFTConfig`` (by class name, so trl need not be imported)
+    or ``SFTConfigFields``."""
+    return isinstance(args, SFTConfigFields) or any(
+        c.__name__ == "SFTConfig" for c in type(args).__mro__)
 
 
 def trl_loss_type(args: Any, *, sft: bool | None = None) -> str | None:

@@ -563,6 +563,11 @@ class Engine:
             else:
                 reasons.append(f"effective batch {eff} instead of {self.space.target_batch_size}: "
                                "the nearest the device count allows")
+        else:  # the effective batch changes the training: say it was not the user's
+            reasons.append(f"effective batch {config.effective_batch_size} (= {b} × "
+                           f"{config.grad_accum_steps} × {self.space.world_size}): no target "
+                           "batch was given (--target-batch-size, or a training arguments "
+                           "file's batch), so the fastest micro batch that fits was taken")
         return SearchOutcome(best, config, self._candidates, self.trials, reasons, confirmed,
                              ooms=self.ooms, stopped_early=stopped)
 

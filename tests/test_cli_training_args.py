@@ -1,0 +1,230 @@
+"""Your file in, your file out (issue 21, item 3): ``autofit tune --training-args FILE`` with
+a mixed arguments file in the shape of the transformers examples (``run_clm.py`` parses
+ModelArguments, DataTrainingArguments and TrainingArguments from one file) or of
+``trl sft --config``; ``check`` and ``report`` read the same files.
+
+The tunes plan for a T4, which is not here: the estimate alone, no trial."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+import yaml
+
+from autofit.cli import main
+from autofit.emit import TUNED_FIELDS
+
+
+@dataclass
+class ModelArguments:  # as run_clm.py has it (the fields its file sets)
+    model_name_or_path: str | None = None
+    tokenizer_name: str | None = None
+    config_name: str | None = None
+
+
+@dataclass
+class DataTrainingArguments:  # as run_clm.py has it
+    dataset_name: str | None = None
+    train_file: str | None = None
+    validation_file: str | None = None
+    block_size: int | None = None
+    max_train_samples: int | None = None
+    preprocessing_num_workers: int | None = None
+    overwrite_cache: bool = False
+    extra: list[str] = field(default_factory=list)
+
+
+MIXED_YAML = """\
+# run_clm.py arguments
+model_name_or_path: tiny-gpt2   # the model
+dataset_name: tiny-samples
+block_size: 64
+max_train_samples: 100
+preprocessing_num_workers: 2
+overwrite_cache: true
+output_dir: out
+per_device_train_batch_size: 2   # what one device takes
+gradient_accumulation_steps: 4
+learning_rate: 0.0005
+eval_strategy: steps
+eval_steps: 5
+save_steps: 5
+logging_steps: 2
+max_steps: 10
+do_train: true
+"""
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture()
+def here(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def _tuned_keys_only_changed(before: dict, after: dict) -> None:
+    assert list(after)[:len(before)] == list(before)  # every key kept, in its place
+    for k, v in before.items():
+        if k not in TUNED_FIELDS:
+            assert after[k] == v, k
+    assert all(k in TUNED_FIELDS or k == "output_dir" for k in list(after)[len(before):])
+
+
+def test_tune_a_mixed_yaml_file_keeps_it_and_the_script_parses_the_output(here, capsys):
+    from transformers import HfArgumentParser, TrainingArguments
+
+    src = here / "args.yaml"
+    src.write_text(MIXED_YAML)
+    code, out, err = run(capsys, "tune", "--training-args", src, "--device", "T4",
+                         "--precision", "32-true", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    tuned = here / "args-tuned.yaml"  # beside the input, its format; the input untouched
+    assert d["output"] == str(tuned) and src.read_text() == MIXED_YAML
+    before, after = yaml.safe_load(MIXED_YAML), yaml.safe_load(tuned.read_text())
+    _tuned_keys_only_changed(before, after)
+    cfg = d["config"]
+    assert cfg["micro_batch_size"] * cfg["grad_accum_steps"] == 8  # the file's batch: 2 x 4
+    assert after["per_device_train_batch_size"] == cfg["micro_batch_size"]
+    text = tuned.read_text()
+    assert "# the model" in text and "# what one device takes" in text  # comments kept
+    note = next(r for r in d["reasons"] if "outside TrainingArguments" in r)
+    for k in ("model_name_or_path", "dataset_name", "block_size", "max_train_samples"):
+        assert k in note
+    assert "model tiny-gpt2: the file's model_name_or_path" in d["reasons"]
+    assert any(r.startswith("target batch 8: from training_args") for r in d["reasons"])
+    # the whole-run plan is the file's: 10 steps with evaluations and saves every 5
+    assert any("the run replayed" in r and "10 optimizer steps" in r for r in d["reasons"])
+    m, data, t = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments)
+                                  ).parse_yaml_file(str(tuned))
+    assert m.model_name_or_path == "tiny-gpt2" and data.block_size == 64
+    assert t.per_device_train_batch_size == cfg["micro_batch_size"] and t.max_steps == 10
+
+
+def test_json_in_json_out_and_the_command_line_target_wins(here, capsys):
+    src = here / "args.json"
+    before = yaml.safe_load(MIXED_YAML)
+    src.write_text(json.dumps(before, indent=2))
+    code, out, err = run(capsys, "tune", "--training-args", src, "--device", "T4",
+                         "--precision", "32-true", "--target-batch-size", "4", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    tuned = here / "args-tuned.json"
+    after = json.loads(tuned.read_text())  # plain JSON, the metadata beside it
+    assert (here / "args-tuned.autofit.json").is_file()
+    _tuned_keys_only_changed(before, after)
+    assert after["per_device_train_batch_size"] * after["gradient_accumulation_steps"] == 4
+    assert not any(r.startswith("target batch") and "training_args" in r for r in d["reasons"])
+
+
+def test_without_any_target_a_reason_says_which_batch_and_that_none_was_given(here, capsys):
+    code, out, err = run(capsys, "tune", "tiny-gpt2", "--dataset", "tiny-samples", "--device",
+                         "T4", "--precision", "32-true", "--json", "-o", here / "t.yaml")
+    assert code == 0, err
+    d = json.loads(out)
+    eff = d["config"]["micro_batch_size"] * d["config"]["grad_accum_steps"]
+    assert any(r.startswith(f"effective batch {eff} ") and "no target batch was given" in r
+               for r in d["reasons"]), d["reasons"]
+
+
+def test_check_and_report_take_the_mixed_file(here, capsys):
+    src = here / "args.yaml"
+    src.write_text(MIXED_YAML)
+    code, out, err = run(capsys, "check", src, "--device", "T4", "--no-trial", "--json")
+    assert code in (0, 3), err  # judged, not refused
+    d = json.loads(out)
+    assert any("outside TrainingArguments kept untouched" in r for r in d["reasons"])
+    assert d["config"]["micro_batch_size"] == 2 and d["seq_len"] == 256  # tiny-samples' longest
+    code, out, err = run(capsys, "report", src, "--device", "T4")
+    assert code == 0, err
+    assert (here / "args.png").is_file() and "kept untouched" in out
+
+
+def test_check_still_refuses_a_wrong_training_arguments_value_in_a_mixed_file(here, capsys):
+    src = here / "args.yaml"
+    src.write_text(MIXED_YAML.replace("gradient_accumulation_steps: 4",
+                                      "gradient_accumulation_steps: four"))
+    code, _, err = run(capsys, "check", src, "--device", "T4", "--no-trial")
+    assert code == 2 and "gradient_accumulation_steps: 'four' is not a whole number" in err
+    assert "unknown field" not in err  # the script's keys are not refused
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["-o", "args.yaml"], "is your --training-args file"),
+    (["--in-place", "-o", "other.yaml"], "drop -o"),
+])
+def test_the_input_is_overwritten_only_with_in_place(here, capsys, argv, needle):
+    (here / "args.yaml").write_text(MIXED_YAML)
+    code, _, err = run(capsys, "tune", "--training-args", "args.yaml", *argv)
+    assert code == 2 and needle in err and err.count("\n") == 1
+    assert (here / "args.yaml").read_text() == MIXED_YAML
+
+
+def test_no_model_anywhere_is_one_line(here, capsys):
+    (here / "args.yaml").write_text("per_device_train_batch_size: 2\n")
+    code, _, err = run(capsys, "tune", "--training-args", "args.yaml", "--dataset",
+                       "tiny-samples")
+    assert code == 2 and "model_name_or_path" in err and err.count("\n") == 1
+
+
+TRL_YAML = """\
+model_name_or_path: tiny-llama
+dataset_name: tiny-samples
+use_peft: true
+lora_r: 8
+max_length: 128
+per_device_train_batch_size: 4
+gradient_accumulation_steps: 2
+max_steps: 5
+"""
+
+
+def test_a_trl_file_is_tuned_as_an_sft_config_with_its_lora(here, capsys):
+    trl = pytest.importorskip("trl")
+    from transformers import HfArgumentParser
+
+    (here / "sft.yaml").write_text(TRL_YAML)
+    code, out, err = run(capsys, "tune", "--training-args", "sft.yaml", "--device", "T4",
+                         "--precision", "32-true", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["config"]["loss_impl"] == "trl"  # SFTTrainer's fused loss, as for an SFTConfig
+    assert d["config"]["micro_batch_size"] * d["config"]["grad_accum_steps"] == 8
+    assert d["estimate"]["trainable_params"] < d["estimate"]["num_params"] / 10  # LoRA
+    assert any(r.startswith("LoRA r=8: the file's use_peft") for r in d["reasons"])
+    text = (here / "sft-tuned.yaml").read_text()
+    assert '"arguments_class":"trl.SFTConfig"' in text
+    script, sft, model = HfArgumentParser((trl.ScriptArguments, trl.SFTConfig, trl.ModelConfig)
+                                          ).parse_yaml_file("sft-tuned.yaml")
+    assert model.use_peft and model.lora_r == 8 and sft.max_length == 128
+    assert sft.per_device_train_batch_size == d["config"]["micro_batch_size"]
+
+
+def test_a_script_that_evaluates_after_training_is_planned_with_that_evaluation():
+    from autofit.api import _RunPlan
+
+    assert _RunPlan.of({"do_eval": True}).eval_steps is not None  # trainer.evaluate() at the end
+    assert _RunPlan.of({"do_train": True}).eval_steps is None
+
+
+def test_where_the_output_goes(tmp_path):
+    from argparse import Namespace
+
+    from autofit.cli.tune import _output
+    from autofit.emit.args_file import read_args_file
+
+    src = tmp_path / "args.json"
+    src.write_text('{"per_device_train_batch_size": 2}')
+    f = read_args_file(src)
+    assert _output(Namespace(in_place=False, output=None), f) == tmp_path / "args-tuned.json"
+    assert _output(Namespace(in_place=True, output=None), f) == src  # only when asked
+    assert _output(Namespace(in_place=True, output=str(src)), f) == src
+    assert str(_output(Namespace(in_place=False, output=None), None)) == "tuned.yaml"
