@@ -100,6 +100,9 @@ def test_tune_a_mixed_yaml_file_keeps_it_and_the_script_parses_the_output(here, 
     for k in ("model_name_or_path", "dataset_name", "block_size", "max_train_samples"):
         assert k in note
     assert "model tiny-gpt2: the file's model_name_or_path" in d["reasons"]
+    # the script packs its text into the file's 64-token blocks: that is what is planned
+    assert any(r.startswith("sequence length 64:") for r in d["reasons"]), d["reasons"]
+    assert any(r.startswith("block size 64: the file's block_size") for r in d["reasons"])
     assert any(r.startswith("target batch 8: from training_args") for r in d["reasons"])
     # the whole-run plan is the file's: 10 steps with evaluations and saves every 5
     assert any("the run replayed" in r and "10 optimizer steps" in r for r in d["reasons"])
@@ -142,7 +145,8 @@ def test_check_and_report_take_the_mixed_file(here, capsys):
     assert code in (0, 3), err  # judged, not refused
     d = json.loads(out)
     assert any("outside TrainingArguments kept untouched" in r for r in d["reasons"])
-    assert d["config"]["micro_batch_size"] == 2 and d["seq_len"] == 256  # tiny-samples' longest
+    # the script packs tiny-samples into the file's 64-token blocks (block_size: 64)
+    assert d["config"]["micro_batch_size"] == 2 and d["seq_len"] == 64
     code, out, err = run(capsys, "report", src, "--device", "T4")
     assert code == 0, err
     assert (here / "args.png").is_file() and "kept untouched" in out
@@ -200,6 +204,9 @@ def test_a_trl_file_is_tuned_as_an_sft_config_with_its_lora(here, capsys):
     assert d["config"]["micro_batch_size"] * d["config"]["grad_accum_steps"] == 8
     assert d["estimate"]["trainable_params"] < d["estimate"]["num_params"] / 10  # LoRA
     assert any(r.startswith("LoRA r=8: the file's use_peft") for r in d["reasons"])
+    # the file's max_length: SFTTrainer truncates there (tiny-samples' longest is 256)
+    assert any(r.startswith("sequence length 128:") for r in d["reasons"]), d["reasons"]
+    assert any("SFTConfig.max_length" in r for r in d["reasons"])
     text = (here / "sft-tuned.yaml").read_text()
     assert '"arguments_class":"trl.SFTConfig"' in text
     script, sft, model = HfArgumentParser((trl.ScriptArguments, trl.SFTConfig, trl.ModelConfig)

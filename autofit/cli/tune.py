@@ -166,6 +166,12 @@ def _arguments_file(args: argparse.Namespace) -> Any:
         if args.dataset is None and source.dataset:
             args.dataset = source.dataset
             taken.append(f"dataset {source.dataset}: the file's {source.dataset_key}")
+        block = source.keys.get("block_size")  # the script's own packing (run_clm's data arg)
+        if (getattr(args, "block_size", None) is None and args.max_seq_len is None
+                and isinstance(block, int) and not isinstance(block, bool)):
+            args.block_size = block
+            taken.append(f"block size {block}: the file's block_size (the script packs its "
+                         "text into blocks of that many tokens)")
         tok = source.keys.get("tokenizer_name")
         if args.tokenizer is None and isinstance(tok, str) and tok:
             args.tokenizer = tok

@@ -223,10 +223,10 @@ def as_script_sees(dataset: Any, *, block_size: int | None = None,
 def _sft_sees(dataset: Any, sft: Any, tokenizer: Any, text_column: str | None) -> ScriptData:
     """What SFTTrainer makes of the dataset (``trl.SFTTrainer._prepare_dataset``): every text
     ends in the EOS token; then truncation at ``max_length``, or packing into it."""
-    max_length = getattr(sft, "max_length", None)
-    eos = getattr(sft, "eos_token", None) or getattr(tokenizer, "eos_token", None)
-    if getattr(sft, "packing", False):
-        strategy = getattr(sft, "packing_strategy", None) or "bfd"
+    max_length = _sft_value(sft, "max_length")
+    eos = _sft_value(sft, "eos_token") or getattr(tokenizer, "eos_token", None)
+    if _sft_value(sft, "packing"):
+        strategy = _sft_value(sft, "packing_strategy") or "bfd"
         name = f"SFTConfig.max_length (packing={strategy!r})"
         if max_length is None:
             raise BadInputError("SFTConfig packing=True needs max_length (SFTTrainer refuses "
@@ -249,6 +249,23 @@ def _sft_sees(dataset: Any, sft: Any, tokenizer: Any, text_column: str | None) -
             dataset, tokenizer=tokenizer, text_column=text_column, text_suffix=eos)]
         why += f" (each text ending in {eos!r})"
     return ScriptData(dataset, max_length, None, None, (why,), "SFTConfig.max_length")
+
+
+def _sft_value(sft: Any, name: str) -> Any:
+    """``sft.<name>``: an ``SFTConfig``'s attribute, or a file's field (a ``trl sft --config``
+    file: a mapping) with SFTConfig's own default where the file leaves it out."""
+    if not isinstance(sft, dict):
+        return getattr(sft, name, None)
+    if name in sft:
+        return sft[name]
+    try:
+        from dataclasses import MISSING, fields
+
+        from trl import SFTConfig
+    except ImportError:  # no trl: the file's fields only
+        return None
+    f = {f.name: f for f in fields(SFTConfig)}.get(name)
+    return None if f is None or f.default is MISSING else f.default
 
 
 def _has_text(dataset: Any) -> bool:
