@@ -1,0 +1,186 @@
+"""``autofit run``: the user's own command, measured from inside its processes.
+
+Each test runs a tiny script in a fresh process under the hook
+(``autofit.trial.runhook``): it builds a tiny model, then allocates and touches a
+known amount, so the measured peak must be that amount (not the ~200 MiB of the
+interpreter and torch imported before the model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from autofit.emit import write_config
+from autofit.preflight.run import RunRecord, run_command
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+
+ALLOC = textwrap.dedent("""
+    import sys, torch
+    model = torch.nn.Linear(4, 4)        # the baseline: the first nn.Module
+    x = torch.empty(int(sys.argv[1]) * 2**20, dtype=torch.uint8)
+    x.fill_(1)                           # touched: resident
+    print("allocated", sys.argv[1], "MiB")
+""")
+
+
+@pytest.fixture(scope="module")
+def alloc(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("run") / "alloc.py"
+    p.write_text(ALLOC)
+    return p
+
+
+def cli(args: list[str], **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "autofit", "run", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, **kw)
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_measures_the_allocation_above_the_model_start(alloc):
+    r = run_command([sys.executable, str(alloc), "200"], device="cpu:1GiB")
+    assert isinstance(r, RunRecord)
+    assert r.exit_code == 0 and r.survived and not r.out_of_memory
+    assert r.measured_kind == "cpu" and r.cap_bytes == 1 << 30
+    (p,) = r.processes
+    assert p.exited and p.error is None
+    # 200 MiB touched; the imports (torch: well over 100 MiB) are below the baseline
+    assert 200 * MiB <= r.measured_bytes <= 200 * MiB * 1.05
+    assert p.baseline_bytes > 100 * MiB
+
+
+def test_a_cap_smaller_than_the_allocation_kills_the_run(alloc, tmp_path):
+    record = tmp_path / "run.json"
+    p = cli(["--device", "cpu:100MiB", "--json", "--record", str(record), "--",
+             sys.executable, str(alloc), "200"])
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "can't allocate memory" in p.stderr  # the script's own traceback, live
+    out = last_json(p.stdout)
+    assert out["survived"] is False and out["out_of_memory"] is True
+    assert out["exit_code"] == 1 and out["cap_bytes"] == 100 * MiB
+    assert "DefaultCPUAllocator: can't allocate memory" in out["processes"][0]["error"]
+    assert json.loads(record.read_text()) == out
+
+
+def test_the_json_record_compares_with_the_tuned_file_it_finds(alloc, tmp_path):
+    tuned = tmp_path / "tuned.yaml"
+    write_config(tuned, {"per_device_train_batch_size": 4},
+                 {"device": "cpu:1GiB", "predicted_run_bytes": 400 * MiB})
+    script = tmp_path / "train.py"  # takes the tuned file as its argument, as a script would
+    script.write_text(ALLOC.replace("sys.argv[1]", "sys.argv[2]"))
+    p = cli(["--device", "cpu:1GiB", "--json", "--", sys.executable, str(script), str(tuned),
+             "100"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "allocated 100 MiB" in p.stdout  # the command's output passes through
+    out = last_json(p.stdout)
+    assert set(out) == {"command", "device", "cap_bytes", "exit_code", "survived",
+                        "out_of_memory", "measured_bytes", "measured_kind", "predicted_bytes",
+                        "config", "processes", "notes", "ratio"}
+    assert out["config"] == str(tuned) and out["predicted_bytes"] == 400 * MiB
+    assert out["device"] == "cpu:1GiB" and out["notes"] == []
+    assert out["ratio"] == pytest.approx(out["measured_bytes"] / (400 * MiB))
+    assert 0.24 < out["ratio"] < 0.27  # ~100 MiB of 400
+    (proc,) = out["processes"]
+    assert set(proc) == {"pid", "rank", "cpu_peak_bytes", "baseline_bytes", "peak_bytes",
+                         "cuda_peak_reserved_bytes", "cuda_peak_allocated_bytes", "exited",
+                         "error"}
+    # the table, without --json
+    p = cli(["--config", str(tuned), "--", sys.executable, str(alloc), "10"])
+    assert p.returncode == 0
+    assert "measured / predicted" in p.stdout and "survived" in p.stdout
+
+
+def test_a_missing_command_is_bad_input():
+    p = cli(["--", "no-such-command-autofit"])
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "autofit: error: no-such-command-autofit: command not found; give the program to run "
+        "after --, e.g. autofit run -- python train.py tuned.yaml"]
+    p = cli([])
+    assert p.returncode == 2 and "no command to run" in p.stderr
+
+
+def test_a_command_without_torch_runs_and_keeps_its_exit_code(tmp_path):
+    # an existing sitecustomize the hook shadows still runs (chained)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['CHAINED'] = 'yes'\n")
+    code = ("import os, sys; print('chained', os.environ.get('CHAINED'), 'torch' in sys.modules)"
+            "; sys.exit(4)")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{site}")
+    p = subprocess.run([sys.executable, "-m", "autofit", "run", "--json", "--",
+                        sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 4, p.stderr
+    assert "chained yes False" in p.stdout  # the hook itself never imports torch
+    out = last_json(p.stdout)
+    assert out["measured_bytes"] is None and out["processes"] == []
+    assert out["survived"] is False and not out["out_of_memory"]
+    assert out["notes"] == ["no process built a torch model: nothing measured"]
+
+
+def test_every_process_of_the_command_is_measured(alloc, tmp_path):
+    # a launcher-like parent (no model) starting two "ranks" that inherit the hook
+    script = tmp_path / "launch.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, subprocess, sys
+        for rank, mib in ((0, 30), (1, 120)):
+            subprocess.run([sys.executable, {str(alloc)!r}, str(mib)], check=True,
+                           env=dict(os.environ, RANK=str(rank)))
+    """))
+    r = run_command([sys.executable, str(script)], device="cpu")
+    assert r.exit_code == 0
+    assert [p.rank for p in r.processes] == [0, 1]  # the launcher built no model
+    small, big = (p.cpu_peak_bytes for p in r.processes)
+    assert 30 * MiB <= small < 40 * MiB and 120 * MiB <= big < 130 * MiB
+    assert r.measured_bytes == big
+
+
+def test_ctrl_c_reaches_the_command_and_its_status_is_returned(tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(120)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-m", "autofit", "run", "--json", "--",
+                          sys.executable, str(script)], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "KeyboardInterrupt" in err  # the command's, not autofit's "interrupted"
+    assert last_json(out)["exit_code"] == 130
+
+
+def test_sigterm_is_forwarded(tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(120)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-m", "autofit", "run", "--json", "--",
+                          sys.executable, str(script)], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGTERM)  # to autofit only
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 143
+    assert last_json(out)["exit_code"] == 143
+
+
+def test_a_config_that_is_not_a_file_is_bad_input(alloc, tmp_path):
+    p = cli(["--config", str(tmp_path / "nope.yaml"), "--", sys.executable, str(alloc), "1"])
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no such file" in p.stderr
