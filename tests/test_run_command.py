@@ -63,6 +63,21 @@ def test_measures_the_allocation_above_the_model_start(alloc):
     assert p.baseline_bytes > 100 * MiB
 
 
+def test_modules_built_while_a_library_is_imported_do_not_take_the_baseline(alloc, tmp_path):
+    # transformers.activations builds a GELUActivation at import; the imports after it
+    # (here 60 MiB held by the library) are the interpreter's, not the run's
+    (tmp_path / "lib.py").write_text(textwrap.dedent("""
+        import torch
+        ACT = torch.nn.GELU()
+        BLOB = torch.ones(60 * 2**20, dtype=torch.uint8)
+    """))
+    script = tmp_path / "train.py"
+    script.write_text("import lib\n" + ALLOC)
+    r = run_command([sys.executable, str(script), "100"], device="cpu")
+    assert r.exit_code == 0
+    assert 100 * MiB <= r.measured_bytes <= 100 * MiB * 1.06
+
+
 def test_a_cap_smaller_than_the_allocation_kills_the_run(alloc, tmp_path):
     record = tmp_path / "run.json"
     p = cli(["--device", "cpu:100MiB", "--json", "--record", str(record), "--",

@@ -20,13 +20,17 @@ at exit, writes one JSON record ``<AUTOFIT_RUN_DIR>/<pid>.json``:
 - CUDA (when the process used it): ``torch.cuda.max_memory_allocated`` /
   ``max_memory_reserved`` of every device it touched, over the whole process.
 
-Why the first ``nn.Module``: every model (plain torch, transformers'
-``from_config`` / ``from_pretrained``, PEFT, TRL) runs ``nn.Module.__init__``
-before its first parameter is allocated, and nothing a training script imports
-builds one at import time. The hook wraps ``nn.Module.__init__`` once torch is
-imported (an import hook on ``torch``, so a script that never imports torch only
-pays one finder on ``sys.meta_path``), takes the baseline on the first call and
-puts the original back. A ``Parameter`` hook would come too late: ``nn.Linear``
+Why the first ``nn.Module`` built outside an ``import``: every model (plain
+torch, transformers' ``from_config`` / ``from_pretrained``, PEFT, TRL) runs
+``nn.Module.__init__`` before its first parameter is allocated. Libraries do
+build modules while they are imported (``transformers.activations`` makes a
+``GELUActivation`` at import): those are skipped, since a baseline taken there
+would count the rest of the imports (~200 MiB of RSS and more address space for
+the ``Trainer``'s modules, which then ate a ``cpu:1GiB`` cap before the first
+step). The hook wraps ``nn.Module.__init__`` once torch is imported (an import
+hook on ``torch``, so a script that never imports torch only pays one finder on
+``sys.meta_path``), takes the baseline on the first call made outside an import
+and puts the original back. A ``Parameter`` hook would come too late: ``nn.Linear``
 allocates its weight with ``torch.empty`` before wrapping it.
 
 The file is self-contained (standard library only): it runs inside the user's
@@ -40,9 +44,10 @@ Known limitations:
     the first step's one-time autograd and kernel set-up, the pages of library
     code touched first) is counted here and not in a trial, so a run measures a
     few tens of MiB more than the trial of the same step.
-    NB: a module built before the model (e.g. a loss ``nn.Module`` constructed
-    first) takes the baseline earlier; what the script allocates between the two
-    is counted too.
+    NB: a module the script builds before the model (e.g. a loss ``nn.Module``
+    constructed first) takes the baseline earlier; what the script allocates and
+    imports between the two is counted too. A model built by a module's body
+    while it is imported is not seen (the baseline waits for a later module).
     NB: a process that ends with ``os._exit`` or a signal writes no exit record;
     its baseline record (written when the baseline is taken) says so.
     NB: ``/proc`` and ``RLIMIT_AS`` are Linux-only; elsewhere no CPU peak is recorded.
@@ -149,16 +154,27 @@ def _baseline() -> None:
     _write()  # a process that dies without atexit still says it got this far
 
 
+def _importing() -> bool:
+    """Whether the caller runs inside an ``import`` (a module body executing)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _patch_torch(torch) -> None:
     module_cls = torch.nn.Module
     original = module_cls.__dict__["__init__"]
 
     def __init__(self, *args, **kwargs):
-        module_cls.__init__ = original  # once: the first model's construction
-        try:
-            _baseline()
-        except Exception as e:  # noqa: BLE001 - the hook never breaks the run
-            _state["notes"].append(f"baseline failed: {type(e).__name__}: {e}")
+        if not _importing():
+            module_cls.__init__ = original  # once: the first model's construction
+            try:
+                _baseline()
+            except Exception as e:  # noqa: BLE001 - the hook never breaks the run
+                _state["notes"].append(f"baseline failed: {type(e).__name__}: {e}")
         original(self, *args, **kwargs)
 
     module_cls.__init__ = __init__
