@@ -111,8 +111,10 @@ def test_the_json_record_compares_with_the_tuned_file_it_finds(alloc, tmp_path):
     assert 0.24 < out["ratio"] < 0.27  # ~100 MiB of 400
     (proc,) = out["processes"]
     assert set(proc) == {"pid", "rank", "cpu_peak_bytes", "baseline_bytes", "peak_bytes",
-                         "cuda_peak_reserved_bytes", "cuda_peak_allocated_bytes", "exited",
-                         "error"}
+                         "cuda_peak_reserved_bytes", "cuda_peak_allocated_bytes",
+                         "address_space_bytes", "exited", "error"}
+    # the 100 MiB tensor in both; RSS also counts pages mapped before the baseline
+    assert proc["address_space_bytes"] >= 100 * MiB and proc["cpu_peak_bytes"] >= 100 * MiB
     # the table, without --json
     p = cli(["--config", str(tuned), "--", sys.executable, str(alloc), "10"])
     assert p.returncode == 0

@@ -88,6 +88,10 @@ def _print_table(r: Any) -> None:
         table.add_row("measured / predicted", f"{r.ratio:.2f} ({verdict} the promise +5%)")
     if r.cap_bytes is not None:
         table.add_row("device", f"{r.device} (capped per process)")
+        spaces = [p.address_space_bytes for p in r.processes if p.address_space_bytes]
+        if spaces:  # what the cap bounds: a run can die under it below its resident peak
+            table.add_row("address space", f"{size(max(spaces))} above the model's start "
+                          f"(the cap counts it; {size(r.cap_bytes)})")
     table.add_row("exit code", str(r.exit_code))
     survived = "yes" if r.survived else "no" + (": out of memory" if r.out_of_memory else "")
     table.add_row("survived", survived)

@@ -71,6 +71,10 @@ class ProcessPeak:
         cuda_peak_reserved_bytes: ``max_memory_reserved`` (largest over the devices it
             used); None when it used no CUDA device.
         cuda_peak_allocated_bytes: ``max_memory_allocated`` of the same device.
+        address_space_bytes: the largest address space above the baseline's (VmPeak -
+            VmSize then): what a ``cpu:CAP`` cap bounds. Above the resident peak by the
+            mappings never touched (library code, thread stacks, reserved heap), so a
+            run can die under a cap its resident peak is below.
         exited: the process wrote its exit record (False: killed by a signal, ``os._exit``).
         error: the exception that ended it, one line, if any.
     """
@@ -81,6 +85,7 @@ class ProcessPeak:
     baseline_bytes: int | None
     cuda_peak_reserved_bytes: int | None
     cuda_peak_allocated_bytes: int | None
+    address_space_bytes: int | None
     exited: bool
     error: str | None = None
 
@@ -318,6 +323,7 @@ def _process(raw: dict[str, Any]) -> ProcessPeak | None:
         baseline_bytes=raw.get("baseline_rss_bytes"),
         cuda_peak_reserved_bytes=cuda["peak_reserved_bytes"] if cuda else None,
         cuda_peak_allocated_bytes=cuda["peak_allocated_bytes"] if cuda else None,
+        address_space_bytes=raw.get("address_space_bytes"),
         exited=bool(raw.get("exited")),
         error=raw.get("error"),
     )

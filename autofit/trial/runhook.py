@@ -86,12 +86,13 @@ def _statm() -> tuple[int, int] | None:
     return int(size) * _PAGE, int(resident) * _PAGE
 
 
-def _hwm() -> int | None:
-    """VmHWM, bytes: the resident high-water mark since start or the last reset."""
+def _status(field: str) -> int | None:
+    """A ``/proc/self/status`` size, bytes: ``VmHWM`` (the resident high-water mark since
+    start or the last reset), ``VmPeak`` (the largest address space since start)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         return None
@@ -222,10 +223,14 @@ def _cuda_peaks() -> list[dict]:
 
 def _at_exit() -> None:
     try:
-        hwm = _hwm()
+        hwm, vm_peak = _status("VmHWM"), _status("VmPeak")
         if hwm is not None and "baseline_rss_bytes" in _state:
             _state["hwm_bytes"] = hwm
             _state["peak_bytes"] = max(0, hwm - _state["baseline_rss_bytes"])
+        if vm_peak is not None and "baseline_vm_size_bytes" in _state:
+            # what RLIMIT_AS counts (NB: VmPeak cannot be reset: a larger address space
+            # before the baseline would show here; imports only grow it, in practice)
+            _state["address_space_bytes"] = max(0, vm_peak - _state["baseline_vm_size_bytes"])
         _state["cuda"] = _cuda_peaks()
         error = getattr(sys, "last_value", None)  # an uncaught exception ended the script
         if error is not None:
