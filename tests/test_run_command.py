@@ -198,9 +198,16 @@ def test_sigterm_is_forwarded(tmp_path):
     assert last_json(out)["exit_code"] == 143
 
 
-def test_a_config_that_is_not_a_file_is_bad_input(alloc, tmp_path):
-    p = cli(["--config", str(tmp_path / "nope.yaml"), "--", sys.executable, str(alloc), "1"])
+def test_bad_options_are_refused_before_the_command_starts(alloc, tmp_path):
+    marker = tmp_path / "started"
+    command = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    p = cli(["--config", str(tmp_path / "nope.yaml"), *command])
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no such file" in p.stderr
+    p = cli(["--record", str(tmp_path), *command])  # a folder
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "is a folder" in p.stderr
+    p = cli(["--device", "H100-80GB", *command])
+    assert p.returncode == 2 and "not a device of this machine" in p.stderr
+    assert not marker.exists()
 
 
 def test_cuda_peaks_are_the_allocator_s_and_the_run_s_is_the_largest_rank(monkeypatch):

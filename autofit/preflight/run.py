@@ -166,7 +166,8 @@ def run_command(command: Sequence[str], *, device: str | None = None,
 
     Raises:
         BadInputError: an empty command, a command that cannot be started (not found,
-            not executable), an unreadable ``config``, an unknown device.
+            not executable), an unreadable ``config``, an unknown device, a ``record``
+            path that cannot be written (all before the command starts).
     """
     command = [str(c) for c in command]
     if not command:
@@ -174,6 +175,10 @@ def run_command(command: Sequence[str], *, device: str | None = None,
                             "autofit run -- python train.py tuned.yaml")
     name, kind, cap = _device(device)
     predicted, config_path, notes = _prediction(command, config, name)
+    if record is not None:  # before the run: a long run must not end on a path it cannot write
+        from autofit.emit.output import check_output
+
+        check_output(record, name="--record")
     with tempfile.TemporaryDirectory(prefix="autofit-run-") as tmp:
         hook_dir, records = Path(tmp) / "hook", Path(tmp) / "records"
         hook_dir.mkdir()
