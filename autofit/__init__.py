@@ -12,7 +12,7 @@ from autofit.config import TrainConfig
 from autofit.errors import AutofitError, DoesNotFitError
 from autofit.knobs.loss import causal_lm_chunked_loss
 from autofit.memory.breakdown import MemoryEstimate
-from autofit.preflight import PreflightError, PreflightReport, preflight
+from autofit.preflight import PreflightError, PreflightReport, RunRecord, preflight, run_command
 from autofit.result import FitResult
 from autofit.trial import TrialResult, is_oom, measure
 
@@ -26,6 +26,7 @@ __all__ = [
     "PeftComparison",
     "PreflightError",
     "PreflightReport",
+    "RunRecord",
     "TrainConfig",
     "TrialResult",
     "autofit",
@@ -35,6 +36,7 @@ __all__ = [
     "is_oom",
     "measure",
     "preflight",
+    "run_command",
 ]
 __version__ = "0.1.0"
 

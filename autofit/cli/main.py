@@ -5,6 +5,7 @@
     autofit measure tiny-llama --batch-size 4 --seq-len 256 --device cpu:2GiB
     autofit check tuned.yaml
     autofit report tuned.yaml
+    autofit run --device cpu:1GiB -- python train.py tuned.yaml
 
 One module per subcommand (``estimate``, ``tune``, ``measure``, ``check``,
 ``report``), the options they share (``options``) and dataset references
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     from autofit.cli.estimate import add_estimate_parser
     from autofit.cli.measure import add_measure_parser
     from autofit.cli.report import add_report_parser
+    from autofit.cli.run import add_run_parser
     from autofit.cli.tune import add_tune_parser
 
     parser = _Parser(prog="autofit", description="Find the fastest training configuration "
@@ -53,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     add_tune_parser(sub)
     add_compare_peft_parser(sub)
+    add_run_parser(sub)
     return parser
 
 

@@ -4,7 +4,8 @@
 (``check``: estimate, one confirming trial or the cache, the verdict, the fix);
 ``cache`` keeps one measured trial per exact configuration; ``AutofitCallback``
 (``callback``) runs the check at ``on_train_begin``; ``PreflightReport`` and
-``PreflightError`` (``verdict``) are its answer.
+``PreflightError`` (``verdict``) are its answer. ``run_command`` (``run``) runs the
+user's own training command and measures its real peak against the tuned figure.
 
     >>> from autofit.preflight import PreflightReport
     >>> sorted(PreflightReport.__dataclass_fields__)[:4]
@@ -13,11 +14,12 @@
 
 from typing import Any
 
+from autofit.preflight.run import RunRecord, run_command
 from autofit.preflight.trainer import config_of, preflight
 from autofit.preflight.verdict import PreflightError, PreflightReport
 
-__all__ = ["AutofitCallback", "PreflightError", "PreflightReport", "config_of",  # noqa: F822
-           "preflight"]
+__all__ = ["AutofitCallback", "PreflightError", "PreflightReport", "RunRecord",  # noqa: F822
+           "config_of", "preflight", "run_command"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,285 @@
+"""The hook ``autofit run`` injects into the user's training processes (``sitecustomize``).
+
+``autofit.preflight.run`` copies this file as ``sitecustomize.py`` into a temporary
+folder put first on ``PYTHONPATH``, so every Python process of the command runs it
+at start-up: the script, and every rank torchrun or ``accelerate launch`` starts
+(children inherit the environment). It measures the process from the inside and,
+at exit, writes one JSON record ``<AUTOFIT_RUN_DIR>/<pid>.json``:
+
+- CPU: the high-water mark of resident memory above a *baseline* taken when the
+  first ``torch.nn.Module`` is constructed, the moment the model starts being built
+  (``peak = VmHWM - baseline RSS``, VmHWM reset at the baseline by writing ``5`` to
+  ``/proc/self/clear_refs``). This is the figure autofit's trials measure and its
+  whole-run prediction counts (weights, gradients, optimizer states, activations,
+  temporaries, overhead), not the interpreter and the libraries imported before.
+  With ``AUTOFIT_RUN_CAP`` (bytes, ``--device cpu:CAP``) the address space is capped
+  at that same moment as a trial caps it (``RLIMIT_AS`` = VmSize + CAP:
+  ``autofit.trial.procmem.cap_address_space``; nothing of the model is resident yet,
+  so nothing is subtracted), and an allocation past it fails with torch's
+  "DefaultCPUAllocator: can't allocate memory", as on a real device that is full.
+- CUDA (when the process used it): ``torch.cuda.max_memory_allocated`` /
+  ``max_memory_reserved`` of every device it touched, over the whole process.
+
+Why the first ``nn.Module`` built outside an ``import``: every model (plain
+torch, transformers' ``from_config`` / ``from_pretrained``, PEFT, TRL) runs
+``nn.Module.__init__`` before its first parameter is allocated. Libraries do
+build modules while they are imported (``transformers.activations`` makes a
+``GELUActivation`` at import): those are skipped, since a baseline taken there
+would count the rest of the imports (~200 MiB of RSS and more address space for
+the ``Trainer``'s modules, which then ate a ``cpu:1GiB`` cap before the first
+step). The hook wraps ``nn.Module.__init__`` once torch is imported (an import
+hook on ``torch``, so a script that never imports torch only pays one finder on
+``sys.meta_path``), takes the baseline on the first call made outside an import
+and puts the original back. A ``Parameter`` hook would come too late: ``nn.Linear``
+allocates its weight with ``torch.empty`` before wrapping it.
+
+The file is self-contained (standard library only): it runs inside the user's
+interpreter, which need not have autofit installed, and must not import autofit
+(nor torch) itself. It chains to the ``sitecustomize`` it shadows, and never
+raises: a failure of the hook is a note in the record, not a broken run.
+
+Known limitations:
+    NB: what the process does between the first ``nn.Module`` and the first step
+    and a trial does before its baseline (lazy imports of the Trainer's modules,
+    the first step's one-time autograd and kernel set-up, the pages of library
+    code touched first) is counted here and not in a trial, so a run measures a
+    few tens of MiB more than the trial of the same step.
+    NB: a module the script builds before the model (e.g. a loss ``nn.Module``
+    constructed first) takes the baseline earlier; what the script allocates and
+    imports between the two is counted too. A model built by a module's body
+    while it is imported is not seen (the baseline waits for a later module).
+    NB: a process that ends with ``os._exit`` or a signal writes no exit record;
+    its baseline record (written when the baseline is taken) says so.
+    NB: ``/proc`` and ``RLIMIT_AS`` are Linux-only; elsewhere no CPU peak is recorded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import gc
+import importlib
+import importlib.abc
+import importlib.util
+import json
+import os
+import resource
+import sys
+import time
+
+RECORD_DIR_ENV = "AUTOFIT_RUN_DIR"  # where each process writes <pid>.json
+CAP_ENV = "AUTOFIT_RUN_CAP"  # bytes of address space above the baseline (cpu:CAP)
+HOOK_DIR_ENV = "AUTOFIT_RUN_HOOK_DIR"  # the folder holding this file as sitecustomize.py
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_state: dict = {"pid": os.getpid(), "argv": list(sys.argv), "notes": []}
+
+
+def _statm() -> tuple[int, int] | None:
+    """(VmSize, VmRSS) bytes of this process."""
+    try:
+        with open("/proc/self/statm") as f:
+            size, resident = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(size) * _PAGE, int(resident) * _PAGE
+
+
+def _status(field: str) -> int | None:
+    """A ``/proc/self/status`` size, bytes: ``VmHWM`` (the resident high-water mark since
+    start or the last reset), ``VmPeak`` (the largest address space since start)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _malloc_trim() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _write() -> None:
+    folder = os.environ.get(RECORD_DIR_ENV)
+    if not folder or os.getpid() != _state["pid"]:  # a forked child inherits the hook
+        return
+    path = os.path.join(folder, f"{_state['pid']}.json")
+    tmp = path + ".tmp"
+    with contextlib.suppress(OSError):
+        with open(tmp, "w") as f:
+            json.dump(_state, f)
+        os.replace(tmp, path)
+
+
+def _baseline() -> None:
+    """The model is about to be built: baseline RSS, cap the address space, reset VmHWM."""
+    gc.collect()
+    _malloc_trim()
+    now = _statm()
+    if now is None:
+        _state["notes"].append("no /proc/self/statm: CPU memory not measured (Linux only)")
+        return
+    size, rss = now
+    _state.update(baseline_rss_bytes=rss, baseline_vm_size_bytes=size, baseline_time=time.time())
+    cap = os.environ.get(CAP_ENV)
+    if cap:
+        try:
+            _, hard = resource.getrlimit(resource.RLIMIT_AS)
+            limit = size + int(cap)
+            if hard != resource.RLIM_INFINITY and limit > hard:
+                limit = hard
+            resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+            _state["address_space_limit_bytes"] = limit
+        except (OSError, ValueError) as e:
+            _state["notes"].append(f"could not cap the address space: {e}")
+    if not _reset_hwm():
+        _state["notes"].append("cannot reset VmHWM (/proc/self/clear_refs): the peak "
+                               "includes what the process held before the model")
+        _state["hwm_reset"] = False
+    else:
+        _state["hwm_reset"] = True
+    _write()  # a process that dies without atexit still says it got this far
+
+
+def _importing() -> bool:
+    """Whether the caller runs inside an ``import`` (a module body executing)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _patch_torch(torch) -> None:
+    module_cls = torch.nn.Module
+    original = module_cls.__dict__["__init__"]
+
+    def __init__(self, *args, **kwargs):
+        if not _importing():
+            module_cls.__init__ = original  # once: the first model's construction
+            try:
+                _baseline()
+            except Exception as e:  # noqa: BLE001 - the hook never breaks the run
+                _state["notes"].append(f"baseline failed: {type(e).__name__}: {e}")
+        original(self, *args, **kwargs)
+
+    module_cls.__init__ = __init__
+
+
+class _TorchWatch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps torch's loader so the patch runs once torch is imported."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            try:
+                _patch_torch(module)
+            except Exception as e:  # noqa: BLE001
+                _state["notes"].append(f"could not hook torch: {type(e).__name__}: {e}")
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _cuda_peaks() -> list[dict]:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_initialized():
+        return []
+    out = []
+    for i in range(cuda.device_count()):
+        reserved = int(cuda.max_memory_reserved(i))
+        if reserved:
+            out.append({"index": i, "peak_allocated_bytes": int(cuda.max_memory_allocated(i)),
+                        "peak_reserved_bytes": reserved})
+    return out
+
+
+def _at_exit() -> None:
+    try:
+        hwm, vm_peak = _status("VmHWM"), _status("VmPeak")
+        if hwm is not None and "baseline_rss_bytes" in _state:
+            _state["hwm_bytes"] = hwm
+            _state["peak_bytes"] = max(0, hwm - _state["baseline_rss_bytes"])
+        if vm_peak is not None and "baseline_vm_size_bytes" in _state:
+            # what RLIMIT_AS counts (NB: VmPeak cannot be reset: a larger address space
+            # before the baseline would show here; imports only grow it, in practice)
+            _state["address_space_bytes"] = max(0, vm_peak - _state["baseline_vm_size_bytes"])
+        _state["cuda"] = _cuda_peaks()
+        error = getattr(sys, "last_value", None)  # an uncaught exception ended the script
+        if error is not None:
+            text = str(error).strip().splitlines()
+            head = text[0] if text else ""
+            # torch prefixes allocator errors with "[enforce fail at alloc_cpu.cpp:127] err == 0. "
+            if head.startswith("[enforce fail") and "] " in head:
+                head = head.split("] ", 1)[1].removeprefix("err == 0. ")
+            _state["error"] = f"{type(error).__name__}: {head}"[:500]
+        _state["exited"] = True
+    except Exception as e:  # noqa: BLE001
+        _state["notes"].append(f"exit record failed: {type(e).__name__}: {e}")
+    _write()
+
+
+def _chain() -> None:
+    """Run the ``sitecustomize`` this file shadows (the next one on sys.path), if any."""
+    here = os.environ.get(HOOK_DIR_ENV)
+    if not here:
+        return
+    saved = list(sys.path)
+    own = sys.modules.pop("sitecustomize", None)
+    try:
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+        spec = importlib.util.find_spec("sitecustomize")
+        if spec is not None:
+            importlib.import_module("sitecustomize")
+    except Exception as e:  # noqa: BLE001 - as Python's site does: report, go on
+        print(f"Error in sitecustomize (chained by autofit run): {type(e).__name__}: {e}",
+              file=sys.stderr)
+    finally:
+        sys.path[:] = saved
+        if own is not None:
+            sys.modules["sitecustomize"] = own
+
+
+def _install() -> None:
+    if not os.environ.get(RECORD_DIR_ENV):
+        return
+    _state["rank"] = os.environ.get("RANK")
+    _state["local_rank"] = os.environ.get("LOCAL_RANK")
+    if "torch" in sys.modules:
+        _patch_torch(sys.modules["torch"])
+    else:
+        sys.meta_path.insert(0, _TorchWatch())
+    atexit.register(_at_exit)
+
+
+if __name__ == "sitecustomize":  # imported by autofit itself (for its names): nothing runs
+    with contextlib.suppress(Exception):  # never break the user's interpreter
+        _install()
+    _chain()
