@@ -223,3 +223,22 @@ def test_mkdocs_build_strict(tmp_path):
                            str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _slugs(path: Path) -> set[str]:
+    from markdown.extensions.toc import slugify  # what mkdocs' toc uses
+
+    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.M | re.S)
+    return {slugify(re.sub(r"[`*]", "", h), "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_readme_links_resolve():
+    pytest.importorskip("markdown")
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if "://" in target:
+            continue
+        path, _, anchor = target.partition("#")
+        assert (ROOT / path).exists(), f"README.md links to {path}, which does not exist"
+        if anchor:
+            assert anchor in _slugs(ROOT / path), f"README.md links to {target}: no such heading"
