@@ -5,7 +5,7 @@
     >>> sorted(est.breakdown)
     ['activations', 'gradients', 'optimizer_states', 'overhead', 'temporaries', 'weights']
 
-``autofit()`` runs the flow of DESIGN.md one stage after another, each a function
+``autofit()`` runs the flow of docs/design.md one stage after another, each a function
 below that takes what the earlier ones made and never reaches back:
 
     _probe -> _space -> _estimator -> _trial_runner -> _study -> _search -> _result

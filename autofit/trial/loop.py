@@ -1,7 +1,7 @@
 """Run the steps of one trial in *this* process and measure them.
 
 Shared by the in-process runner (``trial.py``) and the trial child
-(``autofit/trial/child.py``). The protocol (DESIGN.md, "Truth and measurement"):
+(``autofit/trial/child.py``). The protocol (docs/design.md, "Truth and measurement"):
 
 1. prepare the model as the Trainer does; one set-up step on one sample at the
    batch's full length (``step.setup_batch``) and free it: autograd and kernel

@@ -38,7 +38,7 @@ __all__ = [
     "restore_address_space",
 ]
 
-# The environment of a measuring child (DESIGN.md, "Truth and measurement"):
+# The environment of a measuring child (docs/design.md, "Truth and measurement"):
 # glibc: every allocation >= 64 KiB is its own mmap, freed memory goes straight back
 # to the kernel, and one arena, so RSS follows the live tensors closely.
 # oneDNN: no primitive cache. It keeps a JIT kernel per input shape (up to 1024, a

@@ -20,7 +20,7 @@ Each rank writes, in ``WORKDIR``:
 
 A rank dies with the launcher (``guard_parent``: parent-death signal, polling).
 
-The measurement, per rank (DESIGN.md, "Truth and measurement", for several processes):
+The measurement, per rank (docs/design.md, "Truth and measurement", "Several processes"):
 
 1. the model prepared as the Trainer does; one set-up step on this rank alone, on the
    unwrapped model, at the batch's full length (kernels, autograd, first-touch
