@@ -13,6 +13,7 @@ from autofit.errors import AutofitError, DoesNotFitError
 from autofit.knobs.loss import causal_lm_chunked_loss
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.preflight import PreflightError, PreflightReport, RunRecord, preflight, run_command
+from autofit.preflight.guard import guard
 from autofit.result import FitResult
 from autofit.trial import TrialResult, is_oom, measure
 
@@ -33,6 +34,7 @@ __all__ = [
     "causal_lm_chunked_loss",
     "compare_peft",
     "estimate",
+    "guard",
     "is_oom",
     "measure",
     "preflight",

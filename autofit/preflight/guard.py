@@ -1,0 +1,505 @@
+"""``autofit.guard(trainer)``: an out-of-memory error inside a micro step is absorbed, the math kept.
+
+autofit plans a run so that it fits; the run still meets what no plan sees (a batch
+longer than any in the sample, a neighbour process on a shared card). Guarded, the
+trainer's micro step that runs out of memory is split and run again::
+
+    trainer = Trainer(model=model, args=args, train_dataset=train)
+    autofit.guard(trainer)          # any Trainer subclass, TRL's SFTTrainer included
+    trainer.train()
+
+When ``training_step`` raises an out-of-memory error (``autofit.is_oom``: CUDA, the CPU
+allocator, ...), the guard frees what the failed attempt held, splits the same micro
+batch into k chunks (2, 4, ... up to one sample each) along the batch dimension, and
+runs them one after the other inside the same ``training_step`` call. Nothing the
+Trainer owns changes: the dataloader, the step counters, the learning-rate schedule,
+the optimizer state and the effective batch are those of the unguarded run.
+
+The math: each chunk's loss is weighted as the Trainer weights micro batches.
+
+* With ``num_items_in_batch`` (the Trainer counts the label tokens of the whole
+  accumulation window; transformers' causal-LM losses sum and divide by it), a chunk's
+  loss is already ``sum_chunk / N``: the chunks' gradients add up to the micro batch's.
+* Without it (a model whose forward takes no loss kwargs: the loss is a mean over the
+  micro batch), chunk c's loss is multiplied by ``n_c / n`` — its share of the micro
+  batch's label items (tokens after the causal shift, or samples) — so the weighted
+  chunk means add up to the micro batch's mean.
+* An OOM in *backward* may come after some parameters' gradients were already
+  accumulated (autograd accumulates a leaf's gradient once per backward, when it is
+  complete). The guard records which parameters were accumulated during the attempt
+  (``register_post_accumulate_grad_hook``); in the split rerun their incoming gradients
+  are replaced by zeros, so each parameter receives this micro batch's gradient exactly
+  once. Those gradients are the same sum as the chunks' (NB: up to floating-point
+  summation order; with dropout, their masks are the failed attempt's).
+
+The split persists for micro batches at least as long (in tokens) as the one that
+failed, and is retried one level up (k / 2) after ``retry_after`` guarded steps
+without an OOM. Evaluation is guarded the same way: ``prediction_step`` of a batch that
+does not fit is split, the losses weighted by items and the logits and labels
+concatenated, so the metrics equal the unsplit ones.
+
+Every rescue is one line on stderr and in the log (logger ``"autofit"``), and one JSON
+line in ``record`` (default ``<output_dir>/autofit-guard.jsonl``): step, batch shape,
+k, the measured peak. ``autofit check`` reads such a record beside a tuned file.
+
+Known limitations (named in the message when they happen):
+    NB: an OOM in the optimizer step, in a collective or while loading the model is not
+    inside a micro step: it cannot be split, and is raised as before (with a note).
+    NB: one process only: under DDP / FSDP / DeepSpeed an OOM on one rank during
+    backward leaves the other ranks in a gradient collective; ``guard`` refuses a
+    trainer that runs on several processes rather than hang them.
+    NB: a micro batch of one sample that does not fit cannot be split: that OOM is
+    raised, with the rescue history in its note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from autofit.errors import BadInputError
+from autofit.trial.oom import is_oom
+
+__all__ = ["guard", "Rescue", "RETRY_AFTER", "RECORD_NAME", "read_record"]
+
+logger = logging.getLogger("autofit")
+
+RETRY_AFTER = 200  # guarded steps at a split before one level up (k / 2) is tried again
+RECORD_NAME = "autofit-guard.jsonl"
+_IGNORE_INDEX = -100  # transformers' "no loss here" label
+
+
+@dataclass(frozen=True)
+class Rescue:
+    """One absorbed OOM: where, what was split, into how many chunks, the peak measured."""
+
+    kind: str  # "train" (training_step) or "eval" (prediction_step)
+    step: int  # trainer.state.global_step when it happened
+    batch_shape: tuple[int, ...]  # the micro batch that did not fit: (samples, tokens)
+    piece: int  # samples of the piece that ran out of memory (then halved)
+    k: int  # pieces the micro batch then ran in
+    peak_bytes: int | None  # the device's peak (CUDA: allocated; CPU: process high-water mark)
+    device: str
+    error: str  # the first line of the OOM
+    time: float
+
+    def line(self) -> str:
+        peak = f", peak {self.peak_bytes / 2**30:.2f} GiB" if self.peak_bytes else ""
+        shape = " x ".join(str(d) for d in self.batch_shape)
+        what = "training micro step" if self.kind == "train" else "evaluation batch"
+        return (f"autofit.guard: out of memory at step {self.step} in a {what} of {shape} "
+                f"on {self.device}; a piece of {self.piece} halved, the batch now runs in "
+                f"{self.k} pieces (same math){peak}")
+
+
+def read_record(path: str | os.PathLike) -> list[Rescue]:
+    """The rescues a guarded run wrote to ``path`` (JSON lines; a bad line is skipped)."""
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            d = json.loads(line)
+            d["batch_shape"] = tuple(d["batch_shape"])
+            out.append(Rescue(**d))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return out
+
+
+# ------------------------------------------------------------------------ splitting
+
+
+def _batch_shape(inputs: dict[str, Any]) -> tuple[int, ...]:
+    for key in ("input_ids", "inputs_embeds", "pixel_values", "labels"):
+        v = inputs.get(key)
+        if hasattr(v, "shape") and len(v.shape) >= 1:
+            return tuple(int(d) for d in v.shape[:2])
+    for v in inputs.values():
+        if hasattr(v, "shape") and len(v.shape) >= 1:
+            return tuple(int(d) for d in v.shape[:2])
+    return (0,)
+
+
+def _split(inputs: dict[str, Any], k: int) -> list[dict[str, Any]]:
+    """``inputs`` cut into ``k`` chunks along dim 0 (every tensor with the batch's size
+    there; other values shared), sizes differing by at most one, in order."""
+    import torch
+
+    b = _batch_shape(inputs)[0]
+    parts: list[dict[str, Any]] = [{} for _ in range(k)]
+    for key, v in inputs.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == b:
+            for part, piece in zip(parts, torch.tensor_split(v, k, dim=0), strict=True):
+                part[key] = piece
+        else:
+            for part in parts:
+                part[key] = v
+    return parts
+
+
+def _items(trainer: Any, inputs: dict[str, Any]) -> int:
+    """Label items of ``inputs`` as the Trainer counts them: label tokens != -100 (after the
+    causal shift when the model's loss shifts), else samples."""
+    labels = inputs.get("shift_labels")
+    if labels is None:
+        labels = inputs.get("labels")
+        if labels is not None and getattr(trainer, "_loss_shifts_labels", False) \
+                and getattr(labels, "dim", lambda: 0)() >= 2:
+            labels = labels[..., 1:]
+    if labels is not None and hasattr(labels, "ne"):
+        try:
+            return int(labels.ne(_IGNORE_INDEX).sum())
+        except (RuntimeError, TypeError):
+            pass
+    return _batch_shape(inputs)[0]
+
+
+# ------------------------------------------------------------------------ memory
+
+
+def _device_of(trainer: Any) -> str:
+    dev = getattr(getattr(trainer, "args", None), "device", None)
+    return str(dev) if dev is not None else "cpu"
+
+
+def _peak_bytes(device: str) -> int | None:
+    try:
+        if device.startswith("cuda"):
+            import torch
+
+            return int(torch.cuda.max_memory_allocated())
+        from autofit.trial.procmem import peak_rss_bytes
+
+        return peak_rss_bytes()
+    except Exception:  # a peak is a courtesy of the log line, never a new failure
+        return None
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------ the guard
+
+
+class _Guard:
+    """The state of one guarded trainer: the split in force, the rescues, the hooks."""
+
+    def __init__(self, trainer: Any, retry_after: int, record: Path | None, echo: bool) -> None:
+        self.trainer = trainer
+        self.retry_after = retry_after
+        self.record = record
+        self.echo = echo
+        self.rescues: list[Rescue] = []
+        self.k = 1  # chunks for micro batches at least `length` tokens long
+        self.length = 0
+        self.clean_steps = 0  # guarded steps at k without an OOM
+        self.touched: set[int] = set()  # parameters accumulated during the current attempt
+        self.recording = False
+        self.handles: list[Any] = []
+        self.train_step = trainer.training_step
+        self.predict_step = trainer.prediction_step
+
+    # -- which parameters an attempt accumulated ------------------------------------------
+    def watch(self, model: Any) -> None:
+        if self.handles:
+            return
+        for p in model.parameters():
+            if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+                self.handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _accumulated(self, p: Any) -> None:
+        if self.recording:
+            self.touched.add(id(p))
+
+    @contextlib.contextmanager
+    def _zero_grads_of(self, model: Any, ids: set[int]) -> Any:
+        """Incoming gradients of the parameters in ``ids`` replaced by zeros (they hold this
+        micro batch's gradient already, from the attempt that ran out of memory)."""
+        import torch
+
+        handles = [p.register_hook(torch.zeros_like) for p in model.parameters()
+                   if id(p) in ids]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    # -- the split in force ----------------------------------------------------------------
+    def k_for(self, shape: tuple[int, ...]) -> int:
+        length = shape[1] if len(shape) > 1 else 0
+        if self.k > 1 and length >= self.length:
+            return min(self.k, max(1, shape[0]))
+        return 1
+
+    def _settle(self, k: int, shape: tuple[int, ...], smallest: int, rescued: bool) -> None:
+        """After a micro batch: a rescue sets the split for batches at least as long; a clean
+        guarded step counts, and ``retry_after`` of them try one level up."""
+        if rescued:
+            length = shape[1] if len(shape) > 1 else 0
+            need = -(-shape[0] // max(1, smallest))  # chunks of the smallest piece that ran
+            self.k = max(self.k, 1 << (need - 1).bit_length())
+            self.length = length if self.length == 0 else min(self.length, length)
+            self.clean_steps = 0
+            return
+        if k <= 1 or k != self.k:
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.retry_after:
+            self.k //= 2
+            self.clean_steps = 0
+            if self.k <= 1:
+                self.k, self.length = 1, 0
+
+    def _rescue(self, exc: BaseException, kind: str, shape: tuple[int, ...],
+                piece: tuple[int, ...], pieces: int) -> None:
+        """Log one absorbed OOM (``piece``, a part of the micro batch ``shape``, failed; the
+        micro batch now runs in ``pieces`` parts), or re-raise when ``piece`` is one sample."""
+        if piece[0] <= 1:
+            tokens = f"{piece[1]} tokens" if len(piece) > 1 else "one sample"
+            _add_note(exc, f"autofit.guard: a single sample of {tokens} does not fit: it cannot "
+                      f"be split further ({len(self.rescues)} rescues before); shorten the "
+                      "longest samples (max_seq_len) or lower what the step needs (autofit tune)")
+            raise exc
+        step = int(getattr(getattr(self.trainer, "state", None), "global_step", 0) or 0)
+        device = _device_of(self.trainer)
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        rescue = Rescue(kind=kind, step=step, batch_shape=shape, piece=piece[0], k=pieces,
+                        peak_bytes=_peak_bytes(device), device=device, error=first,
+                        time=time.time())
+        self.rescues.append(rescue)
+        self._log(rescue)
+
+    def _log(self, rescue: Rescue) -> None:
+        line = rescue.line()
+        logger.warning(line)
+        if self.echo:
+            print(line, file=sys.stderr, flush=True)
+        if self.record is not None:
+            try:
+                self.record.parent.mkdir(parents=True, exist_ok=True)
+                with self.record.open("a") as f:
+                    f.write(json.dumps(asdict(rescue)) + "\n")
+            except OSError as e:
+                logger.warning("autofit.guard: could not write %s (%s)", self.record, e)
+
+    # -- training_step ---------------------------------------------------------------------
+    def training_step(self, model: Any, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> Any:
+        """The Trainer's step over ``inputs``, in pieces when a piece runs out of memory.
+
+        Pieces run in order; a piece that fails is halved in place. The parameters a failed
+        piece's backward accumulated already hold that piece's gradient: its halves add
+        zeros to them (``zero``), so every parameter gets each piece's gradient once."""
+        from collections import deque
+
+        self.watch(model)
+        shape = _batch_shape(inputs)
+        k = self.k_for(shape)
+        # the loss is a mean over the micro batch (no num_items_in_batch): weight by items
+        total = _items(self.trainer, inputs) if num_items_in_batch is None else None
+        pending = deque((piece, frozenset()) for piece in
+                        (_split(inputs, k) if k > 1 else [inputs]))
+        done, smallest, rescued, loss = 0, shape[0], False, None
+        while pending:
+            piece, zero = pending.popleft()
+            self.touched = set()
+            self.recording = True
+            try:
+                with self._zero_grads_of(model, zero):
+                    part = self._piece(model, piece, inputs, num_items_in_batch, total)
+            except BaseException as e:  # noqa: BLE001 - only an OOM is handled
+                self.recording = False
+                if not is_oom(e):
+                    raise
+                halves = _split(piece, 2)
+                pending.extendleft(reversed([(h, zero | frozenset(self.touched))
+                                             for h in halves]))
+                self._rescue(e, "train", shape, _batch_shape(piece), done + len(pending))
+                rescued = True
+                del e, piece
+                _free(_device_of(self.trainer))
+                continue
+            self.recording = False
+            done += 1
+            smallest = min(smallest, _batch_shape(piece)[0])
+            loss = part if loss is None else loss + part
+        self._settle(k, shape, smallest, rescued)
+        return loss
+
+    def _piece(self, model: Any, piece: dict[str, Any], whole: dict[str, Any],
+               num_items_in_batch: Any, total: int | None) -> Any:
+        if piece is whole or total is None:
+            return self.train_step(model, piece, num_items_in_batch)
+        weight = _weight(self.trainer, piece, whole, total)
+        with _scaled_loss(self.trainer, weight):
+            return self.train_step(model, piece, num_items_in_batch)
+
+    # -- prediction_step -------------------------------------------------------------------
+    def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: Any = None) -> Any:
+        """The Trainer's evaluation step, in pieces when one runs out of memory: the losses
+        weighted by items, logits and labels concatenated in order."""
+        from collections import deque
+
+        from transformers.trainer_pt_utils import nested_concat
+
+        shape = _batch_shape(inputs)
+        total = _items(self.trainer, inputs)
+        pending = deque([inputs])
+        done, loss, logits, labels = 0, None, None, None
+        while pending:
+            piece = pending.popleft()
+            try:
+                out = self.predict_step(model, piece, prediction_loss_only,
+                                        ignore_keys=ignore_keys)
+            except BaseException as e:  # noqa: BLE001 - only an OOM is handled
+                if not is_oom(e):
+                    raise
+                pending.extendleft(reversed(_split(piece, 2)))
+                self._rescue(e, "eval", shape, _batch_shape(piece), done + len(pending))
+                del e
+                _free(_device_of(self.trainer))
+                continue
+            if piece is inputs:
+                return out
+            done += 1
+            lo, lo_logits, lo_labels = out
+            if lo is not None:  # a mean over the piece's items: weighted back to the batch's
+                part = lo * _weight(self.trainer, piece, inputs, total)
+                loss = part if loss is None else loss + part
+            if lo_logits is not None:
+                logits = lo_logits if logits is None else nested_concat(
+                    logits, lo_logits, padding_index=-100)
+            if lo_labels is not None:
+                labels = lo_labels if labels is None else nested_concat(
+                    labels, lo_labels, padding_index=-100)
+        return loss, logits, labels
+
+    # -- outside the micro steps -----------------------------------------------------------
+    def train(self, train: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised, with a note
+            if is_oom(e):
+                _add_note(e, "autofit.guard: this out-of-memory error came from outside a "
+                          "micro step (the optimizer step, a collective, an evaluation "
+                          "metric, a checkpoint save): it cannot be split; "
+                          f"{len(self.rescues)} rescues before it")
+            raise
+        finally:
+            for h in self.handles:
+                h.remove()
+            self.handles = []
+
+
+def _weight(trainer: Any, piece: dict[str, Any], whole: dict[str, Any], total: int) -> float:
+    """``piece``'s share of ``whole``: its label items over the whole's (samples when the
+    whole has no label item)."""
+    if total > 0:
+        return _items(trainer, piece) / total
+    return _batch_shape(piece)[0] / max(1, _batch_shape(whole)[0])
+
+
+@contextlib.contextmanager
+def _scaled_loss(trainer: Any, weight: float) -> Any:
+    """``trainer.compute_loss`` multiplied by ``weight`` for the duration (an instance
+    attribute over the class's method, removed after)."""
+    own = vars(trainer).get("compute_loss")
+    original = trainer.compute_loss
+
+    def compute_loss(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        if isinstance(out, tuple):
+            return (out[0] * weight, *out[1:])
+        return out * weight
+
+    trainer.compute_loss = compute_loss
+    try:
+        yield
+    finally:
+        if own is not None:
+            trainer.compute_loss = own
+        else:
+            del trainer.compute_loss
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    logger.error(note)
+
+
+def _world_size(trainer: Any) -> int:
+    args = getattr(trainer, "args", None)
+    try:
+        return int(getattr(args, "world_size", 1) or 1)
+    except (TypeError, ValueError):
+        return 1
+
+
+def guard(trainer: Any, *, retry_after: int = RETRY_AFTER,
+          record: str | os.PathLike | None = None, echo: bool = True) -> Any:
+    """Absorb out-of-memory errors inside the trainer's micro steps (see the module docstring).
+
+    Args:
+        trainer: a ``transformers.Trainer`` (or subclass: ``trl.SFTTrainer``,
+            ``autofit.ChunkedLossTrainer``), before ``trainer.train()``.
+        retry_after: guarded steps at a split before one level up is tried again.
+        record: where each rescue is appended as a JSON line; default
+            ``<output_dir>/autofit-guard.jsonl`` (``$AUTOFIT_GUARD_RECORD`` when set).
+        echo: print each rescue's line on stderr as well as logging it.
+
+    Returns:
+        the same trainer, guarded (``trainer.autofit_guard.rescues`` lists the rescues).
+
+    Raises:
+        BadInputError: not a Trainer, already guarded, a non-positive ``retry_after``, or
+            a trainer on several processes (see Known limitations).
+
+    Example:
+        >>> import autofit
+        >>> trainer = autofit.guard(trainer)  # doctest: +SKIP
+        >>> trainer.train()  # doctest: +SKIP
+    """
+    if not (hasattr(trainer, "training_step") and hasattr(trainer, "prediction_step")
+            and hasattr(trainer, "train")):
+        raise BadInputError(f"guard takes a transformers.Trainer, got {type(trainer).__name__}")
+    if getattr(trainer, "autofit_guard", None) is not None:
+        raise BadInputError("this trainer is guarded already: call autofit.guard(trainer) once")
+    if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 1:
+        raise BadInputError(f"retry_after must be a positive number of steps, got {retry_after!r}")
+    world = _world_size(trainer)
+    if world > 1:
+        raise BadInputError(
+            f"autofit.guard runs one process; this trainer runs on {world}: under DDP / FSDP / "
+            "DeepSpeed an OOM on one rank during backward leaves the others waiting in a "
+            "gradient collective. Run without guard (plan with autofit tune "
+            "--nproc-per-node, which leaves a margin per rank)")
+    if record is None:
+        env = os.environ.get("AUTOFIT_GUARD_RECORD")
+        out = getattr(getattr(trainer, "args", None), "output_dir", None)
+        record = env or (Path(out) / RECORD_NAME if out else None)
+    state = _Guard(trainer, retry_after, Path(record) if record is not None else None, echo)
+    trainer.training_step = state.training_step
+    trainer.prediction_step = state.prediction_step
+    original_train = trainer.train
+    trainer.train = lambda *a, **kw: state.train(original_train, *a, **kw)
+    trainer.autofit_guard = state
+    return trainer

@@ -1,0 +1,221 @@
+"""autofit.guard: an OOM inside a micro step is absorbed by splitting it, with the same math.
+
+The OOM is planted: a hook raises the CPU allocator's own error when a batch holds more
+than ``limit`` samples — in forward (nothing accumulated yet) or in backward (after the
+head and the upper layers' gradients were accumulated). The yardstick is a run that never
+sees an OOM: the same samples trained at the split size (micro batch / k, accumulation x k),
+which the Trainer weights by ``num_items_in_batch`` exactly as the guarded run must.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from autofit import guard  # noqa: E402
+from autofit.errors import BadInputError  # noqa: E402
+from autofit.preflight.guard import read_record  # noqa: E402
+
+OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1048576 bytes"
+
+
+def _model(seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _data(n: int = 32, length: int = 12, long_every: int = 0):
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(1, 96, (length,), generator=g)
+        labels = ids.clone()
+        labels[: i % 5] = -100  # prompts: items differ between samples
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def _trainer(model, tmp_path, micro: int, accum: int, steps: int = 3, name: str = "run",
+             eval_data=None):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(str(tmp_path / name), per_device_train_batch_size=micro,
+                             gradient_accumulation_steps=accum, max_steps=steps,
+                             learning_rate=1e-2, use_cpu=True, report_to=[],
+                             save_strategy="no", logging_steps=1, seed=3,
+                             per_device_eval_batch_size=8, disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=_data(), eval_dataset=eval_data)
+
+
+def _plant(model, limit: int, where: str):
+    """Raise the CPU allocator's OOM when a batch has more than ``limit`` samples."""
+    layer0 = model.model.layers[0]
+
+    def forward_hook(module, args, kwargs, out):
+        hidden = out[0] if isinstance(out, tuple) else out
+        if hidden.shape[0] > limit:
+            if where == "forward":
+                raise RuntimeError(OOM)
+            if hidden.requires_grad:  # backward: after the upper layers' gradients
+                def boom(grad):
+                    raise RuntimeError(OOM)
+                hidden.register_hook(boom)
+        return out
+
+    return layer0.register_forward_hook(forward_hook, with_kwargs=True)
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _same_weights(a, b, rel=1e-5):
+    """Every parameter within ``rel`` of the other, relative to its norm (summation order
+    differs between the runs: an element near zero may differ in its last bits)."""
+    pb = dict(b.named_parameters())
+    for name, p in a.named_parameters():
+        diff = (p.detach() - pb[name].detach()).norm() / pb[name].detach().norm()
+        assert diff <= rel, f"{name}: {diff:.2e}"
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_split_run_equals_a_run_at_the_split_size(tmp_path, where):
+    ref_model = _model()
+    ref = _trainer(ref_model, tmp_path, micro=4, accum=4, name="ref")
+    ref.train()
+
+    model = _model()
+    hook = _plant(model, limit=4, where=where)
+    trainer = guard(_trainer(model, tmp_path, micro=8, accum=2, name="guarded"), echo=False)
+    trainer.train()
+    hook.remove()
+
+    rescues = trainer.autofit_guard.rescues
+    assert rescues, "the planted OOM was never hit"
+    assert rescues[0].batch_shape == (8, 12) and rescues[0].k == 2 and rescues[0].kind == "train"
+    assert len(rescues) == 1  # the split persists: later batches start at k = 2
+    assert _losses(trainer) == pytest.approx(_losses(ref), rel=1e-5)
+    _same_weights(model, ref_model)
+    # the record beside the run: one JSON line per rescue
+    assert [r.batch_shape for r in read_record(tmp_path / "guarded" / "autofit-guard.jsonl")] \
+        == [(8, 12)]
+
+
+def test_without_num_items_the_pieces_are_weighted_as_the_mean(tmp_path):
+    """A loss that is a mean over the micro batch: the pieces' means, weighted by their label
+    items, equal the unsplit micro batch's (the Trainer of an unguarded, OOM-free run)."""
+    ref_model = _model()
+    ref = _trainer(ref_model, tmp_path, micro=8, accum=1, name="ref")
+    ref.model_accepts_loss_kwargs = False  # the Trainer passes no num_items_in_batch then
+    ref.train()
+
+    model = _model()
+    hook = _plant(model, limit=3, where="backward")
+    trainer = guard(_trainer(model, tmp_path, micro=8, accum=1, name="guarded"), echo=False)
+    trainer.model_accepts_loss_kwargs = False
+    trainer.train()
+    hook.remove()
+    assert trainer.autofit_guard.rescues[0].k == 2  # 8 -> 4+4 -> 2+2+2+2 (3 fit)
+    assert _losses(trainer) == pytest.approx(_losses(ref), rel=1e-5)
+    _same_weights(model, ref_model)
+
+
+def test_no_oom_changes_nothing(tmp_path):
+    ref_model, model = _model(), _model()
+    ref = _trainer(ref_model, tmp_path, micro=8, accum=2, name="ref")
+    ref.train()
+    trainer = guard(_trainer(model, tmp_path, micro=8, accum=2, name="guarded"), echo=False)
+    trainer.train()
+    assert trainer.autofit_guard.rescues == []
+    assert _losses(trainer) == _losses(ref)  # bitwise: the same calls
+    assert not (tmp_path / "guarded" / "autofit-guard.jsonl").exists()
+
+
+def test_eval_batch_is_split_and_metrics_equal(tmp_path):
+    data = _data(16)
+    ref = _trainer(_model(), tmp_path, micro=8, accum=1, name="ref", eval_data=data)
+    expected = ref.evaluate()
+    model = _model()
+    hook = _plant(model, limit=2, where="forward")
+    trainer = guard(_trainer(model, tmp_path, micro=8, accum=1, name="g", eval_data=data),
+                    echo=False)
+    got = trainer.evaluate()
+    hook.remove()
+    assert [r.kind for r in trainer.autofit_guard.rescues][:1] == ["eval"]
+    assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6)
+
+
+def test_a_single_sample_that_does_not_fit_is_raised_with_a_note(tmp_path):
+    model = _model()
+    hook = _plant(model, limit=0, where="forward")  # nothing fits
+    trainer = guard(_trainer(model, tmp_path, micro=2, accum=1, name="g"), echo=False)
+    with pytest.raises(RuntimeError, match="can't allocate") as info:
+        trainer.train()
+    hook.remove()
+    assert any("cannot be split further" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_the_split_is_retried_upward(tmp_path):
+    model = _model()
+    hook = _plant(model, limit=4, where="forward")
+    trainer = guard(_trainer(model, tmp_path, micro=8, accum=1, steps=4, name="g"),
+                    retry_after=1, echo=False)
+    trainer.train()
+    hook.remove()
+    # every other step retries k = 1, runs out of memory again and splits: 2 of 4 steps
+    assert [r.step for r in trainer.autofit_guard.rescues] == [0, 2]
+
+
+def test_a_non_oom_error_passes_through(tmp_path):
+    model = _model()
+
+    def bad(module, args):
+        raise ValueError("not memory")
+
+    model.model.layers[0].register_forward_pre_hook(bad)
+    trainer = guard(_trainer(model, tmp_path, micro=4, accum=1, name="g"), echo=False)
+    with pytest.raises(ValueError, match="not memory"):
+        trainer.train()
+    assert trainer.autofit_guard.rescues == []
+
+
+def test_rescue_line_on_stderr(tmp_path, capsys):
+    model = _model()
+    hook = _plant(model, limit=4, where="forward")
+    trainer = guard(_trainer(model, tmp_path, micro=8, accum=1, steps=1, name="g"))
+    trainer.train()
+    hook.remove()
+    err = capsys.readouterr().err
+    assert "autofit.guard: out of memory at step 0 in a training micro step of 8 x 12" in err
+    assert "the batch now runs in 2 pieces" in err
+    line = json.loads((tmp_path / "g" / "autofit-guard.jsonl").read_text().splitlines()[0])
+    assert line["k"] == 2 and line["batch_shape"] == [8, 12]
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(BadInputError, match="transformers.Trainer"):
+        guard(object())
+    trainer = _trainer(_model(), tmp_path, micro=2, accum=1)
+    with pytest.raises(BadInputError, match="retry_after"):
+        guard(trainer, retry_after=0)
+    guard(trainer, echo=False)
+    with pytest.raises(BadInputError, match="guarded already"):
+        guard(trainer)
+
+
+def test_several_processes_refused(tmp_path, monkeypatch):
+    from transformers import TrainingArguments
+
+    trainer = _trainer(_model(), tmp_path, micro=2, accum=1)
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(BadInputError, match="one process"):
+        guard(trainer)
