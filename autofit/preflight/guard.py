@@ -231,6 +231,9 @@ class _Guard:
     def _zero_grads_of(self, model: Any, ids: set[int]) -> Any:
         """Incoming gradients of the parameters in ``ids`` replaced by zeros (they hold this
         micro batch's gradient already, from the attempt that ran out of memory)."""
+        if not ids:  # the common case: nothing to undo (no parameter walk on the hot path)
+            yield
+            return
         import torch
 
         handles = [p.register_hook(torch.zeros_like) for p in model.parameters()
