@@ -178,6 +178,10 @@ def _child(mode: str, cap: int, out: Path, micro: int = MICRO, accum: int = 1) -
     return json.loads(lines[-1])
 
 
+def _e(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1e}"
+
+
 def main() -> None:
     import tempfile
 
@@ -189,22 +193,36 @@ def main() -> None:
     cap = int((normal + spike) / 2)
     runs = {"calibrate": cal}
     for mode, micro, accum, c in [("unguarded", MICRO, 1, cap), ("guarded", MICRO, 1, cap),
-                                  ("reference", MICRO // 2, 2, 0),
+                                  ("reference", MICRO // 2, 2, 0), ("uncapped", MICRO, 1, 0),
                                   ("transformers", MICRO, 1, cap), ("accelerate", MICRO, 1, cap)]:
         t0 = time.time()
         runs[mode] = _child(mode, c, work / mode, micro, accum)
         print(f"{mode}: survived={runs[mode].get('survived')} ({time.time() - t0:.0f} s)",
               flush=True)
-    g, r = runs["guarded"], runs["reference"]
-    loss_rel = max((abs(a[1] - b[1]) / abs(b[1]) for a, b in
-                    zip(g.get("losses", []), r.get("losses", []), strict=False)), default=None)
-    weight_rel = None
-    if g.get("survived") and r.get("survived"):
-        wa = torch.load(work / "guarded" / "weights.pt")
-        wb = torch.load(work / "reference" / "weights.pt")
-        weight_rel = max(float((wa[n] - wb[n]).norm() / wb[n].norm()) for n in wa)
+    g = runs["guarded"]
+
+    def diff(x: str, y: str) -> tuple[float | None, float | None, float | None]:
+        """(largest relative loss difference, largest per-tensor and whole-model relative
+        weight difference) between runs x and y."""
+        a, b = runs[x], runs[y]
+        loss = max((abs(u[1] - v[1]) / abs(v[1]) for u, v in
+                    zip(a.get("losses", []), b.get("losses", []), strict=False)), default=None)
+        if not (a.get("survived") and b.get("survived")):
+            return loss, None, None
+        wa, wb = (torch.load(work / n / "weights.pt") for n in (x, y))
+        per = max(float((wa[n] - wb[n]).norm() / wb[n].norm()) for n in wa)
+        whole = (sum(float((wa[n] - wb[n]).norm() ** 2) for n in wa)
+                 / sum(float(wb[n].norm() ** 2) for n in wa)) ** 0.5
+        return loss, per, whole
+
+    pairs = {"guarded vs reference (split size)": diff("guarded", "reference"),
+             "guarded vs uncapped (micro 8, no cap)": diff("guarded", "uncapped"),
+             "uncapped vs reference (no guard: the float-order floor)":
+                 diff("uncapped", "reference")}
+    loss_rel, weight_rel, _ = pairs["guarded vs reference (split size)"]
     summary = {"cap_bytes": cap, "normal_step_bytes": normal, "spike_step_bytes": spike,
-               "max_loss_rel_diff": loss_rel, "max_weight_rel_diff": weight_rel, "runs": runs}
+               "differences": {k: dict(zip(("loss", "tensor", "model"), v, strict=True))
+                               for k, v in pairs.items()}, "runs": runs}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "guard_spike.json").write_text(json.dumps(summary, indent=2) + "\n")
     mib = 2**20
@@ -232,6 +250,14 @@ def main() -> None:
         f"{2 * LENGTH} tokens. Measured: normal step {normal / mib:.0f} MiB, spike step "
         f"{spike / mib:.0f} MiB; cap {cap / mib:.0f} MiB (RLIMIT_AS above the built trainer).",
         "", *rows, "",
+        "Differences (relative; fp32; AdamW): the largest over logged losses, over single "
+        "parameter tensors, and over the whole model's weights:", "",
+        "| runs compared | loss | worst tensor | whole model |", "|---|---|---|---|",
+        *[f"| {k} | {_e(v[0])} | {_e(v[1])} | {_e(v[2])} |" for k, v in pairs.items()], "",
+        "A plain run at micro batch 8 and one at 4 x 2 differ by float summation order alone "
+        "(the last row); AdamW's normalised update magnifies that in rarely-seen embedding "
+        "rows. The guarded run differs from the run at micro batch 8 only at the spike step.",
+        "",
         "Rescue lines of the guarded run:", "",
         *[f"    {line}" for line in g.get("rescues", [])], ""])
     (RESULTS / "guard_spike.md").write_text(text)
