@@ -66,6 +66,8 @@ def estimate(
     offload: str | None = None,
     sharding: Any = None,
     block_size: int | None = None,
+    deepspeed_config: Any = None,
+    accelerate_config: Any = None,
 ) -> MemoryEstimate:
     """Estimate the device memory of one training step (and, with a dataset, of the run).
 
@@ -116,6 +118,10 @@ def estimate(
         sharding: how the ranks run beyond the config: a dict of
             ``autofit.memory.sharding.Layout`` fields, e.g. ``{"fsdp_recipe": "torch",
             "zero_optimizer": "deepspeed"}`` (default: what the Trainer runs).
+        deepspeed_config, accelerate_config: the user's launch recipe (a path, or a dict:
+            ``ds_config.json``, an accelerate config YAML; ``autofit.knobs.recipe``): its
+            strategy, offload, sizes, precision, DeepSpeed optimizer and ranks are what is
+            estimated (they override the config's; its batch numbers must agree with it).
 
     Returns:
         A ``MemoryEstimate``.
@@ -138,6 +144,10 @@ def estimate(
         raise BadInputError(f"config must be a TrainConfig, got {type(config).__name__}")
     config = _with_ranks(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
                          strategy=strategy, offload=offload)
+    recipe = _recipe(deepspeed_config, accelerate_config)
+    if recipe is not None:
+        config = recipe.apply(config)
+        sharding = {**recipe.layout_fields, **(sharding or {})}
     layout = _layout(config, sharding)
     if method not in METHODS:
         raise BadInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -188,7 +198,8 @@ def estimate(
     if method == "simulate" or data is not None:
         from autofit.memory.simulate import Simulator
 
-        sim = Simulator(module, task=t, device=dev, model_name=info.name)
+        sim = Simulator(module, task=t, device=dev, model_name=info.name,
+                        sharding=recipe.layout_fields if recipe is not None else None)
     if layout is not None:  # several ranks launched otherwise than the Trainer does
         from autofit.memory._sim_ranks import simulate_ranks
         from autofit.memory.sharding import estimate_ranks_analytic
@@ -198,6 +209,10 @@ def estimate(
     else:
         est = (sim.simulate(config, seq_len=seq) if method == "simulate"
                else estimate_analytic(info, config, seq, dev))
+    if recipe is not None:
+        import dataclasses
+
+        est = dataclasses.replace(est, notes=(*est.notes, *recipe.lines(config.world_size)))
     if data is None:
         return est
     if (eval_steps is None) != (eval_batch_size is None):
@@ -231,6 +246,15 @@ def _with_ranks(config: TrainConfig, **fields: Any) -> TrainConfig:
                 raise BadInputError(f"{name} must be a positive integer, got {v!r}")
         given["world_size"] = n * m
     return config.replace(**given)
+
+
+def _recipe(deepspeed_config: Any, accelerate_config: Any) -> Any:
+    """The user's launch recipe (``autofit.knobs.recipe.Recipe``), or None."""
+    if deepspeed_config is None and accelerate_config is None:
+        return None
+    from autofit.knobs.recipe import read_recipe
+
+    return read_recipe(deepspeed=deepspeed_config, accelerate=accelerate_config)
 
 
 def _layout(config: TrainConfig, sharding: Any) -> Any:
@@ -287,6 +311,7 @@ _OPTIONS = {
     "attn_implementation", "lora", "peft_config", "load_in_4bit", "load_in_8bit",
     "quantization_config", "optim_args", "world_size",
     "generate_max_new_tokens", "nproc_per_node", "nnodes", "block_size",
+    "deepspeed_config", "accelerate_config",
 }
 
 
@@ -375,6 +400,7 @@ def autofit(
     opts["quantization_config"] = resolve(**quant)  # bad input: before anything is built
     opts["_quant_request"] = quant
     reasons: list[str] = []
+    _fix_recipe(opts, reasons)  # the user's launch recipe: kept, not searched
     progress = _progress_printer(opts.get("progress", False))
     dataset, max_seq_len = _script_data(dataset, max_seq_len, opts, reasons)
     probed = _probe(model, dataset, device, max_seq_len, opts, reasons)
@@ -395,6 +421,51 @@ def autofit(
                               started_at=started_at, progress=progress, opts=opts)
     return _result(probed, space, engine, outcome, runner, recorder, key, whole, kept,
                    max_seq_len, reasons)
+
+
+def _fix_recipe(opts: dict[str, Any], reasons: list[str]) -> None:
+    """The user's launch recipe (``deepspeed_config=`` / ``accelerate_config=``, else the
+    ``training_args``' ``deepspeed`` / ``fsdp`` fields) into ``opts``: the knobs it fixes
+    get its one value (a different constraint is bad input), its ranks replace the
+    options', and ``opts["_recipe"]`` carries it to the estimator, the trials and the
+    tuned file. Its batch numbers are not kept: the tuned file's DeepSpeed config gets
+    the tuned ones."""
+    from autofit.knobs.recipe import check_batch, read_recipe, recipe_of_fields
+
+    ds, acc = opts.pop("deepspeed_config", None), opts.pop("accelerate_config", None)
+    args = opts.get("training_args")
+    fields = (args.to_dict() if hasattr(args, "to_dict") else dict(args)
+              if isinstance(args, dict) else None)
+    if ds is None and acc is None:
+        recipe = recipe_of_fields(fields, "training_args") if fields else None
+    else:
+        recipe = read_recipe(deepspeed=ds, accelerate=acc)
+        if recipe is not None and fields is not None:
+            check_batch(recipe, fields, "training_args")
+    if recipe is None:
+        return
+    for name, value in recipe.search_constraints().items():
+        asked = opts.get(name)
+        allowed = [asked] if isinstance(asked, str | bool) else list(asked or [])
+        if asked is not None and value[0] not in allowed:
+            raise BadInputError(f"{recipe.source} fixes {name} {value[0]} but {name}="
+                                f"{asked!r} was asked: drop one")
+        opts[name] = value
+    for name in ("nproc_per_node", "nnodes"):
+        if getattr(recipe, name) is not None:
+            opts[name] = getattr(recipe, name)
+    if recipe.optim_args is not None:
+        opts["optim_args"] = recipe.optim_args
+    opts["_recipe"] = recipe
+    world = opts.get("world_size") or (opts.get("nproc_per_node") or 1) * (opts.get("nnodes") or 1)
+    first, *rest = recipe.lines(int(world))
+    reasons += [first + "; kept as given, the rest searched", *rest]
+
+
+def _layout_fields(opts: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``Layout`` fields of the user's recipe in ``opts``, or None."""
+    recipe = opts.get("_recipe")
+    return recipe.layout_fields if recipe is not None else None
 
 
 def _check_options(constraints: dict[str, Any], objective: str, **numbers: Any) -> dict[str, Any]:
@@ -658,14 +729,16 @@ def _estimator(probed: _Probed, opts: dict[str, Any], progress: Any,
     def speed(config: TrainConfig) -> float:
         return predict_speed(info, config, seq, dev).tokens_per_s
 
+    layout = _layout_fields(opts)
+
     def analytic(config: TrainConfig) -> int:
-        return estimate_analytic(info, config, seq, dev).device_total_bytes
+        return estimate_analytic(info, config, seq, dev, layout).device_total_bytes
 
     if opts.get("method", "analytic") == "simulate" and dev.present:
         reasons.append("estimates: the simulated step (a line through micro batches 1, 2 and "
                        "4 per combination), confirmed by trials")
         return _Estimator(_simulated_estimate(probed.module, probed.task, info, dev, seq,
-                                              progress), speed)
+                                              progress, layout), speed)
     return _Estimator(analytic, speed)
 
 
@@ -684,7 +757,7 @@ def _trial_runner(probed: _Probed, dataset: Any, max_seq_len: int | None, opts: 
                        "model of the target (unconfirmed on hardware); run autofit on the "
                        "target to confirm")
         return _simulated_trials(probed.module, probed.task, probed.info, dev, probed.seq_len,
-                                 estimator.speed)
+                                 estimator.speed, _layout_fields(opts))
     reasons.append(f"{dev.name} is not present here: planned from the estimate alone "
                    "(unconfirmed); run autofit on the target to confirm (or "
                    "method='simulate' for an exact plan of the simulated step)")
@@ -707,6 +780,8 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
     rank_progress = getattr(shown, "status", None) or (
         _progress_printer(shown) if shown else None)
     longest: dict[str, Any] = {}  # the largest worst-case batch the key hashed (no collator)
+    recipe = opts.get("_recipe")  # the user's DeepSpeed config runs on the ranks
+    recipe_ds = recipe is not None and recipe.deepspeed is not None
 
     def rows(b: int, collator: Any) -> Any:
         return worst_case_batch(dataset, b, max_seq_len=max_seq_len,
@@ -731,7 +806,9 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
                        attn_implementation=opts.get("attn_implementation"), lora=opts.get("lora"),
                        quantization_config=opts.get("quantization_config"),
                        run=trial_run(probed, config, kept, None, opts, whole),
-                       progress=rank_progress)
+                       progress=rank_progress,
+                       **({"deepspeed_config": recipe.deepspeed_for(
+                           b, config.grad_accum_steps, config.world_size)} if recipe_ds else {}))
 
     def digest(largest: int) -> str:
         """The content of every batch a trial can be fed: the ``largest`` longest rows (each
@@ -856,7 +933,7 @@ class _WholeRun:
         p = self.probed
         if self._sim is None:
             self._sim = Simulator(p.module, task=p.task, device=p.device,
-                                  model_name=p.info.name)
+                                  model_name=p.info.name, sharding=_layout_fields(self.opts))
         gen = self.opts.get("generate_max_new_tokens")
         return run_margin(self._sim, config, self.order(config), p.device,
                           eval_steps=self.plan.eval_steps,
@@ -951,6 +1028,8 @@ def _study(probed: _Probed, space: Any, margin: float, objective: str, runner: A
         "objective": objective, "engine": ENGINE_VERSION,
         # packed samples: the file records how (a cached answer must carry it)
         **({"packing": seen.meta} if (seen := opts.get("_script_data")) and seen.meta else {}),
+        **({"recipe": [list(kv) for kv in opts["_recipe"].sharding],
+            "deepspeed": opts["_recipe"].deepspeed} if opts.get("_recipe") else {}),
     })
     cache = opts.get("cache", True)
     if not cache or not trials_run:
@@ -1053,7 +1132,7 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
         est = runner.simulator.simulate(config, seq_len=seq)  # memoised: no new run
         reasons.append(f"{len(outcome.trials)} configurations simulated; no trial on hardware")
     else:
-        est = estimate_analytic(info, config, seq, dev)
+        est = estimate_analytic(info, config, seq, dev, _layout_fields(opts))
     confirmed = outcome.confirmed and not simulated
     reasons = outcome.reasons + reasons
     reasons += [n for k in KNOBS if (n := k.note(getattr(config, k.name)))]
@@ -1066,6 +1145,7 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
     if config.torch_compile:
         reasons.append(_compile_saving(info, config, seq))
     kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
+    _recipe_fields(kwargs, opts.get("_recipe"), config, base_args)
     eval_micro = whole.eval_batch(config, margin, reasons)
     eval_micro, eval_measured = _eval_from_trial(outcome, config, eval_micro, info, seq, dev,
                                                  margin, opts, reasons)
@@ -1114,6 +1194,23 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
                                "candidates": list(rows), "meta": meta,
                                "eval_micro_batch": eval_micro})
     return result
+
+
+def _recipe_fields(kwargs: dict[str, Any], recipe: Any, config: TrainConfig,
+                   base_args: dict[str, Any] | None) -> None:
+    """The tuned file launches the user's recipe, not autofit's: a DeepSpeed config is the
+    user's, its numeric batch fields set to the tuned ones (written beside the tuned file:
+    ``<stem>-deepspeed.json``; the user's own file is never changed); FSDP fields given in
+    ``training_args`` are kept as given."""
+    if recipe is None:
+        return
+    if recipe.deepspeed is not None and config.strategy in ("zero1", "zero2", "zero3"):
+        kwargs["deepspeed"] = recipe.deepspeed_for(config.micro_batch_size,
+                                                   config.grad_accum_steps, config.world_size)
+    elif base_args and base_args.get("fsdp") and "fsdp" in kwargs:
+        kwargs["fsdp"] = base_args["fsdp"]
+        if base_args.get("fsdp_config"):
+            kwargs["fsdp_config"] = base_args["fsdp_config"]
 
 
 def _ranks_line(outcome: Any, config: TrainConfig) -> list[str]:
@@ -1276,7 +1373,7 @@ class _SimulatedTrial:
 
 
 def _simulated_trials(module: Any, task: str, info: Any, dev: DeviceInfo, seq_len: int,
-                      speed: Any):
+                      speed: Any, sharding: dict[str, Any] | None = None):
     """A trial function for a device that is not here: the simulated step on fake tensors.
 
     The engine brackets the limit with it exactly as with real trials (a few
@@ -1285,7 +1382,7 @@ def _simulated_trials(module: Any, task: str, info: Any, dev: DeviceInfo, seq_le
     """
     from autofit.memory.simulate import Simulator
 
-    sim = Simulator(module, task=task, device=dev, model_name=info.name)
+    sim = Simulator(module, task=task, device=dev, model_name=info.name, sharding=sharding)
 
     def trial(config: TrainConfig) -> _SimulatedTrial:
         est = sim.simulate(config, seq_len=seq_len)
@@ -1301,11 +1398,11 @@ def _simulated_trials(module: Any, task: str, info: Any, dev: DeviceInfo, seq_le
 
 
 def _simulated_estimate(module: Any, task: str, info: Any, dev: DeviceInfo, seq_len: int,
-                        progress: Any = None):
+                        progress: Any = None, sharding: dict[str, Any] | None = None):
     """``config -> device total bytes`` from the simulated step's peak line per combination."""
     from autofit.memory.simulate import Simulator
 
-    sim = Simulator(module, task=task, device=dev, model_name=info.name)
+    sim = Simulator(module, task=task, device=dev, model_name=info.name, sharding=sharding)
     lines: dict[TrainConfig, Any] = {}
 
     def estimate_total(config: TrainConfig) -> int:

@@ -31,6 +31,7 @@ from autofit.cli.options import (
     EXIT_OK,
     add_file_subject_options,
     add_rank_options,
+    add_recipe_options,
     file_subject,
 )
 
@@ -50,6 +51,7 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "YAML/JSON with --model")
     add_file_subject_options(p)
     add_rank_options(p)  # default: the ranks the tuned file records
+    add_recipe_options(p)  # default: the file's deepspeed / fsdp fields
     p.add_argument("--margin", type=float, default=0.0,
                    help="fraction of the capacity that must stay free (default 0)")
     p.add_argument("--no-trial", action="store_true", help="estimate only")
@@ -82,6 +84,9 @@ def run_check_command(args: argparse.Namespace) -> int:
     if (meta.get("config") or {}).get("loss_impl") == "trl" and not config.chunked_loss:
         config = config.replace(loss_impl="trl")  # the plan of an SFTConfig (SFTTrainer's loss)
     config = _with_ranks(config, meta, args)
+    recipe = _recipe(fields, args)
+    if recipe is not None:
+        config = recipe.apply(config)
     s = file_subject(args, meta, source)
     eval_batch = fields.get("per_device_eval_batch_size")
     # an eval batch that does not fit stops the job only when the file evaluates
@@ -99,6 +104,7 @@ def run_check_command(args: argparse.Namespace) -> int:
         eval_batch_size=int(eval_batch) if eval_batch else None, eval_required=evaluates,
         seq_len_source=s.seq_len_source, max_seq_len=s.max_seq_len, progress=progress,
         tokenizer=s.tokenizer, block_size=s.block_size, packing=s.packing,
+        recipe=recipe,
     )
     from dataclasses import replace
 
@@ -108,6 +114,28 @@ def run_check_command(args: argparse.Namespace) -> int:
     else:
         _print_check(report, args.config)
     return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
+
+
+def _recipe(fields: dict[str, Any], args: argparse.Namespace) -> Any:
+    """The launch recipe the run uses: ``--deepspeed-config`` / ``--accelerate-config``, else
+    the file's ``deepspeed`` (a path relative to the file, or a dict) / ``fsdp`` fields;
+    its batch numbers and precision must agree with the file's."""
+    from pathlib import Path
+
+    from autofit.knobs.recipe import check_batch, read_recipe, recipe_of_fields
+
+    if args.deepspeed_config is None and args.accelerate_config is None:
+        return recipe_of_fields(fields, args.config, base=Path(args.config).parent)
+    ds = args.deepspeed_config
+    if ds is None and args.accelerate_config is None:
+        ds = fields.get("deepspeed")
+    recipe = read_recipe(deepspeed=ds, accelerate=args.accelerate_config,
+                         fsdp_fields={k: fields[k] for k in ("fsdp", "fsdp_config")
+                                      if fields.get(k)} or None,
+                         base=Path(args.config).parent)
+    if recipe is not None:
+        check_batch(recipe, fields, args.config)
+    return recipe
 
 
 def _with_ranks(config: Any, meta: dict[str, Any], args: argparse.Namespace) -> Any:

@@ -19,6 +19,7 @@ from autofit.cli.options import (
     add_block_size_option,
     add_model_options,
     model_kwargs,
+    recipe_kwargs,
     tokenizer_for,
     train_config,
 )
@@ -75,6 +76,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         device=args.device,
         method=args.method,
         **model_kwargs(args),
+        **recipe_kwargs(args),
         **run,
     )
     if args.json:

@@ -24,7 +24,9 @@ from autofit.cli.options import (
     add_config_options,
     add_peft_option,
     add_quant_options,
+    add_recipe_options,
     quant_spec,
+    recipe_kwargs,
     tokenizer_for,
 )
 from autofit.knobs import KNOBS, describe_choice
@@ -51,6 +53,7 @@ def add_measure_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="tokens per sample (random data), or the truncation length with --dataset",
     )
     add_config_options(p)
+    add_recipe_options(p)
     p.add_argument("--attn-implementation", choices=["eager", "sdpa"], default=None)
     p.add_argument("--lora-r", type=int, default=None, help="train a LoRA adapter of this rank")
     p.add_argument("--lora-alpha", type=int, default=None)
@@ -226,4 +229,5 @@ def _run(args: argparse.Namespace, config: Any, data: Any, tokenizer: Any,
         progress=progress,
         quantization_config=quant,
         block_size=args.block_size,
+        **recipe_kwargs(args),
     )

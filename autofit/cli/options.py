@@ -18,7 +18,8 @@ __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "EXI
            "add_adapter_options", "add_peft_option", "add_quant_options", "quant_spec",
            "model_kwargs", "train_config", "tokenizer_for",
            "add_file_subject_options", "FileSubject", "file_subject", "add_config_options",
-           "add_rank_options", "rank_kwargs", "add_block_size_option"]
+           "add_rank_options", "rank_kwargs", "add_block_size_option", "add_recipe_options",
+           "recipe_kwargs"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
 # a trial that neither fitted nor ran out of memory: a timeout, a crash, a killed process
@@ -32,6 +33,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sample (default with --dataset: its longest sample)")
     add_config_options(p)  # with --nproc-per-node / --nnodes
+    add_recipe_options(p)
     add_adapter_options(p)
     p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
     p.add_argument("--device", default="auto",
@@ -57,6 +59,23 @@ def add_rank_options(p: argparse.ArgumentParser) -> None:
                         "estimates are per rank")
     p.add_argument("--nnodes", type=_positive, default=None, metavar="M",
                    help="nodes, as torchrun --nnodes (default 1); a trial runs every rank here")
+
+
+def add_recipe_options(p: argparse.ArgumentParser) -> None:
+    """``--deepspeed-config FILE`` / ``--accelerate-config FILE``: the user's own launch
+    recipe (``autofit.knobs.recipe``), estimated and tried instead of autofit's."""
+    p.add_argument("--deepspeed-config", default=None, metavar="FILE",
+                   help="your DeepSpeed JSON (ds_config.json): its ZeRO stage, offload, sizes, "
+                        "precision and optimizer are what is estimated")
+    p.add_argument("--accelerate-config", default=None, metavar="FILE",
+                   help="your accelerate config YAML: its distributed_type, num_processes / "
+                        "num_machines, FSDP or DeepSpeed settings and mixed_precision")
+
+
+def recipe_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``deepspeed_config`` / ``accelerate_config`` from parsed options (those given)."""
+    return {k: v for k in ("deepspeed_config", "accelerate_config")
+            if (v := getattr(args, k, None)) is not None}
 
 
 def rank_kwargs(args: argparse.Namespace) -> dict[str, int]:

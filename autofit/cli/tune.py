@@ -34,8 +34,10 @@ from autofit.cli.options import (
     add_adapter_options,
     add_block_size_option,
     add_rank_options,
+    add_recipe_options,
     model_kwargs,
     rank_kwargs,
+    recipe_kwargs,
     tokenizer_for,
 )
 from autofit.knobs import KNOBS
@@ -79,6 +81,7 @@ def add_tune_parser(sub: Any) -> argparse.ArgumentParser:
     for k in KNOBS:  # each knob's own options restrict it (--precision, --optim, ...)
         k.add_options(t)
     add_rank_options(t)  # --nproc-per-node, --nnodes: the ranks the tuned run has
+    add_recipe_options(t)  # the user's DeepSpeed / accelerate config: kept, the rest searched
     t.add_argument("--max-micro-batch", type=int, default=256)
     add_adapter_options(t)
     t.add_argument("--task", default=None)
@@ -119,6 +122,13 @@ def run_tune(args: argparse.Namespace) -> int:
         kwargs["block_size"] = args.block_size
     kwargs.update({k.name: k.from_options(args) for k in KNOBS})
     kwargs.update(rank_kwargs(args))
+    kwargs.update(recipe_kwargs(args))
+    ds = source.fields.get("deepspeed") if source is not None else None
+    if isinstance(ds, str) and "deepspeed_config" not in kwargs and not ds.lstrip().startswith("{"):
+        from pathlib import Path
+
+        if not Path(ds).is_absolute() and not Path(ds).is_file():  # relative to the file
+            kwargs["deepspeed_config"] = str(Path(source.path).parent / ds)
     kwargs.update({k: v for k, v in model_kwargs(args).items() if k != "task"})
     if args.json:
         result = autofit(args.model, data, **kwargs)

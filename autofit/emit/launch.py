@@ -4,7 +4,10 @@ A tuned file for ``world_size > 1`` keeps the ``TrainingArguments`` fields of it
 strategy (``fsdp`` + ``fsdp_config``, or ``deepspeed``) and gets, beside it:
 
 - ``<stem>-deepspeed.json`` (ZeRO): the DeepSpeed config, its sizes ``"auto"`` for
-  transformers to fill in; the tuned file's ``deepspeed`` field is this path;
+  transformers to fill in — or, tuned with the user's own (``--deepspeed-config``, a
+  ``deepspeed`` field of ``training_args``), that config with only its numeric batch
+  fields set to the tuned ones (``autofit.knobs.recipe``; the user's file is never
+  written); the tuned file's ``deepspeed`` field is this path;
 - ``<stem>-accelerate.yaml``: an accelerate config (``accelerate launch --config_file``)
   that ``accelerate``'s own loader reads (``load_config_from_file``): ``distributed_type``
   (``FSDP``, ``DEEPSPEED``, or ``MULTI_GPU`` for DDP: accelerate's multi-process launcher,

@@ -30,6 +30,10 @@ model (``HfTrainerDeepSpeedConfig``): the memory rules use the values ``"auto"``
 to. Hybrid sharding (``hsdp``) needs accelerate's ``parallelism_config`` (shard within a
 node, replicate across nodes), which the accelerate config file carries.
 
+A user's own recipe (``--deepspeed-config``, ``--accelerate-config``, a file's
+``deepspeed`` / ``fsdp`` fields) fixes these knobs instead of the search, and its sizes
+replace the ones above: ``autofit.knobs.recipe``.
+
 The memory rules live with the estimators (``autofit.memory``).
 """
 

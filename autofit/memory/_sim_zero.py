@@ -270,7 +270,7 @@ def _in_partition(module: torch.nn.Module, layout: Layout, rank: int) -> dict[in
     no-decay group: 1-D parameters, biases and norms) and cut into equal partitions."""
     n = layout.shard_ranks
     params = [p for p in module.parameters() if p.requires_grad]
-    one = layout.zero_optimizer == "deepspeed"
+    one = layout.zero_one_group
     out: dict[int, int] = {}
     for group in ((True,) if one else (True, False)):
         members = [j for j, p in enumerate(params) if one or (p.ndim > 1) == group]

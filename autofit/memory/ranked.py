@@ -18,7 +18,7 @@ caller.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autofit.memory import analytic, sharding
 
@@ -32,9 +32,12 @@ __all__ = ["estimate_analytic"]
 
 
 def estimate_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
-                      device: DeviceInfo) -> MemoryEstimate:
+                      device: DeviceInfo, layout_fields: dict[str, Any] | None = None
+                      ) -> MemoryEstimate:
     """One training step's memory in closed form: the rank that peaks (with ``per_rank``)
-    when ``config`` has several processes, else the one device's."""
+    when ``config`` has several processes, else the one device's. ``layout_fields``: how
+    the ranks run beyond the config (``sharding.Layout`` fields: a user's recipe)."""
     if config.world_size > 1:
-        return sharding.estimate_ranks_analytic(info, config, seq_len, device)
+        layout = sharding.Layout.of(config, **layout_fields) if layout_fields else None
+        return sharding.estimate_ranks_analytic(info, config, seq_len, device, layout)
     return analytic.estimate_analytic(info, config, seq_len, device)

@@ -177,7 +177,12 @@ class Layout:
         zero_optimizer: ``"torch"`` — the Trainer's torch optimizer, which ZeRO wraps (the
             emitted config has no optimizer section); ``"deepspeed"`` — DeepSpeed's own
             Adam (``{"optimizer": {"type": "AdamW"}}``: FusedAdam / DeepSpeedCPUAdam, one
-            parameter group, updated in place).
+            parameter group, updated in place); ``"deepspeed-torch"`` — a ``torch.optim``
+            class DeepSpeed builds from its config (``{"type": "SGD"}``): one parameter
+            group, torch's step and its temporaries.
+        zero_overrides: ZeRO sizes a user's DeepSpeed config sets, as ``(ZeroSizes field,
+            value)`` pairs over ``zero_sizes``; a value ``"auto"`` is transformers' (from
+            the hidden size). Read by ``autofit.knobs.recipe``.
         bucket_cap_mb: DDP's ``bucket_cap_mb``; None: torch's default (25, first 1 MiB).
         gradient_as_bucket_view: DDP's flag (False: torch's and the Trainer's default).
     """
@@ -191,6 +196,7 @@ class Layout:
     zero_optimizer: str = "torch"
     bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool = False
+    zero_overrides: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(cls, config: TrainConfig, **overrides: Any) -> Layout:
@@ -235,15 +241,27 @@ class Layout:
         size, ``HfTrainerDeepSpeedConfig.trainer_config_finalize``) and what autofit
         emits (``overlap_comm`` and ``contiguous_gradients`` on), or DeepSpeed's defaults
         (``overlap_comm`` only at stage 3)."""
-        if self.zero_sizes == "deepspeed" or not hidden_size:
-            return ZeroSizes(reduce_bucket_size=int(5e8), allgather_bucket_size=int(5e8),
-                             prefetch_bucket_size=int(5e7), param_persistence_threshold=int(1e5),
-                             max_live_parameters=int(1e9), overlap_comm=self.zero_stage == 3)
-        h = int(hidden_size)
-        return ZeroSizes(reduce_bucket_size=h * h, allgather_bucket_size=int(5e8),
-                         prefetch_bucket_size=int(0.9 * h * h),
-                         param_persistence_threshold=10 * h, max_live_parameters=int(1e9),
-                         overlap_comm=True)
+        own = ZeroSizes(reduce_bucket_size=int(5e8), allgather_bucket_size=int(5e8),
+                        prefetch_bucket_size=int(5e7), param_persistence_threshold=int(1e5),
+                        max_live_parameters=int(1e9), overlap_comm=self.zero_stage == 3)
+        auto = own
+        if hidden_size:
+            h = int(hidden_size)
+            auto = ZeroSizes(reduce_bucket_size=h * h, allgather_bucket_size=int(5e8),
+                             prefetch_bucket_size=int(0.9 * h * h),
+                             param_persistence_threshold=10 * h, max_live_parameters=int(1e9),
+                             overlap_comm=True)
+        sizes = own if self.zero_sizes == "deepspeed" else auto
+        if not self.zero_overrides:
+            return sizes
+        # a user's config: each size as given, "auto" as transformers fills it in
+        given = {k: getattr(auto, k) if v == "auto" else v for k, v in self.zero_overrides}
+        return dataclasses.replace(sizes, **given)
+
+    @property
+    def zero_one_group(self) -> bool:
+        """DeepSpeed builds the optimizer (one parameter group), not the Trainer."""
+        return self.zero_optimizer != "torch"
 
     def node_of(self, rank: int) -> int:
         return rank // self.nproc_per_node
@@ -449,7 +467,7 @@ def _zero_groups(info: ModelInfo, config: TrainConfig, layout: Layout) -> list[i
     no-decay groups (``recipe="trainer"``; biases and norms undecayed), one group with
     DeepSpeed's own optimizer."""
     train = [g for g in info.params if g.trainable]
-    if layout.zero_optimizer == "deepspeed":
+    if layout.zero_one_group:
         return [sum(g.numel * g.count for g in train)]
     nodecay = sum(g.numel * g.count for g in train if g.role in ("norm", "bias"))
     decay = sum(g.numel * g.count for g in train) - nodecay

@@ -200,6 +200,8 @@ class Simulator:
         task: ``"causal-lm"``, ``"masked-lm"``, ``"seq2seq"`` or ``"seq-cls"``.
         device: the target device: a DeviceInfo or a name (``"cpu"``, ``"H100-80GB"``).
         model_name: shown in the estimates.
+        sharding: how several ranks run beyond a config (``sharding.Layout`` fields, a
+            user's recipe: ``autofit.knobs.recipe``); None: what the Trainer runs.
 
     Example:
         >>> from autofit.probe.model import build_model
@@ -218,6 +220,7 @@ class Simulator:
         task: str,
         device: DeviceInfo | str,
         model_name: str = "",
+        sharding: dict[str, Any] | None = None,
     ) -> None:
         import torch
 
@@ -231,6 +234,7 @@ class Simulator:
         self.task = task
         self.device = resolve_device(device)
         self.model_name = model_name or type(module).__name__
+        self.sharding = dict(sharding or {})
         self._cache: dict[tuple[TrainConfig, int], SimulationResult] = {}
 
     # ------------------------------------------------------------------ core
@@ -249,8 +253,10 @@ class Simulator:
             return hit
         if config.world_size > 1:
             from autofit.memory._sim_ranks import simulate_ranks
+            from autofit.memory.sharding import Layout
 
-            result = simulate_ranks(self, config, s)
+            layout = Layout.of(config, **self.sharding) if self.sharding else None
+            result = simulate_ranks(self, config, s, layout)
         else:
             result = self._run(config, s)
         self._cache[key] = result

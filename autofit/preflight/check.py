@@ -83,7 +83,7 @@ class _Checker:
                  eval_batch_size: int | None, eval_seq_len: int | None,
                  generate_max_new_tokens: int | None, max_seq_len: int | None,
                  tokenizer: Any, collator: Any, isolation: str, timeout_s: float | None,
-                 progress: Any) -> None:
+                 progress: Any, recipe: Any = None) -> None:
         from autofit.preflight.cache import _task_of, model_identity
         from autofit.probe.versions import library_versions
 
@@ -105,6 +105,7 @@ class _Checker:
         self.isolation = isolation
         self.timeout_s = timeout_s
         self.progress = progress or (lambda _: None)
+        self.recipe = recipe  # the user's launch recipe (autofit.knobs.recipe), or None
         self.versions = library_versions()
         # the PEFT config a tune put on a model given by reference (its file's metadata)
         self.adapter = (self.tune_meta.get("adapter")
@@ -143,7 +144,10 @@ class _Checker:
         return check_key(self.model_id, self.task_key, config, self.seq_len, self.dev,
                          self.versions,
                          {"eval_batch_size": self.eval_batch_size, "eval_seq_len": self.eval_seq_len,
-                          "generate_max_new_tokens": self.generate})
+                          "generate_max_new_tokens": self.generate,
+                          **({"recipe": [list(kv) for kv in self.recipe.sharding],
+                              "deepspeed": self.recipe.deepspeed}
+                             if self.recipe is not None else {})})
 
     # -- what never runs, whatever the memory -------------------------------------------
     def static_problems(self, config: TrainConfig) -> list[str]:
@@ -225,7 +229,8 @@ class _Checker:
         from autofit.memory.ranked import estimate_analytic
 
         try:
-            return estimate_analytic(self.info, config, self.seq_len, self.dev)
+            return estimate_analytic(self.info, config, self.seq_len, self.dev,
+                                     self.recipe.layout_fields if self.recipe else None)
         except BadInputError:
             return None  # not a transformer autofit recognises: the trial decides
 
@@ -278,7 +283,10 @@ class _Checker:
                          seq_len=self.max_seq_len if self.dataset is not None else self.seq_len,
                          isolation=self.isolation, timeout_s=self.timeout_s,
                          tokenizer=self.tokenizer, collator=self.collator,
-                         progress=self.progress if config.world_size > 1 else None)
+                         progress=self.progress if config.world_size > 1 else None,
+                         **({"deepspeed_config": self.recipe.deepspeed}
+                            if self.recipe is not None and self.recipe.deepspeed is not None
+                            else {}))
         return result, None
 
     # -- the verdict ---------------------------------------------------------------------
@@ -397,11 +405,14 @@ def run_check(
     progress: Any = None,
     block_size: int | None = None,
     packing: str | None = None,
+    recipe: Any = None,
 ) -> Any:
     """Check one configuration (see the module docstring); returns a ``PreflightReport``.
 
     ``block_size`` packs the dataset into blocks of that many tokens first (``packing``: how,
-    default ``group_texts``; ``autofit.probe.packing``).
+    default ``group_texts``; ``autofit.probe.packing``). ``recipe``: the user's launch recipe
+    (``autofit.knobs.recipe.Recipe``, already applied to ``config``): its sizes and DeepSpeed
+    config are what is estimated and tried.
 
     ``eval_required=False`` reports an eval batch that would not fit as a reason
     (a warning), not a problem: the run may never evaluate. ``seq_len_source`` says
@@ -423,6 +434,8 @@ def run_check(
 
         dev = dataclasses.replace(dev, nproc_per_node=config.nproc_per_node, nnodes=config.nnodes)
     reasons: list[str] = []
+    if recipe is not None:
+        reasons += recipe.lines(config.world_size)
     if config.world_size > 1:
         reasons.append(f"{config.world_size} ranks ({config.strategy}"
                        + (f", offload {config.offload}" if config.offload != "none" else "")
@@ -458,7 +471,8 @@ def run_check(
                        eval_batch_size=eval_batch_size, eval_seq_len=eval_seq_len,
                        generate_max_new_tokens=generate_max_new_tokens,
                        max_seq_len=max_seq_len, tokenizer=tokenizer, collator=collator,
-                       isolation=isolation, timeout_s=timeout_s, progress=progress)
+                       isolation=isolation, timeout_s=timeout_s, progress=progress,
+                       recipe=recipe)
     if seen is not None and seen.block_size is not None:  # a block past the positions: exit 2
         from autofit.probe.packing import check_block_size
 

@@ -235,6 +235,11 @@ def preflight(
                             "longest sample)")
     d = _fields(args)
     config = config_of(args)
+    from autofit.knobs.recipe import recipe_of_fields
+
+    recipe = recipe_of_fields(d, "the training arguments")  # its deepspeed / fsdp fields
+    if recipe is not None:
+        config = recipe.apply(config)
     if trainer is not None:
         config = trainer_loss(config, trainer)
     packing = None
@@ -254,7 +259,8 @@ def preflight(
                        margin=margin, trial=trial, cache=cache, eval_batch_size=eval_batch,
                        eval_seq_len=eval_seq, generate_max_new_tokens=gen, fix=fix,
                        max_seq_len=max_seq_len, tokenizer=tokenizer, collator=collator,
-                       timeout_s=timeout_s, block_size=block_size, packing=packing)
+                       timeout_s=timeout_s, block_size=block_size, packing=packing,
+                       recipe=recipe)
     if report.changes:
         _apply(args, trainer, report.changes)
         what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in report.changes.items())

@@ -298,8 +298,9 @@ class _ZeroStepper(_Phases):
         self.plan = plan
         self.device = device
         self.skipped_steps = 0
-        optimizer = build_optimizer(model, plan)
         config = dict(spec.deepspeed or {})
+        # a config with its own optimizer block: DeepSpeed builds it (not the Trainer's)
+        optimizer = None if "optimizer" in config else build_optimizer(model, plan)
         # the trial's step is micro_batches_per_step micro batches: DeepSpeed's boundary
         # (its optimizer step) must fall at its end
         config["gradient_accumulation_steps"] = plan.micro_batches_per_step

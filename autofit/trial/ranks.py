@@ -141,8 +141,10 @@ class _WorldArgs:
         return getattr(self._args, name)
 
 
-def _resolved_deepspeed(config: TrainConfig, module: Any, use_cpu: bool) -> dict[str, Any]:
-    """The DeepSpeed config the tuned file carries, every ``"auto"`` filled as transformers
+def _resolved_deepspeed(config: TrainConfig, module: Any, use_cpu: bool,
+                        user: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed config the tuned file carries (``user``: the user's own, as given),
+    every ``"auto"`` filled as transformers
     fills it (``HfTrainerDeepSpeedConfig.trainer_config_process`` / ``_finalize``: batch
     sizes, accumulation, clipping, precision, the bucket sizes from the hidden size), and
     ``zero_allow_untested_optimizer`` as ``deepspeed_optim_sched`` sets it for the
@@ -162,7 +164,8 @@ def _resolved_deepspeed(config: TrainConfig, module: Any, use_cpu: bool) -> dict
                               "use_cpu": use_cpu}
     for k in KNOBS:
         k.emit(config, kwargs)
-    ds = copy.deepcopy(kwargs.pop("deepspeed"))
+    ds = copy.deepcopy(user if user is not None else kwargs.pop("deepspeed"))
+    kwargs.pop("deepspeed", None)
     for k in ("fsdp", "fsdp_config", "output_dir"):
         kwargs.pop(k, None)
     before = dict(os.environ)
@@ -185,19 +188,23 @@ def _resolved_deepspeed(config: TrainConfig, module: Any, use_cpu: bool) -> dict
     return out
 
 
-def rank_spec(config: TrainConfig, module: Any, dev: Any, timeout_s: float | None) -> Any:
-    """The ``RankSpec`` of ``config`` on ``dev`` (``module``: the model, meta or real)."""
+def rank_spec(config: TrainConfig, module: Any, dev: Any, timeout_s: float | None,
+              deepspeed: dict[str, Any] | None = None) -> Any:
+    """The ``RankSpec`` of ``config`` on ``dev`` (``module``: the model, meta or real;
+    ``deepspeed``: the user's DeepSpeed config instead of the one autofit emits)."""
     from autofit.trial.distributed import ZERO_STAGES, RankSpec
 
-    deepspeed = None
-    if config.strategy in ZERO_STAGES:
+    if config.strategy not in ZERO_STAGES:
+        deepspeed = None
+    else:
         try:
             import deepspeed as _  # noqa: F401
         except ImportError:
             raise MissingDependencyError(
                 f"strategy {config.strategy} runs under DeepSpeed, which is not installed: "
                 "pip install 'autofit[deepspeed]' (or measure --strategy fsdp)") from None
-        deepspeed = _resolved_deepspeed(config, module, use_cpu=dev.kind == "cpu")
+        deepspeed = _resolved_deepspeed(config, module, use_cpu=dev.kind == "cpu",
+                                        user=deepspeed)
     return RankSpec(nproc_per_node=config.nproc_per_node, nnodes=config.nnodes,
                     strategy=config.strategy, offload=config.offload,
                     find_unused_parameters=_find_unused(module, config), deepspeed=deepspeed,

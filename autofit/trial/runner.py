@@ -498,6 +498,8 @@ def measure(
     run: Any = None,
     progress: Any = None,
     block_size: int | None = None,
+    deepspeed_config: Any = None,
+    accelerate_config: Any = None,
 ) -> TrialResult:
     """Run ``warmup_steps`` + ``measure_steps`` real training steps and measure them.
 
@@ -531,6 +533,9 @@ def measure(
         run: a ``autofit.trial.step.RunSpec``: a short run around the measured steps
             (the run's other lengths before them, whose peak counts; an evaluation
             step after them, measured apart: ``eval_device_total_bytes``, ``eval_oom``).
+        deepspeed_config, accelerate_config: the user's launch recipe (a path or a dict;
+            ``autofit.knobs.recipe``): its strategy, offload, precision, ranks and, for
+            ZeRO, its own DeepSpeed config (sizes, optimizer) are what the ranks run.
 
     Returns:
         A ``TrialResult``; an out-of-memory step gives ``oom=True`` (not an exception);
@@ -568,6 +573,13 @@ def measure(
             raise BadInputError("block_size packs a dataset: give one (not a batch or seq_len)")
         dataset_or_batch = pack_dataset(dataset_or_batch, block_size,
                                         tokenizer=tokenizer).samples
+    user_ds, recipe_line = None, ()
+    if deepspeed_config is not None or accelerate_config is not None:
+        from autofit.knobs.recipe import read_recipe
+
+        recipe = read_recipe(deepspeed=deepspeed_config, accelerate=accelerate_config)
+        config = recipe.apply(config)
+        user_ds, recipe_line = recipe.deepspeed, (recipe.describe(),)
     dev = resolve_device(device)
     if not dev.present:
         raise UnknownDeviceError(
@@ -651,7 +663,7 @@ def measure(
         return _measure_ranks(ref if ref is not None else model, module, batch, plan, config,
                               dev, tdev, isolation=isolation, warmup_steps=warmup_steps,
                               measure_steps=measure_steps, timeout_s=timeout_s, run=run,
-                              progress=progress)
+                              progress=progress, deepspeed=user_ds, notes=recipe_line)
     mode, reason = _choose_isolation(isolation, dev)
     raw = None
     if mode == "subprocess":
@@ -699,7 +711,7 @@ def measure(
             deadline=None if timeout_s is None else time.monotonic() + float(timeout_s),
             run=run,
         )
-    notes = list(raw.notes)
+    notes = [*recipe_line, *raw.notes]
     if mode == "in-process" and raw.recovered is False:
         msg = (
             f"memory did not return to its baseline after a trial on {dev.name} "
@@ -723,8 +735,10 @@ def measure(
 def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
                    config: TrainConfig, dev: Any, tdev: Any, *, isolation: str,
                    warmup_steps: int, measure_steps: int, timeout_s: float | None, run: Any,
-                   progress: Any) -> TrialResult:
-    """``measure`` on ``config.world_size`` ranks (``autofit.trial.ranks``)."""
+                   progress: Any, deepspeed: dict[str, Any] | None = None,
+                   notes: tuple[str, ...] = ()) -> TrialResult:
+    """``measure`` on ``config.world_size`` ranks (``autofit.trial.ranks``; ``deepspeed``:
+    the user's DeepSpeed config instead of autofit's)."""
     from autofit.trial.ranks import check_ranks, rank_spec, run_ranks
 
     if isolation == "in-process":
@@ -735,7 +749,7 @@ def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
         from autofit.knobs.chunked_loss import SEVERAL_RANKS
 
         raise BadInputError(f"chunked loss: {SEVERAL_RANKS}; measure without --chunked-loss")
-    spec = rank_spec(config, module, dev, timeout_s)
+    spec = rank_spec(config, module, dev, timeout_s, deepspeed=deepspeed)
     done = run_ranks(model, batch, plan, spec, tdev, warmup_steps=warmup_steps,
                      measure_steps=measure_steps, timeout_s=timeout_s, run=run,
                      progress=progress)
@@ -751,7 +765,7 @@ def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
               + f"): torchrun started one process per rank, each on its own {dev.name}")
     return _trial_result(
         raw, config, dev, b, t, micro, error=raw.error, isolation="subprocess",
-        isolation_reason=reason, capacity_bytes=capacity, notes=tuple(raw.notes),
+        isolation_reason=reason, capacity_bytes=capacity, notes=(*notes, *raw.notes),
         per_rank=done.per_rank)
 
 
