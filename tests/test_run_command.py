@@ -269,3 +269,40 @@ def test_the_example_trains_within_the_tuned_promise(tmp_path):
     # eval batch, which this run does not do; the trial's step measured 691 MiB). With
     # examples/tiny-model the ratio was 0.47. The issue's promise: <= 1.05
     assert 0.3 < out["ratio"] <= 1.05
+
+
+SPIKE = textwrap.dedent("""
+    import sys, torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+    cfg = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(cfg)
+    def planted(module, args):  # a batch of more than 4 samples "runs out of memory"
+        if args[0].shape[0] > 4:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1")
+    model.model.layers[0].register_forward_pre_hook(planted)
+    rows = [{"input_ids": torch.arange(1, 9), "labels": torch.arange(1, 9)} for _ in range(16)]
+    args = TrainingArguments(sys.argv[2], per_device_train_batch_size=8, max_steps=2,
+                             use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=rows).train()
+    print("trained")
+""")
+
+
+def test_guard_absorbs_an_oom_in_the_user_s_own_trainer(tmp_path):
+    script = tmp_path / "spike.py"
+    script.write_text(SPIKE)
+    tuned = write_config(tmp_path / "tuned.yaml", {"per_device_train_batch_size": 8},
+                         {"model": "tiny-llama", "predicted_run_bytes": 64 * MiB})
+    plain = cli(["--json", "--", sys.executable, str(script), str(tuned), str(tmp_path / "o1")])
+    assert plain.returncode == 1 and not last_json(plain.stdout)["survived"]
+    r = cli(["--guard", "--json", "--", sys.executable, str(script), str(tuned),
+             str(tmp_path / "o2")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = last_json(r.stdout)
+    assert d["survived"] and d["guarded"] and len(d["rescues"]) == 1
+    assert "in a training micro step of 8 x 8" in d["rescues"][0]
+    # the evidence beside the tuned file, where `autofit check` looks
+    from autofit.preflight.guard import read_record, record_beside
+
+    assert [x.batch_shape for x in read_record(record_beside(tuned))] == [(8, 8)]

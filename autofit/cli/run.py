@@ -40,6 +40,10 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print the record as one JSON line on stdout (instead of the table)")
     p.add_argument("--record", default=None, metavar="FILE", help="also write the JSON record")
+    p.add_argument("--guard", action="store_true",
+                   help="guard every transformers.Trainer of the command (autofit.guard): an "
+                        "OOM inside a micro step is split and the run goes on, with the same "
+                        "math; rescues are written beside the tuned file (<name>-guard.jsonl)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the training command, e.g. -- python train.py tuned.yaml")
     p.set_defaults(func=run_run_command)
@@ -53,7 +57,8 @@ def run_run_command(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
-    result = run_command(command, device=args.device, config=args.config, record=args.record)
+    result = run_command(command, device=args.device, config=args.config, record=args.record,
+                         guard=args.guard)
     if args.json:
         print(json.dumps(result.to_dict(), separators=(",", ":")), flush=True)
     else:
@@ -95,6 +100,10 @@ def _print_table(r: Any) -> None:
     table.add_row("exit code", str(r.exit_code))
     survived = "yes" if r.survived else "no" + (": out of memory" if r.out_of_memory else "")
     table.add_row("survived", survived)
+    if r.guarded:
+        table.add_row("guard", f"{len(r.rescues)} rescue(s)" if r.rescues else "no OOM absorbed")
+        for line in r.rescues:
+            table.add_row("  rescue", line.removeprefix("autofit.guard: "))
     for note in r.notes:
         table.add_row("note", note)
     Console(highlight=False).print(table)

@@ -68,7 +68,7 @@ from typing import Any
 from autofit.errors import BadInputError
 from autofit.trial.oom import is_oom
 
-__all__ = ["guard", "Rescue", "RETRY_AFTER", "RECORD_NAME", "read_record"]
+__all__ = ["guard", "Rescue", "RETRY_AFTER", "RECORD_NAME", "read_record", "record_beside"]
 
 logger = logging.getLogger("autofit")
 
@@ -98,6 +98,13 @@ class Rescue:
         return (f"autofit.guard: out of memory at step {self.step} in a {what} of {shape} "
                 f"on {self.device}; a piece of {self.piece} halved, the batch now runs in "
                 f"{self.k} pieces (same math){peak}")
+
+
+def record_beside(tuned: str | os.PathLike) -> Path:
+    """Where a guarded run of the tuned file ``tuned`` writes its rescues (``autofit run
+    --guard``), and where ``autofit check`` looks for them: ``<name>-guard.jsonl``."""
+    p = Path(tuned)
+    return p.with_name(f"{p.stem}-guard.jsonl")
 
 
 def read_record(path: str | os.PathLike) -> list[Rescue]:

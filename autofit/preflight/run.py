@@ -46,8 +46,9 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,8 @@ class RunRecord:
         config: the tuned file the prediction came from.
         processes: every process that built a model or used CUDA.
         notes: what the reader should know (no record, a device mismatch).
+        guarded: the run's Trainers were guarded (``autofit run --guard``).
+        rescues: the OOMs the guard absorbed (one line each: step, batch, pieces, peak).
     """
 
     command: tuple[str, ...]
@@ -128,6 +131,8 @@ class RunRecord:
     config: str | None
     processes: tuple[ProcessPeak, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    guarded: bool = False
+    rescues: tuple[str, ...] = ()
 
     @property
     def ratio(self) -> float | None:
@@ -149,7 +154,7 @@ class RunRecord:
 def run_command(command: Sequence[str], *, device: str | None = None,
                 config: str | os.PathLike[str] | None = None,
                 record: str | os.PathLike[str] | None = None,
-                env: dict[str, str] | None = None) -> RunRecord:
+                env: dict[str, str] | None = None, guard: bool = False) -> RunRecord:
     """Run ``command`` to its end and measure every process's peak memory.
 
     Args:
@@ -160,6 +165,10 @@ def run_command(command: Sequence[str], *, device: str | None = None,
             default: the first argument of the command that is a file autofit tuned.
         record: also write the JSON record (``RunRecord.to_dict``) to this file.
         env: the command's environment (default: this process's).
+        guard: guard every ``transformers.Trainer`` of the command (``autofit.guard``): an
+            OOM inside a micro step is split and the run goes on; the rescues are written
+            beside the tuned file (``<name>-guard.jsonl``, which ``autofit check`` reads)
+            and listed in ``RunRecord.rescues``.
 
     Returns:
         The ``RunRecord``; ``exit_code`` is the command's.
@@ -187,9 +196,20 @@ def run_command(command: Sequence[str], *, device: str | None = None,
                         hook_dir / "sitecustomize.py")
         child_env = _child_env(dict(os.environ if env is None else env), hook_dir, records,
                                kind, cap)
+        guard_record = None
+        if guard:
+            from autofit.preflight.guard import record_beside
+
+            guard_record = (record_beside(config_path) if config_path is not None
+                            else records / "guard.jsonl")
+            _guard_env(child_env, guard_record)
+        started = time.time()
         exit_code = _run(command, child_env)
         processes = _read_records(records)
+        rescues = _rescues_since(guard_record, started) if guard_record is not None else ()
     result = _record(command, name, cap, exit_code, processes, predicted, config_path, notes)
+    if guard:
+        result = replace(result, rescues=rescues, guarded=True)
     if record is not None:
         _write_record(Path(record), result)
     return result
@@ -249,6 +269,25 @@ def _file_arguments(command: list[str]) -> Iterator[str]:
         for part in (arg, arg.partition("=")[2]):
             if part.lower().endswith(_CONFIG_SUFFIXES) and os.path.isfile(part):
                 yield part
+
+
+def _guard_env(env: dict[str, str], guard_record: Path) -> None:
+    """The child guards its Trainers (the hook's ``GUARD_ENV``), with autofit importable
+    (its folder on ``PYTHONPATH`` after the hook's) and the rescues sent to ``guard_record``."""
+    from autofit.trial.runhook import GUARD_ENV
+
+    env[GUARD_ENV] = "1"
+    env["AUTOFIT_GUARD_RECORD"] = str(guard_record)
+    package_parent = str(Path(__file__).resolve().parent.parent.parent)
+    parts = env["PYTHONPATH"].split(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join(parts[:1] + [package_parent] + parts[1:])
+
+
+def _rescues_since(path: Path, started: float) -> tuple[str, ...]:
+    """The rescue lines a guarded run wrote to ``path`` since ``started``."""
+    from autofit.preflight.guard import read_record
+
+    return tuple(r.line() for r in read_record(path) if r.time >= started)
 
 
 def _child_env(env: dict[str, str], hook_dir: Path, records: Path, kind: str | None,

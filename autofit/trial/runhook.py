@@ -33,9 +33,14 @@ hook on ``torch``, so a script that never imports torch only pays one finder on
 and puts the original back. A ``Parameter`` hook would come too late: ``nn.Linear``
 allocates its weight with ``torch.empty`` before wrapping it.
 
+With ``AUTOFIT_RUN_GUARD`` (``autofit run --guard``) it also wraps
+``transformers.Trainer.train`` once ``transformers.trainer`` is imported, so that each
+Trainer is ``autofit.guard``-ed when it starts training (autofit's own folder is then
+on ``PYTHONPATH``; ``AUTOFIT_GUARD_RECORD`` says where the rescues go).
+
 The file is self-contained (standard library only): it runs inside the user's
 interpreter, which need not have autofit installed, and must not import autofit
-(nor torch) itself. It chains to the ``sitecustomize`` it shadows, and never
+(nor torch) itself, except for ``--guard``, when a Trainer starts training. It chains to the ``sitecustomize`` it shadows, and never
 raises: a failure of the hook is a note in the record, not a broken run.
 
 Known limitations:
@@ -71,6 +76,7 @@ import time
 RECORD_DIR_ENV = "AUTOFIT_RUN_DIR"  # where each process writes <pid>.json
 CAP_ENV = "AUTOFIT_RUN_CAP"  # bytes of address space above the baseline (cpu:CAP)
 HOOK_DIR_ENV = "AUTOFIT_RUN_HOOK_DIR"  # the folder holding this file as sitecustomize.py
+GUARD_ENV = "AUTOFIT_RUN_GUARD"  # "1": guard every Trainer (autofit run --guard)
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _state: dict = {"pid": os.getpid(), "argv": list(sys.argv), "notes": []}
@@ -181,15 +187,19 @@ def _patch_torch(torch) -> None:
     module_cls.__init__ = __init__
 
 
-class _TorchWatch(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps torch's loader so the patch runs once torch is imported."""
+class _Watch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of module ``name`` so that ``patch(module)``
+    runs once the module is imported (then steps aside)."""
+
+    def __init__(self, name: str, patch) -> None:
+        self.name, self.patch = name, patch
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name != self.name:
             return None
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
+        spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
@@ -197,12 +207,30 @@ class _TorchWatch(importlib.abc.MetaPathFinder):
         def exec_and_patch(module):
             exec_module(module)
             try:
-                _patch_torch(module)
+                self.patch(module)
             except Exception as e:  # noqa: BLE001
-                _state["notes"].append(f"could not hook torch: {type(e).__name__}: {e}")
+                _state["notes"].append(f"could not hook {name}: {type(e).__name__}: {e}")
 
         spec.loader.exec_module = exec_and_patch
         return spec
+
+
+def _patch_trainer(module) -> None:
+    """``autofit run --guard``: every ``Trainer`` is guarded when it starts training
+    (``autofit.guard``; autofit's folder is on ``PYTHONPATH`` for that)."""
+    trainer_cls = module.Trainer
+    original = trainer_cls.train
+
+    def train(self, *args, **kwargs):
+        if getattr(self, "autofit_guard", None) is None:
+            from autofit.preflight.guard import guard
+
+            guard(self)  # wraps this instance's train, which comes back here, guarded
+            _state["guarded"] = True
+            return self.train(*args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    trainer_cls.train = train
 
 
 def _cuda_peaks() -> list[dict]:
@@ -275,7 +303,9 @@ def _install() -> None:
     if "torch" in sys.modules:
         _patch_torch(sys.modules["torch"])
     else:
-        sys.meta_path.insert(0, _TorchWatch())
+        sys.meta_path.insert(0, _Watch("torch", _patch_torch))
+    if os.environ.get(GUARD_ENV):
+        sys.meta_path.insert(0, _Watch("transformers.trainer", _patch_trainer))
     atexit.register(_at_exit)
 
 
