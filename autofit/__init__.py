@@ -13,9 +13,9 @@ from autofit.errors import AutofitError, DoesNotFitError
 from autofit.knobs.loss import causal_lm_chunked_loss
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.preflight import PreflightError, PreflightReport, RunRecord, preflight, run_command
-from autofit.preflight.guard import guard
 from autofit.result import FitResult
 from autofit.trial import TrialResult, is_oom, measure
+from autofit.trial.guard import guard
 
 __all__ = [
     "AutofitCallback",

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from autofit import guard  # noqa: E402
 from autofit.errors import BadInputError  # noqa: E402
-from autofit.preflight.guard import read_record  # noqa: E402
+from autofit.trial.guard import read_record  # noqa: E402
 
 OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1048576 bytes"
 

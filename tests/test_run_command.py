@@ -303,6 +303,6 @@ def test_guard_absorbs_an_oom_in_the_user_s_own_trainer(tmp_path):
     assert d["survived"] and d["guarded"] and len(d["rescues"]) == 1
     assert "in a training micro step of 8 x 8" in d["rescues"][0]
     # the evidence beside the tuned file, where `autofit check` looks
-    from autofit.preflight.guard import read_record, record_beside
+    from autofit.trial.guard import read_record, record_beside
 
     assert [x.batch_shape for x in read_record(record_beside(tuned))] == [(8, 8)]

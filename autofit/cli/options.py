@@ -293,19 +293,28 @@ def file_subject(args: argparse.Namespace, meta: dict[str, Any],
     if block_size is None and dataset is not None and meta.get("block_size") is not None:
         block_size, packing = meta["block_size"], meta.get("packing")
     elif block_size is None and dataset is not None:
-        block_size = (getattr(source, "keys", None) or {}).get("block_size")
+        block_size = _file_keys(source).get("block_size")
     max_seq_len = args.max_seq_len or (meta.get("max_seq_len") if block_size is None else None)
     tokenizer = None
     if dataset is not None:
         named = getattr(args, "tokenizer", None)
         if named is None and isinstance(dataset[0], dict) and "input_ids" not in dataset[0]:
-            named = (getattr(source, "keys", None) or {}).get("tokenizer_name")  # the script's
+            named = _file_keys(source).get("tokenizer_name")  # the script's own
         tokenizer = tokenizer_for(argparse.Namespace(tokenizer=named, model=model), dataset)
     return FileSubject(model=model, dataset=dataset, seq_len=seq_len, device=device,
                        device_reason=why, task=args.task or meta.get("task"),
                        max_seq_len=max_seq_len,
                        seq_len_source="as given" if args.seq_len is not None else "the file's",
                        tokenizer=tokenizer, block_size=block_size, packing=packing)
+
+
+def _file_keys(source: Any) -> dict[str, Any]:
+    """Every key of the file: an ``ArgsFile``'s ``keys``, or ``source`` itself when it is a
+    mapping of them (None: no file keys)."""
+    if isinstance(source, dict):
+        return source
+    keys = getattr(source, "keys", None)
+    return keys if isinstance(keys, dict) else {}
 
 
 def _default_device(meta: dict[str, Any]) -> tuple[str, str]:

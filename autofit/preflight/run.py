@@ -198,7 +198,7 @@ def run_command(command: Sequence[str], *, device: str | None = None,
                                kind, cap)
         guard_record = None
         if guard:
-            from autofit.preflight.guard import record_beside
+            from autofit.trial.guard import record_beside
 
             guard_record = (record_beside(config_path) if config_path is not None
                             else records / "guard.jsonl")
@@ -285,7 +285,7 @@ def _guard_env(env: dict[str, str], guard_record: Path) -> None:
 
 def _rescues_since(path: Path, started: float) -> tuple[str, ...]:
     """The rescue lines a guarded run wrote to ``path`` since ``started``."""
-    from autofit.preflight.guard import read_record
+    from autofit.trial.guard import read_record
 
     return tuple(r.line() for r in read_record(path) if r.time >= started)
 

@@ -223,7 +223,7 @@ def _patch_trainer(module) -> None:
 
     def train(self, *args, **kwargs):
         if getattr(self, "autofit_guard", None) is None:
-            from autofit.preflight.guard import guard
+            from autofit.trial.guard import guard
 
             guard(self)  # wraps this instance's train, which comes back here, guarded
             _state["guarded"] = True
