@@ -230,4 +230,5 @@ def _run(args: argparse.Namespace, config: Any, data: Any, tokenizer: Any,
         quantization_config=quant,
         block_size=args.block_size,
         **recipe_kwargs(args),
+        trainer=args.trainer,
     )
