@@ -42,7 +42,12 @@ def _callback_class() -> type:
             device: as for ``preflight`` (default ``auto``).
             **options: any keyword of ``preflight`` except ``fix`` (``margin``,
                 ``trial``, ``cache``, ``max_seq_len``, ``eval_dataset``,
-                ``generate_max_new_tokens``, ``collator``, ``timeout_s``).
+                ``generate_max_new_tokens``, ``collator``, ``timeout_s``, ``trainer``:
+                the callback sees the arguments, not the trainer, so a
+                ``ChunkedLossTrainer`` is checked as one with ``trainer="autofit"``).
+
+        At train begin it prints one line to stderr: fits or not, measured /
+        estimated / from the cache, and the numbers (``PreflightReport.headline``).
 
         After ``on_train_begin``, ``report`` holds the ``PreflightReport``.
 
