@@ -87,7 +87,11 @@ def test_tuned_file_says_which_trainer_it_is_for(tmp_path):
         read_config(bad)
 
 
-def test_estimate_and_measure_take_the_trainer(capsys):
+def test_estimate_and_measure_take_the_trainer(capsys, tmp_path):
+    code, _, err = run(capsys, "tune", "tiny-gpt2", "--dataset", "tiny-samples", "--device",
+                       "cpu:1GiB", "--chunked-loss", "--trainer", "plain", "-o",
+                       tmp_path / "t.yaml")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--trainer autofit" in err
     code, out, err = run(capsys, "estimate", "tiny-gpt2", "--batch-size", "2", "--seq-len", "32",
                          "--chunked-loss", "--trainer", "plain", "--json")
     assert code == 2 and len(err.strip().splitlines()) == 1
