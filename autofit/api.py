@@ -20,7 +20,16 @@ from typing import Any
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, fix
 from autofit.knobs import KNOBS, choice_of, describe_choice, knob_names
+from autofit.knobs.chunked_loss import liger_offered
 from autofit.knobs.loss import unsupported_reason
+from autofit.knobs.trainer import (
+    chunked_loss_refused,
+    for_trainer,
+    implied_trainer,
+    normalize_trainer,
+    not_searched_reason,
+    runs_chunked_loss,
+)
 from autofit.knobs.trl_loss import (
     SFT_CONFIG,
     is_sft_config,
@@ -68,6 +77,7 @@ def estimate(
     block_size: int | None = None,
     deepspeed_config: Any = None,
     accelerate_config: Any = None,
+    trainer: str | None = None,
 ) -> MemoryEstimate:
     """Estimate the device memory of one training step (and, with a dataset, of the run).
 
@@ -122,6 +132,9 @@ def estimate(
             ``ds_config.json``, an accelerate config YAML; ``autofit.knobs.recipe``): its
             strategy, offload, sizes, precision, DeepSpeed optimizer and ranks are what is
             estimated (they override the config's; its batch numbers must agree with it).
+        trainer: what runs the step: ``"plain"`` (``transformers.Trainer``), ``"autofit"``
+            (``autofit.ChunkedLossTrainer``: the only one with ``chunked_loss``) or
+            ``"trl"`` (``trl.SFTTrainer``: TRL's loss); default: the one ``config`` implies.
 
     Returns:
         A ``MemoryEstimate``.
@@ -148,6 +161,7 @@ def estimate(
     if recipe is not None:
         config = recipe.apply(config)
         sharding = {**recipe.layout_fields, **(sharding or {})}
+    config, _ = for_trainer(config, trainer)  # a lever the trainer does not run: bad input
     layout = _layout(config, sharding)
     if method not in METHODS:
         raise BadInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -311,7 +325,7 @@ _OPTIONS = {
     "attn_implementation", "lora", "peft_config", "load_in_4bit", "load_in_8bit",
     "quantization_config", "optim_args", "world_size",
     "generate_max_new_tokens", "nproc_per_node", "nnodes", "block_size",
-    "deepspeed_config", "accelerate_config",
+    "deepspeed_config", "accelerate_config", "trainer",
 }
 
 
@@ -365,6 +379,11 @@ def autofit(
             does, ``autofit.probe.packing``).
             An ``SFTConfig`` as ``training_args`` brings its ``max_length`` (truncation)
             and ``packing``: the lengths SFTTrainer produces are planned for.
+            ``trainer=`` (what will run the file:
+            ``"plain"``, a ``transformers.Trainer``, the default; ``"autofit"``,
+            ``autofit.ChunkedLossTrainer``, the only one that runs the chunked loss;
+            ``"trl"``, ``trl.SFTTrainer``, implied by an ``SFTConfig``; ``chunked_loss=True``
+            alone implies ``"autofit"``. ``autofit.knobs.trainer``).
 
     Returns:
         A ``FitResult``.
@@ -415,7 +434,7 @@ def autofit(
     recorder, key = _study(probed, space, margin, objective, runner, opts)
     cached = recorder.cached_result() if recorder is not None else None
     if cached is not None:
-        return _result_from_cache(cached, recorder, probed, base_args)
+        return _result_from_cache(cached, recorder, probed, base_args, opts["trainer"])
     outcome, engine = _search(probed, space, estimator, runner, recorder, margin=margin,
                               add_fragmentation=add_fragmentation, time_budget_s=time_budget_s,
                               started_at=started_at, progress=progress, opts=opts)
@@ -481,6 +500,8 @@ def _check_options(constraints: dict[str, Any], objective: str, **numbers: Any) 
     method = constraints.get("method", "analytic")
     if method not in METHODS:
         raise BadInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if constraints.get("trainer") is not None:
+        normalize_trainer(constraints["trainer"])  # an unknown trainer: before anything is built
     problems = _number_problems({**numbers, **constraints})
     if problems:
         raise BadInputError("; ".join(problems))
@@ -648,17 +669,21 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
     world_size = dev.nproc_per_node * dev.nnodes
     training_args = opts.get("training_args")
     if training_args is not None:
+        from autofit.emit.secrets import NOT_SECRET, drop_secrets
+
         if hasattr(training_args, "to_dict"):  # a TrainingArguments: already valid
             base_args = training_args.to_dict()
             if is_sft_config(training_args):  # to_dict masks every *_token field: these are
-                for k in ("eos_token", "pad_token"):  # SFTConfig's tokens, not secrets
+                for k in NOT_SECRET:  # SFTConfig's tokens, not secrets
                     if hasattr(training_args, k):
                         base_args[k] = getattr(training_args, k)
+            real = {k: getattr(training_args, k, None) for k in base_args}
         else:  # a dict of its fields: what TrainingArguments would refuse, all at once
             from autofit.emit.validate import check_training_arguments
 
             check_training_arguments(training_args, source="training_args")
-            base_args = dict(training_args)
+            base_args, real = dict(training_args), None
+        reasons += drop_secrets(base_args, real)  # never written, masked or not
         if target_batch_size is None:
             target_batch_size = (int(base_args.get("per_device_train_batch_size", 8))
                                  * int(base_args.get("gradient_accumulation_steps", 1)) * world_size)
@@ -688,6 +713,7 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
             reasons.append(f"precision: {', '.join(ok)} searched (the base is quantized in "
                            f"{info.dtype}: never cast, autocast only to its own dtype)")
     why = unsupported_reason(probed.module, probed.task)
+    trainer, loss_impl = _trainer(opts, training_args, base_args, allowed, dev, loss_impl, reasons)
     if loss_impl == "trl":  # SFTTrainer computes its own loss: autofit's is not what runs
         asked = allowed.get("chunked_loss")
         if asked is True or (isinstance(asked, (list, tuple)) and True in asked):
@@ -696,6 +722,9 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
                                 + fix("--chunked-loss", "chunked_loss=True"))
         allowed["chunked_loss"] = False
         reasons.append(trl_loss_reason(trl_loss_type(training_args) or "nll"))
+    elif not runs_chunked_loss(trainer) and not liger_offered({"use_cpu": dev.kind == "cpu"}):
+        allowed["chunked_loss"] = False  # no field carries it, and the trainer does not run it
+        reasons.append(not_searched_reason(trainer))
     elif why is not None:  # the knob has one value for this model: say why
         asked = allowed.get("chunked_loss")
         check_chunked_loss(asked if isinstance(asked, bool) else
@@ -707,6 +736,34 @@ def _space(probed: _Probed, target_batch_size: int | None, opts: dict[str, Any],
                         nnodes=dev.nnodes, optim_args=opts.get("optim_args"), reasons=reasons,
                         loss_impl=loss_impl, **allowed)
     return space, base_args
+
+
+def _trainer(opts: dict[str, Any], training_args: Any, base_args: dict[str, Any] | None,
+             allowed: dict[str, Any], dev: DeviceInfo, loss_impl: str,
+             reasons: list[str]) -> tuple[str, str]:
+    """The trainer that will run the file and the loss it computes (``loss_impl``). Given
+    (``opts["trainer"]``) or implied: ``trl`` for an SFTConfig, ``autofit`` when the chunked
+    loss is asked for, else ``plain``; written back to ``opts["trainer"]`` for the result."""
+    asked = allowed.get("chunked_loss")
+    wants = asked is True or (isinstance(asked, (list, tuple)) and True in asked)
+    sft = is_sft_config(training_args)
+    if opts.get("trainer") is None:
+        trainer = implied_trainer(chunked_loss=wants, sft=sft)
+        if trainer == "autofit":
+            reasons.append("trainer autofit.ChunkedLossTrainer: implied by "
+                           + fix("--chunked-loss", "chunked_loss=True")
+                           + " (a plain transformers.Trainer does not run the chunked loss)")
+    else:
+        trainer = normalize_trainer(opts["trainer"])
+        if wants and not runs_chunked_loss(trainer) and not (
+                trainer == "plain" and liger_offered({"use_cpu": dev.kind == "cpu"})):
+            raise BadInputError(chunked_loss_refused(trainer))
+    if trainer != "trl":
+        loss_impl = "model"
+    elif not sft:  # TrainingArguments handed to SFTTrainer: SFTConfig's defaults
+        loss_impl = "trl" if trl_loss_type(base_args or {}, sft=True) else "model"
+    opts["trainer"] = trainer
+    return trainer, loss_impl
 
 
 @dataclass(frozen=True)
@@ -1135,7 +1192,7 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
         est = estimate_analytic(info, config, seq, dev, _layout_fields(opts))
     confirmed = outcome.confirmed and not simulated
     reasons = outcome.reasons + reasons
-    reasons += [n for k in KNOBS if (n := k.note(getattr(config, k.name)))]
+    reasons += [n for k in KNOBS if (n := _note(k, config, opts["trainer"]))]
     if confirmed and config.world_size > 1:
         reasons += _ranks_line(outcome, config)
     if config.chunked_loss:
@@ -1172,6 +1229,7 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
             "model_id": model_identity(probed.module if hasattr(model, "parameters") else model,
                                        adapter, quant),
             "versions": library_versions(), "predicted_run_bytes": predicted_run}
+    meta["trainer"] = opts["trainer"]  # which trainer the file is for
     if adapter is not None:
         meta["adapter"] = adapter
     if opts.get("_script_data") is not None:  # packed: check re-derives the same blocks
@@ -1211,6 +1269,16 @@ def _recipe_fields(kwargs: dict[str, Any], recipe: Any, config: TrainConfig,
         kwargs["fsdp"] = base_args["fsdp"]
         if base_args.get("fsdp_config"):
             kwargs["fsdp_config"] = base_args["fsdp_config"]
+
+
+def _note(k: Any, config: TrainConfig, trainer: str) -> str | None:
+    """What the user must do besides the fields for knob ``k``'s chosen value; the chunked loss
+    for a trainer that does not run it is carried by ``use_liger_kernel`` (the only way the
+    search chose it then)."""
+    if k.name == "chunked_loss" and config.chunked_loss and not runs_chunked_loss(trainer):
+        return ("chunked loss: use_liger_kernel is set (liger-kernel's fused linear cross "
+                "entropy, which the Trainer applies from that field)")
+    return k.note(getattr(config, k.name))
 
 
 def _ranks_line(outcome: Any, config: TrainConfig) -> list[str]:
@@ -1330,7 +1398,7 @@ def candidate_row(c: Any) -> dict[str, Any]:
 
 
 def _result_from_cache(cached: dict, recorder: Any, probed: _Probed,
-                       base_args: dict[str, Any] | None):
+                       base_args: dict[str, Any] | None, trainer: str = "plain"):
     """The ``FitResult`` of the same question answered before (no trial)."""
     from autofit.emit import training_arguments_dict
     from autofit.memory.ranked import estimate_analytic
@@ -1353,7 +1421,7 @@ def _result_from_cache(cached: dict, recorder: Any, probed: _Probed,
         device=dev.name,
         candidates=tuple(cached["candidates"]),
         training_arguments_kwargs=kwargs,
-        meta=cached["meta"],
+        meta={**cached["meta"], "trainer": trainer},  # the trainer asked now
         from_cache=True,
         eval_micro_batch=eval_micro,
         predicted_run_bytes=cached["meta"].get("predicted_run_bytes"),

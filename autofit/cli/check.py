@@ -6,6 +6,12 @@
     autofit check run_clm_args.yaml               # model_name_or_path / train_file: the file's
     autofit check tuned.yaml                      # a tuned run on 2 ranks: a trial on 2 ranks
 
+``--trainer plain|autofit|trl`` says what will train the file (default: the trainer the
+file records, else ``plain``): the verdict is for the file's fields as that trainer runs
+them; the metadata grants no lever the fields do not carry (a file tuned for
+``autofit.ChunkedLossTrainer`` checked as ``plain`` is checked with the full logits, and
+says "fits only with autofit.ChunkedLossTrainer; a plain Trainer needs X" when they do not fit).
+
 ``check`` reads a file ``FitResult.save`` wrote (model, task, sequence length and
 device are in its ``# autofit: {...}`` line) or a plain TrainingArguments
 YAML/JSON (then ``--model`` and ``--dataset`` or ``--seq-len`` say what it trains).
@@ -32,6 +38,7 @@ from autofit.cli.options import (
     add_file_subject_options,
     add_rank_options,
     add_recipe_options,
+    add_trainer_option,
     file_subject,
 )
 
@@ -52,6 +59,7 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_file_subject_options(p)
     add_rank_options(p)  # default: the ranks the tuned file records
     add_recipe_options(p)  # default: the file's deepspeed / fsdp fields
+    add_trainer_option(p, "the trainer the file records, else plain")
     p.add_argument("--margin", type=float, default=0.0,
                    help="fraction of the capacity that must stay free (default 0)")
     p.add_argument("--no-trial", action="store_true", help="estimate only")
@@ -66,23 +74,19 @@ def run_check_command(args: argparse.Namespace) -> int:
     """Run ``autofit check``; returns the exit code."""
     from autofit.emit import check_training_arguments
     from autofit.emit.args_file import read_args_file
-    from autofit.knobs.trl_loss import trl_loss_type
-    from autofit.preflight import config_of
+    from autofit.knobs.trainer import CLASS_NAME, Trainer
     from autofit.preflight.check import run_check
+    from autofit.preflight.trainer import file_config, only_with
 
     source = read_args_file(args.config)  # a mixed file: its other keys are the script's
     fields, meta = source.fields, source.meta
     if source.peft_config is not None and "adapter" not in meta:
         meta = {**meta, "adapter": source.peft_config}  # a TRL file's use_peft: its LoRA
     check_training_arguments(fields, source=args.config)  # every problem at once, exit 2
-    config = config_of(fields)
-    if source.sft and trl_loss_type(fields, sft=True) is not None and not config.chunked_loss:
-        config = config.replace(loss_impl="trl")  # an SFTConfig file: SFTTrainer's loss
-    if (meta.get("config") or {}).get("chunked_loss") and not config.chunked_loss:
-        # no TrainingArguments field says so (autofit.ChunkedLossTrainer): the plan's metadata
-        config = config.replace(chunked_loss=True)
-    if (meta.get("config") or {}).get("loss_impl") == "trl" and not config.chunked_loss:
-        config = config.replace(loss_impl="trl")  # the plan of an SFTConfig (SFTTrainer's loss)
+    # what the declared trainer runs from the fields: the metadata grants no other lever (an
+    # SFTConfig file that records no trainer is for SFTTrainer)
+    declared = args.trainer or ("trl" if source.sft and not meta.get("trainer") else None)
+    config, trainer, lost = file_config(fields, meta, declared)
     config = _with_ranks(config, meta, args)
     recipe = _recipe(fields, args)
     if recipe is not None:
@@ -108,7 +112,12 @@ def run_check_command(args: argparse.Namespace) -> int:
     )
     from dataclasses import replace
 
-    report = replace(report, reasons=(*source.notes, s.device_reason, *report.reasons))
+    why = "as given" if args.trainer else (
+        "the file's" if meta.get("trainer") else "an SFTConfig file" if source.sft
+        else "the default (the file names none)")
+    report = replace(report, reasons=(*source.notes, s.device_reason, f"trainer {trainer}: "
+                                      f"{CLASS_NAME[Trainer(trainer)]}, {why}", *report.reasons))
+    report = only_with(report, trainer, lost)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:

@@ -75,6 +75,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         device=args.device,
         method=args.method,
+        trainer=args.trainer,
         **model_kwargs(args),
         **recipe_kwargs(args),
         **run,

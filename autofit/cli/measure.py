@@ -89,6 +89,8 @@ def _suggestion(args: argparse.Namespace) -> str:
     if args.batch_size > 1:
         tries.append(f"--batch-size {max(1, args.batch_size // 2)}")
     for k in KNOBS:  # each knob's memory-saving value, where the run did not use it
+        if k.name == "chunked_loss" and args.trainer in ("plain", "trl"):
+            continue  # the declared trainer does not run it
         if k.saving is not None and k.option_value(args) != k.saving:
             tries.append(k.flag(k.saving))
     if not tries:
@@ -230,4 +232,5 @@ def _run(args: argparse.Namespace, config: Any, data: Any, tokenizer: Any,
         quantization_config=quant,
         block_size=args.block_size,
         **recipe_kwargs(args),
+        trainer=args.trainer,
     )

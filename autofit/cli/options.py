@@ -19,7 +19,7 @@ __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_DOES_NOT_FIT", "EXI
            "model_kwargs", "train_config", "tokenizer_for",
            "add_file_subject_options", "FileSubject", "file_subject", "add_config_options",
            "add_rank_options", "rank_kwargs", "add_block_size_option", "add_recipe_options",
-           "recipe_kwargs"]
+           "recipe_kwargs", "add_trainer_option"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
 # a trial that neither fitted nor ran out of memory: a timeout, a crash, a killed process
@@ -49,6 +49,18 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
         k.add_option(p)
     p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
     add_rank_options(p)
+    add_trainer_option(p)
+
+
+def add_trainer_option(p: argparse.ArgumentParser, default: str = "plain") -> None:
+    """``--trainer plain|autofit|trl``: what will run the configuration (``autofit.knobs.trainer``);
+    the chunked loss runs only in ``autofit`` (``--chunked-loss`` alone implies it)."""
+    from autofit.knobs.trainer import TRAINERS
+
+    p.add_argument("--trainer", choices=TRAINERS, default=None,
+                   help="what trains: plain (a transformers.Trainer built from the file), "
+                        "autofit (autofit.ChunkedLossTrainer: the chunked loss) or trl "
+                        f"(trl.SFTTrainer); default: {default}")
 
 
 def add_rank_options(p: argparse.ArgumentParser) -> None:

@@ -4,6 +4,11 @@ as a PNG chart and a self-contained HTML page.
     autofit report tuned.yaml                     # tuned.png + tuned.html beside it
     autofit report train_args.yaml --model ./my-model --dataset train.jsonl --device A100-80GB
 
+``--trainer`` (default: the trainer the file records, else ``plain``) is what will train
+it: a file tuned for ``autofit.ChunkedLossTrainer`` reported as ``plain`` is estimated with the
+full logits (the metadata grants no lever the fields do not carry), and exits 3 with "fits
+only with autofit.ChunkedLossTrainer" when that does not fit.
+
 A file ``autofit tune`` wrote is drawn from its metadata (the chosen
 configuration's breakdown, the candidates and the trials). A plain
 TrainingArguments file (or a tuned one with ``--model/--dataset/--seq-len/--device``
@@ -19,7 +24,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from autofit.cli.options import EXIT_OK, add_file_subject_options, file_subject
+from autofit.cli.options import (
+    EXIT_DOES_NOT_FIT,
+    EXIT_OK,
+    add_file_subject_options,
+    add_trainer_option,
+    file_subject,
+)
 
 __all__ = ["add_report_parser", "run_report_command"]
 
@@ -39,6 +50,7 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("config", help="a file written by autofit tune -o / FitResult.save, or a "
                    "TrainingArguments YAML/JSON with --model")
     add_file_subject_options(p)
+    add_trainer_option(p, "the trainer the file records, else plain")
     p.add_argument("--method", choices=list(METHODS), default="analytic",
                    help="how a plain file's configuration is estimated")
     p.add_argument("-o", "--output", default=None,
@@ -53,10 +65,10 @@ def _overrides(args: argparse.Namespace) -> bool:
 
 
 def _estimated(args: argparse.Namespace, fields: dict[str, Any], meta: dict[str, Any],
-               source: Any = None) -> Any:
-    """ReportData of the file's configuration, estimated for the model, data and device."""
+               config: Any, source: Any = None) -> Any:
+    """ReportData of the file's configuration (``config``: as the declared trainer runs the
+    fields), estimated for the model, data and device."""
     from autofit.api import estimate
-    from autofit.preflight import config_of
     from autofit.report.files import ReportData
 
     s = file_subject(args, meta, source)
@@ -73,7 +85,7 @@ def _estimated(args: argparse.Namespace, fields: dict[str, Any], meta: dict[str,
         reasons.append(f"sequence length {seq_len}: the longest sample (p50 {data.length_p50})")
     else:
         reasons.append(f"sequence length {seq_len}: {s.seq_len_source}")
-    config = config_of(fields).replace(seq_len=seq_len)
+    config = config.replace(seq_len=seq_len)
     est = estimate(s.model, config, seq_len=seq_len, device=s.device, method=args.method,
                    task=s.task)
     reasons.append(f"{est.method} estimate of the file's configuration; no trial "
@@ -106,6 +118,7 @@ def run_report_command(args: argparse.Namespace) -> int:
 
     from autofit.emit import check_training_arguments
     from autofit.emit.args_file import read_args_file
+    from autofit.preflight.trainer import file_config
     from autofit.report import estimate_renderable
     from autofit.report.files import report_data_from_file, write_report
 
@@ -113,12 +126,15 @@ def run_report_command(args: argparse.Namespace) -> int:
     fields, meta = source.fields, source.meta
     out = report_output(args.output, args.config)
     check_training_arguments(fields, source=args.config)  # every problem at once, exit 2
-    if meta.get("estimate") and meta.get("config") and not _overrides(args):
+    # what the declared trainer runs from the fields: the metadata grants no other lever
+    declared = args.trainer or ("trl" if source.sft and not meta.get("trainer") else None)
+    config, trainer, lost = file_config(fields, meta, declared)
+    if meta.get("estimate") and meta.get("config") and not _overrides(args) and lost is None:
         data = report_data_from_file(args.config)
     else:  # the file's notes first (a tuned file's metadata holds them already)
         from dataclasses import replace
 
-        data = _estimated(args, fields, meta, source)
+        data = _estimated(args, fields, meta, config, source)
         data = replace(data, reasons=(*source.notes, *data.reasons))
     png, page = write_report(data, out)
     console = Console()
@@ -126,4 +142,12 @@ def run_report_command(args: argparse.Namespace) -> int:
     for r in data.reasons:
         console.print(f"  • {r}")
     console.print(f"wrote {png} and {page}")
+    if lost is not None and not data.estimate.fits:
+        from autofit.probe.device import format_bytes
+
+        who = "a plain Trainer" if trainer == "plain" else f"trainer {trainer}"
+        console.print(f"[red]✗ fits only with {lost}; {who} needs "
+                      f"~{format_bytes(data.estimate.device_total_bytes)} (> "
+                      f"{format_bytes(data.estimate.capacity_bytes)} on {data.device})[/red]")
+        return EXIT_DOES_NOT_FIT
     return EXIT_OK

@@ -35,6 +35,7 @@ from autofit.cli.options import (
     add_block_size_option,
     add_rank_options,
     add_recipe_options,
+    add_trainer_option,
     model_kwargs,
     rank_kwargs,
     recipe_kwargs,
@@ -82,6 +83,7 @@ def add_tune_parser(sub: Any) -> argparse.ArgumentParser:
         k.add_options(t)
     add_rank_options(t)  # --nproc-per-node, --nnodes: the ranks the tuned run has
     add_recipe_options(t)  # the user's DeepSpeed / accelerate config: kept, the rest searched
+    add_trainer_option(t)  # the chunked loss is searched only for --trainer autofit
     t.add_argument("--max-micro-batch", type=int, default=256)
     add_adapter_options(t)
     t.add_argument("--task", default=None)
@@ -117,6 +119,7 @@ def run_tune(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, margin=args.margin, time_budget_s=args.time_budget,
         max_micro_batch=args.max_micro_batch, task=args.task, tokenizer=tokenizer,
         max_trials=args.max_trials, cache=not args.no_cache, method=args.method,
+        trainer=args.trainer,
     )
     if args.block_size is not None:
         kwargs["block_size"] = args.block_size

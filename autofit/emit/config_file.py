@@ -81,6 +81,10 @@ def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any],
                   "#   HfArgumentParser(TrainingArguments).parse_yaml_file(path)"]
         if source is not None and source.other:
             header[1] = "#   your script's HfArgumentParser(...).parse_yaml_file(path)"
+        if meta.get("trainer"):  # which trainer the file is for (autofit.knobs.trainer)
+            from autofit.knobs.trainer import header_line
+
+            header.insert(0, header_line(meta["trainer"]))
         header += [f"#   - {r}" for r in reasons]
         header.append(_META_PREFIX + json.dumps(meta, separators=(",", ":"), default=str))
         if body is None:
@@ -152,6 +156,9 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         raise BadInputError(f"{p} holds a {_KIND_OF.get(type(args), type(args).__name__)}, not "
                             "a mapping of TrainingArguments fields: write one field per line, "
                             "e.g. per_device_train_batch_size: 8")
+    from autofit.emit.secrets import refuse_masked
+
+    refuse_masked(args, p)  # "<HUB_TOKEN>" read back would be taken for the token
     return args, meta
 
 
@@ -246,6 +253,7 @@ _NUMERIC_KEYS = ("micro_batch", "grad_accum", "calibration", "failed_micro_batch
 # key -> (check, what it should be)
 _META_KEYS: dict[str, tuple[Any, str]] = {
     "model": (_text, "the model's name or path"),
+    "trainer": (_optional(lambda v: v in ("plain", "autofit", "trl")), "plain, autofit or trl"),
     "task": (_optional(_text), "a task name"),
     "device": (_optional(_text), "a device name"),
     "seq_len": (_optional(_count), "a positive whole number"),

@@ -1,11 +1,15 @@
 """``AutofitCallback``: the pre-flight check at ``on_train_begin`` (verify and stop, never fix).
 
+At train begin it prints one line to stderr (``PreflightReport.headline``): fits or not,
+measured / estimated / from the cache, and the numbers.
+
     trainer = Trainer(model=model, args=args, train_dataset=train,
                       callbacks=[autofit.AutofitCallback()])
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from autofit.errors import BadInputError
@@ -38,7 +42,12 @@ def _callback_class() -> type:
             device: as for ``preflight`` (default ``auto``).
             **options: any keyword of ``preflight`` except ``fix`` (``margin``,
                 ``trial``, ``cache``, ``max_seq_len``, ``eval_dataset``,
-                ``generate_max_new_tokens``, ``collator``, ``timeout_s``).
+                ``generate_max_new_tokens``, ``collator``, ``timeout_s``, ``trainer``:
+                the callback sees the arguments, not the trainer, so a
+                ``ChunkedLossTrainer`` is checked as one with ``trainer="autofit"``).
+
+        At train begin it prints one line to stderr: fits or not, measured /
+        estimated / from the cache, and the numbers (``PreflightReport.headline``).
 
         After ``on_train_begin``, ``report`` holds the ``PreflightReport``.
 
@@ -76,6 +85,8 @@ def _callback_class() -> type:
 
                 report = replace(report, fits=False, problems=tuple(problems))
             self.report = report
+            # one visible line (logging may be off): stderr, beside the Trainer's progress bar
+            print(report.headline(), file=sys.stderr, flush=True)
             if not report.fits:
                 raise PreflightError(report, hint=(
                     "stopped before training; to shrink the micro batch while keeping the "

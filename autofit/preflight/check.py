@@ -406,6 +406,7 @@ def run_check(
     block_size: int | None = None,
     packing: str | None = None,
     recipe: Any = None,
+    trainer: str | None = None,
 ) -> Any:
     """Check one configuration (see the module docstring); returns a ``PreflightReport``.
 
@@ -416,7 +417,9 @@ def run_check(
 
     ``eval_required=False`` reports an eval batch that would not fit as a reason
     (a warning), not a problem: the run may never evaluate. ``seq_len_source`` says
-    where ``seq_len`` came from, for the reasons.
+    where ``seq_len`` came from, for the reasons. ``trainer`` (``"plain"``, ``"autofit"``,
+    ``"trl"``; default: the one ``config`` implies) is what will run it: a lever it does not
+    run (the chunked loss outside ``autofit``) is bad input (``autofit.knobs.trainer``).
 
     Raises:
         AutofitError: bad input (unknown model or device, no sequence length ...).
@@ -428,6 +431,10 @@ def run_check(
         raise BadInputError(f"margin must be in [0, 1), got {margin}")
     if not isinstance(config, TrainConfig):
         raise BadInputError(f"config must be a TrainConfig, got {type(config).__name__}")
+    from autofit.knobs.trainer import CLASS_NAME, Trainer, for_trainer
+
+    named = trainer is not None
+    config, trainer = for_trainer(config, trainer)
     dev = resolve_device(device)
     if config.world_size > 1:  # each rank a device like this one
         import dataclasses
@@ -436,6 +443,8 @@ def run_check(
     reasons: list[str] = []
     if recipe is not None:
         reasons += recipe.lines(config.world_size)
+    if named:
+        reasons.append(f"checked for {CLASS_NAME[Trainer(trainer)]} (trainer {trainer})")
     if config.world_size > 1:
         reasons.append(f"{config.world_size} ranks ({config.strategy}"
                        + (f", offload {config.offload}" if config.offload != "none" else "")

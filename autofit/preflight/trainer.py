@@ -48,10 +48,11 @@ from typing import Any
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError
 from autofit.knobs import owned_fields
+from autofit.knobs.trainer import normalize_trainer, trainer_of
 from autofit.knobs.trl_loss import loss_impl_of
 from autofit.preflight.verdict import PreflightError, PreflightReport
 
-__all__ = ["preflight", "config_of"]
+__all__ = ["preflight", "config_of", "file_config", "trainer_loss", "only_with"]
 
 logger = logging.getLogger("autofit")
 
@@ -112,18 +113,82 @@ def config_of(args: Any) -> TrainConfig:
     return config
 
 
-def trainer_loss(config: TrainConfig, trainer: Any) -> TrainConfig:
-    """``config`` with the loss ``trainer`` computes: ``autofit.ChunkedLossTrainer``'s chunked
-    one; TRL's fused LM head only under ``SFTTrainer`` without a ``compute_loss_func``
-    (with one, SFTTrainer's loss uses the full logits)."""
-    mro = type(trainer).__mro__
-    if any(c.__name__ == "ChunkedLossTrainer" and c.__module__ == "autofit.knobs.loss"
-           for c in mro):
+def trainer_loss(config: TrainConfig, trainer: Any, args: Any = None) -> TrainConfig:
+    """``config`` with the loss ``trainer`` computes (a ``Trainer`` object, read by its class,
+    or a name of ``autofit.knobs.trainer.TRAINERS``): ``autofit.ChunkedLossTrainer``'s chunked
+    one; TRL's fused LM head only under ``SFTTrainer`` without a ``compute_loss_func`` (with
+    one, SFTTrainer's loss uses the full logits; ``args``: the fields it reads, for a
+    TrainingArguments that SFTTrainer turns into an SFTConfig); else the model's own."""
+    from autofit.knobs.trl_loss import trl_loss_type
+
+    name = trainer if isinstance(trainer, str) else trainer_of(trainer)
+    if name == "autofit":
         return config.replace(chunked_loss=True, loss_impl="model")
-    if config.loss_impl == "trl" and (getattr(trainer, "compute_loss_func", None) is not None
-                                      or not any(c.__name__ == "SFTTrainer" for c in mro)):
-        return config.replace(loss_impl="model")
-    return config
+    custom = getattr(trainer, "compute_loss_func", None) is not None
+    fused = config.loss_impl == "trl" if args is None else trl_loss_type(args, sft=True)
+    if name == "trl" and not custom and not config.chunked_loss and fused:
+        return config.replace(loss_impl="trl")
+    return config.replace(loss_impl="model")
+
+
+def file_config(fields: dict[str, Any], meta: dict[str, Any],
+                trainer: str | None = None) -> tuple[TrainConfig, str, str | None]:
+    """What a configuration file runs under the declared trainer (``trainer``, else the one
+    its metadata records, else ``plain``): ``(config, trainer, lost)``. The config holds what
+    the fields carry and what that trainer runs; the metadata grants nothing else. ``lost``
+    names the trainer the file was tuned for when it ran a lever this one does not (the
+    chunked loss, TRL's loss), else None.
+
+    Example:
+        >>> meta = {"trainer": "autofit", "config": {"chunked_loss": True}}
+        >>> c, t, lost = file_config({"per_device_train_batch_size": 8}, meta, "plain")
+        >>> c.chunked_loss, t, lost
+        (False, 'plain', 'autofit.ChunkedLossTrainer')
+    """
+    from autofit.knobs.trainer import CLASS_NAME, Trainer, normalize_trainer, recorded_trainer
+
+    declared = normalize_trainer(trainer) if trainer is not None else recorded_trainer(meta)
+    config = config_of(fields)  # the fields' own levers (use_liger_kernel: the chunked loss)
+    tuned = meta.get("config") or {}
+    if declared == "autofit":  # ChunkedLossTrainer: chunked whenever the tune chose it
+        config = config.replace(chunked_loss=bool(tuned.get("chunked_loss")) or config.chunked_loss)
+    elif declared == "trl":
+        config = trainer_loss(config, "trl", fields)
+    lost = None
+    if tuned.get("chunked_loss") and not config.chunked_loss:
+        lost = CLASS_NAME[Trainer.AUTOFIT]
+    elif tuned.get("loss_impl") == "trl" and config.loss_impl != "trl":
+        lost = CLASS_NAME[Trainer.TRL]
+    return config, declared, lost
+
+
+def only_with(report: PreflightReport, declared: str, lost: str | None) -> PreflightReport:
+    """``report`` of a file checked for ``declared`` where it was tuned for ``lost`` (a trainer
+    whose lever ``declared`` does not run): when it does not fit, the first problem says so in
+    one line, "fits only with autofit.ChunkedLossTrainer; a plain Trainer needs X (> C)"; when
+    it does, a reason says the lever is not needed."""
+    import dataclasses
+
+    from autofit.probe.device import format_bytes
+
+    if lost is None:
+        return report
+    who = "a plain Trainer" if declared == "plain" else {
+        "autofit": "autofit.ChunkedLossTrainer", "trl": "trl.SFTTrainer"}[declared]
+    if report.fits:
+        return dataclasses.replace(report, reasons=(
+            *report.reasons, f"tuned for {lost}; fits for {who} as well (checked without it)"))
+    t, est = report.trial, report.estimate
+    if t is not None and t.fits and t.device_total_bytes is not None:
+        need = f"{format_bytes(t.device_total_bytes)} measured"
+    elif est is not None:
+        need = f"~{format_bytes(est.device_total_bytes)}" + (
+            " (out of memory in a trial)" if t is not None and t.oom else "")
+    else:
+        need = "more (out of memory in a trial)"
+    line = (f"fits only with {lost}; {who} needs {need} (> {format_bytes(report.capacity_bytes)} "
+            f"on {report.device}): train with {lost}, or tune for {who}")
+    return dataclasses.replace(report, problems=(line, *report.problems))
 
 
 def _eval_settings(d: dict[str, Any], eval_dataset: Any,
@@ -169,6 +234,7 @@ def preflight(
     timeout_s: float | None = 600.0,
     raise_on_failure: bool = True,
     block_size: int | None = None,
+    trainer: str | None = None,
 ) -> PreflightReport:
     """Check (and with ``fix=True`` repair) the configuration a training run is about to use.
 
@@ -200,6 +266,11 @@ def preflight(
         block_size: the dataset packed into blocks of this many tokens, as the
             transformers examples' ``group_texts`` (default: an ``SFTConfig`` with
             ``packing=True`` packs into its ``max_length`` by its ``packing_strategy``).
+        trainer: what will train, for arguments without a ``Trainer``: ``"plain"``
+            (default), ``"autofit"`` (``autofit.ChunkedLossTrainer``: the chunked loss) or
+            ``"trl"`` (``trl.SFTTrainer``; the default for an ``SFTConfig``). A ``Trainer``
+            is read by its class (ChunkedLossTrainer -> autofit, SFTTrainer -> trl, else
+            plain); a different ``trainer=`` is bad input.
 
     Returns:
         A ``PreflightReport``.
@@ -217,6 +288,7 @@ def preflight(
     """
     from autofit.preflight.check import run_check
 
+    trainer_name = trainer
     trainer = trainer_or_args if _is_trainer(trainer_or_args) else None
     args = trainer.args if trainer is not None else trainer_or_args
     if args is None or not (isinstance(args, dict) or hasattr(args, "per_device_train_batch_size")):
@@ -240,8 +312,15 @@ def preflight(
     recipe = recipe_of_fields(d, "the training arguments")  # its deepspeed / fsdp fields
     if recipe is not None:
         config = recipe.apply(config)
+    declared = normalize_trainer(trainer_name) if trainer_name is not None else None
     if trainer is not None:
-        config = trainer_loss(config, trainer)
+        if declared is not None and declared != trainer_of(trainer):
+            raise BadInputError(f"trainer={trainer_name!r}, but the trainer is a "
+                                f"{type(trainer).__name__} ({trainer_of(trainer)}): drop "
+                                "trainer= (the trainer's class says it)")
+        config = trainer_loss(config, trainer, args)
+    elif declared is not None:
+        config = trainer_loss(config, declared, args)
     packing = None
     if block_size is None and max_seq_len is None and isinstance(d.get("max_length"), int):
         if d.get("packing") and given is not None:  # SFTTrainer packs into max_length rows

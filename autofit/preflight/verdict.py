@@ -72,6 +72,30 @@ class PreflightReport:
             "trials_run": self.trials_run,
         }
 
+    def headline(self) -> str:
+        """The verdict in one line: fits or not, where the number comes from (measured now,
+        from the cache, estimated) and the numbers.
+
+            autofit: fits on cpu:1GiB: measured 812 MiB of 1.00 GiB (micro batch 8 x 2)
+        """
+        from autofit.probe.device import format_bytes
+
+        c, t = self.config, self.trial
+        if t is not None and t.fits and t.device_total_bytes is not None:
+            need = f"measured {format_bytes(t.device_total_bytes)}"
+        elif t is not None and t.oom:
+            need = "out of memory in a trial"
+        elif self.estimate is not None:
+            need = f"estimated {format_bytes(self.estimate.device_total_bytes)}"
+        else:
+            need = "no estimate"
+        if self.from_cache:
+            need += " (from the cache)"
+        cap = f" of {format_bytes(self.capacity_bytes)}" if self.capacity_bytes else ""
+        head = (f"autofit: {'fits' if self.fits else 'DOES NOT FIT'} on {self.device}: "
+                f"{need}{cap} (micro batch {c.micro_batch_size} x {c.grad_accum_steps})")
+        return head + (f"; {self.problems[0]}" if self.problems else "")
+
     def summary(self) -> str:
         """The verdict, the problems and the reasons as plain text."""
         c = self.config

@@ -178,6 +178,8 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: An
     # a value that saves nothing here is left out (a chunked loss over few tokens costs more)
     thrifty = smallest_cfg
     for k in KNOBS:
+        if k.name == "chunked_loss" and True not in space.choices.get(k.name, (True,)):
+            continue  # the trainer does not run it (autofit.knobs.trainer), or it was refused
         if k.saving is not None and getattr(thrifty, k.name) != k.saving:
             try:  # e.g. autofit's chunked loss beside TRL's (loss_impl="trl"): not a config
                 other = thrifty.replace(**{k.name: k.saving})

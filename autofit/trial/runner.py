@@ -500,6 +500,7 @@ def measure(
     block_size: int | None = None,
     deepspeed_config: Any = None,
     accelerate_config: Any = None,
+    trainer: str | None = None,
 ) -> TrialResult:
     """Run ``warmup_steps`` + ``measure_steps`` real training steps and measure them.
 
@@ -536,6 +537,9 @@ def measure(
         deepspeed_config, accelerate_config: the user's launch recipe (a path or a dict;
             ``autofit.knobs.recipe``): its strategy, offload, precision, ranks and, for
             ZeRO, its own DeepSpeed config (sizes, optimizer) are what the ranks run.
+        trainer: the trainer whose step runs: ``"plain"``, ``"autofit"`` (the only one with
+            ``chunked_loss``) or ``"trl"`` (TRL's loss); default: the one ``config``
+            implies (``autofit.knobs.trainer``).
 
     Returns:
         A ``TrialResult``; an out-of-memory step gives ``oom=True`` (not an exception);
@@ -580,6 +584,9 @@ def measure(
         recipe = read_recipe(deepspeed=deepspeed_config, accelerate=accelerate_config)
         config = recipe.apply(config)
         user_ds, recipe_line = recipe.deepspeed, (recipe.describe(),)
+    from autofit.knobs.trainer import for_trainer
+
+    config, _ = for_trainer(config, trainer)  # a lever the trainer does not run: bad input
     dev = resolve_device(device)
     if not dev.present:
         raise UnknownDeviceError(

@@ -261,7 +261,9 @@ def test_not_offered_for_sequence_classification():
     assert any(r.startswith("no chunked loss:") for r in reasons)
     with pytest.raises(BadInputError, match="chunked loss"):
         _space(probed, None, {"chunked_loss": [False, True]}, [])
-    space, _ = _space(type("P", (), {"device": probed.device, "data": probed.data,
-                                     "module": build_model("tiny-llama")[0],
-                                     "task": "causal-lm"})(), None, {}, [])
+    causal = type("P", (), {"device": probed.device, "data": probed.data,
+                            "module": build_model("tiny-llama")[0], "task": "causal-lm"})()
+    space, _ = _space(causal, None, {"trainer": "autofit"}, [])
     assert space.values("chunked_loss") == (False, True)
+    space, _ = _space(causal, None, {}, [])  # a plain Trainer does not run it: not searched
+    assert space.values("chunked_loss") == (False,)
