@@ -65,6 +65,10 @@ FILES: dict[str, Any] = {
     "config-string-dim/config.json": _llama(hidden_size="big"),
     "config-negative-layers/config.json": _llama(num_hidden_layers=-2),
     "no-config/README": "a directory without config.json",
+    # hostile files (issue 23, item 5): bytes that are not text, nesting past any recursion
+    "binary.json": b"\x89PNG\r\n\x1a\n\x00\xff\xfe" * 64,
+    "deep.json": "[" * 100_000 + "]" * 100_000,
+    "deep.yaml": "per_device_train_batch_size: " + "[" * 100_000 + "]" * 100_000 + "\n",
 }
 
 
@@ -251,6 +255,37 @@ ROWS = [
         ("estimate", "tiny-gpt2", "--batch-size", "0", "--seq-len", "64")),
     Bad("estimate: negative seq len", "seq_len must be a positive integer",
         ("estimate", "tiny-gpt2", "--batch-size", "1", "--seq-len", "-5")),
+    # -- typed fields of JSON input (issue 23, item 1): a word is not a bool -----------------
+    Bad("quantization: load_in_4bit \"no\"", "load_in_4bit must be a JSON bool",
+        tune("--quantization-config", '{"load_in_4bit": "no"}'),
+        fit(quantization_config={"load_in_4bit": "no"})),
+    Bad("quantization: load_in_8bit \"false\"", "load_in_8bit must be a JSON bool",
+        tune("--quantization-config", '{"load_in_8bit": "false"}'),
+        fit(quantization_config={"load_in_8bit": "false"})),
+    Bad("quantization: a number as text", "llm_int8_threshold must be a number",
+        tune("--quantization-config", '{"load_in_8bit": true, "llm_int8_threshold": "6"}')),
+    Bad("peft: use_dora \"no\"", "use_dora must be a JSON bool",
+        tune("--peft-config", '{"peft_type": "LORA", "use_dora": "no"}'),
+        fit(peft_config={"peft_type": "LORA", "use_dora": "no"})),
+    Bad("peft: r as text", "r must be a number, got '8'",
+        tune("--peft-config", '{"peft_type": "LORA", "r": "8"}'),
+        fit(peft_config={"peft_type": "LORA", "r": "8"})),
+    Bad("peft: an unknown key", "did you mean 'lora_alpha'",
+        tune("--peft-config", '{"peft_type": "LORA", "lora_alhpa": 16}'),
+        fit(peft_config={"peft_type": "LORA", "lora_alhpa": 16})),
+    # -- hostile files (issue 23, item 5) ----------------------------------------------------
+    Bad("a binary PEFT config", "not a text file", tune("--peft-config", "{tmp}/binary.json")),
+    Bad("a binary quantization config", "not a text file",
+        tune("--quantization-config", "{tmp}/binary.json")),
+    Bad("a binary dataset", "not a UTF-8 JSON text file", tune(dataset="{tmp}/binary.json")),
+    Bad("a PEFT config nested 100k deep", "nested too deep",
+        tune("--peft-config", "{tmp}/deep.json")),
+    Bad("a quantization config nested 100k deep", "nested too deep",
+        tune("--quantization-config", "{tmp}/deep.json")),
+    Bad("a dataset nested 100k deep", "nested too deep", tune(dataset="{tmp}/deep.json")),
+    Bad("check: YAML nested 100k deep", "nested too deep", ("check", "{tmp}/deep.yaml")),
+    Bad("check: JSON nested 100k deep", "nested too deep",
+        ("check", "{tmp}/deep.json", "--model", "tiny-gpt2", "--seq-len", "64")),
 ]
 
 
@@ -258,7 +293,10 @@ def _write_files(tmp: Path) -> None:
     for name, content in FILES.items():
         p = tmp / name
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(content if isinstance(content, str) else json.dumps(content))
+        if isinstance(content, bytes):
+            p.write_bytes(content)
+        else:
+            p.write_text(content if isinstance(content, str) else json.dumps(content))
 
 
 def _listing(tmp: Path) -> set[str]:
