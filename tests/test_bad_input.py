@@ -110,6 +110,14 @@ def measured(batch: Any = None, model: str = "tiny-gpt2", **kw: Any) -> Callable
     return call
 
 
+def compare(**kw: Any) -> Callable[[Path], Any]:
+    def call(tmp: Path) -> Any:
+        from autofit import compare_peft
+
+        return compare_peft("tiny-gpt2", seq_len=64, device="A100-80GB", **kw)
+    return call
+
+
 def _ids(rows: list[list[int]]) -> dict[str, Any]:
     import torch
 
@@ -284,6 +292,17 @@ ROWS = [
         tune("--quantization-config", "{tmp}/deep.json")),
     Bad("a dataset nested 100k deep", "nested too deep", tune(dataset="{tmp}/deep.json")),
     Bad("check: YAML nested 100k deep", "nested too deep", ("check", "{tmp}/deep.yaml")),
+    # -- compare-peft (issue 23, item 4): names checked before any estimate --------------------
+    Bad("compare-peft: a misspelt method", "did you mean 'lora'",
+        ("compare-peft", "tiny-gpt2", "--seq-len", "64", "--device", "A100-80GB",
+         "--methods", "lorra", "--plot", "{tmp}/c.png"), compare(methods=["lorra"])),
+    Bad("compare-peft: a refused method next to a valid one", "cannot model PEFT method cpt",
+        ("compare-peft", "tiny-gpt2", "--seq-len", "64", "--device", "A100-80GB",
+         "--methods", "lora,cpt", "--plot", "{tmp}/c.png"), compare(methods="lora,cpt")),
+    Bad("compare-peft: a negative --confirm-top", "confirm_top must be 0",
+        ("compare-peft", "tiny-gpt2", "--seq-len", "64", "--device", "A100-80GB",
+         "--methods", "lora", "--confirm-top", "-3", "--plot", "{tmp}/c.png"),
+        compare(methods=["lora"], confirm_top=-3)),
     Bad("check: JSON nested 100k deep", "nested too deep",
         ("check", "{tmp}/deep.json", "--model", "tiny-gpt2", "--seq-len", "64")),
 ]
@@ -317,7 +336,7 @@ def tmp(tmp_path, monkeypatch):
 CLI_WORDS = {"target_batch_size": "--target-batch-size", "max_micro_batch": "--max-micro-batch",
              "time_budget_s": "--time-budget", "max_trials": "--max-trials",
              "margin must": "--margin must", "max_seq_len=": "--max-seq-len ",
-             "max_seq_len must": "--max-seq-len must"}
+             "max_seq_len must": "--max-seq-len must", "confirm_top must": "--confirm-top must"}
 
 
 def _cli_needle(row: Bad) -> tuple[str, str | None]:
