@@ -172,6 +172,8 @@ def estimate(
                             + fix(" or --dataset", " or dataset="))
     if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
         raise BadInputError(f"seq_len must be a positive integer, got {seq!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):  # checked with or without data
+        raise BadInputError(f"seed must be a whole number (TrainingArguments.seed), got {seed!r}")
     dev = resolve_device(device)
     for k in KNOBS:  # what the device allows (an estimate runs nothing: run=False)
         k.check(dev, getattr(config, k.name), run=False)

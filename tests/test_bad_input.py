@@ -303,6 +303,12 @@ ROWS = [
         ("compare-peft", "tiny-gpt2", "--seq-len", "64", "--device", "A100-80GB",
          "--methods", "lora", "--confirm-top", "-3", "--plot", "{tmp}/c.png"),
         compare(methods=["lora"], confirm_top=-3)),
+    # -- outputs and the Python API's own types (issue 23, items 6, 7) -----------------------
+    Bad("-o a dangling link into a missing folder", "whose folder does not exist",
+        tune("-o", "{tmp}/dangling.yaml")),
+    Bad("estimate: seed as a word", "seed must be a whole number", None,
+        lambda tmp: __import__("autofit").estimate("tiny-gpt2", seq_len=64, device="A100-80GB",
+                                                   seed="x")),
     Bad("check: JSON nested 100k deep", "nested too deep",
         ("check", "{tmp}/deep.json", "--model", "tiny-gpt2", "--seq-len", "64")),
 ]
@@ -318,6 +324,10 @@ def _write_files(tmp: Path) -> None:
             p.write_text(content if isinstance(content, str) else json.dumps(content))
 
 
+def _links(tmp: Path) -> None:
+    (tmp / "dangling.yaml").symlink_to(tmp / "missing" / "folder" / "tuned.yaml")
+
+
 def _listing(tmp: Path) -> set[str]:
     return {str(p.relative_to(tmp)) for p in tmp.rglob("*")}
 
@@ -328,6 +338,7 @@ def tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # a default output would land here, and be seen
     _write_files(tmp_path)
+    _links(tmp_path)
     return tmp_path
 
 
