@@ -29,6 +29,7 @@ from typing import Any
 from autofit.cli.options import (
     EXIT_DOES_NOT_FIT,
     EXIT_OK,
+    EXIT_TRIAL_FAILED,
     add_file_subject_options,
     add_rank_options,
     add_recipe_options,
@@ -45,7 +46,8 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="pre-flight: will this tuned file fit on this machine? (exit 0 fits, 3 does not)",
         description="Verify a configuration file on the present device: estimate, then one "
         "trial on the worst-case batch unless the cache holds one for exactly this "
-        "configuration. Exit 0 fits, 3 does not fit, 2 bad input.",
+        "configuration. Exit 0 fits, 3 does not fit, 2 bad input, 4 the trial failed for "
+        "another reason than memory.",
     )
     p.add_argument("config", help="tuned.yaml / .json (autofit tune -o), or a TrainingArguments "
                    "YAML/JSON with --model")
@@ -113,6 +115,8 @@ def run_check_command(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:
         _print_check(report, args.config)
+    if report.trial_failed:
+        return EXIT_TRIAL_FAILED  # not a memory verdict (as measure): the cause is printed
     return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
 
 
@@ -178,6 +182,11 @@ def _print_check(report: Any, path: str) -> None:
                       f"{format_bytes(report.eval_estimate.device_total_bytes)} (estimate)")
     if report.fits:
         console.print(Text(f"✓ {path} fits on {report.device}", style="bold green"))
+    elif report.trial_failed:
+        console.print(Text(f"✗ {path}: the trial failed on {report.device} (not a memory "
+                           "verdict)", style="bold red"))
+        for p in report.problems:
+            console.print(Text(f"  ✗ {p}", style="red"))
     else:
         console.print(Text(f"✗ {path} does NOT fit on {report.device}", style="bold red"))
         for p in report.problems:
