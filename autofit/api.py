@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autofit.config import TrainConfig
+from autofit.config import TrainConfig, one_process_strategy
 from autofit.errors import BadInputError, fix
 from autofit.knobs import KNOBS, choice_of, describe_choice, knob_names
 from autofit.knobs.loss import unsupported_reason
@@ -239,6 +239,7 @@ def _with_ranks(config: TrainConfig, **fields: Any) -> TrainConfig:
     """``config`` with the several-process fields given (``None``: the config's)."""
     given = {k: v for k, v in fields.items() if v is not None}
     if not given:
+        one_process_strategy(config.strategy, config.world_size)
         return config
     if "nproc_per_node" in given or "nnodes" in given:
         n = given.get("nproc_per_node", config.nproc_per_node)
@@ -247,7 +248,9 @@ def _with_ranks(config: TrainConfig, **fields: Any) -> TrainConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise BadInputError(f"{name} must be a positive integer, got {v!r}")
         given["world_size"] = n * m
-    return config.replace(**given)
+    config = config.replace(**given)
+    one_process_strategy(config.strategy, config.world_size)
+    return config
 
 
 def _recipe(deepspeed_config: Any, accelerate_config: Any) -> Any:
@@ -621,6 +624,7 @@ def _device_with_ranks(dev: DeviceInfo, opts: dict[str, Any], reasons: list[str]
     nproc, nnodes = opts.get("nproc_per_node"), opts.get("nnodes")
     world = opts.get("world_size")
     if nproc is None and nnodes is None and world is None:
+        one_process_strategy(opts.get("strategy"), 1)
         return dev
     nnodes = int(nnodes or 1)
     nproc = int(nproc) if nproc is not None else (
@@ -629,6 +633,7 @@ def _device_with_ranks(dev: DeviceInfo, opts: dict[str, Any], reasons: list[str]
         raise BadInputError(f"world_size {world} is not nproc_per_node x nnodes = {nproc} x "
                             f"{nnodes}; give " + fix("--nproc-per-node and --nnodes",
                                                      "nproc_per_node and nnodes") + " alone")
+    one_process_strategy(opts.get("strategy"), nproc * nnodes)
     if nproc * nnodes > 1:
         where = f"{nnodes} nodes x {nproc}" if nnodes > 1 else f"{nproc} processes"
         reasons.append(f"{nproc * nnodes} ranks ({where}), each on a {dev.name}: estimates are "

@@ -309,6 +309,21 @@ ROWS = [
     Bad("estimate: seed as a word", "seed must be a whole number", None,
         lambda tmp: __import__("autofit").estimate("tiny-gpt2", seq_len=64, device="A100-80GB",
                                                    seed="x")),
+    # -- ranks (issue 23, smaller): refused before a process starts -------------------------
+    Bad("estimate: a sharding strategy on one process", "shards over several processes",
+        ("estimate", "tiny-gpt2", "--batch-size", "1", "--seq-len", "64", "--device",
+         "A100-80GB", "--strategy", "fsdp"),
+        lambda tmp: __import__("autofit").estimate(
+            "tiny-gpt2", __import__("autofit").TrainConfig(strategy="fsdp"), seq_len=64,
+            device="A100-80GB")),
+    Bad("tune: a sharding strategy on one process", "shards over several processes",
+        tune("--strategy", "fsdp"), fit(strategy=["fsdp"])),
+    Bad("measure: FSDP2 offload on CPU ranks", "CPU ranks cannot run it",
+        ("measure", "tiny-gpt2", "--batch-size", "1", "--seq-len", "32", "--device", "cpu",
+         "--nproc-per-node", "2", "--strategy", "fsdp", "--offload", "optimizer+params")),
+    Bad("measure: FSDP2 with a bitsandbytes optimizer", "does not run on FSDP2's sharded",
+        ("measure", "tiny-gpt2", "--batch-size", "1", "--seq-len", "32", "--device", "cpu",
+         "--nproc-per-node", "2", "--strategy", "fsdp", "--optim", "adamw_bnb_8bit")),
     Bad("check: JSON nested 100k deep", "nested too deep",
         ("check", "{tmp}/deep.json", "--model", "tiny-gpt2", "--seq-len", "64")),
 ]
