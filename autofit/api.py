@@ -767,7 +767,8 @@ def _trial_runner(probed: _Probed, dataset: Any, max_seq_len: int | None, opts: 
                                  estimator.speed, _layout_fields(opts))
     reasons.append(f"{dev.name} is not present here: planned from the estimate alone "
                    "(unconfirmed); run autofit on the target to confirm (or "
-                   "method='simulate' for an exact plan of the simulated step)")
+                   + fix("--method simulate", "method='simulate'")
+                   + " for an exact plan of the simulated step)")
     return None
 
 

@@ -65,6 +65,11 @@ FILES: dict[str, Any] = {
     "config-string-dim/config.json": _llama(hidden_size="big"),
     "config-negative-layers/config.json": _llama(num_hidden_layers=-2),
     "no-config/README": "a directory without config.json",
+    # a family outside the analytic table, with fewer positions than its derivation needs
+    "config-phi-64/config.json": {"model_type": "phi", "hidden_size": 32,
+                                  "intermediate_size": 64, "num_hidden_layers": 1,
+                                  "num_attention_heads": 2, "vocab_size": 128,
+                                  "max_position_embeddings": 64},
     # hostile files (issue 23, item 5): bytes that are not text, nesting past any recursion
     "binary.json": b"\x89PNG\r\n\x1a\n\x00\xff\xfe" * 64,
     "deep.json": "[" * 100_000 + "]" * 100_000,
@@ -324,6 +329,11 @@ ROWS = [
     Bad("measure: FSDP2 with a bitsandbytes optimizer", "does not run on FSDP2's sharded",
         ("measure", "tiny-gpt2", "--batch-size", "1", "--seq-len", "32", "--device", "cpu",
          "--nproc-per-node", "2", "--strategy", "fsdp", "--optim", "adamw_bnb_8bit")),
+    Bad("a simulate-only model, estimated analytically", "use method='simulate'",
+        ("estimate", "{tmp}/config-phi-64", "--batch-size", "1", "--seq-len", "8", "--device",
+         "A100-80GB"),
+        lambda tmp: __import__("autofit").estimate(str(tmp / "config-phi-64"), seq_len=8,
+                                                   device="A100-80GB")),
     Bad("check: JSON nested 100k deep", "nested too deep",
         ("check", "{tmp}/deep.json", "--model", "tiny-gpt2", "--seq-len", "64")),
 ]
@@ -362,7 +372,8 @@ def tmp(tmp_path, monkeypatch):
 CLI_WORDS = {"target_batch_size": "--target-batch-size", "max_micro_batch": "--max-micro-batch",
              "time_budget_s": "--time-budget", "max_trials": "--max-trials",
              "margin must": "--margin must", "max_seq_len=": "--max-seq-len ",
-             "max_seq_len must": "--max-seq-len must", "confirm_top must": "--confirm-top must"}
+             "max_seq_len must": "--max-seq-len must", "confirm_top must": "--confirm-top must",
+             "method='simulate'": "--method simulate"}
 
 
 def _cli_needle(row: Bad) -> tuple[str, str | None]:
