@@ -187,6 +187,7 @@ def estimate(
         quantization_config=resolve(load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
                                     quantization_config=quantization_config, device=dev),
     )
+    check_positions(data, module)
     name = model if isinstance(model, str) else None
     if block_size is not None:
         from autofit.probe.model import token_limits
@@ -233,6 +234,22 @@ def estimate(
 
         est = dataclasses.replace(est, notes=(*packed, *est.notes))
     return est
+
+
+def check_positions(data: Any, module: Any) -> None:
+    """Raise when the longest sample of ``data`` (a ``DataInfo``, or None) is longer than the
+    model's learned positions: an index error at the first long batch, never a memory
+    verdict (a 12.5M-token sample was "54586 TiB over")."""
+    if data is None:
+        return
+    from autofit.probe.model import token_limits
+
+    _, positions = token_limits(module)
+    if positions is not None and data.length_max > positions:
+        raise BadInputError(
+            f"the longest sample has {data.length_max} tokens, more than the model's "
+            f"{positions} learned positions: truncate with "
+            + fix(f"--max-seq-len {positions}", f"max_seq_len={positions}"))
 
 
 def _with_ranks(config: TrainConfig, **fields: Any) -> TrainConfig:

@@ -238,6 +238,10 @@ def compare_peft(
         from autofit.probe.data import probe_data
 
         data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=tokenizer)
+        from autofit.api import check_positions
+        from autofit.probe.model import build_model
+
+        check_positions(data, build_model(model, task=task, quantization_config=quant)[0])
     seq = seq_len if seq_len is not None else (data.length_max if data is not None else None)
     if seq is None:
         raise BadInputError("give " + fix("--dataset or --seq-len", "dataset= or seq_len="))

@@ -334,6 +334,17 @@ ROWS = [
          "A100-80GB"),
         lambda tmp: __import__("autofit").estimate(str(tmp / "config-phi-64"), seq_len=8,
                                                    device="A100-80GB")),
+    Bad("estimate: a sample past the learned positions", "truncate with max_seq_len=1024",
+        ("estimate", "tiny-gpt2", "--batch-size", "1", "--device", "A100-80GB", "--dataset",
+         "{tmp}/too-long.json"),
+        lambda tmp: __import__("autofit").estimate(
+            "tiny-gpt2", device="A100-80GB", dataset=json.loads((tmp / "too-long.json").read_text()))),
+    Bad("compare-peft: a sample past the learned positions", "truncate with max_seq_len=1024",
+        ("compare-peft", "tiny-gpt2", "--device", "A100-80GB", "--dataset", "{tmp}/too-long.json",
+         "--methods", "lora", "--plot", "{tmp}/c.png"),
+        lambda tmp: __import__("autofit").compare_peft(
+            "tiny-gpt2", json.loads((tmp / "too-long.json").read_text()), device="A100-80GB",
+            methods=["lora"])),
     Bad("check: JSON nested 100k deep", "nested too deep",
         ("check", "{tmp}/deep.json", "--model", "tiny-gpt2", "--seq-len", "64")),
 ]
