@@ -85,7 +85,7 @@ def run_check_command(args: argparse.Namespace) -> int:
         config = config.replace(chunked_loss=True)
     if (meta.get("config") or {}).get("loss_impl") == "trl" and not config.chunked_loss:
         config = config.replace(loss_impl="trl")  # the plan of an SFTConfig (SFTTrainer's loss)
-    config = _with_ranks(config, meta, args)
+    config, launch_note = _with_ranks(config, meta, args)
     recipe = _recipe(fields, args)
     if recipe is not None:
         config = recipe.apply(config)
@@ -110,7 +110,8 @@ def run_check_command(args: argparse.Namespace) -> int:
     )
     from dataclasses import replace
 
-    report = replace(report, reasons=(*source.notes, s.device_reason, *report.reasons))
+    report = replace(report, reasons=(*source.notes, s.device_reason, *launch_note,
+                                      *report.reasons))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:
@@ -142,19 +143,62 @@ def _recipe(fields: dict[str, Any], args: argparse.Namespace) -> Any:
     return recipe
 
 
-def _with_ranks(config: Any, meta: dict[str, Any], args: argparse.Namespace) -> Any:
-    """``config`` on the ranks the tuned file records (no TrainingArguments field says how many
-    processes a run has: the launcher does), or those ``--nproc-per-node`` / ``--nnodes`` give."""
+def _with_ranks(config: Any, meta: dict[str, Any],
+                args: argparse.Namespace) -> tuple[Any, tuple[str, ...]]:
+    """``config`` on the ranks the run is launched with (no TrainingArguments field says how
+    many processes a run has: the launcher does): the ``<name>-accelerate.yaml`` a tune wrote
+    beside the file when there is one (``accelerate launch`` reads it, edited or not), else
+    the ranks the tuned file records; ``--nproc-per-node`` / ``--nnodes`` over both. Also
+    the reason to show when the launch file and the metadata disagree."""
     from autofit.cli.options import rank_kwargs
 
     recorded = meta.get("config") or {}
     ranks = {k: recorded[k] for k in ("nproc_per_node", "nnodes")
              if isinstance(recorded.get(k), int) and not isinstance(recorded.get(k), bool)}
+    note: tuple[str, ...] = ()
+    # the launch file beside a tuned file (--accelerate-config, when given, is the recipe's)
+    launched = (_launched_ranks(args.config)
+                if meta and getattr(args, "accelerate_config", None) is None else None)
+    if launched is not None:
+        said = (int(ranks.get("nproc_per_node", 1)), int(ranks.get("nnodes", 1)))
+        if said != (launched["nproc_per_node"], launched["nnodes"]):
+            note = (f"ranks from the launch file beside it ({launched['nproc_per_node']} x "
+                    f"{launched['nnodes']} nodes), not the file's metadata ({said[0]} x "
+                    f"{said[1]}): accelerate launches what the launch file says",)
+        ranks = dict(launched)
     ranks.update(rank_kwargs(args))
     if not ranks:
-        return config
+        return config, note
     nproc, nnodes = int(ranks.get("nproc_per_node", 1)), int(ranks.get("nnodes", 1))
-    return config.replace(nproc_per_node=nproc, nnodes=nnodes, world_size=nproc * nnodes)
+    return config.replace(nproc_per_node=nproc, nnodes=nnodes, world_size=nproc * nnodes), note
+
+
+def _launched_ranks(path: str) -> dict[str, int] | None:
+    """``{nproc_per_node, nnodes}`` of the accelerate config beside a tuned file (None when
+    there is none); a launch file that is not one accelerate could run is bad input."""
+    from autofit.emit.launch import accelerate_path
+    from autofit.errors import BadInputError
+
+    side = accelerate_path(path)
+    if not side.is_file():
+        return None
+    import yaml
+
+    fix = f"fix it or delete {side.name} (autofit tune -o writes it again)"
+    try:
+        d = yaml.safe_load(side.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError, OSError):
+        raise BadInputError(f"{side}: not a readable accelerate config; {fix}") from None
+    d = d if isinstance(d, dict) else {}
+    procs, machines = d.get("num_processes", 1), d.get("num_machines", 1)
+    for name, v in (("num_processes", procs), ("num_machines", machines)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
+            raise BadInputError(f"{side}: {name} must be a positive whole number, got {v!r}; "
+                                f"{fix}")
+    if procs % machines:
+        raise BadInputError(f"{side}: num_processes {procs} is not a multiple of num_machines "
+                            f"{machines} (every node runs as many); {fix}")
+    return {"nproc_per_node": procs // machines, "nnodes": machines}
 
 
 def _print_check(report: Any, path: str) -> None:
