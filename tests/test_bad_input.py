@@ -345,6 +345,20 @@ ROWS = [
         lambda tmp: __import__("autofit").compare_peft(
             "tiny-gpt2", json.loads((tmp / "too-long.json").read_text()), device="A100-80GB",
             methods=["lora"])),
+    # -- PEFT on a quantized base (issue 23, item 2): one line, not peft's internals ----------
+    Bad("LoHa on a 4-bit base", "its step fails in peft itself",
+        ("estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "32", "--device",
+         "A100-80GB", "--load-in-4bit", "--peft-config",
+         '{"peft_type": "LOHA", "target_modules": ["q_proj"]}'),
+        lambda tmp: __import__("autofit").estimate(
+            "tiny-llama", seq_len=32, device="A100-80GB", load_in_4bit=True,
+            peft_config={"peft_type": "LOHA", "target_modules": ["q_proj"]})),
+    Bad("DoRA on a 4-bit base", "QDoRA) is not modelled yet",
+        ("estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "32", "--device",
+         "A100-80GB", "--load-in-4bit", "--peft-config", '{"peft_type": "LORA", "use_dora": true}')),
+    Bad("DoRA on an 8-bit base", "DoRA on an 8-bit base is not modelled yet",
+        ("estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "32", "--device",
+         "A100-80GB", "--load-in-8bit", "--peft-config", '{"peft_type": "LORA", "use_dora": true}')),
     Bad("check: JSON nested 100k deep", "nested too deep",
         ("check", "{tmp}/deep.json", "--model", "tiny-gpt2", "--seq-len", "64")),
 ]

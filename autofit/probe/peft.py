@@ -58,6 +58,26 @@ UNSUPPORTED: dict[str, str] = {
     "XLORA": "it mixes adapters loaded from saved checkpoints",
 }
 
+# (method, bits of a bitsandbytes base) -> why it is refused there, in one line.
+# LoHa / LoKr reshape their delta weight to the base layer's weight shape, which a 4-bit
+# base stores packed ((n x m / 2, 1) uint8): peft's own step fails ("shape '[131072, 1]' is
+# invalid", a trial on the CPU: "mat1 and mat2 shapes cannot be multiplied"). DoRA
+# (QDoRA) reads the base weight's values to initialise its magnitude (a dequantization a
+# base built without weights cannot do): not modelled yet (issue 23, item 2).
+_ON_QUANTIZED: dict[tuple[str, int], str] = {
+    ("loha", 4): "peft's LoHa reshapes its delta to the base weight's shape, which a 4-bit "
+                 "base stores packed: its step fails in peft itself; use LoRA (QLoRA) or an "
+                 "8-bit base",
+    ("lokr", 4): "peft's LoKr reshapes its delta to the base weight's shape, which a 4-bit "
+                 "base stores packed: its step fails in peft itself; use LoRA (QLoRA) or an "
+                 "8-bit base",
+    ("dora", 4): "DoRA on a 4-bit base (QDoRA) is not modelled yet: its magnitude is "
+                 "initialised from the dequantized weights; use LoRA (QLoRA), or DoRA on a "
+                 "base in full precision",
+    ("dora", 8): "DoRA on an 8-bit base is not modelled yet: its magnitude is initialised "
+                 "from the dequantized weights; use LoRA, or DoRA on a base in full precision",
+}
+
 # Methods whose initialisation reads values (cannot run on the meta device).
 _CPU_INIT = frozenset({"BOFT", "UNILORA"})
 
@@ -322,6 +342,12 @@ def apply_peft(module: torch.nn.Module, config: Any, *, meta: bool = True) -> to
         p.requires_grad_(False)
     name = method_name(config)
     pt = str(getattr(config.peft_type, "value", config.peft_type))
+    from autofit.probe.quant import spec_of_module
+
+    quant = spec_of_module(module)
+    if quant is not None and (name, quant.bits) in _ON_QUANTIZED:
+        raise BadInputError(f"PEFT {name} on {'an' if quant.bits == 8 else 'a'} {quant.bits}-bit base: "
+                            + _ON_QUANTIZED[(name, quant.bits)])
     import warnings
 
     with warnings.catch_warnings():
