@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autofit.config import TrainConfig
+from autofit.config import TrainConfig, one_process_strategy
 from autofit.errors import BadInputError, fix
 from autofit.knobs import KNOBS, choice_of, describe_choice, knob_names
 from autofit.knobs.chunked_loss import liger_offered
@@ -186,6 +186,8 @@ def estimate(
                             + fix(" or --dataset", " or dataset="))
     if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
         raise BadInputError(f"seq_len must be a positive integer, got {seq!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):  # checked with or without data
+        raise BadInputError(f"seed must be a whole number (TrainingArguments.seed), got {seed!r}")
     dev = resolve_device(device)
     for k in KNOBS:  # what the device allows (an estimate runs nothing: run=False)
         k.check(dev, getattr(config, k.name), run=False)
@@ -199,6 +201,7 @@ def estimate(
         quantization_config=resolve(load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
                                     quantization_config=quantization_config, device=dev),
     )
+    check_positions(data, module)
     name = model if isinstance(model, str) else None
     if block_size is not None:
         from autofit.probe.model import token_limits
@@ -247,10 +250,27 @@ def estimate(
     return est
 
 
+def check_positions(data: Any, module: Any) -> None:
+    """Raise when the longest sample of ``data`` (a ``DataInfo``, or None) is longer than the
+    model's learned positions: an index error at the first long batch, never a memory
+    verdict (a 12.5M-token sample was "54586 TiB over")."""
+    if data is None:
+        return
+    from autofit.probe.model import token_limits
+
+    _, positions = token_limits(module)
+    if positions is not None and data.length_max > positions:
+        raise BadInputError(
+            f"the longest sample has {data.length_max} tokens, more than the model's "
+            f"{positions} learned positions: truncate with "
+            + fix(f"--max-seq-len {positions}", f"max_seq_len={positions}"))
+
+
 def _with_ranks(config: TrainConfig, **fields: Any) -> TrainConfig:
     """``config`` with the several-process fields given (``None``: the config's)."""
     given = {k: v for k, v in fields.items() if v is not None}
     if not given:
+        one_process_strategy(config.strategy, config.world_size)
         return config
     if "nproc_per_node" in given or "nnodes" in given:
         n = given.get("nproc_per_node", config.nproc_per_node)
@@ -259,7 +279,9 @@ def _with_ranks(config: TrainConfig, **fields: Any) -> TrainConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise BadInputError(f"{name} must be a positive integer, got {v!r}")
         given["world_size"] = n * m
-    return config.replace(**given)
+    config = config.replace(**given)
+    one_process_strategy(config.strategy, config.world_size)
+    return config
 
 
 def _recipe(deepspeed_config: Any, accelerate_config: Any) -> Any:
@@ -640,6 +662,7 @@ def _device_with_ranks(dev: DeviceInfo, opts: dict[str, Any], reasons: list[str]
     nproc, nnodes = opts.get("nproc_per_node"), opts.get("nnodes")
     world = opts.get("world_size")
     if nproc is None and nnodes is None and world is None:
+        one_process_strategy(opts.get("strategy"), 1)
         return dev
     nnodes = int(nnodes or 1)
     nproc = int(nproc) if nproc is not None else (
@@ -648,6 +671,7 @@ def _device_with_ranks(dev: DeviceInfo, opts: dict[str, Any], reasons: list[str]
         raise BadInputError(f"world_size {world} is not nproc_per_node x nnodes = {nproc} x "
                             f"{nnodes}; give " + fix("--nproc-per-node and --nnodes",
                                                      "nproc_per_node and nnodes") + " alone")
+    one_process_strategy(opts.get("strategy"), nproc * nnodes)
     if nproc * nnodes > 1:
         where = f"{nnodes} nodes x {nproc}" if nnodes > 1 else f"{nproc} processes"
         reasons.append(f"{nproc * nnodes} ranks ({where}), each on a {dev.name}: estimates are "
@@ -817,7 +841,8 @@ def _trial_runner(probed: _Probed, dataset: Any, max_seq_len: int | None, opts: 
                                  estimator.speed, _layout_fields(opts))
     reasons.append(f"{dev.name} is not present here: planned from the estimate alone "
                    "(unconfirmed); run autofit on the target to confirm (or "
-                   "method='simulate' for an exact plan of the simulated step)")
+                   + fix("--method simulate", "method='simulate'")
+                   + " for an exact plan of the simulated step)")
     return None
 
 

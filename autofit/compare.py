@@ -106,12 +106,30 @@ class PeftComparison:
 
 
 def _method_config(m: str | dict[str, Any]) -> tuple[str, Any]:
-    from autofit.probe.peft import default_config, method_name, peft_config
+    """(the row's name, the request) of one named or configured method; an unknown name or a
+    method autofit refuses is bad input here, before any estimate (did-you-mean)."""
+    from autofit.probe.peft import _ALIASES, default_config, method_name, methods, peft_config
 
     if isinstance(m, dict) or not isinstance(m, str):
         cfg = peft_config(m, "causal-lm")  # named by its type; the task is set again later
         return method_name(cfg), m
-    return m.strip().lower(), default_config(m)
+    name = m.strip().lower()
+    names = (*methods(), *_ALIASES)
+    request = default_config(name)
+    if name not in names and request["peft_type"].lower() not in methods():
+        from difflib import get_close_matches
+
+        close = get_close_matches(name, names, 1)
+        try:  # peft's own word for a method autofit refuses (cpt: reads tensor values)
+            peft_config(request, "causal-lm")
+        except BadInputError as e:
+            if "cannot model" in str(e):
+                raise
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise BadInputError(f"unknown PEFT method {m!r}: {hint}choose from "
+                            + ", ".join(sorted(names)))
+    peft_config(request, "causal-lm")  # a method peft refuses with its defaults: one line
+    return name, request
 
 
 def _largest(fits: Callable[[int], bool], limit: int) -> int:
@@ -195,6 +213,14 @@ def compare_peft(
         raise BadInputError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
     if not 0 <= margin < 1:
         raise BadInputError(f"margin must be in [0, 1), got {margin!r}")
+    if isinstance(confirm_top, bool) or not isinstance(confirm_top, int) or confirm_top < 0:
+        raise BadInputError(f"{fix('--confirm-top', 'confirm_top')} must be 0 (no trial) or a "
+                            f"positive integer, got {confirm_top!r}")
+    if isinstance(methods, str):  # "lora" or "lora,ia3": names, never characters
+        methods = [n for n in methods.split(",") if n.strip()]
+    chosen = [_method_config(m) for m in (methods if methods else DEFAULT_METHODS)]
+    if not chosen:
+        raise BadInputError("no PEFT method to compare")
     from autofit.probe.quant import resolve
 
     dev = resolve_device(device)
@@ -212,14 +238,15 @@ def compare_peft(
         from autofit.probe.data import probe_data
 
         data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=tokenizer)
+        from autofit.api import check_positions
+        from autofit.probe.model import build_model
+
+        check_positions(data, build_model(model, task=task, quantization_config=quant)[0])
     seq = seq_len if seq_len is not None else (data.length_max if data is not None else None)
     if seq is None:
         raise BadInputError("give " + fix("--dataset or --seq-len", "dataset= or seq_len="))
     if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
         raise BadInputError(f"seq_len must be a positive integer, got {seq!r}")
-    chosen = [_method_config(m) for m in (methods if methods else DEFAULT_METHODS)]
-    if not chosen:
-        raise BadInputError("no PEFT method to compare")
     budget = int(dev.capacity_bytes * (1 - margin))
 
     rows: list[PeftRow] = []

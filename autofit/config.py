@@ -13,6 +13,7 @@ configuration maps one to one onto a ``transformers.TrainingArguments``.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "normalize_strategy",
     "normalize_offload",
     "strategy_conflict",
+    "one_process_strategy",
     "LOSS_IMPLS",
 ]
 
@@ -216,6 +218,23 @@ def strategy_conflict(strategy: str, offload: str, nnodes: int = 1) -> str | Non
                                                  "offload='optimizer+params'")
                 + ", or a ZeRO strategy to offload the optimizer alone")
     return None
+
+
+def one_process_strategy(strategy: str | Sequence[str] | None, world_size: int) -> None:
+    """Raise when a sharding strategy is asked for one process (nothing to shard: the run
+    would be DDP of one, silently).
+
+        >>> one_process_strategy("ddp", 1)
+        >>> one_process_strategy("fsdp", 2)
+    """
+    names = [strategy] if isinstance(strategy, str) else list(strategy or ())
+    asked = [normalize_strategy(s) for s in names]
+    if world_size == 1 and any(s != "ddp" for s in asked):
+        shown = ", ".join(s for s in asked if s != "ddp")
+        raise InvalidConfigError(
+            f"strategy {shown} shards over several processes, but the run has one: add "
+            + fix("--nproc-per-node N", "nproc_per_node=N") + " (the processes torchrun "
+            "starts), or drop " + fix("--strategy", "strategy="))
 
 
 def check_optimizer(optimizer: str) -> str:

@@ -65,6 +65,15 @@ FILES: dict[str, Any] = {
     "config-string-dim/config.json": _llama(hidden_size="big"),
     "config-negative-layers/config.json": _llama(num_hidden_layers=-2),
     "no-config/README": "a directory without config.json",
+    # a family outside the analytic table, with fewer positions than its derivation needs
+    "config-phi-64/config.json": {"model_type": "phi", "hidden_size": 32,
+                                  "intermediate_size": 64, "num_hidden_layers": 1,
+                                  "num_attention_heads": 2, "vocab_size": 128,
+                                  "max_position_embeddings": 64},
+    # hostile files (issue 23, item 5): bytes that are not text, nesting past any recursion
+    "binary.json": b"\x89PNG\r\n\x1a\n\x00\xff\xfe" * 64,
+    "deep.json": "[" * 100_000 + "]" * 100_000,
+    "deep.yaml": "per_device_train_batch_size: " + "[" * 100_000 + "]" * 100_000 + "\n",
 }
 
 
@@ -103,6 +112,14 @@ def measured(batch: Any = None, model: str = "tiny-gpt2", **kw: Any) -> Callable
         from autofit import TrainConfig, measure
 
         return measure(model, TrainConfig(micro_batch_size=1), batch, device="cpu", **kw)
+    return call
+
+
+def compare(**kw: Any) -> Callable[[Path], Any]:
+    def call(tmp: Path) -> Any:
+        from autofit import compare_peft
+
+        return compare_peft("tiny-gpt2", seq_len=64, device="A100-80GB", **kw)
     return call
 
 
@@ -251,6 +268,99 @@ ROWS = [
         ("estimate", "tiny-gpt2", "--batch-size", "0", "--seq-len", "64")),
     Bad("estimate: negative seq len", "seq_len must be a positive integer",
         ("estimate", "tiny-gpt2", "--batch-size", "1", "--seq-len", "-5")),
+    # -- typed fields of JSON input (issue 23, item 1): a word is not a bool -----------------
+    Bad("quantization: load_in_4bit \"no\"", "load_in_4bit must be a JSON bool",
+        tune("--quantization-config", '{"load_in_4bit": "no"}'),
+        fit(quantization_config={"load_in_4bit": "no"})),
+    Bad("quantization: load_in_8bit \"false\"", "load_in_8bit must be a JSON bool",
+        tune("--quantization-config", '{"load_in_8bit": "false"}'),
+        fit(quantization_config={"load_in_8bit": "false"})),
+    Bad("quantization: a number as text", "llm_int8_threshold must be a number",
+        tune("--quantization-config", '{"load_in_8bit": true, "llm_int8_threshold": "6"}')),
+    Bad("peft: use_dora \"no\"", "use_dora must be a JSON bool",
+        tune("--peft-config", '{"peft_type": "LORA", "use_dora": "no"}'),
+        fit(peft_config={"peft_type": "LORA", "use_dora": "no"})),
+    Bad("peft: r as text", "r must be a number, got '8'",
+        tune("--peft-config", '{"peft_type": "LORA", "r": "8"}'),
+        fit(peft_config={"peft_type": "LORA", "r": "8"})),
+    Bad("peft: an unknown key", "did you mean 'lora_alpha'",
+        tune("--peft-config", '{"peft_type": "LORA", "lora_alhpa": 16}'),
+        fit(peft_config={"peft_type": "LORA", "lora_alhpa": 16})),
+    # -- hostile files (issue 23, item 5) ----------------------------------------------------
+    Bad("a binary PEFT config", "not a text file", tune("--peft-config", "{tmp}/binary.json")),
+    Bad("a binary quantization config", "not a text file",
+        tune("--quantization-config", "{tmp}/binary.json")),
+    Bad("a binary dataset", "not a UTF-8 JSON text file", tune(dataset="{tmp}/binary.json")),
+    Bad("a PEFT config nested 100k deep", "nested too deep",
+        tune("--peft-config", "{tmp}/deep.json")),
+    Bad("a quantization config nested 100k deep", "nested too deep",
+        tune("--quantization-config", "{tmp}/deep.json")),
+    Bad("a dataset nested 100k deep", "nested too deep", tune(dataset="{tmp}/deep.json")),
+    Bad("check: YAML nested 100k deep", "nested too deep", ("check", "{tmp}/deep.yaml")),
+    # -- compare-peft (issue 23, item 4): names checked before any estimate --------------------
+    Bad("compare-peft: a misspelt method", "did you mean 'lora'",
+        ("compare-peft", "tiny-gpt2", "--seq-len", "64", "--device", "A100-80GB",
+         "--methods", "lorra", "--plot", "{tmp}/c.png"), compare(methods=["lorra"])),
+    Bad("compare-peft: a refused method next to a valid one", "cannot model PEFT method cpt",
+        ("compare-peft", "tiny-gpt2", "--seq-len", "64", "--device", "A100-80GB",
+         "--methods", "lora,cpt", "--plot", "{tmp}/c.png"), compare(methods="lora,cpt")),
+    Bad("compare-peft: a negative --confirm-top", "confirm_top must be 0",
+        ("compare-peft", "tiny-gpt2", "--seq-len", "64", "--device", "A100-80GB",
+         "--methods", "lora", "--confirm-top", "-3", "--plot", "{tmp}/c.png"),
+        compare(methods=["lora"], confirm_top=-3)),
+    # -- outputs and the Python API's own types (issue 23, items 6, 7) -----------------------
+    Bad("-o a dangling link into a missing folder", "whose folder does not exist",
+        tune("-o", "{tmp}/dangling.yaml")),
+    Bad("estimate: seed as a word", "seed must be a whole number", None,
+        lambda tmp: __import__("autofit").estimate("tiny-gpt2", seq_len=64, device="A100-80GB",
+                                                   seed="x")),
+    # -- ranks (issue 23, smaller): refused before a process starts -------------------------
+    Bad("estimate: a sharding strategy on one process", "shards over several processes",
+        ("estimate", "tiny-gpt2", "--batch-size", "1", "--seq-len", "64", "--device",
+         "A100-80GB", "--strategy", "fsdp"),
+        lambda tmp: __import__("autofit").estimate(
+            "tiny-gpt2", __import__("autofit").TrainConfig(strategy="fsdp"), seq_len=64,
+            device="A100-80GB")),
+    Bad("tune: a sharding strategy on one process", "shards over several processes",
+        tune("--strategy", "fsdp"), fit(strategy=["fsdp"])),
+    Bad("measure: FSDP2 offload on CPU ranks", "CPU ranks cannot run it",
+        ("measure", "tiny-gpt2", "--batch-size", "1", "--seq-len", "32", "--device", "cpu",
+         "--nproc-per-node", "2", "--strategy", "fsdp", "--offload", "optimizer+params")),
+    Bad("measure: FSDP2 with a bitsandbytes optimizer", "does not run on FSDP2's sharded",
+        ("measure", "tiny-gpt2", "--batch-size", "1", "--seq-len", "32", "--device", "cpu",
+         "--nproc-per-node", "2", "--strategy", "fsdp", "--optim", "adamw_bnb_8bit")),
+    Bad("a simulate-only model, estimated analytically", "use method='simulate'",
+        ("estimate", "{tmp}/config-phi-64", "--batch-size", "1", "--seq-len", "8", "--device",
+         "A100-80GB"),
+        lambda tmp: __import__("autofit").estimate(str(tmp / "config-phi-64"), seq_len=8,
+                                                   device="A100-80GB")),
+    Bad("estimate: a sample past the learned positions", "truncate with max_seq_len=1024",
+        ("estimate", "tiny-gpt2", "--batch-size", "1", "--device", "A100-80GB", "--dataset",
+         "{tmp}/too-long.json"),
+        lambda tmp: __import__("autofit").estimate(
+            "tiny-gpt2", device="A100-80GB", dataset=json.loads((tmp / "too-long.json").read_text()))),
+    Bad("compare-peft: a sample past the learned positions", "truncate with max_seq_len=1024",
+        ("compare-peft", "tiny-gpt2", "--device", "A100-80GB", "--dataset", "{tmp}/too-long.json",
+         "--methods", "lora", "--plot", "{tmp}/c.png"),
+        lambda tmp: __import__("autofit").compare_peft(
+            "tiny-gpt2", json.loads((tmp / "too-long.json").read_text()), device="A100-80GB",
+            methods=["lora"])),
+    # -- PEFT on a quantized base (issue 23, item 2): one line, not peft's internals ----------
+    Bad("LoHa on a 4-bit base", "its step fails in peft itself",
+        ("estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "32", "--device",
+         "A100-80GB", "--load-in-4bit", "--peft-config",
+         '{"peft_type": "LOHA", "target_modules": ["q_proj"]}'),
+        lambda tmp: __import__("autofit").estimate(
+            "tiny-llama", seq_len=32, device="A100-80GB", load_in_4bit=True,
+            peft_config={"peft_type": "LOHA", "target_modules": ["q_proj"]})),
+    Bad("DoRA on a 4-bit base", "QDoRA) is not modelled yet",
+        ("estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "32", "--device",
+         "A100-80GB", "--load-in-4bit", "--peft-config", '{"peft_type": "LORA", "use_dora": true}')),
+    Bad("DoRA on an 8-bit base", "DoRA on an 8-bit base is not modelled yet",
+        ("estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "32", "--device",
+         "A100-80GB", "--load-in-8bit", "--peft-config", '{"peft_type": "LORA", "use_dora": true}')),
+    Bad("check: JSON nested 100k deep", "nested too deep",
+        ("check", "{tmp}/deep.json", "--model", "tiny-gpt2", "--seq-len", "64")),
 ]
 
 
@@ -258,7 +368,14 @@ def _write_files(tmp: Path) -> None:
     for name, content in FILES.items():
         p = tmp / name
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(content if isinstance(content, str) else json.dumps(content))
+        if isinstance(content, bytes):
+            p.write_bytes(content)
+        else:
+            p.write_text(content if isinstance(content, str) else json.dumps(content))
+
+
+def _links(tmp: Path) -> None:
+    (tmp / "dangling.yaml").symlink_to(tmp / "missing" / "folder" / "tuned.yaml")
 
 
 def _listing(tmp: Path) -> set[str]:
@@ -271,6 +388,7 @@ def tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # a default output would land here, and be seen
     _write_files(tmp_path)
+    _links(tmp_path)
     return tmp_path
 
 
@@ -279,7 +397,8 @@ def tmp(tmp_path, monkeypatch):
 CLI_WORDS = {"target_batch_size": "--target-batch-size", "max_micro_batch": "--max-micro-batch",
              "time_budget_s": "--time-budget", "max_trials": "--max-trials",
              "margin must": "--margin must", "max_seq_len=": "--max-seq-len ",
-             "max_seq_len must": "--max-seq-len must"}
+             "max_seq_len must": "--max-seq-len must", "confirm_top must": "--confirm-top must",
+             "method='simulate'": "--method simulate"}
 
 
 def _cli_needle(row: Bad) -> tuple[str, str | None]:

@@ -300,3 +300,47 @@ def test_leftovers_of_dead_parents_are_swept_at_the_next_start(own_tmp):
         assert not dead.exists() and not reused.exists()
         assert live.exists() and old_style.exists() and other.exists()
     assert not work.exists()
+
+
+# ---------------------------------------------------------------- a failed trial is no verdict
+# issue 23: `check` of a 2-rank FSDP file with CPU offload reported the crashed trial ("Cannot
+# access accelerator device when none is available") as "does NOT fit" and prescribed a
+# smaller micro batch. A trial that fails for another reason than memory is exit 4, its cause.
+CRASH = "RuntimeError: Cannot access accelerator device when none is available"
+
+
+def _crashed(config, *a, **k) -> TrialResult:
+    return TrialResult(oom=False, peak_allocated_bytes=None, peak_reserved_bytes=None,
+                       device_total_bytes=None, step_time_s=None, tokens_per_s=None,
+                       samples_per_s=None, error=CRASH, config=config.to_dict(), device="cpu",
+                       batch_shape=(config.micro_batch_size, 32), isolation="subprocess",
+                       isolation_reason="test", steps=0)
+
+
+def test_a_trial_failed_for_another_reason_than_memory_is_exit_4_with_its_cause(
+        tiny_path, tmp_path, monkeypatch, capsys):
+    import autofit.trial
+    from autofit.cli import main
+    from autofit.preflight import PreflightError
+    from autofit.preflight.check import run_check
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(autofit.trial, "measure",
+                        lambda model, config, *a, **k: calls.append(config) or _crashed(config))
+    args = tmp_path / "train_args.yaml"
+    args.write_text("per_device_train_batch_size: 4\ngradient_accumulation_steps: 2\n"
+                    "use_cpu: true\n")
+    code = main(["check", str(args), "--model", str(tiny_path), "--seq-len", "32",
+                 "--device", "cpu", "--no-cache"])
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert code == 4, out
+    assert "Cannot access accelerator device" in out and "does NOT fit" not in out
+    assert "micro batch 2 x accumulation 4" not in out  # no smaller micro batch prescribed
+    # with fix=True no smaller micro batch is tried either: one trial, and exit 4 in Python
+    calls.clear()
+    report = run_check(str(tiny_path), TrainConfig(micro_batch_size=4, grad_accum_steps=2),
+                       seq_len=32, device="cpu", cache=False, fix=True)
+    assert report.trial_failed and not report.fits and len(calls) == 1
+    assert not report.changes and CRASH in report.problems[0]
+    assert PreflightError(report).exit_code == 4

@@ -35,6 +35,7 @@ from typing import Any
 from autofit.cli.options import (
     EXIT_DOES_NOT_FIT,
     EXIT_OK,
+    EXIT_TRIAL_FAILED,
     add_file_subject_options,
     add_rank_options,
     add_recipe_options,
@@ -52,7 +53,8 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="pre-flight: will this tuned file fit on this machine? (exit 0 fits, 3 does not)",
         description="Verify a configuration file on the present device: estimate, then one "
         "trial on the worst-case batch unless the cache holds one for exactly this "
-        "configuration. Exit 0 fits, 3 does not fit, 2 bad input.",
+        "configuration. Exit 0 fits, 3 does not fit, 2 bad input, 4 the trial failed for "
+        "another reason than memory.",
     )
     p.add_argument("config", help="tuned.yaml / .json (autofit tune -o), or a TrainingArguments "
                    "YAML/JSON with --model")
@@ -87,7 +89,7 @@ def run_check_command(args: argparse.Namespace) -> int:
     # SFTConfig file that records no trainer is for SFTTrainer)
     declared = args.trainer or ("trl" if source.sft and not meta.get("trainer") else None)
     config, trainer, lost = file_config(fields, meta, declared)
-    config = _with_ranks(config, meta, args)
+    config, launch_note = _with_ranks(config, meta, args)
     recipe = _recipe(fields, args)
     if recipe is not None:
         config = recipe.apply(config)
@@ -115,13 +117,16 @@ def run_check_command(args: argparse.Namespace) -> int:
     why = "as given" if args.trainer else (
         "the file's" if meta.get("trainer") else "an SFTConfig file" if source.sft
         else "the default (the file names none)")
-    report = replace(report, reasons=(*source.notes, s.device_reason, f"trainer {trainer}: "
-                                      f"{CLASS_NAME[Trainer(trainer)]}, {why}", *report.reasons))
+    report = replace(report, reasons=(*source.notes, s.device_reason, *launch_note,
+                                      f"trainer {trainer}: {CLASS_NAME[Trainer(trainer)]}, "
+                                      f"{why}", *report.reasons))
     report = only_with(report, trainer, lost)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:
         _print_check(report, args.config)
+    if report.trial_failed:
+        return EXIT_TRIAL_FAILED  # not a memory verdict (as measure): the cause is printed
     return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
 
 
@@ -147,19 +152,62 @@ def _recipe(fields: dict[str, Any], args: argparse.Namespace) -> Any:
     return recipe
 
 
-def _with_ranks(config: Any, meta: dict[str, Any], args: argparse.Namespace) -> Any:
-    """``config`` on the ranks the tuned file records (no TrainingArguments field says how many
-    processes a run has: the launcher does), or those ``--nproc-per-node`` / ``--nnodes`` give."""
+def _with_ranks(config: Any, meta: dict[str, Any],
+                args: argparse.Namespace) -> tuple[Any, tuple[str, ...]]:
+    """``config`` on the ranks the run is launched with (no TrainingArguments field says how
+    many processes a run has: the launcher does): the ``<name>-accelerate.yaml`` a tune wrote
+    beside the file when there is one (``accelerate launch`` reads it, edited or not), else
+    the ranks the tuned file records; ``--nproc-per-node`` / ``--nnodes`` over both. Also
+    the reason to show when the launch file and the metadata disagree."""
     from autofit.cli.options import rank_kwargs
 
     recorded = meta.get("config") or {}
     ranks = {k: recorded[k] for k in ("nproc_per_node", "nnodes")
              if isinstance(recorded.get(k), int) and not isinstance(recorded.get(k), bool)}
+    note: tuple[str, ...] = ()
+    # the launch file beside a tuned file (--accelerate-config, when given, is the recipe's)
+    launched = (_launched_ranks(args.config)
+                if meta and getattr(args, "accelerate_config", None) is None else None)
+    if launched is not None:
+        said = (int(ranks.get("nproc_per_node", 1)), int(ranks.get("nnodes", 1)))
+        if said != (launched["nproc_per_node"], launched["nnodes"]):
+            note = (f"ranks from the launch file beside it ({launched['nproc_per_node']} x "
+                    f"{launched['nnodes']} nodes), not the file's metadata ({said[0]} x "
+                    f"{said[1]}): accelerate launches what the launch file says",)
+        ranks = dict(launched)
     ranks.update(rank_kwargs(args))
     if not ranks:
-        return config
+        return config, note
     nproc, nnodes = int(ranks.get("nproc_per_node", 1)), int(ranks.get("nnodes", 1))
-    return config.replace(nproc_per_node=nproc, nnodes=nnodes, world_size=nproc * nnodes)
+    return config.replace(nproc_per_node=nproc, nnodes=nnodes, world_size=nproc * nnodes), note
+
+
+def _launched_ranks(path: str) -> dict[str, int] | None:
+    """``{nproc_per_node, nnodes}`` of the accelerate config beside a tuned file (None when
+    there is none); a launch file that is not one accelerate could run is bad input."""
+    from autofit.emit.launch import accelerate_path
+    from autofit.errors import BadInputError
+
+    side = accelerate_path(path)
+    if not side.is_file():
+        return None
+    import yaml
+
+    fix = f"fix it or delete {side.name} (autofit tune -o writes it again)"
+    try:
+        d = yaml.safe_load(side.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError, OSError):
+        raise BadInputError(f"{side}: not a readable accelerate config; {fix}") from None
+    d = d if isinstance(d, dict) else {}
+    procs, machines = d.get("num_processes", 1), d.get("num_machines", 1)
+    for name, v in (("num_processes", procs), ("num_machines", machines)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
+            raise BadInputError(f"{side}: {name} must be a positive whole number, got {v!r}; "
+                                f"{fix}")
+    if procs % machines:
+        raise BadInputError(f"{side}: num_processes {procs} is not a multiple of num_machines "
+                            f"{machines} (every node runs as many); {fix}")
+    return {"nproc_per_node": procs // machines, "nnodes": machines}
 
 
 def _print_check(report: Any, path: str) -> None:
@@ -187,6 +235,11 @@ def _print_check(report: Any, path: str) -> None:
                       f"{format_bytes(report.eval_estimate.device_total_bytes)} (estimate)")
     if report.fits:
         console.print(Text(f"✓ {path} fits on {report.device}", style="bold green"))
+    elif report.trial_failed:
+        console.print(Text(f"✗ {path}: the trial failed on {report.device} (not a memory "
+                           "verdict)", style="bold red"))
+        for p in report.problems:
+            console.print(Text(f"  ✗ {p}", style="red"))
     else:
         console.print(Text(f"✗ {path} does NOT fit on {report.device}", style="bold red"))
         for p in report.problems:

@@ -139,14 +139,18 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         except yaml.YAMLError as e:
             raise BadInputError(f"{p}: not valid YAML ({str(e).splitlines()[0]}); write plain "
                                 "'field: value' lines (no !! tags)") from None
+        except RecursionError:  # pyyaml parses nesting by recursion
+            raise BadInputError(f"{p}: nested too deep to be TrainingArguments fields; write "
+                                "plain 'field: value' lines") from None
         if args is None:
             raise BadInputError(f"{p} holds no TrainingArguments fields, only comments: write "
                                 "them in it (e.g. per_device_train_batch_size: 8)")
     else:
         try:
             args = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise BadInputError(f"{p}: not valid JSON ({e}); write one object of "
+        except (json.JSONDecodeError, RecursionError) as e:
+            why = e if isinstance(e, json.JSONDecodeError) else "nested too deep"
+            raise BadInputError(f"{p}: not valid JSON ({why}); write one object of "
                                 "TrainingArguments fields") from None
         side = _sidecar(p)
         if side.is_file():
@@ -283,8 +287,9 @@ def _parse_meta(text: str, where: Path, what: str, drop: str) -> dict[str, Any]:
           "TrainingArguments"
     try:
         meta = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadInputError(f"{where}: {what} is cut off or edited (not valid JSON: {e.msg}); "
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deep"
+        raise BadInputError(f"{where}: {what} is cut off or edited (not valid JSON: {why}); "
                             f"{fix}") from None
     if not isinstance(meta, dict):
         raise BadInputError(f"{where}: {what} is not a mapping; {fix}")

@@ -14,7 +14,8 @@ the nearest existing one is a folder this process may create files in. Whether i
 may is asked of the file system itself: a probe file created and removed at once
 (``os.access`` says yes to root on a read-only folder and cannot see a read-only
 mount's every rule). An existing file is opened for appending, which changes
-nothing. Nothing is left behind.
+nothing. A link to no file yet is checked where it points: the write creates that file,
+but not its folders. Nothing is left behind.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def _why_not(target: Path) -> str | None:
     """Why ``target`` cannot be written (None when it can)."""
     if target.is_dir():
         return f"{target} is a folder"
+    if target.is_symlink() and not target.exists():  # a write creates the link's target
+        dest = Path(os.path.realpath(target))
+        if not dest.parent.is_dir():
+            return (f"{target} is a link to {os.readlink(target)}, whose folder does not exist "
+                    "(a link's folders are never created)")
+        return _why_not(dest) if dest != target else f"{target} is a link that loops"
     if target.exists():
         if not target.is_file():
             return f"{target} is not a regular file"

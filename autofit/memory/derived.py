@@ -45,7 +45,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
-from autofit.errors import BadInputError
+from autofit.errors import BadInputError, fix
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -60,6 +60,11 @@ __all__ = ["derived_coefficients", "SHAPES"]
 SHAPES = ((1, 32), (1, 64), (1, 128), (2, 32))
 
 _CACHE: dict[str, dict[str, Any]] = {}
+
+
+def _simulate() -> str:
+    """How the caller asks for the simulation (the flag on the command line)."""
+    return fix("--method simulate", "method='simulate'")
 _WARNED: set[str] = set()
 _log = logging.getLogger("autofit")
 
@@ -128,7 +133,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
         lists = _layer_lists(base)
         if len(lists) != 1:
             raise BadInputError("analytic coefficients are derived for one stack of blocks; "
-                                "use method='simulate'")
+                                "use " + _simulate())
         owner_name, layers = lists[0]
         kinds = _kinds(list(layers))
         kept = torch.nn.ModuleList([layers[i] for i, _ in kinds])
@@ -198,7 +203,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     own forward (see the module docstring)."""
     if info.is_encoder_decoder:
         raise BadInputError(f"{info.name}: analytic coefficients are not derived for "
-                            "encoder-decoder models; use method='simulate'")
+                            "encoder-decoder models; use " + _simulate())
     key = _key(info, config, device)
     hit = _CACHE.get(key)
     if hit is None:
@@ -210,10 +215,10 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     limit = info.max_position_embeddings
     if isinstance(limit, int) and max(t for _, t in SHAPES) > limit:
         raise BadInputError(f"{info.name} takes at most {limit} positions; "
-                            "use method='simulate'")
+                            "use " + _simulate())
     n = info.num_layers or 0
     if n == 0:
-        raise BadInputError(f"{info.name}: no transformer blocks found; use method='simulate'")
+        raise BadInputError(f"{info.name}: no transformer blocks found; use " + _simulate())
     at = _forward_saved(module, config, info.task, device)
     layer_vals = [per_block for per_block, _ in at]
     base_vals = [total - per_block * n for per_block, total in at]

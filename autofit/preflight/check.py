@@ -69,6 +69,11 @@ def _learned_positions(info: Any) -> bool:
                and g.shape[0] != vocab for g in info.params)
 
 
+def _failed(trial: Any) -> bool:
+    """A trial that ran and failed for a reason other than memory (exit 4, never 3)."""
+    return trial is not None and not trial.oom and trial.error is not None
+
+
 def _divisors_below(n: int, below: int) -> list[int]:
     from autofit.search.space import divisors  # O(sqrt n): n comes from the user's file
 
@@ -161,6 +166,10 @@ class _Checker:
                 k.check(self.dev, value)
             except AutofitError as e:
                 out.append(f"{k.describe(value)} requested: {e}")
+        from autofit.knobs import conflict  # a combination no run takes (FSDP2 + bnb optim)
+
+        if (why := conflict({k.name: getattr(config, k.name) for k in KNOBS})) is not None:
+            out.append(why)
         info = self.info
         pos = info.max_position_embeddings
         if pos and self.seq_len > pos and _learned_positions(info):
@@ -308,6 +317,9 @@ class _Checker:
                    if a.estimate else "")
             return (f"does not fit: {where} ran out of memory in a trial on {self.dev.name} "
                     f"({format_bytes(self.dev.capacity_bytes)}){est}")
+        if _failed(a.trial):  # never a memory verdict: the cause, and no smaller micro batch
+            return (f"the trial failed for a reason other than memory: {a.trial.error}; "
+                    "fix that cause (the memory is not measured)")
         if a.trial is not None and not a.trial.fits:
             return f"the trial failed ({a.trial.error}); the configuration is not confirmed"
         need, source = self.need(a)
@@ -493,7 +505,7 @@ def run_check(
     changes: dict[str, tuple[Any, Any]] = {}
     mem = checker.memory_problem(first)
     fix_notes: list[str] = []
-    if mem and fix and not first.static_problems:
+    if mem and fix and not first.static_problems and not _failed(first.trial):
         fixed, fix_notes = checker.fix(first)
         if fixed is not None:
             c0, c1 = first.config, fixed.config
@@ -506,7 +518,8 @@ def run_check(
     problems = list(final.static_problems)
     mem = checker.memory_problem(final)
     if mem:
-        hint = checker.suggestion(final) if not fix and final.config.micro_batch_size > 1 else None
+        hint = (checker.suggestion(final) if not fix and final.config.micro_batch_size > 1
+                and not _failed(final.trial) else None)
         problems.append(mem + (f"; {hint}" if hint else ""))
     eval_batch = eval_batch_size
     ev = checker.eval_problem(final)

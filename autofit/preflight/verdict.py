@@ -52,6 +52,13 @@ class PreflightReport:
     eval_batch_size: int | None = None
     trials_run: int = 0
 
+    @property
+    def trial_failed(self) -> bool:
+        """The trial failed for a reason other than memory (``trial.error`` names it): the
+        verdict is not a memory one (``autofit check`` exits 4, as ``measure`` does)."""
+        t = self.trial
+        return t is not None and not t.oom and t.error is not None
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data (the ``autofit check --json`` object)."""
         return {
@@ -112,10 +119,13 @@ class PreflightReport:
 
 
 class PreflightError(DoesNotFitError):
-    """The configuration cannot run here; ``problems`` lists every reason (exit code 3)."""
+    """The configuration cannot run here; ``problems`` lists every reason (exit code 3; 4
+    when the trial failed for a reason other than memory)."""
 
     def __init__(self, report: PreflightReport, hint: str | None = None) -> None:
         self.report = report
+        if report.trial_failed:
+            self.exit_code = 4
         self.problems = report.problems
         n = len(report.problems)
         lines = [f"pre-flight on {report.device}: {n} problem{'s' if n != 1 else ''}"]

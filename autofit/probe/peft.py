@@ -58,6 +58,26 @@ UNSUPPORTED: dict[str, str] = {
     "XLORA": "it mixes adapters loaded from saved checkpoints",
 }
 
+# (method, bits of a bitsandbytes base) -> why it is refused there, in one line.
+# LoHa / LoKr reshape their delta weight to the base layer's weight shape, which a 4-bit
+# base stores packed ((n x m / 2, 1) uint8): peft's own step fails ("shape '[131072, 1]' is
+# invalid", a trial on the CPU: "mat1 and mat2 shapes cannot be multiplied"). DoRA
+# (QDoRA) reads the base weight's values to initialise its magnitude (a dequantization a
+# base built without weights cannot do): not modelled yet (issue 23, item 2).
+_ON_QUANTIZED: dict[tuple[str, int], str] = {
+    ("loha", 4): "peft's LoHa reshapes its delta to the base weight's shape, which a 4-bit "
+                 "base stores packed: its step fails in peft itself; use LoRA (QLoRA) or an "
+                 "8-bit base",
+    ("lokr", 4): "peft's LoKr reshapes its delta to the base weight's shape, which a 4-bit "
+                 "base stores packed: its step fails in peft itself; use LoRA (QLoRA) or an "
+                 "8-bit base",
+    ("dora", 4): "DoRA on a 4-bit base (QDoRA) is not modelled yet: its magnitude is "
+                 "initialised from the dequantized weights; use LoRA (QLoRA), or DoRA on a "
+                 "base in full precision",
+    ("dora", 8): "DoRA on an 8-bit base is not modelled yet: its magnitude is initialised "
+                 "from the dequantized weights; use LoRA, or DoRA on a base in full precision",
+}
+
 # Methods whose initialisation reads values (cannot run on the meta device).
 _CPU_INIT = frozenset({"BOFT", "UNILORA"})
 
@@ -97,11 +117,21 @@ def _read(value: str | os.PathLike) -> dict[str, Any]:
             raise BadInputError(f"PEFT config {text!r} is neither a JSON file nor an inline "
                                 "JSON object; give a path to an adapter_config.json or "
                                 "'{\"peft_type\": \"LORA\", ...}'")
-        what, text = str(path), path.read_text()
+        what = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise BadInputError(f"PEFT config {what} is not a text file; give an "
+                                "adapter_config.json") from None
+        except OSError as e:
+            raise BadInputError(f"cannot read PEFT config {what} ({e.strerror or e})") from None
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
         raise BadInputError(f"PEFT config ({what}) is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadInputError(f"PEFT config ({what}) is nested too deep; give one JSON object "
+                            "with peft_type") from None
     if not isinstance(d, dict):
         raise BadInputError(f"PEFT config ({what}) must be a JSON object with peft_type")
     return d
@@ -162,14 +192,80 @@ def peft_config(value: Any, task: str) -> Any:
         d["task_type"] = _TASK_TYPES[task]
     for k in ("base_model_name_or_path", "revision", "auto_mapping"):
         d.pop(k, None)
+    problems = _field_problems(PEFT_TYPE_TO_CONFIG_MAPPING[pt], d, peft.__version__)
+    if problems:
+        raise BadInputError(f"PEFT {pt.lower()}: " + "; ".join(problems))
     import warnings
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # unknown keys of a newer peft are dropped
+            warnings.simplefilter("ignore")
             return peft.PeftConfig.from_peft_type(**d)
     except (TypeError, ValueError, ImportError) as e:
         raise BadInputError(f"PEFT {pt.lower()}: {str(e).splitlines()[0]}") from None
+
+
+def _json_types(hint: Any) -> tuple[type, ...] | None:
+    """The JSON value types a config field's annotation allows (bool apart from numbers),
+    or None when the annotation allows more than plain values (lists, dicts, objects)."""
+    import types
+    import typing
+
+    if hint is bool:
+        return (bool,)
+    if hint in (int, float):  # peft takes a float where it says int (lora_alpha 0.5)
+        return (int, float)
+    if hint is str:
+        return (str,)
+    if hint is type(None):
+        return (type(None),)
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return tuple({type(v) for v in typing.get_args(hint)})
+    if origin in (typing.Union, types.UnionType):
+        out: tuple[type, ...] = ()
+        for arg in typing.get_args(hint):
+            t = _json_types(arg)
+            if t is None:
+                return None
+            out += t
+        return out
+    return None
+
+
+def _field_problems(cls: Any, d: dict[str, Any], version: str) -> list[str]:
+    """Every key that is not a field of the method's config class (did-you-mean), and every
+    value whose JSON type the field does not take ("no" where a bool belongs reads as true;
+    peft checks neither): all problems at once."""
+    import dataclasses
+    import typing
+    from difflib import get_close_matches
+
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - an annotation this python cannot resolve: no type check
+        hints = {}
+    names = [f.name for f in dataclasses.fields(cls)]
+    problems = []
+    for key in sorted(set(d) - set(names)):
+        m = get_close_matches(key, names, 1)
+        problems.append(f"unknown key {key!r} (did you mean {m[0]!r}?)" if m else
+                        f"{key!r} is not a field of peft {version}'s {cls.__name__} (drop it, "
+                        "or upgrade peft if a newer one saved it)")
+    for key in names:
+        if key not in d or d[key] is None or key == "peft_type":
+            continue
+        allowed = _json_types(hints.get(key))
+        v = d[key]
+        if allowed is None or (isinstance(v, allowed) and not (isinstance(v, bool)
+                                                               and bool not in allowed)):
+            continue
+        kind = {bool: "a JSON bool (true/false)", int: "a number", float: "a number",
+                str: "a string"}
+        want = " or ".join(dict.fromkeys(kind.get(t, t.__name__) for t in allowed
+                                         if t is not type(None)))
+        problems.append(f"{key} must be {want}, got {v!r}")
+    return problems
 
 
 def method_name(config: Any) -> str:
@@ -246,6 +342,12 @@ def apply_peft(module: torch.nn.Module, config: Any, *, meta: bool = True) -> to
         p.requires_grad_(False)
     name = method_name(config)
     pt = str(getattr(config.peft_type, "value", config.peft_type))
+    from autofit.probe.quant import spec_of_module
+
+    quant = spec_of_module(module)
+    if quant is not None and (name, quant.bits) in _ON_QUANTIZED:
+        raise BadInputError(f"PEFT {name} on {'an' if quant.bits == 8 else 'a'} {quant.bits}-bit base: "
+                            + _ON_QUANTIZED[(name, quant.bits)])
     import warnings
 
     with warnings.catch_warnings():

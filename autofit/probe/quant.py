@@ -54,6 +54,37 @@ NESTED_BLOCKSIZE = 256  # double quantization: one fp32 absmax per 256 8-bit abs
 # config.json keys of a BitsAndBytesConfig that do not change what is stored or computed
 _IGNORED_KEYS = {"quant_method", "_load_in_4bit", "_load_in_8bit"}
 
+# every key autofit reads -> the JSON type its value must have (None: unset, always allowed)
+_BOOL, _STR, _NUMBER, _NAMES, _DTYPE = ("a JSON bool (true/false)", "a string", "a number",
+                                        "a list of module names", "a dtype name")
+_TYPES = {"load_in_4bit": _BOOL, "load_in_8bit": _BOOL, "bnb_4bit_use_double_quant": _BOOL,
+          "llm_int8_has_fp16_weight": _BOOL, "llm_int8_enable_fp32_cpu_offload": _BOOL,
+          "bnb_4bit_quant_type": _STR, "bnb_4bit_quant_storage": _DTYPE,
+          "bnb_4bit_compute_dtype": _DTYPE, "llm_int8_threshold": _NUMBER,
+          "llm_int8_skip_modules": _NAMES}
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    if value is None:
+        return True
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if kind == _STR:
+        return isinstance(value, str)
+    if kind == _NUMBER:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == _NAMES:
+        return isinstance(value, str) or (isinstance(value, list | tuple)
+                                          and all(isinstance(v, str) for v in value))
+    return not isinstance(value, bool | int | float | list | tuple | dict)  # str or torch.dtype
+
+
+def _type_problems(d: dict[str, Any]) -> list[str]:
+    """Each key whose value is not of its JSON type ("no" for a bool reads as true)."""
+    types = {**_TYPES, "_load_in_4bit": _BOOL, "_load_in_8bit": _BOOL}
+    return [f"{k} must be {kind}, got {d[k]!r}" for k, kind in types.items()
+            if k in d and not _has_type(d[k], kind)]
+
 
 def _dtype_name(value: Any, where: str) -> str:
     name = str(value).replace("torch.", "").strip().lower()
@@ -183,16 +214,18 @@ class QuantSpec:
         if method != "bitsandbytes":
             raise BadInputError(f"{where}: quant_method {method!r} is not modelled; autofit "
                                 "models bitsandbytes (load_in_4bit / load_in_8bit)")
+        problems = _type_problems(d)
+        if problems:  # a word where a flag belongs ("no") would read as true below
+            raise BadInputError(f"{where}: " + "; ".join(problems))
         four = bool(d.get("load_in_4bit", d.get("_load_in_4bit", False)))
         eight = bool(d.get("load_in_8bit", d.get("_load_in_8bit", False)))
-        known = {"load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_compute_dtype",
-                 "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage", "llm_int8_threshold",
-                 "llm_int8_skip_modules", "llm_int8_has_fp16_weight",
-                 "llm_int8_enable_fp32_cpu_offload"} | _IGNORED_KEYS
-        problems = []
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - set(_TYPES) - _IGNORED_KEYS)
         if unknown:
-            problems.append(f"unknown key(s) {', '.join(unknown)}")
+            from difflib import get_close_matches
+
+            hints = [f"{k} (did you mean {m[0]}?)" if (m := get_close_matches(k, _TYPES, 1))
+                     else k for k in unknown]
+            problems.append(f"unknown key(s) {', '.join(hints)}")
         if four and eight:
             problems.append("both load_in_4bit and load_in_8bit are set; keep one")
         elif not (four or eight):
@@ -251,11 +284,22 @@ def _read_json(value: str | os.PathLike) -> tuple[dict[str, Any], str]:
         if not path.is_file():
             raise BadInputError(f"quantization config {text!r} is neither a JSON file nor an "
                                 "inline JSON object; give a path or '{\"load_in_4bit\": true}'")
-        where, text = str(path), path.read_text()
+        where = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise BadInputError(f"quantization config {where} is not a text file; give a JSON "
+                                "file such as {\"load_in_4bit\": true}") from None
+        except OSError as e:
+            raise BadInputError(f"cannot read quantization config {where} "
+                                f"({e.strerror or e})") from None
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
         raise BadInputError(f"{where} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadInputError(f"{where} is nested too deep; give one JSON object such as "
+                            "{\"load_in_4bit\": true}") from None
     if isinstance(d, dict) and isinstance(d.get("quantization_config"), dict):
         return d["quantization_config"], f"{where}: quantization_config"  # a config.json
     if isinstance(d, dict) and "model_type" in d:

@@ -154,6 +154,9 @@ def run_order(
     _check("max_seq_len", max_seq_len)
     if sampling not in SAMPLINGS:
         raise BadInputError(f"unknown sampling {sampling!r}; choose one of {', '.join(SAMPLINGS)}")
+    for name, v in (("seed", seed), ("data_seed", data_seed)):  # torch.Generator takes ints
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise BadInputError(f"{name} must be a whole number, got {v!r}")
     if not (isinstance(epochs, int | float) and not isinstance(epochs, bool) and epochs > 0
             and math.isfinite(epochs)):
         raise BadInputError(f"epochs must be a positive number, got {epochs!r}")

@@ -97,8 +97,25 @@ def rank_caps(dev: Any, world_size: int) -> tuple[int | None, ...]:
 
 
 def check_ranks(config: TrainConfig, dev: Any) -> None:
-    """Raise when this machine cannot run ``config``'s ranks as a trial (one line, what to do)."""
+    """Raise when this machine cannot run ``config``'s ranks as a trial (one line, what to do),
+    before any process starts: what no trial runs (a knob conflict: FSDP2 with a
+    bitsandbytes optimizer), and what a CPU cannot (FSDP2's ``CPUOffloadPolicy`` asks the
+    accelerator: "Cannot access accelerator device when none is available")."""
+    from autofit.knobs import KNOBS, conflict
+
     world = config.world_size
+    why = conflict({k.name: getattr(config, k.name) for k in KNOBS})
+    if why is not None:
+        raise BadInputError(why)
+    if dev.kind == "cpu" and config.strategy in ("fsdp", "fsdp-shard-grad-op", "hsdp") \
+            and config.offload != "none":
+        from autofit.errors import fix
+
+        raise BadInputError(
+            f"FSDP2 with offload {config.offload} needs an accelerator (its CPUOffloadPolicy "
+            "moves the shards to one), so CPU ranks cannot run it: plan it with "
+            + fix("autofit estimate", "estimate()") + " for the GPUs, or trial with "
+            + fix("--offload none", "offload='none'") + " or a ZeRO strategy")
     if dev.kind == "cpu":
         if dev.capped and world * dev.capacity_bytes > dev.total_bytes:
             from autofit.probe.device import format_bytes

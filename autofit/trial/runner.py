@@ -567,6 +567,9 @@ def measure(
 
     if not isinstance(config, TrainConfig):
         raise InvalidConfigError(f"config must be a TrainConfig, got {type(config).__name__}")
+    from autofit.config import one_process_strategy
+
+    one_process_strategy(config.strategy, config.world_size)  # nothing to shard: say so
     if isolation not in ISOLATIONS:
         raise BadInputError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
     _check_counts(warmup_steps, measure_steps, timeout_s)

@@ -191,6 +191,29 @@ def test_check_reads_the_ranks_the_tuned_file_records(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["config"]["world_size"] == 4
 
 
+def test_check_reads_the_launch_file_that_will_be_used(tmp_path, capsys):
+    # issue 23: metadata edited to nproc_per_node 1000 was trusted, and an edited
+    # <name>-accelerate.yaml never read: accelerate launches what the launch file says
+    import re
+
+    config = TrainConfig(micro_batch_size=2, nproc_per_node=2, strategy="fsdp", seq_len=64)
+    path = _save(tmp_path, config)
+    text = path.read_text()
+    path.write_text(re.sub(r'"(nproc_per_node|world_size)":\s*2', r'"\1": 1000', text))
+    side = tmp_path / "tuned-accelerate.yaml"
+    code = main(["check", str(path), "--no-trial", "--no-cache", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and d["config"]["world_size"] == 2, d
+    assert any("launch file beside it (2 x 1 nodes)" in r for r in d["reasons"])
+    side.write_text(side.read_text().replace("num_processes: 2", "num_processes: 4"))
+    main(["check", str(path), "--no-trial", "--no-cache", "--json"])
+    assert json.loads(capsys.readouterr().out)["config"]["world_size"] == 4
+    side.write_text(side.read_text().replace("num_processes: 4", "num_processes: many"))
+    code = main(["check", str(path), "--no-trial", "--no-cache", "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "num_processes must be a positive whole number" in err
+
+
 def test_autofit_sets_the_device_s_ranks():
     from autofit import autofit
 
