@@ -219,3 +219,30 @@ def test_several_processes_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
     with pytest.raises(BadInputError, match="one process"):
         guard(trainer)
+
+
+def test_check_reads_the_record_a_guarded_run_left_beside_the_tuned_file(tmp_path, capsys):
+    """`autofit run --guard` writes the rescues beside the tuned file: the next `check` of
+    that file says it fits only with the guard (exit 3), and names the batch."""
+    from dataclasses import asdict
+
+    from autofit.cli import main
+    from autofit.emit import write_config
+    from autofit.trial.guard import Rescue, record_beside
+
+    tuned = write_config(tmp_path / "tuned.yaml", {"per_device_train_batch_size": 2},
+                         {"model": "tiny-gpt2", "seq_len": 32, "device": "cpu"})
+    args = ["check", str(tuned), "--device", "cpu", "--no-trial", "--no-cache", "--json"]
+    assert main(args) == 0
+    capsys.readouterr()
+    rescue = Rescue(kind="train", step=7, batch_shape=(2, 512), piece=2, k=2,
+                    peak_bytes=None, device="cpu", error="out of memory", time=0.0)
+    other = Rescue(kind="train", step=9, batch_shape=(4, 64), piece=4, k=2,  # another batch
+                   peak_bytes=None, device="cpu", error="out of memory", time=0.0)
+    record_beside(tuned).write_text(json.dumps(asdict(rescue)) + "\n"
+                                    + json.dumps(asdict(other)) + "\n")
+    assert main(args) == 3
+    out = json.loads(capsys.readouterr().out)
+    problem = out["problems"][-1]
+    assert "fits only with autofit.guard" in problem and "2 x 512" in problem
+    assert "1 time(s)" in problem  # the micro batch of 4 is not this file's

@@ -121,6 +121,11 @@ def run_check_command(args: argparse.Namespace) -> int:
                                       f"trainer {trainer}: {CLASS_NAME[Trainer(trainer)]}, "
                                       f"{why}", *report.reasons))
     report = only_with(report, trainer, lost)
+    from autofit.trial.guard import evidence
+
+    found = evidence(args.config, report.config.micro_batch_size)  # a guarded run's record
+    if found:
+        report = replace(report, fits=False, problems=(*report.problems, found))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:

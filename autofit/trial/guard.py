@@ -68,7 +68,8 @@ from typing import Any
 from autofit.errors import BadInputError
 from autofit.trial.oom import is_oom
 
-__all__ = ["guard", "Rescue", "RETRY_AFTER", "RECORD_NAME", "read_record", "record_beside"]
+__all__ = ["guard", "Rescue", "RETRY_AFTER", "RECORD_NAME", "read_record", "record_beside",
+           "evidence"]
 
 logger = logging.getLogger("autofit")
 
@@ -122,6 +123,23 @@ def read_record(path: str | os.PathLike) -> list[Rescue]:
         except (ValueError, TypeError, KeyError):
             continue
     return out
+
+
+def evidence(tuned: str | os.PathLike, micro_batch: int) -> str | None:
+    """What a guarded run of the tuned file ``tuned`` found (its record beside the file):
+    the problem line when one of its training micro steps at ``micro_batch`` samples ran out
+    of memory (the file does not fit that run without the guard), else None."""
+    rescues = [r for r in read_record(record_beside(tuned))
+               if r.kind == "train" and r.batch_shape[0] == micro_batch]
+    if not rescues:
+        return None
+    first = max(rescues, key=lambda r: r.batch_shape[1] if len(r.batch_shape) > 1 else 0)
+    shape = " x ".join(str(d) for d in first.batch_shape)
+    return (f"a guarded run of this file ran out of memory {len(rescues)} time(s) inside a "
+            f"micro step (the longest: step {first.step}, micro batch {shape} tokens, run in "
+            f"{first.k} pieces; {record_beside(tuned).name}): it fits only with autofit.guard; "
+            "plan for that batch (autofit tune --max-seq-len / --block-size as the script "
+            "feeds it) or keep the guard on")
 
 
 # ------------------------------------------------------------------------ splitting
