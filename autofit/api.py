@@ -1229,14 +1229,14 @@ def _result(probed: _Probed, space: Any, engine: Any, outcome: Any, runner: Any,
     kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
     _recipe_fields(kwargs, opts.get("_recipe"), config, base_args)
     eval_micro = whole.eval_batch(config, margin, reasons)
-    eval_micro, eval_measured = _eval_from_trial(outcome, config, eval_micro, info, seq, dev,
-                                                 margin, opts, reasons)
+    eval_micro, eval_need, eval_how = _eval_from_trial(outcome, config, eval_micro, info, seq,
+                                                       dev, margin, opts, reasons)
     if eval_micro is not None:
         kwargs["per_device_eval_batch_size"] = eval_micro
     at = next((i + 1 for i, r in enumerate(reasons) if r.startswith("margin:")), len(reasons))
     reasons.insert(at, kept.reason)  # why that margin, beside the engine's line
     est, predicted_run = _whole_run(probed, engine, outcome, est, kept, eval_micro, whole,
-                                    reasons, eval_measured)
+                                    reasons, eval_need, eval_how)
     rows = tuple(candidate_row(c) for c in outcome.candidates)
     model = probed.model
     adapter = None  # the PEFT config put on a model given by reference: check rebuilds it
@@ -1325,10 +1325,12 @@ def _ranks_line(outcome: Any, config: TrainConfig) -> list[str]:
 
 def _whole_run(probed: _Probed, engine: Any, outcome: Any, est: MemoryEstimate, kept: Any,
                eval_micro: int | None, whole: _WholeRun, reasons: list[str],
-               eval_measured: int | None = None) -> tuple[MemoryEstimate, int]:
+               eval_need: int | None = None, eval_how: str = "") -> tuple[MemoryEstimate, int]:
     """The chosen configuration's whole run: ``est`` with its run fields (the estimate's
     step + what the modelled run adds; an evaluation when it needs more), and the
-    predicted run need (the same, from the trial's measured step when there is one)."""
+    predicted run need: the max over the training and the evaluation phases, each from
+    the trial when it ran them (the measured step; ``eval_need``, the evaluation by the
+    trial: ``_eval_from_trial``, described by ``eval_how``), else from the estimate."""
     import dataclasses
 
     from autofit.memory.eval import estimate_eval
@@ -1348,7 +1350,7 @@ def _whole_run(probed: _Probed, engine: Any, outcome: Any, est: MemoryEstimate, 
     evaluation = (estimate_eval(info, eval_micro, seq, dev, training=config,
                                 generate_max_new_tokens=opts.get("generate_max_new_tokens"))
                   .device_total_bytes if eval_micro is not None else 0)
-    predicted = max(step + extra, eval_measured if eval_measured is not None else evaluation)
+    predicted = max(step + extra, eval_need if eval_need is not None else evaluation)
     total = max(est.device_total_bytes + extra, evaluation)
     est = dataclasses.replace(est, run_device_total_bytes=total,
                               run_peak_reserved_bytes=total - dev.overhead_bytes,
@@ -1358,7 +1360,7 @@ def _whole_run(probed: _Probed, engine: Any, outcome: Any, est: MemoryEstimate, 
     reasons.append(f"whole run: needs ~{format_bytes(predicted)} of "
                    f"{format_bytes(dev.capacity_bytes)} ({' '.join(parts)}"
                    + (f"; an evaluation at eval batch {eval_micro} "
-                      + (f"measured {format_bytes(eval_measured)}" if eval_measured is not None
+                      + (eval_how if eval_need is not None
                          else f"needs ~{format_bytes(evaluation)}")
                       if eval_micro is not None else "")
                    + ")")
@@ -1367,11 +1369,14 @@ def _whole_run(probed: _Probed, engine: Any, outcome: Any, est: MemoryEstimate, 
 
 def _eval_from_trial(outcome: Any, config: TrainConfig, eval_micro: int | None, info: Any,
                      seq: int, dev: DeviceInfo, margin: float, opts: dict[str, Any],
-                     reasons: list[str]) -> tuple[int | None, int | None]:
+                     reasons: list[str]) -> tuple[int | None, int | None, str]:
     """The eval batch checked against the evaluation step the chosen configuration's trial
     ran (``trial_run``): kept when it fitted the budget, else re-tuned with the estimate
-    scaled to what the trial measured. Returns the eval batch and its measured bytes
-    (None when no trial ran it, or when the batch was re-tuned)."""
+    scaled to what the trial measured. Returns the eval batch and what its evaluation
+    needs by the trial: the measured bytes when the trial ran that batch, the re-tuned
+    batch's estimate scaled by the same ratio when it did not (None when no trial ran an
+    evaluation: the raw estimate is all there is), and how it was found, for the whole-run
+    line ("measured 1013 MiB"; "" when None)."""
     from autofit.memory.eval import estimate_eval
     from autofit.probe.device import format_bytes
 
@@ -1379,7 +1384,7 @@ def _eval_from_trial(outcome: Any, config: TrainConfig, eval_micro: int | None, 
            and not t.oom and t.config.get("micro_batch_size") == config.micro_batch_size
            and all(t.config.get(k.name) == getattr(config, k.name) for k in KNOBS)]
     if eval_micro is None or not ran:
-        return eval_micro, None
+        return eval_micro, None, ""
     t = ran[-1]
     measured = int(t.eval_device_total_bytes)
     budget = int(dev.capacity_bytes * (1 - margin))
@@ -1387,7 +1392,7 @@ def _eval_from_trial(outcome: Any, config: TrainConfig, eval_micro: int | None, 
         reasons.append(f"eval micro batch {eval_micro}: its evaluation step measured "
                        f"{format_bytes(measured)} in the trial, inside the run "
                        f"(≤ budget {format_bytes(budget)})")
-        return eval_micro, measured
+        return eval_micro, measured, f"measured {format_bytes(measured)}"
     estimated = estimate_eval(info, eval_micro, seq, dev, training=config).device_total_bytes
     # what the trial saw, as a ratio to the estimate (an OOM: at least the capacity)
     ratio = max(1.0, (dev.capacity_bytes * 1.05 if t.eval_oom else measured) / estimated)
@@ -1400,10 +1405,13 @@ def _eval_from_trial(outcome: Any, config: TrainConfig, eval_micro: int | None, 
     if smaller is None or smaller >= eval_micro:
         reasons.append(f"eval batch not tuned: the evaluation step at eval batch {eval_micro} "
                        f"{what} in the trial, and no smaller one is estimated to fit")
-        return None, None
+        return None, None, ""
+    need = int(estimate_eval(info, smaller, seq, dev, training=config).device_total_bytes * ratio)
     reasons.append(f"eval micro batch {smaller}: the trial's evaluation step at {eval_micro} "
-                   f"{what} inside the run; the estimate scaled x{ratio:.2f} to it")
-    return smaller, None
+                   f"{what} inside the run; the estimate scaled x{ratio:.2f} to it "
+                   f"(~{format_bytes(need)})")
+    return smaller, need, (f"needs ~{format_bytes(need)} (its estimate x{ratio:.2f}, "
+                           "the trial's ratio)")
 
 
 def candidate_row(c: Any) -> dict[str, Any]:

@@ -84,21 +84,35 @@ def _outcome(cfg, eval_bytes, eval_oom=False):
 
 
 def test_the_eval_batch_written_is_the_one_the_trial_ran():
+    from autofit.memory.eval import estimate_eval
+
     info = probe_model("tiny-llama")
     dev = resolve_device("cpu:1GiB")
     cfg = TrainConfig(micro_batch_size=2)
     reasons = []
-    b, measured = _eval_from_trial(_outcome(cfg, 600 << 20), cfg, 16, info, 128, dev, 0.03, {},
-                                   reasons)
-    assert (b, measured) == (16, 600 << 20) and "measured 600 MiB in the trial" in reasons[-1]
+    b, need, how = _eval_from_trial(_outcome(cfg, 600 << 20), cfg, 16, info, 128, dev, 0.03, {},
+                                    reasons)
+    assert (b, need, how) == (16, 600 << 20, "measured 600 MiB")
+    assert "measured 600 MiB in the trial" in reasons[-1]
     # measured over the budget: re-tuned smaller, from the estimate scaled to the trial
-    b, measured = _eval_from_trial(_outcome(cfg, 1000 << 20), cfg, 16, info, 128, dev, 0.03, {},
-                                   reasons)
-    assert b is not None and b < 16 and measured is None
+    b, need, how = _eval_from_trial(_outcome(cfg, 1000 << 20), cfg, 16, info, 128, dev, 0.03,
+                                    {}, reasons)
+    assert b is not None and b < 16
     assert "scaled x" in reasons[-1] and "measured 1000 MiB > budget" in reasons[-1]
-    b2, _ = _eval_from_trial(_outcome(cfg, 0, eval_oom=True), cfg, 16, info, 128, dev, 0.03,
-                             {}, reasons)
+    # ... and the need written for it is that scaled estimate, not the raw one: the trial
+    # measured 1.2x the estimate at 16, so the smaller batch needs 1.2x its estimate too
+    # (tiny-gpt2 printed its raw 837 MiB where the trial had said x1.06)
+    at16 = estimate_eval(info, 16, 128, dev, training=cfg).device_total_bytes
+    over = int(at16 * 1.2)
+    b, need, how = _eval_from_trial(_outcome(cfg, over), cfg, 16, info, 128, dev, 0.03, {},
+                                    reasons)
+    raw = estimate_eval(info, b, 128, dev, training=cfg).device_total_bytes
+    assert b < 16 and need == int(raw * over / at16) and "x1.20" in how
+    assert "x1.20" in reasons[-1] and "needs ~" in how
+    b2, _, _ = _eval_from_trial(_outcome(cfg, 0, eval_oom=True), cfg, 16, info, 128, dev, 0.03,
+                                {}, reasons)
     assert b2 is not None and b2 < 16 and "ran out of memory" in reasons[-1]
     # no trial ran an evaluation of this configuration: the estimate's batch stands
     other = TrainConfig(micro_batch_size=3)
-    assert _eval_from_trial(_outcome(other, 1), cfg, 16, info, 128, dev, 0.03, {}, []) == (16, None)
+    assert _eval_from_trial(_outcome(other, 1), cfg, 16, info, 128, dev, 0.03, {},
+                            []) == (16, None, "")
