@@ -36,6 +36,9 @@ __all__ = [
     "NoTrainableParametersError",
     "EmptyDatasetError",
     "DoesNotFitError",
+    "OPTIONAL_PACKAGES",
+    "require",
+    "missing_dependency",
 ]
 
 
@@ -101,6 +104,41 @@ class UnsupportedPrecisionError(BadInputError):
 
 class MissingDependencyError(BadInputError):
     """An optional package is needed for what was asked (e.g. bitsandbytes)."""
+
+
+# import name -> how to install it (the extras of pyproject.toml, or the package itself)
+OPTIONAL_PACKAGES: dict[str, str] = {
+    "bitsandbytes": "pip install 'autofit[bnb]'",
+    "deepspeed": "pip install 'autofit[deepspeed]'",
+    "liger_kernel": "pip install 'autofit[liger]'",
+    "trl": "pip install 'autofit[trl]'",
+    "matplotlib": "pip install matplotlib",  # a core dependency: a broken install lacks it
+    "peft": "pip install peft",
+}
+
+
+def missing_dependency(module: str, what: str) -> MissingDependencyError:
+    """The error for ``what`` needing the package ``module`` (an import name), which names
+    the pip command that installs it."""
+    top = module.split(".")[0]
+    how = OPTIONAL_PACKAGES.get(top, f"pip install {top}")
+    return MissingDependencyError(f"{what} needs {top}, which is not installed: {how}")
+
+
+def require(module: str, what: str) -> None:
+    """Raise ``missing_dependency(module, what)`` unless ``module`` can be imported here.
+
+    Checked before any work (it does not import the package: ``find_spec`` only), so a
+    missing extra is one line and exit 2, not a ``ModuleNotFoundError`` after minutes.
+    """
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a broken entry
+        found = False
+    if not found:
+        raise missing_dependency(module, what)
 
 
 class NoTrainableParametersError(BadInputError):

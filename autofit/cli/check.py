@@ -89,6 +89,10 @@ def run_check_command(args: argparse.Namespace) -> int:
     # SFTConfig file that records no trainer is for SFTTrainer)
     declared = args.trainer or ("trl" if source.sft and not meta.get("trainer") else None)
     config, trainer, lost = file_config(fields, meta, declared)
+    if config.loss_impl == "trl":  # SFTTrainer's loss: its trial and simulation import trl
+        from autofit.errors import require
+
+        require("trl", "checking a plan of trl.SFTConfig (SFTTrainer's loss)")  # before any work
     config, launch_note = _with_ranks(config, meta, args)
     recipe = _recipe(fields, args)
     if recipe is not None:

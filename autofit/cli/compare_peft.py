@@ -7,7 +7,8 @@
 Prints one row per method (trainable parameters, the estimated peak at
 ``--batch-size``, the largest micro batch that fits, the predicted throughput; on a
 present device the fastest are confirmed by trials) and writes the picture
-(``--plot``, default ``compare-peft.png``). Exit codes: 0 done, 2 bad input, 3 no
+(``--plot``, default ``compare-peft.png``; with ``--json`` a picture is drawn only when
+``--plot`` is given). Exit codes: 0 done, 2 bad input, 3 no
 method fits.
 """
 
@@ -54,7 +55,9 @@ def add_compare_peft_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--confirm-top", type=int, default=2,
                    help="confirm this many of the fastest by trials (present device only)")
     add_quant_options(p)
-    p.add_argument("--plot", default="compare-peft.png", help="the picture (.png)")
+    p.add_argument("--plot", default=None,
+                   help="the picture (.png; default compare-peft.png; with --json only when "
+                        "given)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_compare_peft)
     return p
@@ -63,12 +66,16 @@ def add_compare_peft_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_compare_peft(args: argparse.Namespace) -> int:
     """Run ``autofit compare-peft``; returns the exit code."""
     from autofit.compare import compare_peft
-    from autofit.errors import BadInputError
+    from autofit.errors import BadInputError, require
 
     quant = quant_spec(args)  # a bad combination: one line, exit 2, before any work
-    plot = Path(args.plot)
-    if plot.suffix.lower() != ".png" or plot.is_dir() or not plot.parent.exists():
+    # --json draws only when --plot is given; the picture's library is checked before any work
+    draw = args.plot is not None or not args.json
+    plot = Path(args.plot or "compare-peft.png")
+    if draw and (plot.suffix.lower() != ".png" or plot.is_dir() or not plot.parent.exists()):
         raise BadInputError(f"--plot must be a .png path in an existing folder, got {args.plot}")
+    if draw:
+        require("matplotlib", "the picture of autofit compare-peft")
     data = tokenizer = None
     if args.dataset:
         from autofit.cli.datasets import load_dataset_ref
@@ -89,7 +96,7 @@ def run_compare_peft(args: argparse.Namespace) -> int:
                      task=args.task, margin=args.margin, method=args.method,
                      confirm_top=args.confirm_top, tokenizer=tokenizer, progress=progress,
                      quantization_config=quant)
-    png = c.plot(plot) if any(r.error is None for r in c.rows) else None
+    png = c.plot(plot) if draw and any(r.error is None for r in c.rows) else None
     if args.json:
         import json
 

@@ -135,21 +135,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AutofitError as e:
         print(f"autofit: error: {e}", file=sys.stderr)
         return e.exit_code
+    except ModuleNotFoundError as e:  # an optional package a path did not check first
+        from autofit.errors import OPTIONAL_PACKAGES, missing_dependency
+
+        top = (e.name or "").split(".")[0]
+        if top not in OPTIONAL_PACKAGES or os.environ.get("AUTOFIT_DEBUG"):
+            return _internal_error(e)
+        err = missing_dependency(top, f"autofit {getattr(args, 'command', '') or ''}".strip())
+        print(f"autofit: error: {err}", file=sys.stderr)
+        return err.exit_code
     except BrokenPipeError:  # output piped into `head`
         return EXIT_OK
     except KeyboardInterrupt as e:
         print("autofit: interrupted", file=sys.stderr)
         return 128 + int(signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
     except Exception as e:  # noqa: BLE001 - never a traceback unless asked
-        if os.environ.get("AUTOFIT_DEBUG"):
-            raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(
-            f"autofit: internal error: {type(e).__name__}: {msg} "
-            "(set AUTOFIT_DEBUG=1 for the traceback and please report it)",
-            file=sys.stderr,
-        )
-        return 1
+        return _internal_error(e)
+
+
+def _internal_error(e: Exception) -> int:
+    """Exit 1 with one line (the traceback with ``AUTOFIT_DEBUG=1``)."""
+    if os.environ.get("AUTOFIT_DEBUG"):
+        raise e
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    print(
+        f"autofit: internal error: {type(e).__name__}: {msg} "
+        "(set AUTOFIT_DEBUG=1 for the traceback and please report it)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -118,10 +118,12 @@ def run_report_command(args: argparse.Namespace) -> int:
 
     from autofit.emit import check_training_arguments
     from autofit.emit.args_file import read_args_file
+    from autofit.errors import require
     from autofit.preflight.trainer import file_config
     from autofit.report import estimate_renderable
     from autofit.report.files import report_data_from_file, write_report
 
+    require("matplotlib", "autofit report (its picture)")  # before any work
     source = read_args_file(args.config)  # a mixed file: its other keys are the script's
     fields, meta = source.fields, source.meta
     out = report_output(args.output, args.config)

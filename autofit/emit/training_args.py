@@ -59,6 +59,9 @@ def build_training_arguments(kwargs: dict[str, Any], cls: str | None = None) -> 
     """``transformers.TrainingArguments(**kwargs)`` (``trl.SFTConfig`` when ``cls`` is
     ``"trl.SFTConfig"``: the user's arguments were one), with autofit's error on failure."""
     if cls == SFT_CONFIG:
+        from autofit.errors import require
+
+        require("trl", "the plan's trl.SFTConfig")
         from trl import SFTConfig as TrainingArguments
     else:
         from transformers import TrainingArguments

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from autofit.config import TrainConfig
-from autofit.errors import MissingDependencyError
+from autofit.errors import MissingDependencyError, require
 
 __all__ = [
     "StepPlan",
@@ -130,6 +130,8 @@ def _accelerate_state_kept() -> Iterator[None]:
 def plan_step(model: torch.nn.Module, config: TrainConfig, *, use_cpu: bool) -> StepPlan:
     """Resolve the Trainer's optimizer for ``config`` (``model`` may live on meta)."""
     spec = config.optimizer_spec
+    if config.loss_impl == "trl":
+        require("trl", "a trial of SFTTrainer's loss (loss_impl='trl')")
     if spec.bnb:
         try:
             import bitsandbytes  # noqa: F401
