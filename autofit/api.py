@@ -870,7 +870,9 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
                                 tokenizer=opts.get("tokenizer"), collator=collator,
                                 task=probed.task, text_column=opts.get("text_column"))
 
-    def trial(config: TrainConfig) -> Any:
+    def trial(config: TrainConfig, timed_steps: int | None = None) -> Any:
+        """``timed_steps``: the engine's word that this speed decides nothing (1), else
+        the trial's default (``MEASURE_STEPS``)."""
         from autofit.trial import measure  # looked up per call: tests count the calls
 
         b = config.micro_batch_size
@@ -890,7 +892,8 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
                        run=trial_run(probed, config, kept, None, opts, whole),
                        progress=rank_progress,
                        **({"deepspeed_config": recipe.deepspeed_for(
-                           b, config.grad_accum_steps, config.world_size)} if recipe_ds else {}))
+                           b, config.grad_accum_steps, config.world_size)} if recipe_ds else {}),
+                       **({} if timed_steps is None else {"measure_steps": timed_steps}))
 
     def digest(largest: int) -> str:
         """The content of every batch a trial can be fed: the ``largest`` longest rows (each
@@ -903,6 +906,7 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
         return batch_digest(longest)
 
     trial.digest = digest  # type: ignore[attr-defined]
+    trial.timed_steps = True  # type: ignore[attr-defined]  # the engine may ask for fewer
     return trial
 
 
@@ -1050,6 +1054,9 @@ def _margin(probed: _Probed, space: Any, estimator: _Estimator, margin: float | 
 
 
 RUN_TRIAL_STEPS = 12  # micro batches of the run's order a trial replays before its steps
+# the replay's time bound: a slow step replays fewer lengths (the first always runs, and the
+# longest, the timed steps, after it); the 12 short steps of a fast model take well under it
+RUN_TRIAL_REPLAY_S = 10.0
 
 
 def trial_run(probed: _Probed, config: TrainConfig, kept: Any,
@@ -1067,8 +1074,13 @@ def trial_run(probed: _Probed, config: TrainConfig, kept: Any,
       lengths vary — short batches put their activations on glibc's heap (blocks under
       its mmap threshold), which the longest batch then finds fragmented: measured on
       ``benchmarks/soak.py``'s gpt2-dropout, +3.7 MiB of a 114 MiB step after 12 steps,
-      +5.4 MiB over the whole run.
+      +5.4 MiB over the whole run (the CPU's margin, ``SAFETY``, is 3%: the replay is kept
+      there). Within ``RUN_TRIAL_REPLAY_S`` seconds: slow steps replay fewer lengths;
+    - the search's budget (``capacity * (1 - margin)``): a trial whose peak passes it stops
+      at once (``TrialResult.over_budget``), and the timed steps stop after two that agree
+      within half the search's speed tie (``autofit.trial.loop``).
     """
+    from autofit.search.engine import SPEED_TIE
     from autofit.search.margin import SAFETY
     from autofit.trial.step import RunSpec
 
@@ -1083,9 +1095,9 @@ def trial_run(probed: _Probed, config: TrainConfig, kept: Any,
                  else len(set(probed.data.lengths)) > 1)
     if fragments:
         lengths = tuple(whole.order(config).lengths[:RUN_TRIAL_STEPS])
-    if eval_b is None and not lengths:
-        return None
-    return RunSpec(lengths=lengths, eval_batch_size=eval_b, eval_length=seq)
+    return RunSpec(lengths=lengths, eval_batch_size=eval_b, eval_length=seq,
+                   stop_above_bytes=int(dev.capacity_bytes * (1 - margin)),
+                   replay_s=RUN_TRIAL_REPLAY_S, decisive_spread=SPEED_TIE / 2)
 
 
 def _study(probed: _Probed, space: Any, margin: float, objective: str, runner: Any,

@@ -68,7 +68,11 @@ def test_what_a_trial_replays_of_the_run():
     same = _Probed("tiny-llama", module, task, info, SimpleNamespace(lengths=(64,) * 40),
                    resolve_device("cpu:2GiB"), 64)
     assert trial_run(same, cfg, None, None, {}).lengths == ()  # one length: nothing to replay
-    assert trial_run(same, cfg, None, None, {"generate_max_new_tokens": 8}) is None
+    bare = trial_run(same, cfg, None, None, {"generate_max_new_tokens": 8})
+    assert bare.lengths == () and bare.eval_batch_size is None
+    # the search's budget stops a trial once its peak passes it; the replay is time-bound
+    assert spec.stop_above_bytes == int(on_cpu.device.capacity_bytes * (1 - 0.03))
+    assert spec.replay_s > 0 and 0 < spec.decisive_spread < 0.05
     # a card whose modelled run fragments (a present one is not here: the rule is the same)
     card = _Probed("tiny-llama", module, task, info, data, resolve_device("A100-80GB"), 197)
     kept = RunMargin(0.05, 1 << 30, "why")
@@ -116,3 +120,36 @@ def test_the_eval_batch_written_is_the_one_the_trial_ran():
     other = TrainConfig(micro_batch_size=3)
     assert _eval_from_trial(_outcome(other, 1), cfg, 16, info, 128, dev, 0.03, {},
                             []) == (16, None, "")
+
+
+def test_a_trial_costs_what_it_must():
+    """A trial stops once its peak passes the budget, bounds its replay by time, and stops
+    timing after two steps that agree (autofit.trial.loop)."""
+    cfg = TrainConfig(micro_batch_size=2)
+    kw = {"seq_len": 64, "device": "cpu", "isolation": "in-process"}
+    over = measure("tiny-llama", cfg, **kw, run=RunSpec(lengths=(16, 32, 48), eval_batch_size=2,
+                                                         stop_above_bytes=1))
+    # stopped after the first replayed step: no timed step, no evaluation, not an OOM
+    assert over.over_budget and not over.oom and over.error is None
+    assert over.run_steps == 1 and over.steps == 0 and over.eval_device_total_bytes is None
+    assert over.device_total_bytes > 1 and any("passed the budget" in n for n in over.notes)
+    bounded = measure("tiny-llama", cfg, **kw, run=RunSpec(lengths=(16, 32, 48), replay_s=0.0,
+                                                           decisive_spread=10.0))
+    # the replay's first length only; the timed steps stop after two (they agree within
+    # 1000%); the peak and the speed are still measured
+    assert bounded.run_steps == 1 and bounded.steps == 2 and not bounded.over_budget
+    assert bounded.step_time_s and bounded.device_total_bytes
+    assert any("replayed 1 of the run's 3" in n for n in bounded.notes)
+    full = measure("tiny-llama", cfg, **kw, run=RunSpec(lengths=(16, 32), replay_s=60.0,
+                                                        stop_above_bytes=1 << 40))
+    assert full.run_steps == 2 and full.steps == 3 and not full.over_budget
+
+
+def test_two_timed_steps_decide_only_when_a_third_cannot_move_the_median():
+    from autofit.trial.loop import _decided
+
+    assert _decided([1.0, 1.02], 0.025, 3)
+    assert not _decided([1.0, 1.1], 0.025, 3)  # a third step would decide the median
+    assert not _decided([1.0, 1.0], None, 3)  # not asked (measure's own runs)
+    assert not _decided([1.0, 1.0], 0.025, 5)  # more steps asked: a third can move it
+    assert not _decided([1.0], 0.025, 3)

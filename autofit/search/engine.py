@@ -54,6 +54,11 @@ __all__ = ["Candidate", "SearchOutcome", "Engine", "DEFAULT_MARGIN", "ENGINE_VER
 
 DEFAULT_MARGIN = 0.10
 SPEED_TIE = 0.05  # measured throughputs this close are a tie (step-time noise)
+# a combination predicted this many times slower than one a trial confirmed is not tried:
+# its trials could not make it the fastest (the model's ranking errors are well under 2x:
+# checkpointing is predicted 1.33x slower, the chunked loss on a CPU ~6x, both confirmed
+# by measurement; ``autofit.search.speed``)
+PREDICTED_SLOWER = 2.0
 # Part of the cache key: bump it when a change to the search makes cached answers stale
 # (2: the margin no longer subtracts measured fragmentation twice; line calibration;
 # 3: study parameters and candidate rows per knob, rows carry the uncalibrated estimate;
@@ -61,8 +66,9 @@ SPEED_TIE = 0.05  # measured throughputs this close are a tie (step-time noise)
 # 5: a flat peak is bracketed by bisection, an OOM keeps a measured ratio;
 # 6: the chunked_loss knob is searched; 7: the activation_offloading knob, a study parameter;
 # 8: the torch_compile knob, searched when asked; 9: the strategy and offload knobs, the
-# speed model's communication).
-ENGINE_VERSION = 9
+# speed model's communication; 10: a combination predicted PREDICTED_SLOWER times slower
+# than a confirmed one is not tried, trials stop above the budget).
+ENGINE_VERSION = 10
 
 
 @dataclass
@@ -325,7 +331,8 @@ class Engine:
             self._progress(f"{noun} {len(self.trials) + 1}: {c.label()}, micro batch {b} "
                            f"(estimate {_gib(self.estimated(c, b))})")
             try:
-                result = self._trial(config)
+                result = (self._trial(config, timed_steps=self._timed_steps(c))
+                          if getattr(self._trial, "timed_steps", False) else self._trial(config))
             except BaseException:
                 if self.recorder is not None:  # interrupted: the claim is given up
                     self.recorder.release(claim)
@@ -463,6 +470,8 @@ class Engine:
                 break
             c = max(pending, key=lambda x: x.predicted_tokens_per_s or 0.0)
             tried.add(c.key)
+            if self._outpaced(c):
+                continue
             self._confirm(c)
             for other in self._candidates:  # measured peaks recalibrate the rest
                 if other.key not in tried:
@@ -480,6 +489,31 @@ class Engine:
             return self._outcome(best, reasons, confirmed=False, stopped=stopped)
         return SearchOutcome(None, None, self._candidates, self.trials, reasons, False,
                              ooms=self.ooms, stopped_early=stopped)
+
+    def _timed_steps(self, c: Candidate) -> int | None:
+        """1 when no other combination could still rival ``c``'s speed (each is predicted
+        ``PREDICTED_SLOWER`` times slower, or out of the running): its measured speed
+        decides nothing, one timed step reports it; else None (the trial's default)."""
+        mine = c.predicted_tokens_per_s or 0.0
+        rivals = [x for x in self._candidates if x is not c
+                  and x.status in ("estimated", "confirmed")
+                  and PREDICTED_SLOWER * (x.predicted_tokens_per_s or 0.0) > mine]
+        return None if rivals else 1
+
+    def _outpaced(self, c: Candidate) -> bool:
+        """Whether a confirmed combination is predicted ``PREDICTED_SLOWER`` times faster
+        than ``c`` (then ``c`` is skipped, with the reason): a slower candidate's trials
+        cost time (the chunked loss's on a CPU: ~6x a step) and cannot win."""
+        mine = c.predicted_tokens_per_s or 0.0
+        fast = [x for x in self._candidates if x.status == "confirmed"
+                and (x.predicted_tokens_per_s or 0.0) >= PREDICTED_SLOWER * mine]
+        if not fast or mine <= 0:
+            return False
+        best = max(fast, key=lambda x: x.predicted_tokens_per_s or 0.0)
+        c.status = "skipped"
+        c.reason = (f"not tried: predicted {(best.predicted_tokens_per_s or 0.0) / mine:.1f}x "
+                    f"slower than {best.label()}, which fits (measured)")
+        return True
 
     def _divisor_hint(self, c: Candidate, b: int) -> str | None:
         """When keeping the target forces a micro batch well below what fits, say which

@@ -79,6 +79,7 @@ class RawTrial:
     eval_oom: bool = False
     eval_error: str | None = None
     compile_s: float | None = None  # torch_compile: the set-up steps that compiled (untimed)
+    over_budget: bool = False  # stopped once the peak passed RunSpec.stop_above_bytes
 
     @property
     def step_time_s(self) -> float | None:
@@ -270,6 +271,41 @@ def _evaluate(stepper: Stepper, batch: dict[str, torch.Tensor], run: RunSpec, me
     raw.eval_device_total_bytes = meter.peaks()[2]
 
 
+def _passed_budget(meter: Any, run: RunSpec | None, raw: RawTrial, what: str) -> bool:
+    """Whether the peak since the warm-up passed ``run.stop_above_bytes`` (then noted in
+    ``raw``): the peak only grows, so the trial's verdict (over the budget) is settled."""
+    limit = run.stop_above_bytes if run is not None else None
+    if limit is None:
+        return False
+    total = meter.peaks()[2]
+    if total is None or total <= limit:
+        return False
+    raw.over_budget = True
+    raw.notes.append(f"stopped after {what}: the peak ({total} bytes) passed the budget "
+                     f"({limit} bytes); the steps left cannot bring it back under")
+    return True
+
+
+def _decided(times: list[float], spread: float | None, asked: int) -> bool:
+    """Whether the timed steps so far settle the step time: two that agree within
+    ``spread`` (a fraction); the median of any more steps lies between them when at most
+    one more is asked, and the two already agree within the tie the search allows."""
+    if spread is None or len(times) != 2 or asked != 3:
+        return False
+    a, b = sorted(times)
+    return b - a <= spread * a
+
+
+def _replay_spent(run: RunSpec | None, i: int, t0: float, raw: RawTrial) -> bool:
+    """Whether the replay's time bound (``RunSpec.replay_s``, from ``t0``) is spent before
+    its ``i``-th length (the first always runs); noted in ``raw`` when it is."""
+    if run is None or run.replay_s is None or not i or time.monotonic() - t0 <= run.replay_s:
+        return False
+    raw.notes.append(f"replayed {i} of the run's {len(run.lengths)} first lengths (the "
+                     f"replay's bound: {run.replay_s:g} s)")
+    return True
+
+
 def _compile_steps(stepper: Stepper, batch: dict[str, torch.Tensor], run: RunSpec | None) -> None:
     """One step at every shape the trial will step, so that each is compiled before the
     baseline: the batch (its static graph), the run's other lengths (a second shape
@@ -369,25 +405,40 @@ def run_steps(
             phase = "measured"
             if not raw.timed_out:
                 meter.reset_peak()
-                for length in (run.lengths if run is not None else ()):
+                t0 = time.monotonic()
+                for i, length in enumerate(run.lengths if run is not None else ()):
+                    if _replay_spent(run, i, t0, raw):
+                        break
                     phase = f"run (length {length})"
                     stepper.step(cut_batch(batch, length))
                     raw.run_steps += 1
+                    if _passed_budget(meter, run, raw, f"replayed step {i + 1}"):
+                        break
                     if deadline is not None and time.monotonic() > deadline:
                         raw.timed_out = True
                         break
                 phase = "measured"
-            if not raw.timed_out:
+            if not raw.timed_out and not raw.over_budget:
+                spread = run.decisive_spread if run is not None else None
                 for _ in range(measure_steps):
                     _sync(device)
                     t0 = time.perf_counter()
                     stepper.step(batch)
                     _sync(device)
                     raw.step_times_s.append(time.perf_counter() - t0)
+                    if _passed_budget(meter, run, raw, "a timed step"):
+                        break
                     if deadline is not None and time.monotonic() > deadline:
                         raw.timed_out = len(raw.step_times_s) < measure_steps
                         break
-            if run is not None and run.eval_batch_size and not raw.timed_out:
+                    if _decided(raw.step_times_s, spread, measure_steps):
+                        raw.notes.append(f"{len(raw.step_times_s)} timed steps of "
+                                         f"{measure_steps}: they agree within "
+                                         f"{100 * spread:.1f}%, a further one cannot move "
+                                         "their median out of them")
+                        break
+            if (run is not None and run.eval_batch_size and not raw.timed_out
+                    and not raw.over_budget):
                 _evaluate(stepper, batch, run, meter, raw)
         finally:
             meter.disarm()

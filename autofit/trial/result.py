@@ -53,6 +53,7 @@ class TrialResult:
     eval_oom: bool = False  # the evaluation step ran out of memory (the training did not)
     eval_error: str | None = None
     compile_s: float | None = None  # torch_compile: the set-up steps that compiled (not timed)
+    over_budget: bool = False  # stopped once its peak passed the search's budget (RunSpec)
     # several ranks (world_size > 1): one dict per rank (autofit.trial.ranks); the peaks
     # above are the peaking rank's, capacity_bytes the smallest rank's
     per_rank: tuple[dict[str, Any], ...] = ()

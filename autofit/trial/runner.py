@@ -806,6 +806,7 @@ def _trial_result(raw: Any, config: TrainConfig, dev: Any, b: int, t: int, micro
         eval_oom=raw.eval_oom,
         eval_error=raw.eval_error,
         compile_s=raw.compile_s,
+        over_budget=bool(getattr(raw, "over_budget", False)),
         **fields,
     )
 

@@ -255,11 +255,23 @@ class RunSpec:
         eval_batch_size: ``per_device_eval_batch_size``: one evaluation step after the
             timed steps, with the optimizer states alive (as inside ``Trainer.train``).
         eval_length: tokens per sample of the evaluation batch (default: the batch's).
+        stop_above_bytes: the search's budget: once the peak measured after the warm-up
+            (the replay's and the timed steps', which only grow) passes it, no further step
+            runs (``RawTrial.over_budget``): the configuration does not fit with the
+            margin whatever the rest would measure.
+        replay_s: a bound on the replay's time: no replayed length starts after the replay
+            has run this many seconds (slow steps replay fewer lengths; the longest step,
+            the timed ones, always runs).
+        decisive_spread: the timed steps stop after two that agree within this fraction:
+            a third cannot move their median out of the two (``loop.run_steps``).
     """
 
     lengths: tuple[int, ...] = ()
     eval_batch_size: int | None = None
     eval_length: int | None = None
+    stop_above_bytes: int | None = None
+    replay_s: float | None = None
+    decisive_spread: float | None = None
 
 
 def cut_batch(batch: dict[str, torch.Tensor], length: int,
