@@ -15,7 +15,9 @@ predicted limit and bracket the true limit between the largest size that fit and
 the smallest that failed: at the calibrated estimate's guess where it can place the
 limit, else at the bracket's geometric midpoint (a peak flat in the micro batch: the
 trials stay O(log n), and no combination is rejected on one number above its
-smallest size);
+smallest size); a combination predicted ``PREDICTED_SLOWER`` times slower than one already
+confirmed is not tried (its trials could not make it the fastest), and a trial whose speed
+no untried rival could beat times one step, not three;
 measured peaks recalibrate the estimate of the rest (a per-combination ratio of
 measured to estimated, and their mean for combinations not tried yet). The final
 choice is the fastest *measured* candidate; within it, the largest micro batch
