@@ -99,3 +99,19 @@ def test_strategies_rank_by_links():
     # host offload waits on the host link and the host's optimizer step
     assert tps(h100, strategy="zero3", offload="optimizer").tokens_per_s < \
         tps(h100, strategy="zero3").tokens_per_s
+
+
+def test_on_a_cpu_the_chunked_loss_costs_what_it_was_measured_to():
+    """tiny-gpt2 on one thread: per-token speed flat in the micro batch, and the chunked loss
+    1.53x the full-logits step at the same micro batch (speed.py's measurement): a large
+    chunked-loss micro batch is not predicted faster than a small full-logits one."""
+    info = probe_model("tiny-gpt2")
+    cpu = resolve_device("cpu:1GiB")
+
+    def tps(**kw):
+        return predict_speed(info, TrainConfig(**kw), 256, cpu).tokens_per_s
+
+    assert tps(micro_batch_size=4) == pytest.approx(tps(micro_batch_size=8), rel=0.06)  # optimizer
+    assert tps(micro_batch_size=8) / tps(micro_batch_size=8, chunked_loss=True) == pytest.approx(
+        1.53, rel=0.03)
+    assert tps(micro_batch_size=4) > 1.4 * tps(micro_batch_size=16, chunked_loss=True)

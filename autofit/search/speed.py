@@ -16,9 +16,13 @@ few with real micro-steps (whose measured speed then decides). The model:
   ``foreach`` and fused kernels are faster than per-tensor loops.
 * A chunked loss runs the head's matmuls chunk by chunk: each chunk reads the head's
   weight twice and reads and writes its fp32 weight gradient (``chunks * V * h``
-  bytes moved per micro batch, at the device's bandwidth), so small chunks cost time
-  (measured on this CPU, one thread: +3.2 s per step on a 32k vocabulary, 1024 tokens
-  and h = 512, ~3.4 s predicted).
+  bytes moved per micro batch, at the device's bandwidth), so small chunks cost time.
+  On a CPU it is charged its measured cost instead: ``_CPU_CHUNKED_LOSS`` times the
+  head's training FLOPs again (the measurement is in the constant's comment).
+* On a CPU (one thread in a trial) the utilisation does not grow with the micro batch:
+  measured, tiny-gpt2's full-logits step runs 82.8 tokens/s at micro batch 4 x 256 and
+  78.7 at 8 x 256; the GPU curve above made a large chunked-loss micro batch look faster
+  than a small full-logits one, which it is not (``_CPU_HALF_TOKENS``).
 * Activation offloading copies every checkpointed block's input to pinned host memory
   in the forward and back in the backward, on the compute stream (transformers does not
   overlap them): ``2 * offloaded bytes / host link`` per micro batch, at the card's
@@ -62,6 +66,14 @@ __all__ = ["SpeedEstimate", "predict_speed", "flops_per_token"]
 _MFU_MAX = 0.55  # well-tuned dense training reaches ~40-60% of peak
 _HALF_TOKENS = 1024  # tokens per micro batch at which utilisation is half its maximum
 _CPU_TFLOPS = 0.2  # nominal, ranking only
+_CPU_HALF_TOKENS = 16  # one CPU thread: as fast per token at 1024 tokens as at 2048 (measured)
+# The chunked loss on a CPU: +0.68x the head's training FLOPs (6 V h per token). Measured side
+# by side on tiny-gpt2 (V 50257, h 256: the head is 79% of the step's FLOPs), micro batch
+# 8 x 256 from tiny-samples, one thread (the trial child), median of 2 runs x 3 timed steps:
+# 26.2 s full logits, 40.2 s chunked, 1.53x, under a load average of ~10 on 2 cores:
+#   python -m autofit measure tiny-gpt2 --dataset tiny-samples --batch-size 8 \
+#       --device cpu:4GiB --measure-steps 3 [--chunked-loss] --json
+_CPU_CHUNKED_LOSS = 0.68
 _CPU_BANDWIDTH_GBS = 20.0
 _HOST_LINK_GBS = 25.0  # pinned copies over PCIe gen4 x16 (~80% of 31.5 GB/s), where unknown
 # relative cost of the optimizer's memory traffic (per byte moved) by implementation
@@ -137,6 +149,14 @@ def _chunked_loss_traffic(info: ModelInfo, config: TrainConfig, tokens: int,
     return chunks * V * h * (2 * e + 2 * 4)
 
 
+def _cpu_chunked_loss_flops(info: ModelInfo, config: TrainConfig, tokens: int) -> float:
+    """What the chunked loss costs on a CPU, as FLOPs: ``_CPU_CHUNKED_LOSS`` x the head's
+    training FLOPs (0 without it)."""
+    if not config.chunked_loss or not info.vocab_size or not info.hidden_size:
+        return 0.0
+    return _CPU_CHUNKED_LOSS * 6.0 * info.vocab_size * info.hidden_size * tokens
+
+
 def predict_speed(
     info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo
 ) -> SpeedEstimate:
@@ -154,10 +174,15 @@ def predict_speed(
     peak = device.peak_tflops(config.precision)
     if peak is None:
         peak = _CPU_TFLOPS
-    util = _MFU_MAX * tokens / (tokens + _HALF_TOKENS)
-    step = tokens * fpt / (peak * 1e12 * util)
+    cpu = device.kind == "cpu"
+    util = _MFU_MAX * tokens / (tokens + (_CPU_HALF_TOKENS if cpu else _HALF_TOKENS))
+    rate = peak * 1e12 * util
+    step = tokens * fpt / rate
     bw = (device.bandwidth_gbs or _CPU_BANDWIDTH_GBS) * 1e9
-    step += _chunked_loss_traffic(info, config, tokens, device) / bw
+    if cpu:
+        step += _cpu_chunked_loss_flops(info, config, tokens) / rate
+    else:
+        step += _chunked_loss_traffic(info, config, tokens, device) / bw
     step += 2 * offloaded_bytes(info, config, seq_len) / ((device.host_link_gbs or _HOST_LINK_GBS)
                                                           * 1e9)
     moved = 2 * (weights_bytes(info, config) + gradients_bytes(info, config)) + 2 * optimizer_state_bytes(
