@@ -131,3 +131,26 @@ def test_a_missing_core_module_stays_an_internal_error(monkeypatch, capsys):
     monkeypatch.setattr("autofit.api.estimate", fails)
     code, _, err = run(capsys, "estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "8")
     assert code == 1 and "internal error" in err
+
+
+def test_a_cached_check_reads_no_transformers(tmp_path):
+    """The second check of a file: the fields were found clean, the trial is cached, and
+    neither torch nor transformers is imported (issue 22: a cached check <= 3 s)."""
+    import os
+    import subprocess
+
+    plan = tmp_path / "args.yaml"
+    plan.write_text("per_device_train_batch_size: 1\noutput_dir: out\n")
+    env = {**os.environ, "AUTOFIT_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": str(Path(__file__).parents[1])}
+    argv = ["check", str(plan), "--model", "tiny-gpt2", "--seq-len", "16", "--device", "cpu:1GiB"]
+    code = ("import sys; from autofit.cli import main; rc = main(sys.argv[1:]); "
+            "print('IMPORTED', 'torch' in sys.modules, 'transformers' in sys.modules); "
+            "sys.exit(rc)")
+    first = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0 and "answered from the check cache" in again.stdout
+    assert "IMPORTED False False" in again.stdout

@@ -84,7 +84,9 @@ def run_check_command(args: argparse.Namespace) -> int:
     fields, meta = source.fields, source.meta
     if source.peft_config is not None and "adapter" not in meta:
         meta = {**meta, "adapter": source.peft_config}  # a TRL file's use_peft: its LoRA
-    check_training_arguments(fields, source=args.config)  # every problem at once, exit 2
+    # every problem at once, exit 2; fields found clean before are not checked again (a
+    # cached check answers without importing transformers)
+    check_training_arguments(fields, source=args.config, memo=not args.no_cache)
     # what the declared trainer runs from the fields: the metadata grants no other lever (an
     # SFTConfig file that records no trainer is for SFTTrainer)
     declared = args.trainer or ("trl" if source.sft and not meta.get("trainer") else None)

@@ -39,6 +39,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -302,9 +303,68 @@ def training_arguments_problems(fields: dict[str, Any], *,
     return problems
 
 
+_CLEAN: set[str] = set()  # keys (``_clean_key``) of fields found clean in this process
+
+
+def _clean_key(fields: dict[str, Any]) -> str | None:
+    """A key of ``fields`` and of what their check depends on: the library versions (trl's
+    too: SFTConfig's fields) and this module's source. None when they cannot be keyed."""
+    import hashlib
+    import json
+    from importlib.metadata import PackageNotFoundError, version
+
+    from autofit.probe.versions import library_versions
+
+    versions = library_versions()
+    try:
+        versions["trl"] = version("trl")
+    except PackageNotFoundError:
+        versions["trl"] = "-"
+    try:
+        blob = json.dumps([fields, versions], sort_keys=True).encode()
+    except (TypeError, ValueError):
+        return None
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(blob + f.read()).hexdigest()[:24]
+
+
+def _found_clean(fields: dict[str, Any], memo: bool) -> tuple[bool, str | None]:
+    """(whether ``fields`` were found clean before, their key). In this process always; in
+    the cache directory (``checked-fields/<key>``) with ``memo``: a cached ``autofit check``
+    then answers without importing transformers, whose ``TrainingArguments`` definitions
+    cost seconds of imports."""
+    key = _clean_key(fields)
+    if key is None:
+        return False, None
+    if key in _CLEAN:
+        return True, key
+    if memo:
+        from autofit.probe.versions import cache_dir
+
+        if (cache_dir() / "checked-fields" / key).exists():
+            _CLEAN.add(key)
+            return True, key
+    return False, key
+
+
+def _remember_clean(key: str, memo: bool) -> None:
+    _CLEAN.add(key)
+    if memo:
+        from autofit.probe.versions import cache_dir
+
+        marker = cache_dir() / "checked-fields" / key
+        with contextlib.suppress(OSError):  # a read-only cache: checked again next time
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+
+
 def check_training_arguments(fields: Any, *, source: str = "the TrainingArguments fields",
-                             extra: Iterable[str] = ()) -> None:
+                             extra: Iterable[str] = (), memo: bool = False) -> None:
     """Raise ``InvalidArgumentsError`` listing every problem of ``fields`` (see the module).
+
+    Fields found clean are not checked again in this process; with ``memo`` they are
+    remembered in the cache directory too (keyed by the fields, the library versions and
+    this module's source). Problems are never remembered.
 
     Example:
         >>> check_training_arguments({"per_device_train_batch_size": "four"}, source="args.yaml")
@@ -316,7 +376,15 @@ refuse: per_device_train_batch_size: 'four' is not a whole number; fix it and ru
     if not isinstance(fields, dict):
         raise InvalidArgumentsError(f"{source}: expected a mapping of TrainingArguments fields, "
                                     f"got {type(fields).__name__}")
+    # a verdict that does not depend on ``extra`` (none of its keys is among the fields) is
+    # remembered: these exact fields, found clean by this code and these library versions
+    keyed = not set(extra) & set(fields)
+    clean, key = _found_clean(fields, memo) if keyed else (False, None)
+    if clean:
+        return
     problems = training_arguments_problems(fields, extra=extra)
+    if not problems and key is not None:
+        _remember_clean(key, memo)
     if problems:
         n = len(problems)
         raise InvalidArgumentsError(
