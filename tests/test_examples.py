@@ -15,6 +15,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# long end to end (a tune with trials, then training, each in a fresh process): the slow set.
+# The fast set covers each step: tune (test_autofit, test_cli), check (test_preflight), the
+# callback's fix (test_preflight), a tuned file loading (test_cli_files).
+pytestmark = pytest.mark.slow
 
 
 def run(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:

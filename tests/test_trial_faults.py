@@ -92,7 +92,8 @@ def _count(starts: Path) -> int:
     return len(starts.read_text().splitlines()) if starts.exists() else 0
 
 
-@pytest.mark.parametrize("sig", ["KILL", "TERM"])
+# SIGKILL (what the host's OOM killer sends) in the fast set; SIGTERM the same path, slow
+@pytest.mark.parametrize("sig", ["KILL", pytest.param("TERM", marks=pytest.mark.slow)])
 def test_a_child_killed_twice_is_reported_killed_not_oom(
     sig, tiny_path, tmp_path, own_tmp, monkeypatch
 ):
@@ -186,7 +187,10 @@ measure({model!r}, TrainConfig(micro_batch_size=1), seq_len=16, device="cpu:1GiB
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+# each signal a fresh script with a trial; SIGKILL (no handler runs) in the fast set
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+                                 signal.SIGKILL])
 def test_a_script_killed_mid_trial_takes_its_child_and_payload_along(sig, tiny_path, own_tmp):
     parent = subprocess.Popen(
         [sys.executable, "-c", MEASURE_FOREVER.format(model=tiny_path)],
@@ -205,7 +209,9 @@ def test_a_script_killed_mid_trial_takes_its_child_and_payload_along(sig, tiny_p
         _kill(parent, child)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+# a whole `autofit tune` each; SIGTERM in the fast set, SIGINT (the same clean-up) slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143),
+                                       pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_cli_tune_stopped_by_a_signal_cleans_up(sig, code, own_tmp):
     parent = subprocess.Popen(
         [sys.executable, "-m", "autofit", "tune", "tiny-gpt2", "--dataset", "tiny-samples",
