@@ -144,7 +144,17 @@ class ArgsFile:
 
 @lru_cache(maxsize=1)
 def _trl_fields() -> tuple[frozenset[str], frozenset[str]]:
-    """(SFTConfig's fields that TrainingArguments lacks, TRL's script keys)."""
+    """(SFTConfig's fields that TrainingArguments lacks, TRL's script keys), kept on disk per
+    library versions (``validate.library_cached``: no transformers or trl import)."""
+    from autofit.emit.validate import library_cached
+
+    sft_only, script = library_cached(
+        "trl-fields", lambda: [sorted(names) for names in _trl_fields_now()])
+    return frozenset(sft_only), frozenset(script)
+
+
+def _trl_fields_now() -> tuple[frozenset[str], frozenset[str]]:
+    """``_trl_fields`` read from the installed classes."""
     if importlib.util.find_spec("trl") is None:
         return frozenset(), _TRL_SCRIPT_KEYS
     try:

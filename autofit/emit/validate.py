@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import difflib
 import importlib.util
+import os
 import typing
 from collections.abc import Callable, Iterable
 from enum import Enum
@@ -102,9 +103,62 @@ def _definitions() -> dict[str, _Field]:
     return out
 
 
+@lru_cache(maxsize=1)
 def field_names() -> frozenset[str]:
-    """Every field name the TrainingArguments family takes (TRL's ``SFTConfig`` when here)."""
-    return frozenset(_definitions())
+    """Every field name the TrainingArguments family takes (TRL's ``SFTConfig`` when here);
+    kept on disk per library versions (``library_cached``): reading a file needs no
+    transformers import."""
+    return frozenset(library_cached("field-names", lambda: sorted(_definitions())))
+
+
+def _versions_key(*parts: Any) -> str | None:
+    """A hash of ``parts``, the library versions (trl's too: SFTConfig's fields) and the
+    source of this module and of ``args_file`` (what reads them); None when not JSON."""
+    import hashlib
+    import json
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    from autofit.probe.versions import library_versions
+
+    versions = library_versions()
+    try:
+        versions["trl"] = version("trl")
+    except PackageNotFoundError:
+        versions["trl"] = "-"
+    try:
+        blob = json.dumps([parts, versions], sort_keys=True).encode()
+    except (TypeError, ValueError):
+        return None
+    h = hashlib.sha256(blob)
+    here = Path(__file__)
+    for source in (here, here.with_name("args_file.py")):
+        with contextlib.suppress(OSError):
+            h.update(source.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def library_cached(name: str, compute: Callable[[], Any]) -> Any:
+    """``compute()`` (plain JSON data that depends only on the installed libraries, e.g. the
+    field names of TrainingArguments), kept in the cache directory per library versions: a
+    second run reads it without importing transformers (seconds of imports)."""
+    import json
+
+    from autofit.probe.versions import cache_dir
+
+    key = _versions_key(name)
+    path = cache_dir() / "library" / f"{name}-{key}.json" if key else None
+    if path is not None:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(path.read_text())
+    value = compute()
+    if path is not None:
+        with contextlib.suppress(OSError):  # a read-only cache: computed again next time
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(value))
+            tmp.replace(path)
+    return value
 
 
 def _plain(v: Any) -> Any:
@@ -307,25 +361,8 @@ _CLEAN: set[str] = set()  # keys (``_clean_key``) of fields found clean in this 
 
 
 def _clean_key(fields: dict[str, Any]) -> str | None:
-    """A key of ``fields`` and of what their check depends on: the library versions (trl's
-    too: SFTConfig's fields) and this module's source. None when they cannot be keyed."""
-    import hashlib
-    import json
-    from importlib.metadata import PackageNotFoundError, version
-
-    from autofit.probe.versions import library_versions
-
-    versions = library_versions()
-    try:
-        versions["trl"] = version("trl")
-    except PackageNotFoundError:
-        versions["trl"] = "-"
-    try:
-        blob = json.dumps([fields, versions], sort_keys=True).encode()
-    except (TypeError, ValueError):
-        return None
-    with open(__file__, "rb") as f:
-        return hashlib.sha256(blob + f.read()).hexdigest()[:24]
+    """A key of ``fields`` and of what their check depends on (``_versions_key``)."""
+    return _versions_key("clean", fields)
 
 
 def _found_clean(fields: dict[str, Any], memo: bool) -> tuple[bool, str | None]:
