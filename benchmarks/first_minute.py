@@ -3,6 +3,7 @@
     python benchmarks/first_minute.py                  # every case, the default repeats
     python benchmarks/first_minute.py --cases check estimate --repeats 3
     python benchmarks/first_minute.py --skip-llama     # the long case left out
+    python benchmarks/first_minute.py --cases check-cached --plan tuned.yaml
 
 Each case runs ``python -m autofit ...`` from this checkout in a fresh process (as a user
 types it) and records its wall time, its CPU time (user + sys of the process and its
@@ -100,6 +101,8 @@ def main() -> None:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--out", default=str(RESULTS / "first_minute"))
+    ap.add_argument("--plan", help="check-cached: check this tuned file (default: the quick "
+                                   "start's, made first when the quick start is not run)")
     args = ap.parse_args()
     cases = [c for c in args.cases if not (args.skip_llama and c == "llama")]
     tmp = Path(tempfile.mkdtemp(prefix="first-minute-"))
@@ -138,7 +141,8 @@ def main() -> None:
         elif name == "quickstart":
             run(name, [*QUICK, "-o", str(quick_out)], args.tune_repeats, True)
         elif name == "check-cached":
-            plan = quick_out if quick_out.exists() else tmp / "plain.yaml"
+            plan = Path(args.plan) if args.plan else (
+                quick_out if quick_out.exists() else tmp / "plain.yaml")
             if not plan.exists():  # the file to check
                 timed([*QUICK, "--no-chunked-loss", "-o", str(plan)], env, args.timeout)
             check = ["check", str(plan), "--model", "tiny-gpt2", "--dataset", "tiny-samples",

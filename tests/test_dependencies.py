@@ -14,6 +14,19 @@ from autofit.cli import main
 from autofit.errors import MissingDependencyError, require
 
 
+@pytest.fixture(autouse=True)
+def _forget_definitions():
+    """What was read with a package hidden is not kept for the tests after (in-process
+    caches of the TrainingArguments family: SFTConfig's fields when trl is here)."""
+    yield
+    from autofit.emit.args_file import _trl_fields
+    from autofit.emit.validate import _CLEAN, _definitions
+
+    _definitions.cache_clear()
+    _trl_fields.cache_clear()
+    _CLEAN.clear()
+
+
 def run(capsys, *argv):
     code = main(list(argv))
     out, err = capsys.readouterr()

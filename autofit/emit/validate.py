@@ -103,7 +103,6 @@ def _definitions() -> dict[str, _Field]:
     return out
 
 
-@lru_cache(maxsize=1)
 def field_names() -> frozenset[str]:
     """Every field name the TrainingArguments family takes (TRL's ``SFTConfig`` when here);
     kept on disk per library versions (``library_cached``): reading a file needs no
@@ -122,9 +121,9 @@ def _versions_key(*parts: Any) -> str | None:
     from autofit.probe.versions import library_versions
 
     versions = library_versions()
-    try:
-        versions["trl"] = version("trl")
-    except PackageNotFoundError:
+    try:  # installed and importable here (a test may hide it): SFTConfig's fields count
+        versions["trl"] = version("trl") if importlib.util.find_spec("trl") else "-"
+    except (PackageNotFoundError, ValueError):
         versions["trl"] = "-"
     try:
         blob = json.dumps([parts, versions], sort_keys=True).encode()
