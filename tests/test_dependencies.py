@@ -90,10 +90,10 @@ def test_compare_peft_picture_without_matplotlib_is_exit_2_before_estimating(mon
 
 def test_check_of_an_sftconfig_plan_without_trl_is_exit_2(monkeypatch, capsys, tmp_path):
     plan = tmp_path / "tuned.yaml"
-    plan.write_text('# autofit: {"config": {"loss_impl": "trl"}}\n'
+    plan.write_text("# autofit: {}\n"
                     "per_device_train_batch_size: 1\noutput_dir: out\n")
     missing(monkeypatch, "trl")
-    code, _, err = run(capsys, "check", str(plan), "--model", "tiny-gpt2", "--device", "cpu",
+    code, _, err = run(capsys, "check", str(plan), "--trainer", "trl", "--model", "tiny-gpt2", "--device", "cpu",
                        "--seq-len", "16")
     assert code == 2 and "pip install 'autofit[trl]'" in err and "internal error" not in err
 
