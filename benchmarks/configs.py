@@ -83,6 +83,7 @@ TOKENS = list(range(16))  # token ids made trainable
 PEFT = {
     "dora": {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": QV,
              "use_dora": True},
+    "lora-qv": {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": QV},
     "rslora": {"peft_type": "LORA", "r": 16, "lora_alpha": 16, "target_modules": QV,
                "use_rslora": True},
     "lora-drop-all": {"peft_type": "LORA", "r": 16, "lora_alpha": 32,
@@ -352,6 +353,23 @@ CONFIGS: list[dict[str, Any]] = [
     spec("llamas-b8s512-compile", "llama", LLAMA_SMALL, "causal-lm", 8, 512, compiled=True),
     _gpt2("gpt2-b2s256-compile", batch=2, compiled=True),
     _gpt2("gpt2-b4s256-bf16m-gc-compile", precision="bf16-mixed", gc=True, compiled=True),
+    # issue 25: an independent harness found these under-estimated (small llama, seconds each)
+    # LoRA on sequence classification: peft's SEQ_CLS task adds the head as a trainable copy
+    spec("llamas-cls-lora-b4s256", "llama", LLAMA_SMALL, "seq-cls", 4, 256,
+         peft=PEFT["lora-qv"]),
+    spec("llama-cls-lora-b4s256", "llama", LLAMA, "seq-cls", 4, 256, peft=PEFT["lora-qv"]),
+    # PEFT on a bf16-true base with checkpointing (adapters kept fp32 by get_peft_model)
+    spec("llamas-lora-b4s256-bf16t-gc", "llama", LLAMA_SMALL, "causal-lm", 4, 256,
+         "bf16-true", gc=True, peft=PEFT["lora-qv"]),
+    spec("llamas-ia3-b4s256-bf16t-gc", "llama", LLAMA_SMALL, "causal-lm", 4, 256,
+         "bf16-true", gc=True, peft=PEFT["ia3"]),
+    spec("llamas-prompt-b4s256-bf16t-gc", "llama", LLAMA_SMALL, "causal-lm", 4, 256,
+         "bf16-true", gc=True, peft=PEFT["prompt"]),
+    spec("llama-lora-b4s256-bf16t-gc", "llama", LLAMA, "causal-lm", 4, 256,
+         "bf16-true", gc=True, peft=PEFT["lora-qv"]),
+    # torch.compile on a small llama, with checkpointing
+    spec("llamas-b4s256-gc-compile", "llama", LLAMA_SMALL, "causal-lm", 4, 256, gc=True,
+         compiled=True),
     # t5: seq2seq
     spec("t5-b4s256", "t5", T5, "seq2seq", 4, 256),
     spec("t5-b4s256-eager", "t5", T5, "seq2seq", 4, 256, attn="eager"),
