@@ -96,7 +96,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["estimate_analytic", "weights_bytes", "gradients_bytes", "optimizer_state_bytes",
            "quantized_weight_bytes", "int8_kept_bytes",
            "chunked_loss_bytes", "loss_chunk_rows", "pinned_bytes", "offload_note", "offloaded_bytes",
-           "compile_saving_bytes"]
+           "compile_saving_bytes", "cpu_library_cache_bytes"]
 
 _DTYPE_BYTES = {
     "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
@@ -505,6 +505,44 @@ def _dequantized_bytes(info: ModelInfo) -> int:
     return largest * _bytes(info.dtype)
 
 
+# CPU: the math libraries' buffer caches (MKL's GEMM buffers in fp32, oneDNN's primitive
+# cache and scratch in 16-bit), created by the first full-size step and kept for the run;
+# measured as what a step leaves resident beyond its optimizer states
+# (``steady_rss_after_step_bytes``, benchmarks/measure_cpu.py): about half the widest
+# matmul output, at most ~14 MiB, less at short steps (~1-2 MiB at 128 tokens).
+_CPU_LIB_CACHE_MAX = 14 << 20  # bytes
+_CPU_LIB_CACHE_SHARE = 0.5  # of the widest matmul output
+_CPU_LIB_CACHE_FULL_TOKENS = 1024  # tokens per micro batch from which the cache is full size
+
+
+def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
+                            device: DeviceInfo) -> int:
+    """Bytes the CPU's math libraries keep cached through a training step (0 on CUDA):
+    half the widest matmul output of the step, the (B*T, V) logits or else the (B*T, i)
+    feed-forward, at most ``_CPU_LIB_CACHE_MAX``, scaled down below 1024 tokens. Not a
+    tensor, so neither the analytic closed form nor the simulated allocation stream sees it
+    otherwise (up to 7% of a small model's step: issue 25).
+
+        >>> from autofit.probe.model import probe_model
+        >>> from autofit.probe.device import resolve_device
+        >>> info = probe_model("tiny-llama")
+        >>> cpu_library_cache_bytes(info, TrainConfig(micro_batch_size=4), 256,
+        ...                         resolve_device("cpu")) > 0
+        True
+    """
+    if device.allocator == "cuda" or not info.is_transformer:
+        return 0
+    tokens = config.micro_batch_size * seq_len
+    lm = (info.task != "seq-cls" and info.vocab_size is not None and not config.chunked_loss
+          and config.loss_impl != "trl")
+    widest = max([info.vocab_size if lm else 0]
+                 + [b.intermediate_size or b.hidden_size or 0 for b in info.blocks])
+    spec = config.precision_spec
+    elem = 2 if (spec.autocast or spec.param_dtype != "float32") else 4
+    cache = min(_CPU_LIB_CACHE_MAX, _CPU_LIB_CACHE_SHARE * tokens * widest * elem)
+    return int(cache * min(1.0, tokens / _CPU_LIB_CACHE_FULL_TOKENS))
+
+
 def _linear_weight_numel(info: ModelInfo) -> int:
     """Elements of the matmul weights autocast copies (blocks + output head)."""
     n = info.block_matmul_numel
@@ -779,9 +817,11 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
                                        head_trainable=head_trainable)
     phases = {
         # all activations alive; the loss backward's fp32 (N, V) gradients
-        "backward": (W + copies + S + A + G_held + loss_temp,
+        # (without a (B, T, V) loss, e.g. sequence classification, the first block's
+        # backward temporaries are the larger: all activations are still alive then)
+        "backward": (W + copies + S + A + G_held + max(loss_temp, block_bwd_temp),
                      {"weights": W + copies, "optimizer_states": S, "activations": A,
-                      "gradients": G_held, "temporaries": loss_temp}),
+                      "gradients": G_held, "temporaries": max(loss_temp, block_bwd_temp)}),
         # gradients complete, the embedding side's activations and one block's temporaries
         # (an 8-bit base's layers still hold their inputs: the graph is freed after backward)
         "backward-end": (W + S + G + A_base // 2 + kept8 + block_bwd_temp + A_transient,
@@ -839,8 +879,10 @@ def estimate_analytic(
     phases, host = terms.phases, terms.host
     T = seq_len
     phase, (peak_alloc, parts) = max(phases.items(), key=lambda kv: kv[1][0])
-    peak_alloc = int(peak_alloc)
     parts = {k: int(v) for k, v in parts.items()}
+    lib_cache = cpu_library_cache_bytes(info, config, seq_len, device)  # the whole step
+    parts["temporaries"] += lib_cache
+    peak_alloc = int(peak_alloc) + lib_cache
 
     if device.allocator == "cuda":
         frag = (_CUDA_FRAGMENTATION_CHECKPOINTING if config.gradient_checkpointing

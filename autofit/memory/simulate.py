@@ -381,13 +381,18 @@ class Simulator:
         notes: list[str],
     ) -> MemoryEstimate:
         breakdown = {c: int(r.peak_by_category.get(c, 0)) for c in _CATEGORIES}
-        total = int(r.peak_reserved_bytes) + int(self.device.overhead_bytes)
-        breakdown["overhead"] = total - int(r.peak_allocated_bytes)
+        # the CPU math libraries' caches: not tensors, so not in the stream (analytic's rule)
+        lib_cache = self._library_cache(config, seq_len)
+        breakdown["temporaries"] = breakdown.get("temporaries", 0) + lib_cache
+        allocated = int(r.peak_allocated_bytes) + lib_cache
+        reserved = int(r.peak_reserved_bytes) + lib_cache
+        total = reserved + int(self.device.overhead_bytes)
+        breakdown["overhead"] = total - allocated
         if r.oom:
             notes.append("the allocator model ran out of the device's capacity")
         return MemoryEstimate(
-            peak_allocated_bytes=int(r.peak_allocated_bytes),
-            peak_reserved_bytes=int(r.peak_reserved_bytes),
+            peak_allocated_bytes=allocated,
+            peak_reserved_bytes=reserved,
             device_total_bytes=total,
             capacity_bytes=int(self.device.capacity_bytes),
             fits=total <= self.device.capacity_bytes,
@@ -402,6 +407,16 @@ class Simulator:
             config=config.to_dict(),
             notes=tuple(notes),
         )
+
+    def _library_cache(self, config: TrainConfig, seq_len: int) -> int:
+        """``cpu_library_cache_bytes`` of this model (0 on a CUDA target or a non-transformer)."""
+        if self.device.allocator == "cuda":
+            return 0
+        from autofit.memory.analytic import cpu_library_cache_bytes
+        from autofit.probe.model import describe
+
+        info = describe(self.module, task=self.task, name=self.model_name)
+        return cpu_library_cache_bytes(info, config, seq_len, self.device)
 
     def _compiled(self, est: MemoryEstimate, config: TrainConfig, seq_len: int,
                   events: tuple[AllocEvent, ...]) -> MemoryEstimate:
