@@ -204,6 +204,11 @@ def _write_markdown(path: Path, rows, summary, methods) -> None:
         "its baseline. Predicted = `autofit.estimate(..., device=\"cpu\").peak_allocated_bytes`.",
         "Error = (predicted − measured) / measured. Produced by `python benchmarks/accuracy.py`.",
         "",
+        "NB: the estimates include the CPU math libraries' buffer caches (MKL, oneDNN; up to",
+        "~14 MiB, created by the first full-size step and kept). A `torch.compile` row's",
+        "measurement does not: its warm-up runs at the measured shape, before the baseline, so",
+        "those rows read high by the cache (llamas-b4s256-gc-compile: ~14 MiB of its +8-10%).",
+        "",
         "| method | configs | median abs error | max abs error | target (median / max) | met | median time per estimate |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -64,7 +64,10 @@ Protocol (one configuration per fresh child process, so nothing leaks between ru
    With ``torch_compile`` the warm-up step runs at the measured shape instead, so
    that compilation (static shapes, forward and backward graphs) is over before the
    baseline: compiled code, inductor's caches and the compiler's own memory are not
-   counted, as a long run amortises them.
+   counted, as a long run amortises them. NB: nor are the math libraries' one-time
+   caches (see the limitations), which that full-size warm-up creates before the
+   baseline: a compiled spec reads up to ~14 MiB lower than a run holds (issue 25: a
+   harness with its baseline before compiling found compiled steps 9-17% higher).
 4. Baseline = RSS from ``/proc/self/statm``. Weights and buffers already exist here,
    so every number below EXCLUDES them; they are reported as ``weights_bytes``
    (computed from the tensors' storages, with bitsandbytes' quantization states: a

@@ -24,6 +24,10 @@ at its three candidate peaks and reports the largest:
 * with ``activation_offloading`` (and checkpointing) the blocks' inputs are in pinned
   host memory (``host_bytes``: one power-of-two block each) instead of on the device;
   the recompute holds one of them, copied back;
+* on a CPU, every phase + the math libraries' buffer caches (``cpu_library_cache_bytes``:
+  MKL / oneDNN, created by the first full-size step and kept; not tensors);
+* without a (B, T, V) loss (sequence classification) the backward start holds the first
+  block's backward temporaries instead of the loss gradients;
 * **optimizer step** — weights + gradients + optimizer states + the step's own
   temporaries (e.g. ``foreach`` AdamW's full copy of ``sqrt(v)`` on CUDA).
 * with ``torch_compile`` the blocks keep fewer activations: the eager estimate less

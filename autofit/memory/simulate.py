@@ -63,9 +63,10 @@ Known limitations:
   math libraries' caches, created by the first full-size step and kept: MKL's
   buffer cache for fp32 GEMMs (~14 MiB at 1024 tokens, ~2 MiB at 128; gone with
   ``MKL_DISABLE_FAST_MM=1``) and oneDNN's primitive cache and scratch for bf16
-  (~5-10 MiB). CPU estimates therefore run 0.1-3.7 % (typically ~1.3 %) below the
-  measured peak RSS of a step; with both caches disabled, +0.05 % / +0.16 % (fp32)
-  and -1.5 % (bf16).
+  (~5-10 MiB). A CPU estimate adds them by the analytic rule
+  (``cpu_library_cache_bytes``: half the widest matmul output, at most 14 MiB, less
+  below 1024 tokens); without it CPU estimates ran 0.1-3.7 % (typically ~1.3 %) below
+  the measured peak RSS of a step, up to 6.6 % on a small model (issue 25).
 - NB: workspaces allocated *inside* a kernel are invisible at the dispatch level;
   CUDA's flash-attention backward workspace is added by formula, others (cuBLAS
   workspace: in ``DeviceInfo.overhead_bytes``; efficient-attention accumulators;
