@@ -188,3 +188,23 @@ def test_a_mixed_files_block_size_packs_when_the_metadata_says_nothing(files):
     assert file_subject(args, {"block_size": 64}, {"block_size": 128}).block_size == 64
     args.block_size = 32  # the command line wins
     assert file_subject(args, {"block_size": 64}, {"block_size": 128}).block_size == 32
+
+
+def test_tune_takes_the_tokenizer_of_a_model_folder_as_run_clm_does(files, tmp_path, capsys):
+    """Text data and no --tokenizer: the model folder's own tokenizer (run_clm.py loads it from
+    model_name_or_path when no tokenizer_name is given), not an error."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    d, _ = files
+    model = tmp_path / "model"
+    shutil.copytree(d / "tok", model)
+    AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=2, vocab_size=512,
+                         n_positions=256).save_pretrained(model)
+    code, stdout, err = run(capsys, "tune", model, "--dataset", d / "train.json", "--device",
+                            "A100-80GB", "--target-batch-size", 8, "--no-cache", "-o",
+                            tmp_path / "tuned.yaml", "--json")
+    assert code == 0, err
+    reasons = json.loads(stdout)["reasons"]
+    assert any(r.startswith("sequence length ") for r in reasons)

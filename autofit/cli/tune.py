@@ -110,9 +110,9 @@ def run_tune(args: argparse.Namespace) -> int:
     output = _output(args, source)
     check_config_output(output, name="-o")  # before any work: never a tune lost at the end
     data = load_dataset_ref(args.dataset)
-    tokenizer = None
-    if args.tokenizer:
-        tokenizer = tokenizer_for(args, data)
+    # text without --tokenizer: the model's own tokenizer, as run_clm.py loads it from
+    # model_name_or_path (estimate, measure and check do the same)
+    tokenizer = tokenizer_for(args, data)
     kwargs: dict[str, Any] = dict(
         training_args=_fields_of(source),
         device=args.device, target_batch_size=args.target_batch_size,
