@@ -63,6 +63,17 @@ def test_measures_the_allocation_above_the_model_start(alloc):
     assert p.baseline_bytes > 100 * MiB
 
 
+def test_a_script_that_probes_for_torch_first_is_measured(tmp_path):
+    """``datasets`` / ``evaluate`` ask ``importlib.util.find_spec("torch")`` before torch is
+    imported (run_clm.py imports them first): the hook must still see torch's import."""
+    script = tmp_path / "probe_first.py"
+    script.write_text("import importlib.util\nassert importlib.util.find_spec('torch')\n"
+                      + ALLOC)
+    r = run_command([sys.executable, str(script), "100"], device="cpu")
+    assert r.survived and r.measured_kind == "cpu", r.notes
+    assert 100 * MiB <= r.measured_bytes <= 100 * MiB * 1.05
+
+
 def test_modules_built_while_a_library_is_imported_do_not_take_the_baseline(alloc, tmp_path):
     # transformers.activations builds a GELUActivation at import; the imports after it
     # (here 60 MiB held by the library) are the interpreter's, not the run's

@@ -189,23 +189,38 @@ def _patch_torch(torch) -> None:
 
 class _Watch(importlib.abc.MetaPathFinder):
     """Finds nothing itself: wraps the loader of module ``name`` so that ``patch(module)``
-    runs once the module is imported (then steps aside)."""
+    runs once the module is executed (then steps aside).
+
+    NB: libraries probe for torch with ``importlib.util.find_spec("torch")`` without
+    importing it (``datasets``, ``evaluate``, ``accelerate`` do): that call reaches this
+    finder too, so the finder stays until the module really executes (it stepped aside at
+    the first look before, and a run that imported ``datasets`` first measured nothing)."""
 
     def __init__(self, name: str, patch) -> None:
-        self.name, self.patch = name, patch
+        self.name, self.patch, self.done = name, patch, False
 
     def find_spec(self, name, path=None, target=None):
-        if name != self.name:
+        if name != self.name or self.done:
             return None
+        at = sys.meta_path.index(self) if self in sys.meta_path else 0
         with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+            sys.meta_path.remove(self)  # the real finders, without this one (no recursion)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            if not self.done:
+                sys.meta_path.insert(at, self)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
 
         def exec_and_patch(module):
             exec_module(module)
+            if self.done:
+                return
+            self.done = True
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self)
             try:
                 self.patch(module)
             except Exception as e:  # noqa: BLE001
