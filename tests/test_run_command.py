@@ -115,7 +115,8 @@ def test_the_json_record_compares_with_the_tuned_file_it_finds(alloc, tmp_path):
     out = last_json(p.stdout)
     assert set(out) == {"command", "device", "cap_bytes", "exit_code", "survived",
                         "out_of_memory", "measured_bytes", "measured_kind", "predicted_bytes",
-                        "config", "processes", "notes", "ratio"}
+                        "config", "processes", "notes", "ratio", "guarded", "rescues"}
+    assert out["guarded"] is False and out["rescues"] == []  # no --guard
     assert out["config"] == str(tuned) and out["predicted_bytes"] == 400 * MiB
     assert out["device"] == "cpu:1GiB" and out["notes"] == []
     assert out["ratio"] == pytest.approx(out["measured_bytes"] / (400 * MiB))

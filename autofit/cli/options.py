@@ -203,7 +203,10 @@ def tokenizer_for(args: argparse.Namespace, data: list[Any]) -> Any:
     """The tokenizer a dataset of text needs (``--tokenizer``, else the model's), or None."""
     from autofit.errors import BadInputError
 
-    needs = bool(data) and isinstance(data[0], dict) and "input_ids" not in data[0]
+    # text to tokenize: no input_ids, and a column of text (samples with neither are the
+    # data probe's to refuse, with its own message)
+    needs = (bool(data) and isinstance(data[0], dict) and "input_ids" not in data[0]
+             and any(isinstance(v, str) for v in data[0].values()))
     if not needs and args.tokenizer is None:
         return None
     from transformers import AutoTokenizer
