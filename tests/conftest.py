@@ -8,6 +8,13 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# one fresh cache per test session (trials, checks, derived coefficients, checked fields):
+# the suite never reads what an earlier run or a user's tune left in ~/.cache/autofit, and
+# its subprocesses inherit it; a test of the cache's location sets or clears it itself
+if "AUTOFIT_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["AUTOFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="autofit-test-cache-")
 
 
 @pytest.fixture(scope="session")
