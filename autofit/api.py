@@ -444,7 +444,7 @@ def autofit(
     _fix_recipe(opts, reasons)  # the user's launch recipe: kept, not searched
     progress = _progress_printer(opts.get("progress", False))
     dataset, max_seq_len = _script_data(dataset, max_seq_len, opts, reasons)
-    probed = _probe(model, dataset, device, max_seq_len, opts, reasons)
+    probed = _probe(model, dataset, device, max_seq_len, opts, reasons, warm_trials=True)
     space, base_args = _space(probed, target_batch_size, opts, reasons)
     estimator = _estimator(probed, opts, progress, reasons)
     add_fragmentation = margin is None  # the default margin also reports measured fragmentation
@@ -613,13 +613,20 @@ class _Probed:
 
 
 def _probe(model: Any, dataset: Any, device: Any, max_seq_len: int | None,
-           opts: dict[str, Any], reasons: list[str]) -> _Probed:
-    """Stage 1: resolve the device, build and describe the model, measure the data's lengths."""
+           opts: dict[str, Any], reasons: list[str], warm_trials: bool = False) -> _Probed:
+    """Stage 1: resolve the device, build and describe the model, measure the data's lengths.
+
+    ``warm_trials``: trials will run (a tune): the trial server starts now, on the other
+    core, while this process builds the model and reads the data."""
     from autofit.errors import NoTrainableParametersError
     from autofit.probe.data import probe_data
     from autofit.probe.model import build_model, describe, token_limits
 
     dev = _device_with_ranks(resolve_device(device), opts, reasons)
+    if warm_trials:
+        from autofit.trial.runner import warm_up
+
+        warm_up(dev, opts.get("isolation", "auto"))  # its imports overlap the probing
     if opts.get("_quant_request") is not None:
         from autofit.probe.quant import resolve
 
@@ -870,9 +877,12 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
                                 tokenizer=opts.get("tokenizer"), collator=collator,
                                 task=probed.task, text_column=opts.get("text_column"))
 
-    def trial(config: TrainConfig, timed_steps: int | None = None) -> Any:
+    def trial(config: TrainConfig, timed_steps: int | None = None,
+              outpaced_below: float | None = None) -> Any:
         """``timed_steps``: the engine's word that this speed decides nothing (1), else
-        the trial's default (``MEASURE_STEPS``)."""
+        the trial's default (``MEASURE_STEPS``); ``outpaced_below``: the tokens/s under
+        which the trial stops after its first timed step (a confirmed rival's, over
+        ``autofit.search.engine.OUTPACED``)."""
         from autofit.trial import measure  # looked up per call: tests count the calls
 
         b = config.micro_batch_size
@@ -889,7 +899,8 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
                        timeout_s=opts.get("trial_timeout_s", 600.0),
                        attn_implementation=opts.get("attn_implementation"), lora=opts.get("lora"),
                        quantization_config=opts.get("quantization_config"),
-                       run=trial_run(probed, config, kept, None, opts, whole),
+                       run=trial_run(probed, config, kept, None, opts, whole,
+                                     outpaced_below=outpaced_below),
                        progress=rank_progress,
                        **({"deepspeed_config": recipe.deepspeed_for(
                            b, config.grad_accum_steps, config.world_size)} if recipe_ds else {}),
@@ -907,6 +918,7 @@ def _device_trials(probed: _Probed, dataset: Any, max_seq_len: int | None,
 
     trial.digest = digest  # type: ignore[attr-defined]
     trial.timed_steps = True  # type: ignore[attr-defined]  # the engine may ask for fewer
+    trial.outpaced_below = True  # type: ignore[attr-defined]  # and stop an outpaced one
     return trial
 
 
@@ -1057,11 +1069,16 @@ RUN_TRIAL_STEPS = 12  # micro batches of the run's order a trial replays before 
 # the replay's time bound: a slow step replays fewer lengths (the first always runs, and the
 # longest, the timed steps, after it); the 12 short steps of a fast model take well under it
 RUN_TRIAL_REPLAY_S = 10.0
+# on the CPU the replay runs only for a trial whose longest step peaks within this fraction
+# of the budget: the whole run's fragmentation measured by benchmarks/soak.py is at most
+# +4.7% of a step (gpt2-dropout: +5.4 MiB of 114 MiB), so further under the budget the
+# replay cannot change the verdict (twice that bound, for models the soak did not see)
+RUN_TRIAL_REPLAY_WITHIN = 0.10
 
 
 def trial_run(probed: _Probed, config: TrainConfig, kept: Any,
               base_args: dict[str, Any] | None, opts: dict[str, Any],
-              whole: _WholeRun | None = None) -> Any:
+              whole: _WholeRun | None = None, outpaced_below: float | None = None) -> Any:
     """The short run a trial of ``config`` replays besides its worst-case steps
     (``autofit.trial.step.RunSpec``), or None.
 
@@ -1075,10 +1092,14 @@ def trial_run(probed: _Probed, config: TrainConfig, kept: Any,
       its mmap threshold), which the longest batch then finds fragmented: measured on
       ``benchmarks/soak.py``'s gpt2-dropout, +3.7 MiB of a 114 MiB step after 12 steps,
       +5.4 MiB over the whole run (the CPU's margin, ``SAFETY``, is 3%: the replay is kept
-      there). Within ``RUN_TRIAL_REPLAY_S`` seconds: slow steps replay fewer lengths;
+      there). Within ``RUN_TRIAL_REPLAY_S`` seconds: slow steps replay fewer lengths; on
+      the CPU only when the first timed step peaks within ``RUN_TRIAL_REPLAY_WITHIN`` of
+      the budget (further under it the replay cannot change the verdict);
     - the search's budget (``capacity * (1 - margin)``): a trial whose peak passes it stops
       at once (``TrialResult.over_budget``), and the timed steps stop after two that agree
-      within half the search's speed tie (``autofit.trial.loop``).
+      within half the search's speed tie (``autofit.trial.loop``); with ``outpaced_below``
+      (the engine's word: a confirmed rival's speed over ``OUTPACED``) a trial whose first
+      timed step is slower stops there.
     """
     from autofit.search.engine import SPEED_TIE
     from autofit.search.margin import SAFETY
@@ -1097,7 +1118,9 @@ def trial_run(probed: _Probed, config: TrainConfig, kept: Any,
         lengths = tuple(whole.order(config).lengths[:RUN_TRIAL_STEPS])
     return RunSpec(lengths=lengths, eval_batch_size=eval_b, eval_length=seq,
                    stop_above_bytes=int(dev.capacity_bytes * (1 - margin)),
-                   replay_s=RUN_TRIAL_REPLAY_S, decisive_spread=SPEED_TIE / 2)
+                   replay_s=RUN_TRIAL_REPLAY_S, decisive_spread=SPEED_TIE / 2,
+                   outpaced_below_tokens_per_s=outpaced_below,
+                   replay_within=RUN_TRIAL_REPLAY_WITHIN if dev.allocator != "cuda" else None)
 
 
 def _study(probed: _Probed, space: Any, margin: float, objective: str, runner: Any,

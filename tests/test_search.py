@@ -680,3 +680,45 @@ def test_one_timed_step_when_no_rival_could_beat_the_candidate():
     asked.clear()
     run(space(), true_speed)
     assert asked[0] is None  # a rival within 2x: the trial's default timed steps
+
+
+def test_a_trial_outpaced_by_a_confirmed_rival_stops_and_is_never_chosen():
+    # checkpointing is predicted 1.33x slower (a rival: both are tried) but measures 2x
+    # slower: its trial is told the speed under which to stop (the confirmed rival's over
+    # OUTPACED), stops after one timed step, and is neither confirmed nor chosen
+    from autofit.search.engine import OUTPACED
+
+    asked = []
+
+    def trial(c, timed_steps=None, outpaced_below=None):
+        asked.append((c.gradient_checkpointing, outpaced_below))
+        speed = true_speed(c) / (2.0 if c.gradient_checkpointing else 1.0)
+        r = FakeTrial(False, true_bytes(c), speed)
+        r.outpaced = outpaced_below is not None and speed < outpaced_below
+        return r
+
+    trial.timed_steps = True
+    trial.outpaced_below = True
+    out = Engine(space(), 10 * GiB, estimate=true_bytes, speed=true_speed, trial=trial,
+                 seq_len=128).run()
+    (first, none), (second, below) = asked
+    assert first is False and none is None  # nothing confirmed yet: nothing to outpace
+    fast = true_speed(out.config)
+    assert second is True and below == pytest.approx(fast / OUTPACED)
+    assert out.config.gradient_checkpointing is False and out.confirmed
+    slow = next(c for c in out.candidates if c.choice["gradient_checkpointing"])
+    assert slow.status == "slower" and slow.confirmed_micro_batch is None
+    ratio = fast / slow.measured_tokens_per_s
+    assert ratio > OUTPACED and f"{ratio:.1f}x slower than" in slow.reason
+    assert "its run not replayed" in slow.reason
+    # measured as predicted (1.15x slower): not outpaced, confirmed, the measurement decides
+    def close(c, timed_steps=None, outpaced_below=None):
+        speed = true_speed(c)
+        r = FakeTrial(False, true_bytes(c), speed)
+        r.outpaced = outpaced_below is not None and speed < outpaced_below
+        return r
+
+    close.timed_steps = close.outpaced_below = True
+    out = Engine(space(), 10 * GiB, estimate=true_bytes, speed=true_speed, trial=close,
+                 seq_len=128).run()
+    assert {c.status for c in out.candidates if c.status != "estimated"} == {"confirmed"}

@@ -123,26 +123,60 @@ def test_the_eval_batch_written_is_the_one_the_trial_ran():
 
 
 def test_a_trial_costs_what_it_must():
-    """A trial stops once its peak passes the budget, bounds its replay by time, and stops
-    timing after two steps that agree (autofit.trial.loop)."""
+    """A trial stops once its peak passes the budget (its first timed step runs before the
+    replay), bounds its replay by time, skips it far under the budget, stops an outpaced
+    trial after one timed step, and stops timing after two steps that agree
+    (autofit.trial.loop)."""
     cfg = TrainConfig(micro_batch_size=2)
     kw = {"seq_len": 64, "device": "cpu", "isolation": "in-process"}
     over = measure("tiny-llama", cfg, **kw, run=RunSpec(lengths=(16, 32, 48), eval_batch_size=2,
                                                          stop_above_bytes=1))
-    # stopped after the first replayed step: no timed step, no evaluation, not an OOM
+    # stopped after the first timed step, before the replay: no evaluation, not an OOM
     assert over.over_budget and not over.oom and over.error is None
-    assert over.run_steps == 1 and over.steps == 0 and over.eval_device_total_bytes is None
+    assert over.run_steps == 0 and over.steps == 1 and over.eval_device_total_bytes is None
     assert over.device_total_bytes > 1 and any("passed the budget" in n for n in over.notes)
+    assert "replay" in over.phase_s and over.phase_s["replay"] == 0.0
     bounded = measure("tiny-llama", cfg, **kw, run=RunSpec(lengths=(16, 32, 48), replay_s=0.0,
                                                            decisive_spread=10.0))
     # the replay's first length only; the timed steps stop after two (they agree within
-    # 1000%); the peak and the speed are still measured
+    # 1000%): one before the replay, one after it; the peak and the speed are measured
     assert bounded.run_steps == 1 and bounded.steps == 2 and not bounded.over_budget
     assert bounded.step_time_s and bounded.device_total_bytes
     assert any("replayed 1 of the run's 3" in n for n in bounded.notes)
     full = measure("tiny-llama", cfg, **kw, run=RunSpec(lengths=(16, 32), replay_s=60.0,
                                                         stop_above_bytes=1 << 40))
     assert full.run_steps == 2 and full.steps == 3 and not full.over_budget
+    assert set(full.phase_s) >= {"set-up", "warm-up", "replay", "timed", "clean-up"}
+    # the rest in trial processes: in-process trials grow this process's heap, which a
+    # later in-process cap (RLIMIT_AS over VmSize) would let a step reuse
+    kw["isolation"] = "subprocess"
+    # one timed step asked: one before the replay and the longest again after it
+    once = measure("tiny-llama", cfg, **kw, measure_steps=1,
+                   run=RunSpec(lengths=(16, 32), replay_s=60.0))
+    assert once.run_steps == 2 and once.steps == 2
+    # far under the budget: the replay cannot change the verdict, it is not run
+    far = measure("tiny-llama", cfg, **kw, run=RunSpec(lengths=(16, 32), replay_s=60.0,
+                                                       stop_above_bytes=1 << 40,
+                                                       replay_within=0.10))
+    assert far.run_steps == 0 and far.steps == 3 and not far.over_budget
+    assert any("not replayed" in n and "10% under the budget" in n for n in far.notes)
+    # ... but within 10% of it, it is
+    near = measure("tiny-llama", cfg, **kw, run=RunSpec(lengths=(16, 32), replay_s=60.0,
+                                                        stop_above_bytes=full.device_total_bytes
+                                                        + (1 << 30), replay_within=1e9))
+    assert near.run_steps == 2
+    # a rival confirmed far faster: stopped after its first timed step, no replay, no
+    # evaluation; its speed and that step's peak are measured, it is not over the budget
+    slow = measure("tiny-llama", cfg, **kw, run=RunSpec(lengths=(16, 32), eval_batch_size=2,
+                                                        outpaced_below_tokens_per_s=1e12))
+    assert slow.outpaced and slow.steps == 1 and slow.run_steps == 0
+    assert slow.tokens_per_s and slow.device_total_bytes and not slow.over_budget
+    assert slow.eval_device_total_bytes is None and slow.error is None
+    assert any("stopped after its first timed step" in n for n in slow.notes)
+    # ... and a rival it keeps up with does not stop it
+    kept = measure("tiny-llama", cfg, **kw, run=RunSpec(lengths=(16,), replay_s=60.0,
+                                                        outpaced_below_tokens_per_s=1e-3))
+    assert not kept.outpaced and kept.run_steps == 1 and kept.steps == 3
 
 
 def test_two_timed_steps_decide_only_when_a_third_cannot_move_the_median():

@@ -61,6 +61,12 @@ SPEED_TIE = 0.05  # measured throughputs this close are a tie (step-time noise)
 # checkpointing is predicted 1.33x slower, the chunked loss on a CPU ~6x, both confirmed
 # by measurement; ``autofit.search.speed``)
 PREDICTED_SLOWER = 2.0
+# a trial whose first timed step is this many times slower than a confirmed combination's
+# measured speed stops there (``RunSpec.outpaced_below_tokens_per_s``): beyond the noise of
+# one step (+-10% on a loaded CPU) it cannot be chosen, so its run is not replayed, its
+# other timed steps and its evaluation step not run (a 32-true step on a CPU with bf16:
+# 1.5x a bf16-mixed one)
+OUTPACED = 1.3
 # Part of the cache key: bump it when a change to the search makes cached answers stale
 # (2: the margin no longer subtracts measured fragmentation twice; line calibration;
 # 3: study parameters and candidate rows per knob, rows carry the uncalibrated estimate;
@@ -69,8 +75,9 @@ PREDICTED_SLOWER = 2.0
 # 6: the chunked_loss knob is searched; 7: the activation_offloading knob, a study parameter;
 # 8: the torch_compile knob, searched when asked; 9: the strategy and offload knobs, the
 # speed model's communication; 10: a combination predicted PREDICTED_SLOWER times slower
-# than a confirmed one is not tried, trials stop above the budget).
-ENGINE_VERSION = 10
+# than a confirmed one is not tried, trials stop above the budget; 11: a trial OUTPACED
+# times slower than a confirmed rival in its first timed step stops there).
+ENGINE_VERSION = 11
 
 
 @dataclass
@@ -89,7 +96,7 @@ class Candidate:
     failed_micro_batch: int | None = None  # smallest that did not fit (OOM or over margin)
     measured: dict[int, int] = field(default_factory=dict)  # micro batch -> measured bytes
     oom_micro_batch: int | None = None  # smallest micro batch that ran out of memory
-    status: str = "estimated"  # estimated | confirmed | rejected | infeasible | skipped
+    status: str = "estimated"  # estimated | confirmed | rejected | infeasible | skipped | slower
     reason: str = ""
 
     @property
@@ -332,9 +339,13 @@ class Engine:
             noun = "trial" if self.trial_word == "measured" else "simulation"
             self._progress(f"{noun} {len(self.trials) + 1}: {c.label()}, micro batch {b} "
                            f"(estimate {_gib(self.estimated(c, b))})")
+            asked: dict[str, Any] = {}
+            if getattr(self._trial, "timed_steps", False):
+                asked["timed_steps"] = self._timed_steps(c)
+            if getattr(self._trial, "outpaced_below", False):
+                asked["outpaced_below"] = self._outpaced_below(c)
             try:
-                result = (self._trial(config, timed_steps=self._timed_steps(c))
-                          if getattr(self._trial, "timed_steps", False) else self._trial(config))
+                result = self._trial(config, **asked)
             except BaseException:
                 if self.recorder is not None:  # interrupted: the claim is given up
                     self.recorder.release(claim)
@@ -357,6 +368,9 @@ class Engine:
         while b is not None and len(self.trials) < self.max_trials and not self._out_of_time():
             r = self._run_trial(c, b)
             raw = self._raw_estimate(c, b)
+            if getattr(r, "outpaced", False) and not r.oom and r.error is None:
+                self._slower(c, r)
+                return
             if not r.oom and (r.error is not None or r.device_total_bytes is None):
                 # a failure that is not an OOM (a timeout, a crash): do not guess further
                 c.status, c.reason = "rejected", f"trial failed: {r.error}"
@@ -399,6 +413,32 @@ class Engine:
         c.raw_estimate_bytes = self._raw_estimate(c, best_fit)
         c.estimate_bytes = self.estimated(c, best_fit)
         c.predicted_tokens_per_s = self._speed(self.config(c, best_fit))
+
+    def _fastest_confirmed(self) -> Candidate | None:
+        confirmed = [x for x in self._candidates if x.status == "confirmed"
+                     and x.measured_tokens_per_s]
+        return max(confirmed, key=lambda x: x.measured_tokens_per_s or 0.0, default=None)
+
+    def _outpaced_below(self, c: Candidate) -> float | None:
+        """The speed under which a trial of ``c`` stops after its first timed step: the
+        fastest confirmed measured speed over ``OUTPACED``; None before any is confirmed."""
+        best = self._fastest_confirmed()
+        return None if best is None else (best.measured_tokens_per_s or 0.0) / OUTPACED
+
+    def _slower(self, c: Candidate, r: Any) -> None:
+        """``c``'s trial stopped after its first timed step, outpaced by a confirmed rival:
+        not confirmed (its run was not replayed), never chosen; its speed is kept."""
+        best = self._fastest_confirmed()
+        c.status = "slower"
+        c.measured_tokens_per_s = r.tokens_per_s
+        c.measured_bytes = r.device_total_bytes  # one full-length step's peak, no run
+        if best is None or not r.tokens_per_s:
+            c.reason = "stopped after its first timed step: a confirmed rival is faster"
+            return
+        c.reason = (f"{self.trial_word} {r.tokens_per_s:,.0f} tokens/s in its first timed step, "
+                    f"{(best.measured_tokens_per_s or 0.0) / r.tokens_per_s:.1f}x slower than "
+                    f"{best.label()} ({best.measured_tokens_per_s:,.0f}, fits): stopped there, "
+                    "its run not replayed")
 
     def _next_size(self, c: Candidate, best_fit: int | None) -> int | None:
         """The next micro batch to try: bracket the limit between best_fit and failed.

@@ -18,7 +18,8 @@ On the CPU large blocks are not cached (each is its own mapping, returned when
 freed), so the allocator model's replay adds nothing (``benchmarks/results/run_replay.md``)
 and the margin is the safety alone; what it does not model — small blocks of short
 batches fragmenting glibc's heap — is measured instead: a trial replays the run's
-first lengths before its longest step (``autofit.api.trial_run``).
+first lengths before its longest step again, when its first longest step peaks close
+enough to the budget for that to matter (``autofit.api.trial_run``).
 On a caching allocator (CUDA) the replay runs once, for the configuration the
 estimate alone would pick; what it adds above that configuration's longest step
 is kept free for every candidate.
@@ -91,8 +92,9 @@ def run_margin(simulator: Any, config: TrainConfig | None, order: RunOrder | Non
     cap = format_bytes(device.capacity_bytes)
     if device.allocator != "cuda" or config is None or order is None or simulator is None:
         why = ("on the CPU large blocks are not cached (each is its own mapping), and what "
-               "short batches leave fragmented on the heap is measured: every trial replays "
-               "the run's first lengths before its longest step"
+               "short batches leave fragmented on the heap is measured: a trial whose longest "
+               "step peaks within 10% of the budget replays the run's first lengths and steps "
+               "the longest again"
                if device.allocator != "cuda" else "nothing fits the estimate to replay a run of")
         return RunMargin(safety, 0, f"margin {100 * safety:g}% of {cap}: a stated safety; "
                          f"{why}")

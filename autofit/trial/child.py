@@ -35,6 +35,7 @@ def _write(workdir: Path, data: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
+    started = time.monotonic()
     workdir = Path(argv[1])
     from autofit.trial.process import guard_parent
 
@@ -72,6 +73,7 @@ def main(argv: list[str]) -> int:
             model.to(device)
         wall = payload.get("deadline_wall")  # the parent's clock: start-up counts too
         deadline = time.monotonic() + (wall - time.time()) if wall else None
+        loaded = time.monotonic()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, not raised
         from autofit.trial.oom import is_oom
 
@@ -89,6 +91,7 @@ def main(argv: list[str]) -> int:
         cap_bytes=payload.get("cap_bytes"),
         deadline=deadline,
     )
+    raw.phase_s = {"load": round(loaded - started, 3), **raw.phase_s}
     _write(workdir, asdict(raw))
     return 0
 

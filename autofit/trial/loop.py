@@ -16,7 +16,11 @@ Shared by the in-process runner (``trial.py``) and the trial child
    cap bounds weights + buffers + batch + everything the steps allocate;
 4. ``warmup_steps`` steps (optimizer state appears), reset the peak counters
    (``/proc/self/clear_refs`` or ``reset_peak_memory_stats``), ``measure_steps``
-   timed steps, read the peaks;
+   timed steps, read the peaks. With a replay (``RunSpec.lengths``) the first timed
+   step runs before it and at least one after it: a peak over the search's budget or a
+   speed a confirmed rival outpaces (``RunSpec.outpaced_below_tokens_per_s``) stops the
+   trial after one full-length step, before the replay's cost; the run's peak, the
+   longest step after the short ones, is still measured by every trial that goes on;
 5. free everything the trial made and check memory is back at the baseline.
 
 An exception is turned into a message *outside* the ``except`` block (its frames
@@ -80,6 +84,8 @@ class RawTrial:
     eval_error: str | None = None
     compile_s: float | None = None  # torch_compile: the set-up steps that compiled (untimed)
     over_budget: bool = False  # stopped once the peak passed RunSpec.stop_above_bytes
+    outpaced: bool = False  # stopped after its first timed step: slower than a rival (RunSpec)
+    phase_s: dict[str, float] = field(default_factory=dict)  # where the trial's time went
 
     @property
     def step_time_s(self) -> float | None:
@@ -286,6 +292,51 @@ def _passed_budget(meter: Any, run: RunSpec | None, raw: RawTrial, what: str) ->
     return True
 
 
+def _timed_step(stepper: Stepper, batch: dict[str, torch.Tensor], device: torch.device,
+                meter: Any, run: RunSpec | None, raw: RawTrial,
+                deadline: float | None) -> str | None:
+    """One timed full-length step (its time in ``raw.step_times_s``), and why the trial
+    stops there, if it does: ``"budget"`` (its peak passed the budget), ``"outpaced"`` (its
+    first step is slower than ``run.outpaced_below_tokens_per_s``: ``raw.outpaced``) or
+    ``"deadline"``."""
+    _sync(device)
+    t0 = time.perf_counter()
+    stepper.step(batch)
+    _sync(device)
+    took = time.perf_counter() - t0
+    raw.step_times_s.append(took)
+    if _passed_budget(meter, run, raw, "a timed step"):
+        return "budget"
+    slower = run.outpaced_below_tokens_per_s if run is not None else None
+    if slower and len(raw.step_times_s) == 1 and took > 0:
+        rows, length = (int(n) for n in batch["input_ids"].shape[:2])
+        speed = stepper.plan.micro_batches_per_step * rows * length / took
+        if speed < slower:
+            raw.outpaced = True
+            raw.notes.append(f"stopped after its first timed step: {speed:,.0f} tokens/s, below "
+                             f"{slower:,.0f} (a confirmed rival's speed over the search's "
+                             "outpacing factor): it cannot be chosen, its run is not replayed")
+            return "outpaced"
+    if deadline is not None and time.monotonic() > deadline:
+        return "deadline"
+    return None
+
+
+def _replay_moot(meter: Any, run: RunSpec, raw: RawTrial) -> bool:
+    """Whether the first timed step's peak is so far under the budget that the replay
+    cannot change the verdict (``RunSpec.replay_within``); noted in ``raw`` when it is."""
+    if run.replay_within is None or run.stop_above_bytes is None:
+        return False
+    total = meter.peaks()[2]
+    if total is None or total * (1 + run.replay_within) >= run.stop_above_bytes:
+        return False
+    raw.notes.append(f"the run's first lengths not replayed: the longest step's peak "
+                     f"({total} bytes) is more than {100 * run.replay_within:g}% under the "
+                     f"budget ({run.stop_above_bytes} bytes), more than what short batches "
+                     "leave fragmented can add")
+    return True
+
+
 def _decided(times: list[float], spread: float | None, asked: int) -> bool:
     """Whether the timed steps so far settle the step time: two that agree within
     ``spread`` (a fraction); the median of any more steps lies between them when at most
@@ -344,6 +395,13 @@ def run_steps(
     ``deadline``: ``time.monotonic()`` after which no further step starts.
     """
     raw = RawTrial()
+    clock = [time.monotonic()]
+
+    def lap(name: str) -> None:  # seconds since the previous lap, in raw.phase_s
+        now = time.monotonic()
+        raw.phase_s[name] = round(now - clock[0], 3)
+        clock[0] = now
+
     batch = move_batch(batch, device)
     stepper: Stepper | None = None
     meter: Any = None
@@ -384,6 +442,7 @@ def run_steps(
             meter = _AccelMeter(device, excluded_bytes)
         raw.baseline_bytes = meter.baseline()
         stepper = Stepper(model, plan, device, forward)
+        lap("set-up")
         # 3.-4. the steps
         phase = "warm-up"
         meter.arm()
@@ -402,34 +461,41 @@ def run_steps(
                     break
             if stepper.skipped_steps:
                 raw.notes.append(f"GradScaler skipped {stepper.skipped_steps} step(s) (inf grads)")
+            lap("warm-up")
             phase = "measured"
             if not raw.timed_out:
                 meter.reset_peak()
-                t0 = time.monotonic()
-                for i, length in enumerate(run.lengths if run is not None else ()):
-                    if _replay_spent(run, i, t0, raw):
-                        break
-                    phase = f"run (length {length})"
-                    stepper.step(cut_batch(batch, length))
-                    raw.run_steps += 1
-                    if _passed_budget(meter, run, raw, f"replayed step {i + 1}"):
-                        break
-                    if deadline is not None and time.monotonic() > deadline:
-                        raw.timed_out = True
-                        break
-                phase = "measured"
-            if not raw.timed_out and not raw.over_budget:
+                lengths = run.lengths if run is not None else ()
+                stop = False
+                if lengths:
+                    # the first timed step before the replay: an over-budget or outpaced
+                    # trial is settled by it, before the replay's cost
+                    why = _timed_step(stepper, batch, device, meter, run, raw, deadline)
+                    raw.timed_out = why == "deadline"
+                    stop = why is not None
+                    moot = not stop and _replay_moot(meter, run, raw)
+                    t0 = time.monotonic()
+                    for i, length in enumerate(() if stop or moot else lengths):
+                        if _replay_spent(run, i, t0, raw):
+                            break
+                        phase = f"run (length {length})"
+                        stepper.step(cut_batch(batch, length))
+                        raw.run_steps += 1
+                        if _passed_budget(meter, run, raw, f"replayed step {i + 1}"):
+                            stop = True
+                            break
+                        if deadline is not None and time.monotonic() > deadline:
+                            raw.timed_out = stop = True
+                            break
+                    raw.phase_s["replay"] = round(time.monotonic() - t0, 3)
+                    phase = "measured"
                 spread = run.decisive_spread if run is not None else None
-                for _ in range(measure_steps):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    stepper.step(batch)
-                    _sync(device)
-                    raw.step_times_s.append(time.perf_counter() - t0)
-                    if _passed_budget(meter, run, raw, "a timed step"):
-                        break
-                    if deadline is not None and time.monotonic() > deadline:
-                        raw.timed_out = len(raw.step_times_s) < measure_steps
+                # at least one full-length step after the replay: the run's peak is there
+                owed = 0 if stop else max(measure_steps - len(raw.step_times_s), 1)
+                for k in range(owed):
+                    why = _timed_step(stepper, batch, device, meter, run, raw, deadline)
+                    if why is not None:
+                        raw.timed_out = why == "deadline" and k < owed - 1
                         break
                     if _decided(raw.step_times_s, spread, measure_steps):
                         raw.notes.append(f"{len(raw.step_times_s)} timed steps of "
@@ -437,9 +503,12 @@ def run_steps(
                                          f"{100 * spread:.1f}%, a further one cannot move "
                                          "their median out of them")
                         break
+            raw.phase_s["timed"] = round(sum(raw.step_times_s), 3)
+            lap("steps")
             if (run is not None and run.eval_batch_size and not raw.timed_out
-                    and not raw.over_budget):
+                    and not raw.over_budget and not raw.outpaced):
                 _evaluate(stepper, batch, run, meter, raw)
+                lap("evaluation")
         finally:
             meter.disarm()
     except Exception as exc:  # noqa: BLE001 - every failure becomes part of the result
@@ -460,4 +529,5 @@ def run_steps(
         leaked = meter.leaked()
         raw.leaked_bytes = leaked
         raw.recovered = leaked is not None and leaked <= meter.tolerance
+    lap("clean-up")
     return raw

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["TrialResult", "trial_from_dict"]
@@ -54,9 +54,13 @@ class TrialResult:
     eval_error: str | None = None
     compile_s: float | None = None  # torch_compile: the set-up steps that compiled (not timed)
     over_budget: bool = False  # stopped once its peak passed the search's budget (RunSpec)
+    # stopped after its first timed step: slower than a confirmed rival (RunSpec); its
+    # speed and that step's peak are measured, its run is not
+    outpaced: bool = False
     # several ranks (world_size > 1): one dict per rank (autofit.trial.ranks); the peaks
     # above are the peaking rank's, capacity_bytes the smallest rank's
     per_rank: tuple[dict[str, Any], ...] = ()
+    phase_s: dict[str, float] = field(default_factory=dict)  # where the trial's time went
 
     @property
     def fits(self) -> bool:

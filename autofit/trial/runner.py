@@ -807,8 +807,22 @@ def _trial_result(raw: Any, config: TrainConfig, dev: Any, b: int, t: int, micro
         eval_error=raw.eval_error,
         compile_s=raw.compile_s,
         over_budget=bool(getattr(raw, "over_budget", False)),
+        outpaced=bool(getattr(raw, "outpaced", False)),
+        phase_s=dict(getattr(raw, "phase_s", None) or {}),
         **fields,
     )
+
+
+def warm_up(dev: Any, isolation: str = "auto") -> None:
+    """Start the trial server now when ``dev``'s trials will fork from it (a present CPU,
+    one rank, trials in a subprocess): its imports (seconds) then overlap the caller's
+    work before the first trial instead of delaying it. Nothing otherwise; never raises."""
+    if (dev.kind != "cpu" or not dev.present or dev.nproc_per_node * dev.nnodes > 1
+            or _choose_isolation(isolation, dev)[0] != "subprocess"):
+        return
+    from autofit.trial import server
+
+    server.prepare(_child_env())
 
 
 def _choose_isolation(isolation: str, dev: Any) -> tuple[str, str]:

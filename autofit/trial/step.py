@@ -250,8 +250,9 @@ class RunSpec:
 
     Attributes:
         lengths: padded lengths of micro batches in the run's order, each one optimizer
-            step on the worst-case rows cut to that length, run after the warm-up and
-            before the timed steps (what a caching allocator fragments on).
+            step on the worst-case rows cut to that length, run after the first timed step
+            and before the others (what a caching allocator fragments on: at least one
+            full-length step runs after them).
         eval_batch_size: ``per_device_eval_batch_size``: one evaluation step after the
             timed steps, with the optimizer states alive (as inside ``Trainer.train``).
         eval_length: tokens per sample of the evaluation batch (default: the batch's).
@@ -264,6 +265,15 @@ class RunSpec:
             the timed ones, always runs).
         decisive_spread: the timed steps stop after two that agree within this fraction:
             a third cannot move their median out of the two (``loop.run_steps``).
+        outpaced_below_tokens_per_s: the search's fastest confirmed speed divided by
+            ``autofit.search.engine.OUTPACED``: a trial whose first timed step (run before
+            the replay) is slower than this stops there (``RawTrial.outpaced``): it cannot
+            be chosen, so its whole run is not worth replaying.
+        replay_within: the replay runs only when the first timed step's peak is within
+            this fraction of ``stop_above_bytes`` (``peak * (1 + replay_within) >=
+            budget``): further under it, what the run's short batches leave fragmented
+            (a few percent of a step on a CPU's heap) cannot change the verdict. None:
+            always (a caching allocator's run is modelled apart).
     """
 
     lengths: tuple[int, ...] = ()
@@ -272,6 +282,8 @@ class RunSpec:
     stop_above_bytes: int | None = None
     replay_s: float | None = None
     decisive_spread: float | None = None
+    outpaced_below_tokens_per_s: float | None = None
+    replay_within: float | None = None
 
 
 def cut_batch(batch: dict[str, torch.Tensor], length: int,
