@@ -43,6 +43,7 @@ TINY = {
 }
 
 
+@pytest.mark.slow  # the benchmark harness measured twice (benchmarks/measure_cpu.py)
 def test_peak_is_repeatable_and_sees_the_logits():
     a = measure_cpu.measure(TINY)
     b = measure_cpu.measure(TINY)

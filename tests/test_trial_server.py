@@ -157,7 +157,8 @@ def _same_fields(a, b) -> None:
     assert (a.step_time_s is None) == (b.step_time_s is None)
 
 
-@pytest.mark.parametrize("case", [FITS, OOM], ids=["fits", "oom"])
+@pytest.mark.parametrize("case", [FITS, pytest.param(OOM, marks=pytest.mark.slow)],
+                         ids=["fits", "oom"])  # the OOM path: test_trial.py, fresh children
 def test_a_forked_trial_gives_what_a_fresh_child_gives(case, tiny_path, own_tmp, server_on,
                                                        monkeypatch):
     forked = measure(tiny_path, **case)
@@ -202,6 +203,7 @@ def test_a_server_that_cannot_start_is_given_up_with_one_warning(
     assert leftovers(own_tmp) == []
 
 
+@pytest.mark.slow  # the fast set kills one under a trial (the same give-up path)
 def test_a_server_killed_while_idle_is_given_up_with_one_warning(
     tiny_path, own_tmp, server_on, caplog
 ):
@@ -265,7 +267,8 @@ measure({model!r}, TrainConfig(micro_batch_size=1), seq_len=16, device="cpu:1GiB
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGKILL", "SIGINT"])  # one signal in the fast set
 def test_a_parent_killed_mid_trial_takes_server_and_child_along(sig, tiny_path, own_tmp):
     parent = subprocess.Popen(
         [sys.executable, "-c", MEASURE_FOREVER.format(model=tiny_path)],
@@ -299,7 +302,7 @@ if sys.argv[1] == "stay":
 """
 
 
-@pytest.mark.parametrize("end", ["exit", "SIGKILL"])
+@pytest.mark.parametrize("end", ["exit", pytest.param("SIGKILL", marks=pytest.mark.slow)])
 def test_an_idle_server_ends_with_its_parent(end, tiny_path, own_tmp):
     parent = subprocess.Popen(
         [sys.executable, "-c", MEASURE_ONCE.format(model=tiny_path),
@@ -325,6 +328,7 @@ def test_an_idle_server_ends_with_its_parent(end, tiny_path, own_tmp):
 # ---------------------------------------------------------------- cheaper
 
 
+@pytest.mark.slow  # a timing comparison: benchmarks/first_minute.py measures the cost
 def test_a_forked_trial_starts_faster_than_a_fresh_child(tiny_path, own_tmp, monkeypatch):
     walls: dict[str, list[float]] = {"server": [], "fresh": []}
     assert measure(tiny_path, **FITS).fits  # the server starts here
@@ -339,3 +343,30 @@ def test_a_forked_trial_starts_faster_than_a_fresh_child(tiny_path, own_tmp, mon
     print(f"measure() wall, s: {walls}")
     # relative only: the fresh child imports torch and transformers, the fork does not
     assert min(walls["server"]) < min(walls["fresh"])
+
+
+def test_the_server_is_kept_across_variables_no_child_reads(monkeypatch):
+    """Its key leaves out what no trial child reads (a restart costs seconds of imports:
+    under pytest every test changed PYTEST_CURRENT_TEST, and most the cache folder); any
+    other change of the environment restarts it."""
+    made = []
+
+    class Fake:
+        def __init__(self, key, env):
+            self.key, self.owner, self.busy = key, os.getpid(), threading.Lock()
+            made.append(self)
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(trial_server, "_Server", Fake)
+    monkeypatch.setattr(trial_server, "_SERVER", None)
+    monkeypatch.setattr(trial_server, "_GIVEN_UP", None)
+    monkeypatch.setattr(trial_server, "_ATEXIT", True)
+    env = {"PATH": "/bin", "PYTEST_CURRENT_TEST": "a", "AUTOFIT_CACHE_DIR": "/x"}
+    with trial_server._LOCK:
+        first = trial_server._current(env)
+        same = trial_server._current({**env, "PYTEST_CURRENT_TEST": "b",
+                                      "AUTOFIT_CACHE_DIR": "/y"})
+        other = trial_server._current({**env, "MALLOC_ARENA_MAX": "2"})
+    assert same is first and other is not first and len(made) == 2

@@ -47,6 +47,7 @@ def accelerate_predicate():
     return should_reduce_batch_size
 
 
+@pytest.mark.slow  # the peers' real finders, minutes of probing: the benchmark's own run
 def test_accelerate_real_function_shrinks_by_0_9(tuners):
     log = tuners.Log()
     try_size = tuners.oom_raiser(fake_device(tuners, 10), accelerate_predicate(), log)
@@ -78,6 +79,7 @@ def test_transformers_auto_find_batch_size_starts_at_per_device_batch(tuners):
     assert all(a.accum == 1 for a in log.attempts)  # accumulation is never raised
 
 
+@pytest.mark.slow
 def test_lightning_real_binsearch(tuners, tmp_path):
     from lightning.pytorch.utilities.memory import is_oom_error
 

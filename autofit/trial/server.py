@@ -49,7 +49,9 @@ Known limitations:
     an initialised CUDA driver, which a fork cannot use; accelerator trials start
     fresh children.
     NB: the server is started with this process's environment, executable and
-    ``sys.path`` of the moment; when they change it is restarted (once idle).
+    ``sys.path`` of the moment; when they change it is restarted (once idle), but
+    not for the variables no child reads (``_UNREAD``: pytest's per-test one, the cache
+    folder).
     Modules a trial imports beyond the preloaded ones (a model's own
     ``modeling_*``, tenths of a second) are imported by each child.
     NB: Linux only (parent-death signal, ``/proc``); elsewhere trials start fresh
@@ -107,6 +109,10 @@ PRELOAD_OPTIONAL = (
 START_TIMEOUT_S = 300.0  # imports on a loaded machine; past this the server is given up
 KILLED_REPORT_S = 30.0  # a killed child's exit reported by then, or the server is given up
 _ENV = "AUTOFIT_TRIAL_SERVER"
+# environment variables no trial child reads, left out of the server's key: a change of
+# them alone does not restart the server (pytest sets the first per test; a session that
+# moves its cache between tunes sets the second)
+_UNREAD = frozenset({"PYTEST_CURRENT_TEST", "AUTOFIT_CACHE_DIR"})
 
 
 class Lost(Exception):
@@ -184,7 +190,7 @@ def _current(env: dict[str, str]) -> _Server | None:
     global _SERVER, _ATEXIT
     if _GIVEN_UP is not None:
         return None
-    key = (sys.executable, tuple(sorted(env.items())))
+    key = (sys.executable, tuple(sorted((k, v) for k, v in env.items() if k not in _UNREAD)))
     srv = _SERVER
     if srv is not None and srv.owner != os.getpid():
         srv = _SERVER = None  # inherited by a fork of the owner: the owner's, not ours
