@@ -1,8 +1,9 @@
 """The first minute: what a new user waits for, side by side in one run (issue 22's targets).
 
     python benchmarks/first_minute.py                  # every case, the default repeats
-    python benchmarks/first_minute.py --cases check estimate --repeats 3
+    python benchmarks/first_minute.py --cases check-cached estimate-70b --repeats 3
     python benchmarks/first_minute.py --skip-llama     # the long case left out
+    git worktree add /tmp/prev <rev> && python benchmarks/first_minute.py --baseline /tmp/prev
     python benchmarks/first_minute.py --cases check-cached --plan tuned.yaml
 
 Each case runs ``python -m autofit ...`` from this checkout in a fresh process (as a user
@@ -57,13 +58,15 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def timed(argv: list[str], env: dict[str, str], timeout: float) -> dict:
-    """One ``python -m autofit`` run: wall, CPU (children), load, exit code."""
+def timed(argv: list[str], env: dict[str, str], timeout: float, root: Path = ROOT) -> dict:
+    """One ``python -m autofit`` run of the checkout at ``root``: wall, CPU (children),
+    load, exit code."""
     load0 = os.getloadavg()[0]
     cpu0 = _children_cpu()
     t0 = time.perf_counter()
+    env = {**env, "PYTHONPATH": str(root)}
     try:
-        r = subprocess.run([sys.executable, "-m", "autofit", *argv], cwd=ROOT, env=env,
+        r = subprocess.run([sys.executable, "-m", "autofit", *argv], cwd=root, env=env,
                            capture_output=True, text=True, timeout=timeout)
         code, tail = r.returncode, (r.stderr or r.stdout).strip().splitlines()[-1:]
     except subprocess.TimeoutExpired:
@@ -103,30 +106,35 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "first_minute"))
     ap.add_argument("--plan", help="check-cached: check this tuned file (default: the quick "
                                    "start's, made first when the quick start is not run)")
+    ap.add_argument("--baseline", type=Path, help="a checkout of the previous release (e.g. "
+                    "`git worktree add /tmp/prev <rev>`): each run of a case is followed by "
+                    "the same run there, and the table gives their ratio")
     args = ap.parse_args()
     cases = [c for c in args.cases if not (args.skip_llama and c == "llama")]
     tmp = Path(tempfile.mkdtemp(prefix="first-minute-"))
-    env = {**os.environ, "AUTOFIT_CACHE_DIR": str(tmp / "cache"), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "AUTOFIT_CACHE_DIR": str(tmp / "cache")}
     rows: dict[str, dict] = {}
 
     def run(name: str, argv: list[str], repeats: int, fresh_cache: bool) -> None:
-        runs = []
+        runs, base = [], []
         for i in range(repeats):
-            e = {**env, "AUTOFIT_CACHE_DIR": str(tmp / f"cache-{name}-{i}")} if fresh_cache else env
-            runs.append(timed(argv, e, args.timeout))
-            print(f"{name} #{i + 1}: {runs[-1]}", flush=True)
-        ok = [r for r in runs if r["exit"] in (0, 3)]  # 3: "does not fit" is an answer
+            for root, into, tag in ((ROOT, runs, ""), (args.baseline, base, "b")):
+                if root is None:
+                    continue
+                e = ({**env, "AUTOFIT_CACHE_DIR": str(tmp / f"cache-{name}-{i}{tag}")}
+                     if fresh_cache else {**env, "AUTOFIT_CACHE_DIR": str(tmp / f"cache{tag}")})
+                into.append(timed(argv, e, args.timeout, root))
+                print(f"{name} #{i + 1}{' (baseline)' if tag else ''}: {into[-1]}", flush=True)
         rows[name] = {"argv": ["python", "-m", "autofit", *argv], "runs": runs,
-                      "median_wall_s": statistics.median(r["wall_s"] for r in ok) if ok else None,
-                      "median_cpu_s": statistics.median(r["cpu_s"] for r in ok) if ok else None,
-                      "target_s": TARGETS[name]}
+                      **_medians(runs), "target_s": TARGETS[name]}
+        if base:
+            rows[name]["baseline"] = {"runs": base, **_medians(base)}
 
     quick_out = tmp / "tuned.yaml"
     out = Path(args.out)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpus": os.cpu_count(), "python": sys.version.split()[0],
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                     capture_output=True, text=True).stdout.strip()}
+            "cpus": os.cpu_count(), "python": sys.version.split()[0], "commit": _commit(ROOT),
+            "baseline": _commit(args.baseline) if args.baseline else None}
     # the cheap cases first; the results are written after every case (a long one may be
     # stopped and what ran is kept)
     for name in ("estimate-70b", "quickstart-plain", "quickstart", "check-cached", "llama"):
@@ -147,7 +155,10 @@ def main() -> None:
                 timed([*QUICK, "--no-chunked-loss", "-o", str(plan)], env, args.timeout)
             check = ["check", str(plan), "--model", "tiny-gpt2", "--dataset", "tiny-samples",
                      "--device", "cpu:1GiB"]
-            timed(check, env, args.timeout)  # the first check fills the cache
+            for root, tag in ((ROOT, ""), (args.baseline, "b")):  # the first fills the cache
+                if root is not None:
+                    timed(check, {**env, "AUTOFIT_CACHE_DIR": str(tmp / f"cache{tag}")},
+                          args.timeout, root)
             run(name, check, args.repeats, False)
         else:
             run(name, [*llama_case(tmp), "-o", str(tmp / "llama.yaml")], args.tune_repeats,
@@ -155,22 +166,42 @@ def main() -> None:
         write(out, meta, rows)
 
 
+def _commit(root: Path) -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def _medians(runs: list[dict]) -> dict:
+    ok = [r for r in runs if r["exit"] in (0, 3)]  # 3: "does not fit" is an answer
+    return {"median_wall_s": statistics.median(r["wall_s"] for r in ok) if ok else None,
+            "median_cpu_s": statistics.median(r["cpu_s"] for r in ok) if ok else None}
+
+
 def write(out: Path, meta: dict, rows: dict) -> None:
     """``out``.json (every run) and ``out``.md (the table)."""
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cases": rows}, indent=2))
+    base = meta.get("baseline")
     lines = [f"# First minute ({meta['when']}, commit {meta['commit']}, {meta['cpus']} CPUs)",
              "", "`python benchmarks/first_minute.py` — wall and CPU seconds, the 1-minute load "
-             "average before / after each run (the machine is shared).", "",
-             "| case | target | median wall s | median CPU s | runs (wall s @ load) | met |",
-             "|---|---|---|---|---|---|"]
+             "average before / after each run (the machine is shared)"
+             + (f"; each run followed by the same run of the previous release ({base}), their "
+                "ratio in the last column" if base else "") + ".", "",
+             "| case | target | median wall s | median CPU s | runs (wall s @ load) | met |"
+             + (f" {base} median wall s | ratio (this / {base}) |" if base else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if base else "")]
     for name, r in rows.items():
         runs = ", ".join(f"{x['wall_s']}@{x['load_before']}" + ("" if x["exit"] == 0 else
                                                                  f" (exit {x['exit']})")
                          for x in r["runs"])
         met = "" if r["median_wall_s"] is None else (
             "yes" if r["median_wall_s"] <= r["target_s"] else "no")
-        lines.append(f"| {name} | <= {r['target_s']:g} s | {r['median_wall_s']} | "
-                     f"{r['median_cpu_s']} | {runs} | {met} |")
+        line = (f"| {name} | <= {r['target_s']:g} s | {r['median_wall_s']} | "
+                f"{r['median_cpu_s']} | {runs} | {met} |")
+        if base:
+            b = r.get("baseline", {}).get("median_wall_s")
+            ratio = f"{r['median_wall_s'] / b:.2f}" if b and r["median_wall_s"] else ""
+            line += f" {b} | {ratio} |"
+        lines.append(line)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -452,6 +452,7 @@ print(json.dumps({"config": r.config.to_dict(), "ran": len(ran), "trials": len(r
 """
 
 
+@pytest.mark.slow  # two tunes started together (12 s of waiting for both to be past their imports)
 def test_two_runs_at_once_share_their_trials(tmp_path, cache_dir):
     from optuna.storages import RDBStorage
 

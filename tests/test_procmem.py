@@ -40,6 +40,7 @@ def _growth(env: dict[str, str]) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # the evidence behind CHILD_MALLOC_ENV's oneDNN setting (two fresh processes)
 def test_a_measuring_childs_address_space_does_not_grow_with_new_lengths():
     env = runner._child_env()  # what a trial child (and the trial server) is started with
     grown = _growth(env)
