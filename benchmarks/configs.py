@@ -313,6 +313,10 @@ CONFIGS: list[dict[str, Any]] = [
            quantization=NF4_BF16),
     _llama("llama-nf4dqbf16-lora-b4s256-gc", gc=True, lora=LORA_QV, quantization=NF4_DQ_BF16),
     _llama("llama-fp4-lora-b4s256", lora=LORA_QV, quantization=FP4_FP32),
+    # QDoRA: DoRA on a 4-bit base (peft dequantizes each adapted weight in every forward)
+    _llama("llama-nf4bf16-dora-b4s256-bf16m", precision="bf16-mixed", peft=PEFT["dora"],
+           quantization=NF4_BF16),
+    _llama("llama-nf4-dora-b4s256-gc", gc=True, peft=PEFT["dora"], quantization=NF4_DQ_FP32),
     _llama("llama-nf4dq-lora-all-b2s512-gc", batch=2, seq=512, gc=True, lora=LORA_ALL,
            quantization=NF4_DQ_FP32),
     _gpt2("gpt2-int8-lora-b4s256", lora=LORA_GPT2, quantization=INT8),

@@ -314,7 +314,7 @@ def run_soak_child(spec: dict[str, Any], device_name: str, config: Any) -> dict[
             res["error"] = f"step alone: OutOfMemoryError: {str(exc).splitlines()[0][:300]}"
         except Exception as exc:  # noqa: BLE001
             res["error"] = f"step alone: {type(exc).__name__}: {str(exc)[:300]}"
-    if res.get("run_peak_reserved_bytes") and res.get("step_peak_reserved_bytes"):
+    if res.get("run_peak_reserved_bytes") is not None and res.get("step_peak_reserved_bytes") is not None:
         res["over_the_run_bytes"] = res["run_peak_reserved_bytes"] - res["step_peak_reserved_bytes"]
     res["child_wall_s"] = time.perf_counter() - t_start
     return res

@@ -55,6 +55,32 @@ def test_an_8bit_trial_on_a_capped_cpu_matches_the_estimate():
         assert -0.01 < r.peak_allocated_bytes / est.peak_allocated_bytes - 1 < 0.06, method
 
 
+@pytest.mark.parametrize("bits", [4])  # 8 bits: refused (tests/test_bad_input.py)
+def test_dora_on_a_quantized_base_is_estimated_and_its_trial_runs(bits):
+    """QDoRA (issue 23): peft initialises DoRA's magnitudes from the dequantized weights, and
+    dequantizes every layer's weight again in each forward. The meta build gives them a
+    stand-in, the simulation dequantizes the fake packed weights as peft does, a trial's
+    real base is dequantized by peft itself; the trial's peak is what both estimators say
+    (the independent harness: tests/memory/test_measured_rows.py)."""
+    dora = {"peft_type": "LORA", "use_dora": True, "r": 8, "lora_alpha": 16,
+            "target_modules": ["q_proj", "v_proj"]}
+    quant = {"load_in_4bit": True} if bits == 4 else {"load_in_8bit": True}
+    config = TrainConfig(micro_batch_size=2)
+    r = measure("tiny-llama", config, seq_len=64, device="cpu:2GiB", peft_config=dora,
+                measure_steps=1, **quant)
+    assert r.fits and r.error is None, r.error
+    for method in ("analytic", "simulate"):
+        est = estimate("tiny-llama", config, seq_len=64, device="cpu", method=method,
+                       peft_config=dora, **quant)
+        assert -0.01 < r.peak_allocated_bytes / est.peak_allocated_bytes - 1 < 0.06, method
+    # and on a card (the CUDA simulation of the 4-bit dequantization in every forward)
+    card = estimate("tiny-llama", config, seq_len=64, device="A100-80GB", method="simulate",
+                    peft_config=dora, **quant)
+    plain = estimate("tiny-llama", config, seq_len=64, device="A100-80GB", method="simulate",
+                     peft_config={**dora, "use_dora": False}, **quant)
+    assert card.peak_allocated_bytes > plain.peak_allocated_bytes
+
+
 def test_the_base_is_built_quantized_on_the_device_one_layer_at_a_time():
     """Materializing a 4-bit base from a config never holds the model in full precision:
     at any moment at most one layer's weight exists unquantized."""

@@ -48,7 +48,7 @@ import torch
 
 __all__ = ["fake_params4bit", "fake_int8_params", "fake_int8_state", "is_fake_4bit",
            "is_quantized", "has_quantized", "quant_tensors", "gemm_4bit_workspace",
-           "int8_cuda_kernels", "cuda_int8_matmul", "bnb_target"]
+           "int8_cuda_kernels", "cuda_int8_matmul", "bnb_target", "dora_dequantizes_fake_4bit"]
 
 _QUANTIZED = frozenset({"Params4bit", "Int8Params"})
 
@@ -272,13 +272,42 @@ def bnb_target(model: torch.nn.Module, rec: Any, target: str) -> Iterator[None]:
     (``"cpu"`` | ``"cuda"``): ``gemm_4bit``'s workspace; on CUDA, the int8 path. A model
     without quantized layers gets nothing."""
     kinds = {getattr(p, "_autofit_quant", None) for p in model.parameters()}
-    if "4bit" in kinds:
-        import bitsandbytes  # noqa: F401  (registers its ops)
+    with contextlib.ExitStack() as stack:
+        if "4bit" in kinds:
+            import bitsandbytes  # noqa: F401  (registers its ops)
 
-        rec.workspaces[torch.ops.bitsandbytes.gemm_4bit.default] = gemm_4bit_workspace
-    if "8bit" in kinds and target == "cuda":
-        rec.decompositions.update(int8_cuda_kernels())
-        with cuda_int8_matmul():
-            yield
+            rec.workspaces[torch.ops.bitsandbytes.gemm_4bit.default] = gemm_4bit_workspace
+            stack.enter_context(dora_dequantizes_fake_4bit())
+        if "8bit" in kinds and target == "cuda":
+            rec.decompositions.update(int8_cuda_kernels())
+            stack.enter_context(cuda_int8_matmul())
+        yield
+
+
+@contextlib.contextmanager
+def dora_dequantizes_fake_4bit() -> Iterator[None]:
+    """While inside, DoRA on a 4-bit base (QDoRA) dequantizes the clone's fake packed
+    weights as peft dequantizes a real ``Params4bit`` in every forward
+    (``dequantize_module_weight`` -> ``bitsandbytes.functional.dequantize_4bit``: the
+    layer's full weight in its compute dtype, a temporary). peft tells the weight by its
+    class name, which the fake one does not carry; without peft nothing changes."""
+    try:
+        from peft.tuners.lora import dora
+    except ImportError:  # pragma: no cover - peft is optional
+        yield
         return
-    yield
+    import bitsandbytes.functional as F
+
+    real = dora.dequantize_module_weight
+
+    def dequantize(module: torch.nn.Module) -> torch.Tensor:
+        w = getattr(module, "weight", None)
+        if w is not None and is_fake_4bit(w):
+            return F.dequantize_4bit(w.data, w.quant_state)
+        return real(module)
+
+    dora.dequantize_module_weight = dequantize
+    try:
+        yield
+    finally:
+        dora.dequantize_module_weight = real

@@ -21,8 +21,11 @@ bad input naming the method and why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,25 +61,51 @@ UNSUPPORTED: dict[str, str] = {
     "XLORA": "it mixes adapters loaded from saved checkpoints",
 }
 
-# (method, bits of a bitsandbytes base) -> why it is refused there, in one line.
-# LoHa / LoKr reshape their delta weight to the base layer's weight shape, which a 4-bit
-# base stores packed ((n x m / 2, 1) uint8): peft's own step fails ("shape '[131072, 1]' is
-# invalid", a trial on the CPU: "mat1 and mat2 shapes cannot be multiplied"). DoRA
-# (QDoRA) reads the base weight's values to initialise its magnitude (a dequantization a
-# base built without weights cannot do): not modelled yet (issue 23, item 2).
+# (method, bits of a bitsandbytes base) -> why it is refused there, in one line: only what
+# peft itself cannot train. LoHa / LoKr reshape their delta weight to the base layer's
+# weight shape, which a 4-bit base stores packed ((n x m / 2, 1) uint8): peft's own step
+# fails ("shape '[131072, 1]' is invalid", a trial on the CPU: "mat1 and mat2 shapes cannot
+# be multiplied"). DoRA on a 4-bit base (QDoRA) trains: see ``_meta_dequantize``. DoRA on
+# an 8-bit base dies at its second forward on a CPU (bitsandbytes' CPU int8 matmul finds
+# the row scales gone after peft's dequantization: "'NoneType' object has no attribute
+# 'unsqueeze'", peft 0.21 / bitsandbytes 0.50), and no GPU run of it was measured here.
 _ON_QUANTIZED: dict[tuple[str, int], str] = {
+    ("dora", 8): "peft's DoRA on an 8-bit base fails in bitsandbytes at its second step on "
+                 "a CPU (the int8 row scales are lost) and is not measured on a GPU; use a "
+                 "4-bit base (QDoRA: --load-in-4bit), LoRA, or DoRA on a base in bf16",
     ("loha", 4): "peft's LoHa reshapes its delta to the base weight's shape, which a 4-bit "
                  "base stores packed: its step fails in peft itself; use LoRA (QLoRA) or an "
                  "8-bit base",
     ("lokr", 4): "peft's LoKr reshapes its delta to the base weight's shape, which a 4-bit "
                  "base stores packed: its step fails in peft itself; use LoRA (QLoRA) or an "
                  "8-bit base",
-    ("dora", 4): "DoRA on a 4-bit base (QDoRA) is not modelled yet: its magnitude is "
-                 "initialised from the dequantized weights; use LoRA (QLoRA), or DoRA on a "
-                 "base in full precision",
-    ("dora", 8): "DoRA on an 8-bit base is not modelled yet: its magnitude is initialised "
-                 "from the dequantized weights; use LoRA, or DoRA on a base in full precision",
 }
+
+
+@contextlib.contextmanager
+def _meta_dequantize(quant: Any) -> Iterator[None]:
+    """DoRA on a quantized base built on the meta device (QDoRA): peft initialises each
+    magnitude from the norm of the dequantized weight (``dequantize_module_weight``), which
+    a base without values cannot give; here it gives an empty meta weight of the layer's
+    full shape in the compute dtype (what the dequantization returns; the magnitude's
+    values do not change the memory). A trial's real base is dequantized by peft itself."""
+    import torch
+    from peft.tuners.lora import dora
+
+    real = dora.dequantize_module_weight
+    dtype = getattr(torch, quant.compute_dtype)
+
+    def dequantize(module: Any) -> Any:
+        w = module.weight
+        if type(w).__name__ not in {"Params4bit", "Int8Params"} or not w.is_meta:
+            return real(module)
+        return torch.empty(tuple(w.shape), dtype=dtype, device="meta")
+
+    dora.dequantize_module_weight = dequantize
+    try:
+        yield
+    finally:
+        dora.dequantize_module_weight = real
 
 # Methods whose initialisation reads values (cannot run on the meta device).
 _CPU_INIT = frozenset({"BOFT", "UNILORA"})
@@ -355,7 +384,8 @@ def apply_peft(module: torch.nn.Module, config: Any, *, meta: bool = True) -> to
         try:
             if not meta or pt in _CPU_INIT:  # initialised on the CPU, moved to the base's meta device
                 return get_peft_model(module, config)
-            with torch.device("meta"):
+            qdora = quant is not None and name == "dora"
+            with torch.device("meta"), _meta_dequantize(quant) if qdora else nullcontext():
                 return get_peft_model(module, config)
         except Exception as e:  # noqa: BLE001 - peft's own failure, named with the method
             raise BadInputError(f"PEFT {name} cannot be put on this model: "
