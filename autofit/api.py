@@ -189,6 +189,10 @@ def estimate(
     if isinstance(seed, bool) or not isinstance(seed, int):  # checked with or without data
         raise BadInputError(f"seed must be a whole number (TrainingArguments.seed), got {seed!r}")
     dev = resolve_device(device)
+    if config.world_size > 1:
+        from autofit.probe.device import check_ranks_per_node
+
+        check_ranks_per_node(config.nproc_per_node, dev, "nproc_per_node")
     for k in KNOBS:  # what the device allows (an estimate runs nothing: run=False)
         k.check(dev, getattr(config, k.name), run=False)
     from autofit.probe.quant import resolve
@@ -679,6 +683,9 @@ def _device_with_ranks(dev: DeviceInfo, opts: dict[str, Any], reasons: list[str]
                             f"{nnodes}; give " + fix("--nproc-per-node and --nnodes",
                                                      "nproc_per_node and nnodes") + " alone")
     one_process_strategy(opts.get("strategy"), nproc * nnodes)
+    from autofit.probe.device import check_ranks_per_node
+
+    check_ranks_per_node(nproc, dev, "nproc_per_node")
     if nproc * nnodes > 1:
         where = f"{nnodes} nodes x {nproc}" if nnodes > 1 else f"{nproc} processes"
         reasons.append(f"{nproc * nnodes} ranks ({where}), each on a {dev.name}: estimates are "

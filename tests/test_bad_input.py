@@ -357,6 +357,12 @@ ROWS = [
         "DoRA on an 8-bit base fails in bitsandbytes",
         ("estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "32", "--device",
          "A100-80GB", "--load-in-8bit", "--peft-config", '{"peft_type": "LORA", "use_dora": true}')),
+    Bad("1000 ranks per node on a card (estimate)", "1000 ranks per node on H100-80GB",
+        ("estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "32", "--device",
+         "H100-80GB", "--nproc-per-node", "1000", "--strategy", "fsdp")),
+    Bad("1000 ranks per node (tune)", "1000 ranks per node",
+        ("tune", "tiny-llama", "--dataset", "tiny-samples", "--device", "A100-80GB",
+         "--nproc-per-node", "1000")),
     Bad("check: JSON nested 100k deep", "nested too deep",
         ("check", "{tmp}/deep.json", "--model", "tiny-gpt2", "--seq-len", "64")),
 ]

@@ -451,6 +451,11 @@ def run_check(
     if config.world_size > 1:  # each rank a device like this one
         import dataclasses
 
+        from autofit.probe.device import check_ranks_per_node
+
+        # the ranks come from a flag, the launch file or the tuned file's metadata (edited)
+        check_ranks_per_node(config.nproc_per_node, dev, "nproc_per_node")
+
         dev = dataclasses.replace(dev, nproc_per_node=config.nproc_per_node, nnodes=config.nnodes)
     reasons: list[str] = []
     if recipe is not None:

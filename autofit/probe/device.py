@@ -32,6 +32,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["DeviceInfo", "resolve_device", "catalog", "parse_bytes", "format_bytes",
+           "check_ranks_per_node", "MAX_RANKS_PER_NODE",
            "sm_version"]
 
 MiB = 1 << 20
@@ -294,6 +295,31 @@ def resolve_device(device: str | DeviceInfo | None = "auto") -> DeviceInfo:
     raise UnknownDeviceError(
         f"unknown device {name!r}; {hint} (or use auto, cpu, cpu:8GiB, cuda, cuda:N)"
     )
+
+
+# ranks one node runs, at most, where no count of devices says: one rank per card, and the
+# largest nodes sold hold 8-16 cards (a bound against a typo, not a catalogue); CPU ranks
+# are processes of this machine
+MAX_RANKS_PER_NODE = 64
+
+
+def check_ranks_per_node(nproc_per_node: int, device: DeviceInfo, source: str) -> None:
+    """Raise ``BadInputError`` (one line) when one node cannot run ``nproc_per_node`` ranks
+    on ``device``: the accelerators of this machine when ``device`` is one of them (one rank
+    each), else ``MAX_RANKS_PER_NODE``. ``source`` says where the number came from (a flag,
+    a file's metadata)."""
+    from autofit.errors import BadInputError
+
+    limit, what = MAX_RANKS_PER_NODE, f"the {MAX_RANKS_PER_NODE} ranks a node runs at most"
+    if device.kind != "cpu" and device.present:
+        import torch
+
+        count = torch.accelerator.device_count() if hasattr(torch, "accelerator") else 1
+        limit, what = max(count, 1), f"this machine's {count} {device.kind} device(s), one each"
+    if nproc_per_node > limit:
+        raise BadInputError(f"{source}: {nproc_per_node} ranks per node on {device.name} is more "
+                            f"than {what}; give the ranks your launcher starts "
+                            "(--nproc-per-node, --nnodes)")
 
 
 def sm_version(device: Any) -> int:

@@ -212,6 +212,15 @@ def test_check_reads_the_launch_file_that_will_be_used(tmp_path, capsys):
     code = main(["check", str(path), "--no-trial", "--no-cache", "--json"])
     err = capsys.readouterr().err
     assert code == 2 and "num_processes must be a positive whole number" in err
+    # without a launch file, the metadata's 1000 ranks per node are more than a node runs
+    side.unlink()
+    code = main(["check", str(path), "--no-trial", "--no-cache", "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "1000 ranks per node" in err and "--nproc-per-node" in err
+    assert len(err.strip().splitlines()) == 1
+    code = main(["check", str(path), "--no-trial", "--no-cache", "--json",
+                 "--nproc-per-node", "2"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["config"]["world_size"] == 2
 
 
 def test_autofit_sets_the_device_s_ranks():
