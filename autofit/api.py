@@ -351,7 +351,7 @@ _OPTIONS = {
     "attn_implementation", "lora", "peft_config", "load_in_4bit", "load_in_8bit",
     "quantization_config", "optim_args", "world_size",
     "generate_max_new_tokens", "nproc_per_node", "nnodes", "block_size",
-    "deepspeed_config", "accelerate_config", "trainer",
+    "deepspeed_config", "accelerate_config", "trainer", "guard_record",
 }
 
 
@@ -410,6 +410,10 @@ def autofit(
             ``autofit.ChunkedLossTrainer``, the only one that runs the chunked loss;
             ``"trl"``, ``trl.SFTTrainer``, implied by an ``SFTConfig``; ``chunked_loss=True``
             alone implies ``"autofit"``. ``autofit.knobs.trainer``).
+            ``guard_record=`` (the rescues ``autofit.guard`` wrote in a run of the
+            previous tuned file, ``<name>-guard.jsonl``: a training micro step of b
+            samples that ran out of memory in the real run; micro batches of b and more
+            are not tried. ``autofit tune -o FILE`` reads the one beside FILE).
 
     Returns:
         A ``FitResult``.
@@ -446,6 +450,7 @@ def autofit(
     opts["_quant_request"] = quant
     reasons: list[str] = []
     _fix_recipe(opts, reasons)  # the user's launch recipe: kept, not searched
+    _guard_evidence(opts, reasons)  # a guarded run's rescues: what the real run needed
     progress = _progress_printer(opts.get("progress", False))
     dataset, max_seq_len = _script_data(dataset, max_seq_len, opts, reasons)
     probed = _probe(model, dataset, device, max_seq_len, opts, reasons, warm_trials=True)
@@ -466,6 +471,39 @@ def autofit(
                               started_at=started_at, progress=progress, opts=opts)
     return _result(probed, space, engine, outcome, runner, recorder, key, whole, kept,
                    max_seq_len, reasons)
+
+
+def _guard_evidence(opts: dict[str, Any], reasons: list[str]) -> None:
+    """The rescues of a guarded run of the previous tuned file (``guard_record=``) as
+    evidence: a training micro step of b samples ran out of memory in the real run (a
+    batch, a neighbour or a fragmentation no plan saw), so the search tries micro batches
+    below b only (``max_micro_batch``), and the reasons say why."""
+    path = opts.get("guard_record")
+    if path is None:
+        return
+    from pathlib import Path
+
+    from autofit.trial.guard import read_record
+
+    if not Path(path).is_file():
+        raise BadInputError(f"guard_record: {path} is not a file (the JSON lines autofit.guard "
+                            "writes, <name>-guard.jsonl beside a tuned file)")
+    rescues = [r for r in read_record(path) if r.kind == "train" and r.batch_shape]
+    if not rescues:
+        return
+    worst = min(rescues, key=lambda r: (r.batch_shape[0], r.step))
+    b = int(worst.batch_shape[0])
+    shape = " x ".join(str(d) for d in worst.batch_shape)
+    seen = (f"a guarded run ran out of memory {len(rescues)} time(s) in a training micro step "
+            f"(the smallest: micro batch {shape} at step {worst.step}, run in {worst.k} pieces; "
+            f"{Path(path).name})")
+    if b <= 1:
+        reasons.append(f"{seen}: one sample is the smallest micro batch, nothing smaller to try")
+        return
+    cap = int(opts.get("max_micro_batch", 256))
+    if b - 1 < cap:
+        opts["max_micro_batch"] = b - 1
+    reasons.append(f"micro batches of {b} and more not tried: {seen}")
 
 
 def _fix_recipe(opts: dict[str, Any], reasons: list[str]) -> None:

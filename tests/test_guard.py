@@ -246,3 +246,36 @@ def test_check_reads_the_record_a_guarded_run_left_beside_the_tuned_file(tmp_pat
     problem = out["problems"][-1]
     assert "fits only with autofit.guard" in problem and "2 x 512" in problem
     assert "1 time(s)" in problem  # the micro batch of 4 is not this file's
+
+
+def test_a_retune_learns_from_the_record_a_guarded_run_left(tmp_path, capsys):
+    """`autofit tune -o FILE` over a file whose guarded run needed rescues: micro batches of
+    the rescued size and more are not tried, and the reasons say why (issue 24 item 2);
+    a record about another model is not evidence."""
+    from dataclasses import asdict
+
+    from autofit.cli import main
+    from autofit.emit import write_config
+    from autofit.trial.guard import Rescue, record_beside
+
+    argv = ["tune", "tiny-gpt2", "--dataset", "tiny-samples", "--device", "A100-80GB",
+            "--target-batch-size", "16", "--json", "-o", str(tmp_path / "tuned.yaml")]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)["config"]["micro_batch_size"]
+    assert first == 16  # the whole target fits a planned A100 at once
+    rescue = Rescue(kind="train", step=3000, batch_shape=(16, 256), piece=16, k=2,
+                    peak_bytes=None, device="cuda:0", error="CUDA out of memory", time=0.0)
+    record_beside(tmp_path / "tuned.yaml").write_text(json.dumps(asdict(rescue)) + "\n")
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["micro_batch_size"] == 8  # the largest divisor of 16 below 16
+    assert any("micro batches of 16 and more not tried" in r and "step 3000" in r
+               and "tuned-guard.jsonl" in r for r in out["reasons"])
+    # (in Python: autofit(..., guard_record=record_beside("tuned.yaml")), what the CLI passes)
+    # the file replaced was tuned for another model: its run says nothing about this one
+    write_config(tmp_path / "other.yaml", {"per_device_train_batch_size": 16},
+                 {"model": "tiny-llama", "seq_len": 256, "device": "A100-80GB"})
+    record_beside(tmp_path / "other.yaml").write_text(json.dumps(asdict(rescue)) + "\n")
+    argv[-1] = str(tmp_path / "other.yaml")
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["micro_batch_size"] == 16

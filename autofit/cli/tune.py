@@ -99,6 +99,23 @@ def add_tune_parser(sub: Any) -> argparse.ArgumentParser:
     return t
 
 
+def _guard_record(output: Any, model: Any) -> Any:
+    """The rescues ``autofit run --guard`` wrote beside the tuned file this tune replaces
+    (``<name>-guard.jsonl``), when that file was tuned for the same model; else None (no
+    run of it, or evidence about another model)."""
+    from autofit.emit import read_config
+    from autofit.trial.guard import record_beside
+
+    record = record_beside(output)
+    if not record.is_file() or not Path(output).is_file():
+        return None
+    try:
+        meta = read_config(output)[1]
+    except Exception:  # noqa: BLE001 - a file we cannot read says nothing about this model
+        return None
+    return record if model is not None and str(meta.get("model")) == str(model) else None
+
+
 def run_tune(args: argparse.Namespace) -> int:
     """Run ``autofit tune``; returns the exit code."""
     from autofit.api import autofit
@@ -123,6 +140,9 @@ def run_tune(args: argparse.Namespace) -> int:
     )
     if args.block_size is not None:
         kwargs["block_size"] = args.block_size
+    record = _guard_record(output, args.model)
+    if record is not None:  # what a guarded run of the file being replaced needed
+        kwargs["guard_record"] = str(record)
     kwargs.update({k.name: k.from_options(args) for k in KNOBS})
     kwargs.update(rank_kwargs(args))
     kwargs.update(recipe_kwargs(args))
