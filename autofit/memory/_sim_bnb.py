@@ -284,30 +284,20 @@ def bnb_target(model: torch.nn.Module, rec: Any, target: str) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def dora_dequantizes_fake_4bit() -> Iterator[None]:
+def dora_dequantizes_fake_4bit() -> contextlib.AbstractContextManager[None]:
     """While inside, DoRA on a 4-bit base (QDoRA) dequantizes the clone's fake packed
     weights as peft dequantizes a real ``Params4bit`` in every forward
-    (``dequantize_module_weight`` -> ``bitsandbytes.functional.dequantize_4bit``: the
-    layer's full weight in its compute dtype, a temporary). peft tells the weight by its
-    class name, which the fake one does not carry; without peft nothing changes."""
-    try:
-        from peft.tuners.lora import dora
-    except ImportError:  # pragma: no cover - peft is optional
-        yield
-        return
-    import bitsandbytes.functional as F
+    (``bitsandbytes.functional.dequantize_4bit``: the layer's full weight in its compute
+    dtype, a temporary). peft tells the weight by its class name, which the fake one does
+    not carry (``autofit.probe.peft.dora_dequantize``)."""
+    from autofit.probe.peft import dora_dequantize
 
-    real = dora.dequantize_module_weight
-
-    def dequantize(module: torch.nn.Module) -> torch.Tensor:
+    def fake_4bit(module: torch.nn.Module) -> torch.Tensor | None:
         w = getattr(module, "weight", None)
-        if w is not None and is_fake_4bit(w):
-            return F.dequantize_4bit(w.data, w.quant_state)
-        return real(module)
+        if w is None or not is_fake_4bit(w):
+            return None
+        import bitsandbytes.functional as F
 
-    dora.dequantize_module_weight = dequantize
-    try:
-        yield
-    finally:
-        dora.dequantize_module_weight = real
+        return F.dequantize_4bit(w.data, w.quant_state)
+
+    return dora_dequantize(fake_4bit)

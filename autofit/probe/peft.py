@@ -24,8 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,29 +82,47 @@ _ON_QUANTIZED: dict[tuple[str, int], str] = {
 
 
 @contextlib.contextmanager
-def _meta_dequantize(quant: Any) -> Iterator[None]:
-    """DoRA on a quantized base built on the meta device (QDoRA): peft initialises each
-    magnitude from the norm of the dequantized weight (``dequantize_module_weight``), which
-    a base without values cannot give; here it gives an empty meta weight of the layer's
-    full shape in the compute dtype (what the dequantization returns; the magnitude's
-    values do not change the memory). A trial's real base is dequantized by peft itself."""
-    import torch
-    from peft.tuners.lora import dora
-
+def dora_dequantize(override: Callable[[Any], Any]) -> Iterator[None]:
+    """While inside, peft's DoRA dequantizes a base layer's weight (its
+    ``dequantize_module_weight``, at initialisation and in every forward) with
+    ``override(layer)`` first, peft's own where that returns None. Without peft nothing
+    changes."""
+    try:
+        from peft.tuners.lora import dora
+    except ImportError:  # pragma: no cover - peft is optional
+        yield
+        return
     real = dora.dequantize_module_weight
-    dtype = getattr(torch, quant.compute_dtype)
 
     def dequantize(module: Any) -> Any:
-        w = module.weight
-        if type(w).__name__ not in {"Params4bit", "Int8Params"} or not w.is_meta:
-            return real(module)
-        return torch.empty(tuple(w.shape), dtype=dtype, device="meta")
+        w = override(module)
+        return real(module) if w is None else w
 
     dora.dequantize_module_weight = dequantize
     try:
         yield
     finally:
         dora.dequantize_module_weight = real
+
+
+def _meta_dequantize(quant: Any) -> contextlib.AbstractContextManager[None]:
+    """DoRA on a quantized base built on the meta device (QDoRA): peft initialises each
+    magnitude from the norm of the dequantized weight, which a base without values cannot
+    give; here it gets an empty meta weight of the layer's full shape in the compute dtype
+    (what the dequantization returns; the magnitude's values do not change the memory). A
+    trial's real base is dequantized by peft itself."""
+    import torch
+
+    dtype = getattr(torch, quant.compute_dtype)
+
+    def meta_weight(module: Any) -> Any:
+        w = module.weight
+        if type(w).__name__ not in {"Params4bit", "Int8Params"} or not w.is_meta:
+            return None
+        return torch.empty(tuple(w.shape), dtype=dtype, device="meta")
+
+    return dora_dequantize(meta_weight)
+
 
 # Methods whose initialisation reads values (cannot run on the meta device).
 _CPU_INIT = frozenset({"BOFT", "UNILORA"})
@@ -385,7 +402,7 @@ def apply_peft(module: torch.nn.Module, config: Any, *, meta: bool = True) -> to
             if not meta or pt in _CPU_INIT:  # initialised on the CPU, moved to the base's meta device
                 return get_peft_model(module, config)
             qdora = quant is not None and name == "dora"
-            with torch.device("meta"), _meta_dequantize(quant) if qdora else nullcontext():
+            with torch.device("meta"), _meta_dequantize(quant) if qdora else contextlib.nullcontext():
                 return get_peft_model(module, config)
         except Exception as e:  # noqa: BLE001 - peft's own failure, named with the method
             raise BadInputError(f"PEFT {name} cannot be put on this model: "
