@@ -212,12 +212,14 @@ def test_bad_input(tmp_path):
         guard(trainer)
 
 
-def test_several_processes_refused(tmp_path, monkeypatch):
-    from transformers import TrainingArguments
-
+@pytest.mark.parametrize("engine", ["is_fsdp_enabled", "is_deepspeed_enabled"])
+def test_sharded_engines_refused(tmp_path, engine):
+    """FSDP and DeepSpeed gather weights inside forward and backward: a rank that splits
+    would run more collectives than the others, so guard refuses them (DDP is guarded:
+    tests/test_guard_ranks.py)."""
     trainer = _trainer(_model(), tmp_path, micro=2, accum=1)
-    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
-    with pytest.raises(BadInputError, match="one process"):
+    setattr(trainer, engine, True)
+    with pytest.raises(BadInputError, match="plain data parallelism \\(DDP\\) only"):
         guard(trainer)
 
 

@@ -115,3 +115,39 @@ def test_on_a_cpu_the_chunked_loss_costs_what_it_was_measured_to():
     assert tps(micro_batch_size=8) / tps(micro_batch_size=8, chunked_loss=True) == pytest.approx(
         1.53, rel=0.03)
     assert tps(micro_batch_size=4) > 1.4 * tps(micro_batch_size=16, chunked_loss=True)
+
+
+def test_on_a_cpu_half_precision_is_charged_what_it_costs_here(monkeypatch):
+    """bf16 / fp16 matmuls without AVX512-BF16 take torch's generic gemm (43x slower than
+    fp32 on an AVX2-only EPYC): such a candidate must rank below fp32, and where half
+    precision is native it must not be charged anything."""
+    from autofit.probe import device as dev
+
+    info = probe_model("tiny-gpt2")
+    cpu = resolve_device("cpu:4GiB")
+
+    def tps(precision):
+        return predict_speed(info, TrainConfig(micro_batch_size=4, precision=precision), 256,
+                             cpu).tokens_per_s
+
+    monkeypatch.setattr(dev, "_cpu_rates", lambda: {"bf16": 1 / 32, "16": 1 / 32})
+    assert tps("bf16-mixed") < tps("32-true") / 8
+    assert tps("16-mixed") < tps("32-true") / 8
+    monkeypatch.setattr(dev, "_cpu_rates", lambda: {"bf16": 1.0, "16": 1.0})
+    assert tps("bf16-mixed") == pytest.approx(tps("32-true"), rel=0.3)
+
+
+def test_the_cpu_rate_measurement_leaves_threads_and_rng_alone():
+    import torch
+
+    from autofit.probe.device import _cpu_rates, cpu_matmul_speed
+
+    _cpu_rates.cache_clear()
+    threads = torch.get_num_threads()
+    state = torch.get_rng_state()
+    rate = cpu_matmul_speed("bf16-mixed")
+    assert torch.get_num_threads() == threads
+    assert torch.equal(torch.get_rng_state(), state)
+    assert cpu_matmul_speed("32-true") == 1.0
+    # a power of two (1 where the ratio is within 2x: noise is not a ranking)
+    assert rate > 0 and (rate == 1.0 or abs(__import__("math").log2(rate) % 1) < 1e-9)

@@ -16,6 +16,7 @@ Accepted names: ``auto`` (the present accelerator, else the CPU), ``cpu``,
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import sys
@@ -32,7 +33,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["DeviceInfo", "resolve_device", "catalog", "parse_bytes", "format_bytes",
-           "check_ranks_per_node", "MAX_RANKS_PER_NODE",
+           "check_ranks_per_node", "MAX_RANKS_PER_NODE", "cpu_matmul_speed",
            "sm_version"]
 
 MiB = 1 << 20
@@ -200,6 +201,61 @@ def _cpu(cap: int | None, name: str) -> DeviceInfo:
         fp16=True,
         capped=cap is not None,
     )
+
+
+# What a CPU's half-precision matmuls cost beside fp32 ones, on one thread (as a trial runs).
+# bf16 and fp16 kernels exist on every CPU, but only AVX512-BF16 / AMX (bf16) and AVX512-FP16
+# run them natively; elsewhere they take torch's generic gemm. Measured on an AVX2-only AMD
+# EPYC (torch 2.13, one thread, 512 x 512): fp32 5.0 ms, bf16 216 ms, fp16 208 ms -- a
+# bf16-mixed trial ran 43x slower than a 32-true one and the quick start's first trial
+# hit the 600 s trial timeout. A ratio between 1/2 and 2 is noise (1.0); outside, the power
+# of two nearest to it.
+_RATE_SIZE = 256
+_RATE_FLOOR_S = 0.02  # time each dtype at least this long (or _RATE_REPEATS matmuls)
+_RATE_REPEATS = 8
+
+
+def _matmul_seconds(torch: Any, dtype: Any) -> float:
+    import time
+
+    a = torch.ones(_RATE_SIZE, _RATE_SIZE, dtype=dtype)  # no RNG: the user's stream is theirs
+    a @ a  # first call: kernel selection, allocation
+    best, spent, n = float("inf"), 0.0, 0
+    while n < _RATE_REPEATS and (n < 2 or spent < _RATE_FLOOR_S):
+        t = time.perf_counter()
+        a @ a
+        dt = time.perf_counter() - t
+        best, spent, n = min(best, dt), spent + dt, n + 1
+    return best
+
+
+@cache
+def _cpu_rates() -> dict[str, float]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32 = _matmul_seconds(torch, torch.float32)
+        out = {}
+        for name, dtype in (("bf16", torch.bfloat16), ("16", torch.float16)):
+            r = fp32 / max(_matmul_seconds(torch, dtype), 1e-9)
+            out[name] = 1.0 if 0.5 <= r <= 2.0 else 2.0 ** round(math.log2(r))
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cpu_matmul_speed(precision: str) -> float:
+    """This CPU's matmul speed at ``precision`` (a Lightning name) relative to fp32, one thread.
+
+    1.0 for ``32-true`` and wherever half precision runs natively; e.g. 1/32 for
+    ``bf16-mixed`` on a CPU without AVX512-BF16 (measured once per process).
+    """
+    for prefix, rate in _cpu_rates().items():
+        if precision.startswith(prefix):
+            return rate
+    return 1.0
 
 
 def _cuda(index: int | None) -> DeviceInfo:

@@ -44,8 +44,9 @@ Known limitations:
     NB: the utilisation curve is generic, not fitted per card; the ranking it gives
     is checked by measured trials, which decide the final choice.
     NB: on the CPU no peak FLOP/s is catalogued; a nominal rate is used, so only
-    the relative ranking is meaningful there (bf16 is not assumed faster than fp32
-    unless the CPU has AMX).
+    the relative ranking is meaningful there. Half precision is charged what it costs
+    on this CPU (``autofit.probe.device.cpu_matmul_speed``, measured once): as fast as
+    fp32 where it runs natively (AVX512-BF16, AMX), 32x slower on an AVX2-only CPU.
     NB: torch.compile is predicted at the eager step's speed (its gain depends on the
     model, the device and the graph breaks); the trials, which compile before they time,
     measure it.
@@ -167,14 +168,15 @@ def predict_speed(
         optimizer_state_bytes,
         weights_bytes,
     )
+    from autofit.probe.device import cpu_matmul_speed
     from autofit.search.comm import communication
 
     tokens = config.micro_batch_size * seq_len
     fpt = flops_per_token(info, config, seq_len)
     peak = device.peak_tflops(config.precision)
-    if peak is None:
-        peak = _CPU_TFLOPS
     cpu = device.kind == "cpu"
+    if peak is None:
+        peak = _CPU_TFLOPS * (cpu_matmul_speed(config.precision) if cpu else 1.0)
     util = _MFU_MAX * tokens / (tokens + (_CPU_HALF_TOKENS if cpu else _HALF_TOKENS))
     rate = peak * 1e12 * util
     step = tokens * fpt / rate

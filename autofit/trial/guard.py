@@ -45,9 +45,12 @@ k, the measured peak. ``autofit check`` reads such a record beside a tuned file.
 Known limitations (named in the message when they happen):
     NB: an OOM in the optimizer step, in a collective or while loading the model is not
     inside a micro step: it cannot be split, and is raised as before (with a note).
-    NB: one process only: under DDP / FSDP / DeepSpeed an OOM on one rank during
-    backward leaves the other ranks in a gradient collective; ``guard`` refuses a
-    trainer that runs on several processes rather than hang them.
+    NB: several processes: plain data parallelism (DDP) only. Its micro steps run under
+    ``no_sync`` and the ranks agree on the split after each (one small all-reduce), the
+    gradients averaged after the window's last backward (not overlapped with it); see
+    ``_Ranks``. FSDP and DeepSpeed gather and scatter weights inside forward and backward,
+    so a rank that splits would run more collectives than the others: ``guard`` refuses
+    them rather than hang the ranks.
     NB: a micro batch of one sample that does not fit cannot be split: that OOM is
     raised, with the rescue history in its note.
 """
@@ -91,13 +94,15 @@ class Rescue:
     device: str
     error: str  # the first line of the OOM
     time: float
+    rank: int = 0  # the process that ran out of memory (several ranks: $RANK)
 
     def line(self) -> str:
         peak = f", peak {self.peak_bytes / 2**30:.2f} GiB" if self.peak_bytes else ""
         shape = " x ".join(str(d) for d in self.batch_shape)
         what = "training micro step" if self.kind == "train" else "evaluation batch"
+        where = f"{self.device}, rank {self.rank}" if self.rank else self.device
         return (f"autofit.guard: out of memory at step {self.step} in a {what} of {shape} "
-                f"on {self.device}; a piece of {self.piece} halved, the batch now runs in "
+                f"on {where}; a piece of {self.piece} halved, the batch now runs in "
                 f"{self.k} pieces (same math){peak}")
 
 
@@ -239,6 +244,7 @@ class _Guard:
         self.handles: list[Any] = []
         self.train_step = trainer.training_step
         self.predict_step = trainer.prediction_step
+        self.ranks: _Ranks | None = None  # several processes: how they agree
 
     # -- which parameters an attempt accumulated ------------------------------------------
     def watch(self, model: Any) -> None:
@@ -278,7 +284,7 @@ class _Guard:
 
     def _settle(self, k: int, shape: tuple[int, ...], smallest: int, rescued: bool) -> None:
         """After a micro batch: a rescue sets the split for batches at least as long; a clean
-        guarded step counts, and ``retry_after`` of them try one level up."""
+        guarded step counts (``retry_after`` of them try one level up: ``_retry_upward``)."""
         if rescued:
             length = shape[1] if len(shape) > 1 else 0
             need = -(-shape[0] // max(1, smallest))  # chunks of the smallest piece that ran
@@ -289,7 +295,10 @@ class _Guard:
         if k <= 1 or k != self.k:
             return
         self.clean_steps += 1
-        if self.clean_steps >= self.retry_after:
+
+    def _retry_upward(self) -> None:
+        """``retry_after`` clean guarded steps at the split: try one level up (k / 2)."""
+        if self.k > 1 and self.clean_steps >= self.retry_after:
             self.k //= 2
             self.clean_steps = 0
             if self.k <= 1:
@@ -310,7 +319,7 @@ class _Guard:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         rescue = Rescue(kind=kind, step=step, batch_shape=shape, piece=piece[0], k=pieces,
                         peak_bytes=_peak_bytes(device), device=device, error=first,
-                        time=time.time())
+                        time=time.time(), rank=int(os.environ.get("RANK", "0") or 0))
         self.rescues.append(rescue)
         self._log(rescue)
 
@@ -330,6 +339,16 @@ class _Guard:
     # -- training_step ---------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> Any:
+        """The guarded step: on one process, ``_local_step``; on several, the same under the
+        model's ``no_sync`` and then the ranks' agreement (``_Ranks.step``)."""
+        if self.ranks is None:
+            loss = self._local_step(model, inputs, num_items_in_batch)
+            self._retry_upward()
+            return loss
+        return self.ranks.step(self, model, inputs, num_items_in_batch)
+
+    def _local_step(self, model: Any, inputs: dict[str, Any],
+                    num_items_in_batch: Any = None) -> Any:
         """The Trainer's step over ``inputs``, in pieces when a piece runs out of memory.
 
         Pieces run in order; a piece that fails is halved in place. The parameters a failed
@@ -437,6 +456,103 @@ class _Guard:
             self.handles = []
 
 
+class _Ranks:
+    """How the guards of several processes (DDP) keep the ranks in step.
+
+    A split on one rank runs more forward and backward passes there than on the others, so
+    no collective may sit inside a micro step: every micro step runs under the model's
+    ``no_sync`` (DDP's gradient all-reduce is off, its buffer broadcast runs on the first
+    forward only), and after it each rank sends what it knows in one small all-reduce (MAX):
+    whether it failed, the split in force, the length it applies from and its clean steps.
+    Every rank then holds the same split (a spike on one rank splits the others' batches of
+    that length too), and a rank that cannot go on (a single sample that does not fit, any
+    other error) takes the others down with it instead of leaving them in a collective. At
+    the last micro step of the accumulation window (the one DDP would synchronise) the
+    gradients are averaged over the ranks as DDP averages them, in buckets of
+    ``BUCKET_BYTES``, after the backward (NB: not overlapped with it, as DDP's are).
+    """
+
+    BUCKET_BYTES = 25 << 20  # DDP's default bucket_cap_mb
+    _NONE = -(1 << 62)  # "nothing to say" in a MAX all-reduce
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def step(self, guard: _Guard, model: Any, inputs: dict[str, Any],
+             num_items_in_batch: Any) -> Any:
+        no_sync = getattr(model, "no_sync", None)
+        if no_sync is None:
+            raise BadInputError(
+                f"autofit.guard on {self.world} processes needs a DistributedDataParallel "
+                f"model in the training step, got {type(model).__name__}: run without guard")
+        sync = bool(getattr(model, "require_backward_grad_sync", True))
+        failure: BaseException | None = None
+        loss = None
+        with no_sync():
+            try:
+                loss = guard._local_step(model, inputs, num_items_in_batch)
+            except BaseException as e:  # noqa: BLE001 - re-raised after the others know
+                failure = e
+        failed_rank = self.agree(guard, failure is not None, _device_of(guard.trainer))
+        if failure is not None:
+            raise failure
+        if failed_rank is not None:
+            raise RuntimeError(
+                f"autofit.guard: rank {failed_rank} stopped inside a micro step (its own error "
+                "is in its log: a single sample that does not fit, or another error); this "
+                "rank stops with it rather than wait in a collective")
+        guard._retry_upward()
+        if sync:
+            self.average_gradients(model, _device_of(guard.trainer))
+        return loss
+
+    def agree(self, guard: _Guard, failed: bool, device: str) -> int | None:
+        """One all-reduce (MAX): the ranks' split, length and clean steps made one; returns
+        the lowest failed rank, or None."""
+        import torch
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        split = guard.k > 1
+        mine = torch.tensor(
+            [-rank if failed else self._NONE, guard.k,
+             -guard.length if split else self._NONE,
+             -guard.clean_steps if split else self._NONE], dtype=torch.int64, device=device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        low, k, length, clean = (int(v) for v in mine.tolist())
+        if k > 1:
+            guard.k, guard.length, guard.clean_steps = k, -length, -clean
+        return -low if low != self._NONE else None
+
+    def average_gradients(self, model: Any, device: str) -> None:
+        """Every trainable parameter's gradient replaced by its mean over the ranks (as DDP
+        does: a sum, divided by the world size); a parameter no rank gave a gradient keeps
+        None."""
+        import torch
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        bucket: list[Any] = []
+        size = 0
+        for i, p in enumerate(params):
+            bucket.append(p)
+            size += p.numel() * p.element_size()
+            if size < self.BUCKET_BYTES and i < len(params) - 1:
+                continue
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat)
+            flat.div_(self.world)
+            for q, g, mean in zip(bucket, grads, _unflatten_dense_tensors(flat, grads),
+                                  strict=True):
+                if q.grad is not None:
+                    g.copy_(mean)
+                elif bool(mean.ne(0).any()):
+                    q.grad = mean.clone()
+            bucket, size = [], 0
+
+
 def _weight(trainer: Any, piece: dict[str, Any], whole: dict[str, Any], total: int) -> float:
     """``piece``'s share of ``whole``: its label items over the whole's (samples when the
     whole has no label item)."""
@@ -499,7 +615,7 @@ def guard(trainer: Any, *, retry_after: int = RETRY_AFTER,
 
     Raises:
         BadInputError: not a Trainer, already guarded, a non-positive ``retry_after``, or
-            a trainer on several processes (see Known limitations).
+            a trainer under FSDP or DeepSpeed (see Known limitations).
 
     Example:
         >>> import autofit
@@ -514,17 +630,24 @@ def guard(trainer: Any, *, retry_after: int = RETRY_AFTER,
     if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 1:
         raise BadInputError(f"retry_after must be a positive number of steps, got {retry_after!r}")
     world = _world_size(trainer)
-    if world > 1:
+    sharded = [name for name, on in (
+        ("DeepSpeed", getattr(trainer, "is_deepspeed_enabled", False)),
+        ("FSDP", getattr(trainer, "is_fsdp_enabled", False)
+         or getattr(trainer, "is_fsdp_xla_enabled", False))) if on]
+    if sharded:
         raise BadInputError(
-            f"autofit.guard runs one process; this trainer runs on {world}: under DDP / FSDP / "
-            "DeepSpeed an OOM on one rank during backward leaves the others waiting in a "
-            "gradient collective. Run without guard (plan with autofit tune "
-            "--nproc-per-node, which leaves a margin per rank)")
+            f"autofit.guard splits micro steps of plain data parallelism (DDP) only; this trainer "
+            f"runs {sharded[0]}, whose forward and backward gather and scatter the weights "
+            "across the ranks: a rank that splits its batch would run more of those "
+            "collectives than the others and hang them. Run without guard (autofit tune "
+            "--strategy ... plans a margin per rank)")
     if record is None:
         env = os.environ.get("AUTOFIT_GUARD_RECORD")
         out = getattr(getattr(trainer, "args", None), "output_dir", None)
         record = env or (Path(out) / RECORD_NAME if out else None)
     state = _Guard(trainer, retry_after, Path(record) if record is not None else None, echo)
+    if world > 1:
+        state.ranks = _Ranks(world)
     trainer.training_step = state.training_step
     trainer.prediction_step = state.prediction_step
     original_train = trainer.train
