@@ -112,8 +112,10 @@ def test_resume_after_a_killed_run(tiny_llama, data, monkeypatch):
         seen.append(a[1])
         return real(*a, **k)
 
-    space = dict(precision=["32-true"], optimizer=["adamw_torch", "sgd"],
-                 gradient_checkpointing=False)
+    # two combinations whose steps differ (checkpointing): both are tried (two optimizers
+    # at one micro batch would not be: the second differs only in a cheap optimizer step)
+    space = dict(precision=["32-true"], optimizer=["adamw_torch"],
+                 gradient_checkpointing=[False, True])
     monkeypatch.setattr(trial_mod, "measure", dies_after_first)
     with pytest.raises(KeyboardInterrupt):
         autofit(tiny_llama, data, device=CAP, target_batch_size=16, **space)

@@ -722,3 +722,27 @@ def test_a_trial_outpaced_by_a_confirmed_rival_stops_and_is_never_chosen():
     out = Engine(space(), 10 * GiB, estimate=true_bytes, speed=true_speed, trial=close,
                  seq_len=128).run()
     assert {c.status for c in out.candidates if c.status != "estimated"} == {"confirmed"}
+
+
+@pytest.mark.parametrize("share, tried", [(0.01, 1), (0.2, 3)])
+def test_an_optimizer_sibling_is_tried_only_when_its_optimizer_step_could_matter(share, tried):
+    """Three optimizers at one micro batch run the same forward and backward: when the
+    confirmed one's optimizer step is 1% of its run's step, even a free optimizer step
+    could not make a sibling 5% faster (skipped, with the reason); at 20% it could."""
+    optimizers = ("adamw_torch_fused", "adamw_torch", "sgd")
+    sp = knob_space(("32-true",), (False,), optimizers, tuple(range(1, 9)), target=8)
+    ran = []
+
+    def trial(c):
+        ran.append(c.optimizer)
+        r = FakeTrial(False, true_bytes(c), true_speed(c))
+        r.optimizer_share = share
+        return r
+
+    out = Engine(sp, 10 * GiB, estimate=true_bytes, speed=true_speed, trial=trial,
+                 seq_len=128).run()
+    assert len(ran) == tried and out.confirmed
+    skipped = [c for c in out.candidates if c.status == "skipped"]
+    assert len(skipped) == 3 - tried
+    for c in skipped:
+        assert "but for its optimizer" in c.reason and "within the 5% measurement tie" in c.reason

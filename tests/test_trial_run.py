@@ -190,3 +190,19 @@ def test_two_timed_steps_decide_only_when_a_third_cannot_move_the_median():
     assert not _decided([1.0, 1.0], None, 3)  # not asked (measure's own runs)
     assert not _decided([1.0, 1.0], 0.025, 5)  # more steps asked: a third can move it
     assert not _decided([1.0], 0.025, 3)
+
+
+def test_the_run_amortises_the_optimizer_step_over_its_accumulation():
+    """A trial steps the optimizer after 2 micro batches; the run after ``accum``: its step
+    is the micro batches' time scaled, plus one optimizer step."""
+    from autofit.trial.loop import run_step_s
+
+    # 2 micro batches of 1 s + an optimizer step of 0.5 s, for a run at accumulation 8
+    assert run_step_s(2.5, 0.5, micro=2, accum=8) == pytest.approx(8.5)
+    assert run_step_s(2.5, 0.5, micro=2, accum=2) == 2.5  # the trial is the run's step
+    assert run_step_s(1.5, 0.5, micro=1, accum=1) == 1.5
+    # no optimizer time measured (a rank trial): scaled as a whole, as before
+    assert run_step_s(2.5, None, micro=2, accum=8) == pytest.approx(10.0)
+    # a fused and a plain AdamW: 1.2x apart in a trial's step, 1.05x apart in the run's
+    fused, plain = run_step_s(2.2, 0.2, 2, 8), run_step_s(2.6, 0.6, 2, 8)
+    assert 2.6 / 2.2 > 1.18 and plain / fused < 1.06

@@ -76,8 +76,10 @@ OUTPACED = 1.3
 # 8: the torch_compile knob, searched when asked; 9: the strategy and offload knobs, the
 # speed model's communication; 10: a combination predicted PREDICTED_SLOWER times slower
 # than a confirmed one is not tried, trials stop above the budget; 11: a trial OUTPACED
-# times slower than a confirmed rival in its first timed step stops there).
-ENGINE_VERSION = 11
+# times slower than a confirmed rival in its first timed step stops there; 12: the trial's
+# speed amortises the optimizer step over the run's accumulation, and a combination that
+# differs from a confirmed one only in an optimizer too cheap to matter is not tried).
+ENGINE_VERSION = 12
 
 
 @dataclass
@@ -92,6 +94,7 @@ class Candidate:
     calibration: float | None = None  # measured / estimated device total, once measured
     confirmed_micro_batch: int | None = None  # largest that fit with the margin in a trial
     measured_tokens_per_s: float | None = None
+    measured_optimizer_share: float | None = None  # of the run's step, in the confirming trial
     measured_bytes: int | None = None
     failed_micro_batch: int | None = None  # smallest that did not fit (OOM or over margin)
     measured: dict[int, int] = field(default_factory=dict)  # micro batch -> measured bytes
@@ -392,6 +395,7 @@ class Engine:
                     c.confirmed_micro_batch = b
                     c.measured_bytes = measured
                     c.measured_tokens_per_s = r.tokens_per_s
+                    c.measured_optimizer_share = getattr(r, "optimizer_share", None)
                 else:  # fits the device but not the margin
                     c.failed_micro_batch = b if c.failed_micro_batch is None else min(c.failed_micro_batch, b)
             b = self._next_size(c, best_fit)
@@ -512,7 +516,7 @@ class Engine:
                 break
             c = max(pending, key=lambda x: x.predicted_tokens_per_s or 0.0)
             tried.add(c.key)
-            if self._outpaced(c):
+            if self._outpaced(c) or self._optimizer_sibling(c):
                 continue
             self._confirm(c)
             for other in self._candidates:  # measured peaks recalibrate the rest
@@ -556,6 +560,34 @@ class Engine:
         c.reason = (f"not tried: predicted {(best.predicted_tokens_per_s or 0.0) / mine:.1f}x "
                     f"slower than {best.label()}, which fits (measured)")
         return True
+
+    def _optimizer_sibling(self, c: Candidate) -> bool:
+        """Whether a confirmed combination runs ``c``'s very step (every knob but the
+        optimizer the same, at the micro batch ``c`` would run) with an optimizer step so
+        small a share of its run's step that even a free one would not make ``c``
+        ``SPEED_TIE`` faster (then ``c`` is skipped, with the reason): the forward and
+        backward are the same, only the optimizer step could differ. (The quick start's
+        three AdamW implementations at micro batch 2 x accumulation 8: their optimizer
+        steps are ~2% of the run's; two of the three trials decided nothing.)"""
+        if c.micro_batch is None:
+            return False
+        for x in self._candidates:
+            share = x.measured_optimizer_share
+            if (x.status != "confirmed" or share is None or not 0 <= share < 1
+                    or x.confirmed_micro_batch != c.micro_batch
+                    or any(v != x.choice.get(k) for k, v in c.choice.items()
+                           if k != "optimizer")):
+                continue
+            gain = share / (1 - share)
+            if gain >= SPEED_TIE:
+                continue
+            c.status = "skipped"
+            c.reason = (f"not tried: the step of {x.label()} (measured) but for its optimizer, "
+                        f"whose step is {100 * share:.1f}% of that run's; even a free one would "
+                        f"make it {100 * gain:.1f}% faster, within the {100 * SPEED_TIE:g}% "
+                        "measurement tie")
+            return True
+        return False
 
     def _divisor_hint(self, c: Candidate, b: int) -> str | None:
         """When keeping the target forces a micro batch well below what fits, say which

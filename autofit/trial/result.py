@@ -30,7 +30,7 @@ class TrialResult:
     peak_reserved_bytes: int | None
     device_total_bytes: int | None
     step_time_s: float | None  # median of the measured steps (one optimizer step each)
-    tokens_per_s: float | None
+    tokens_per_s: float | None  # of the run: its accumulation amortises the optimizer step
     samples_per_s: float | None
     error: str | None
     config: dict[str, Any]  # TrainConfig.to_dict() of what ran (seq_len = T of the batch)
@@ -61,6 +61,9 @@ class TrialResult:
     # above are the peaking rank's, capacity_bytes the smallest rank's
     per_rank: tuple[dict[str, Any], ...] = ()
     phase_s: dict[str, float] = field(default_factory=dict)  # where the trial's time went
+    # the optimizer step's share of the run's optimizer step (its accumulation amortising
+    # it; None where it was not timed apart: a trial on several ranks)
+    optimizer_share: float | None = None
 
     @property
     def fits(self) -> bool:

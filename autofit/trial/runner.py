@@ -783,15 +783,22 @@ def _trial_result(raw: Any, config: TrainConfig, dev: Any, b: int, t: int, micro
                   **fields: Any) -> TrialResult:
     """A ``TrialResult`` of a trial's raw measurement (one process or the peaking rank):
     what every trial reports, and ``fields`` (isolation, capacity, error, notes, ...)."""
+    from autofit.trial.loop import run_step_s
+
     step = raw.step_time_s
+    accum = max(1, config.grad_accum_steps)
+    # tokens per second of the run: its accumulation amortises the optimizer step
+    run_step = run_step_s(step, raw.optimizer_time_s, micro, accum) if step else None
     return TrialResult(
         oom=bool(raw.oom),
         peak_allocated_bytes=raw.peak_allocated_bytes,
         peak_reserved_bytes=raw.peak_reserved_bytes,
         device_total_bytes=raw.device_total_bytes,
         step_time_s=step,
-        tokens_per_s=(micro * b * t / step) if step else None,
-        samples_per_s=(micro * b / step) if step else None,
+        optimizer_share=(raw.optimizer_time_s / run_step
+                         if run_step and raw.optimizer_time_s is not None else None),
+        tokens_per_s=(accum * b * t / run_step) if run_step else None,
+        samples_per_s=(accum * b / run_step) if run_step else None,
         config=config.replace(seq_len=t).to_dict(),
         device=dev.name,
         batch_shape=(b, t),

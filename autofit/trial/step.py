@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -410,6 +411,11 @@ class Stepper:
         self._autocast = spec_autocast
         self.scaler = torch.amp.GradScaler(device.type) if plan.precision == "16-mixed" else None
         self.skipped_steps = 0
+        # the last step's optimizer step, in seconds (the run amortises it over its
+        # accumulation, the trial's step over min(accumulation, 2)); ``sync`` waits for the
+        # device before each clock reading (None: a CPU)
+        self.optimizer_s = 0.0
+        self.sync: Any = None
 
     def _autocast_ctx(self) -> Any:
         if not self._autocast:
@@ -431,7 +437,13 @@ class Stepper:
             else:
                 loss.backward()
             del loss
+        if self.sync is not None:
+            self.sync()
+        t0 = time.perf_counter()
         stepped = optimizer_step(self.model, self.optimizer, self.scaler, self.plan.max_grad_norm)
+        if self.sync is not None:
+            self.sync()
+        self.optimizer_s = time.perf_counter() - t0
         if not stepped:
             self.skipped_steps += 1
         return stepped
