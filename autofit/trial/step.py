@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
