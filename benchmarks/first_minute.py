@@ -53,6 +53,15 @@ QUICK = ["tune", "tiny-gpt2", "--dataset", "tiny-samples", "--device", "cpu:1GiB
          "--target-batch-size", "16"]
 
 
+def _cpu_capability() -> str:
+    """torch's vector ISA here (AVX2, AVX512, ...): half precision is native only with
+    AVX512-BF16 / AMX, and ~40x slower than fp32 without."""
+    out = subprocess.run([sys.executable, "-c", "import torch; "
+                          "print(torch.backends.cpu.get_cpu_capability())"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
 def _children_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
@@ -106,6 +115,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "first_minute"))
     ap.add_argument("--plan", help="check-cached: check this tuned file (default: the quick "
                                    "start's, made first when the quick start is not run)")
+    ap.add_argument("--baseline-cases", nargs="+", choices=list(TARGETS),
+                    help="with --baseline: the cases run beside it (default: every case)")
     ap.add_argument("--baseline", type=Path, help="a checkout of the previous release (e.g. "
                     "`git worktree add /tmp/prev <rev>`): each run of a case is followed by "
                     "the same run there, and the table gives their ratio")
@@ -119,7 +130,8 @@ def main() -> None:
         runs, base = [], []
         for i in range(repeats):
             for root, into, tag in ((ROOT, runs, ""), (args.baseline, base, "b")):
-                if root is None:
+                if root is None or (tag and args.baseline_cases
+                                    and name not in args.baseline_cases):
                     continue
                 e = ({**env, "AUTOFIT_CACHE_DIR": str(tmp / f"cache-{name}-{i}{tag}")}
                      if fresh_cache else {**env, "AUTOFIT_CACHE_DIR": str(tmp / f"cache{tag}")})
@@ -133,7 +145,8 @@ def main() -> None:
     quick_out = tmp / "tuned.yaml"
     out = Path(args.out)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpus": os.cpu_count(), "python": sys.version.split()[0], "commit": _commit(ROOT),
+            "cpus": os.cpu_count(), "cpu_capability": _cpu_capability(),
+            "python": sys.version.split()[0], "commit": _commit(ROOT),
             "baseline": _commit(args.baseline) if args.baseline else None}
     # the cheap cases first; the results are written after every case (a long one may be
     # stopped and what ran is kept)
@@ -181,7 +194,8 @@ def write(out: Path, meta: dict, rows: dict) -> None:
     """``out``.json (every run) and ``out``.md (the table)."""
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cases": rows}, indent=2))
     base = meta.get("baseline")
-    lines = [f"# First minute ({meta['when']}, commit {meta['commit']}, {meta['cpus']} CPUs)",
+    lines = [f"# First minute ({meta['when']}, commit {meta['commit']}, {meta['cpus']} CPUs, "
+             f"{meta.get('cpu_capability', '?')})",
              "", "`python benchmarks/first_minute.py` — wall and CPU seconds, the 1-minute load "
              "average before / after each run (the machine is shared)"
              + (f"; each run followed by the same run of the previous release ({base}), their "

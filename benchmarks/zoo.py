@@ -1,0 +1,392 @@
+"""The zoo: every architecture transformers builds from a config, measured and estimated.
+
+    python benchmarks/zoo.py --list                        # what builds offline, and why not
+    python benchmarks/zoo.py --tasks causal-lm --sizes s --setups fp32 --workers 2
+    python benchmarks/zoo.py --families llama,opt,bert     # a few families, every setup
+    python benchmarks/zoo.py --report                      # zoo.{md,json,png} from the rows
+
+Families come from transformers' own auto mappings (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``,
+masked LM, seq2seq LM, sequence classification): every ``model_type`` there is built
+from ``AutoConfig.for_model`` at two small sizes (``SIZES``: the usual width, depth,
+heads, feed-forward and vocabulary fields shrunk where the config has them, in the text
+sub-config too) and must run one forward with labels on a 2 x 16 batch; what does not is
+listed with its first error line (``--list``: no hub, no extra packages).
+
+Each family that builds is measured under ``SETUPS`` (fp32 AdamW; bf16-mixed with
+checkpointing; bitsandbytes' 8-bit AdamW; LoRA r8 on all linear layers) by the
+independent harness (``benchmarks/measure_cpu.py``: one fresh child per configuration,
+the kernel's high-water mark, no autofit code) and estimated by ``autofit.estimate``
+with ``method="analytic"`` and ``"simulate"`` for ``device="cpu"``. The error is
+``(estimate - measured) / measured`` on the absolute peak (measured + weights): a
+negative error is an underestimate, an OOM waiting for a user.
+
+Rows accumulate in ``benchmarks/results/zoo.json`` (a run skips the rows it has, so a
+long sweep resumes); ``--report`` rewrites ``zoo.md`` (per method: median and worst
+error, every underestimate below -3%; per family) and ``zoo.png``.
+
+Known limitations:
+    NB: token classification is not a task autofit plans (``autofit.probe.data``):
+    its families are listed, not measured.
+    NB: tiny models: fixed costs (the math libraries' caches) are a larger share of
+    the peak than at real sizes; the accuracy table (``accuracy.py``) holds the
+    larger configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+TASK_MAPPINGS = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+}
+UNPLANNED_TASKS = {"token-cls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"}
+
+# size -> (hidden, layers, heads, feed-forward, vocabulary, batch, sequence)
+# (peaks of tens to hundreds of MiB: at a few MiB the harness's fixed costs -- page
+# rounding, autograd's bookkeeping -- are tens of percent of the peak, a noise no user
+# runs into)
+SIZES = {"s": (256, 2, 4, 512, 8192, 4, 128), "m": (512, 2, 8, 1024, 16384, 4, 256)}
+SETUPS = {
+    "fp32": {"precision": "32-true", "gradient_checkpointing": False,
+             "optimizer": "adamw_torch", "lora": None},
+    "bf16-ckpt": {"precision": "bf16-mixed", "gradient_checkpointing": True,
+                  "optimizer": "adamw_torch", "lora": None},
+    "adamw8": {"precision": "32-true", "gradient_checkpointing": False,
+               "optimizer": "adamw_bnb_8bit", "lora": None},
+    "lora": {"precision": "32-true", "gradient_checkpointing": False,
+             "optimizer": "adamw_torch",
+             "lora": {"r": 8, "alpha": 16, "target_modules": "all-linear", "dropout": 0.0}},
+}
+TARGETS = {"analytic": (0.03, 0.10), "simulate": (0.02, 0.05)}  # median, worst |error|
+UNDER = -0.03  # no estimate below this anywhere
+
+_HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim", "emb_dim")
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers",
+           "decoder_layers", "num_decoder_layers", "num_encoder_layers")
+_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
+          "decoder_attention_heads", "num_key_value_heads", "num_kv_heads", "n_kv_heads",
+          "multi_query_group_num")
+_FFN = ("intermediate_size", "d_ff", "n_inner", "ffn_dim", "encoder_ffn_dim",
+        "decoder_ffn_dim", "ffn_hidden_size", "moe_intermediate_size",
+        "shared_expert_intermediate_size")
+_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
+              "seq_length")
+
+
+def families(tasks: list[str]) -> list[tuple[str, str]]:
+    """(model_type, task) of every family transformers maps to ``tasks``."""
+    from transformers.models.auto import modeling_auto
+
+    out = []
+    for task in tasks:
+        names = getattr(modeling_auto, (TASK_MAPPINGS | UNPLANNED_TASKS)[task])
+        out += [(mt, task) for mt in sorted(names)]
+    return out
+
+
+def shrink(config: Any, size: str) -> dict[str, Any]:
+    """The ``AutoConfig.for_model`` keyword arguments that make ``config`` small: each field
+    the config has, in ``text_config`` too."""
+    hidden, layers, heads, ffn, vocab, _, seq = SIZES[size]
+
+    def fields(cfg: Any) -> dict[str, Any]:
+        kw: dict[str, Any] = {}
+        for names, value in ((_HIDDEN, hidden), (_LAYERS, layers), (_HEADS, heads),
+                             (_FFN, ffn)):
+            for name in names:
+                if isinstance(getattr(cfg, name, None), int):
+                    kw[name] = value
+        if isinstance(getattr(cfg, "head_dim", None), int):
+            kw["head_dim"] = hidden // heads
+        if isinstance(getattr(cfg, "d_kv", None), int):
+            kw["d_kv"] = hidden // heads
+        if isinstance(getattr(cfg, "vocab_size", None), int):
+            kw["vocab_size"] = vocab
+        for name in _POSITIONS:
+            if isinstance(getattr(cfg, name, None), int):
+                kw[name] = max(2 * seq, 128)
+        if isinstance(getattr(cfg, "num_local_experts", None), int):
+            kw["num_local_experts"] = min(cfg.num_local_experts, 4)
+        if isinstance(getattr(cfg, "num_experts", None), int) and cfg.num_experts > 4:
+            kw["num_experts"] = 4
+        if isinstance(getattr(cfg, "num_experts_per_tok", None), int):
+            kw["num_experts_per_tok"] = min(cfg.num_experts_per_tok, 2)
+        if isinstance(getattr(cfg, "layer_types", None), list):
+            kw["layer_types"] = list(cfg.layer_types[:layers])
+        return kw
+
+    kw = fields(config)
+    text = getattr(config, "text_config", None)
+    if text is not None and hasattr(text, "to_dict"):
+        kw["text_config"] = {**{k: v for k, v in text.to_dict().items()
+                                if k in ("model_type",)}, **fields(text)}
+    return kw
+
+
+def _spec(model_type: str, task: str, size: str, setup: str,
+          config: dict[str, Any]) -> dict[str, Any]:
+    *_, batch, seq = SIZES[size]
+    return {"name": f"zoo-{model_type}-{task}-{size}-{setup}", "model_type": model_type,
+            "config": config, "task": task, "batch": batch, "seq": seq,
+            "attn_implementation": "sdpa", **SETUPS[setup], "optim_args": None}
+
+
+def probe(model_type: str, task: str, size: str) -> tuple[dict[str, Any] | None, str]:
+    """The small config's keyword arguments and "" when the family builds and runs one
+    forward with labels; else None and the first line of why not."""
+    import torch
+    import transformers
+    from measure_cpu import TASK_CLASSES, _make_batch
+
+    if task not in TASK_CLASSES:
+        return None, f"task {task}: not planned by autofit"
+    try:
+        base = transformers.AutoConfig.for_model(model_type)
+        kw = shrink(base, size)
+        config = transformers.AutoConfig.for_model(model_type, **kw)
+        if task == "seq-cls":
+            config.num_labels = 2
+            if getattr(config, "pad_token_id", None) is None:
+                config.pad_token_id = 0
+        cls = getattr(transformers, TASK_CLASSES[task])
+        with torch.device("meta"):  # counted first: a field not shrunk may make it huge
+            params = sum(p.numel() for p in cls.from_config(config).parameters())
+        if params > 30_000_000:
+            return None, f"{params / 1e6:.0f}M parameters at the small size (fields not shrunk)"
+        torch.manual_seed(0)
+        model = cls.from_config(config)
+        batch = _make_batch({"task": task}, getattr(config, "text_config", None) or config, 2, 16)
+        out = model(**batch)
+        if getattr(out, "loss", None) is None:
+            return None, "no loss from labels"
+        out.loss.backward()
+        return kw, ""
+    except Exception as e:  # noqa: BLE001 - the reason is the result
+        line = f"{type(e).__name__}: {e}".strip().splitlines()[0]
+        return None, line[:200]
+
+
+def _estimate(spec: dict[str, Any], method: str, tmp: Path) -> tuple[int, str, float]:
+    from accuracy import _estimate as estimate
+
+    est, secs = estimate(spec, method, tmp)
+    return int(est.peak_allocated_bytes), str(est.peak_phase), secs
+
+
+def run_one(spec: dict[str, Any], setup: str, methods: list[str]) -> dict[str, Any]:
+    """Measure ``spec`` (a child of the harness) and estimate it: one zoo row."""
+    from measure_cpu import measure
+
+    row: dict[str, Any] = {"name": spec["name"], "spec": spec, "setup": setup}
+    try:
+        m = measure(spec)
+    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+        row["error"] = f"measure: {str(e).strip().splitlines()[-1][:300]}"
+        return row
+    truth = m["peak_bytes"] + m["weights_bytes"]
+    row["measured"] = truth
+    with tempfile.TemporaryDirectory() as d:
+        for method in methods:
+            try:
+                est, phase, secs = _estimate(spec, method, Path(d))
+            except Exception as e:  # noqa: BLE001 - refused or failed: the row says which
+                row[f"{method}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                continue
+            row[method] = est
+            row[f"{method}_err"] = (est - truth) / truth
+            row[f"{method}_phase"] = phase
+            row[f"{method}_s"] = round(secs, 2)
+    return row
+
+
+def _load(path: Path) -> dict[str, Any]:
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"built": {}, "rows": {}}
+
+
+def _save(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", default="causal-lm,masked-lm,seq2seq,seq-cls")
+    ap.add_argument("--families", default=None, help="comma-separated model types")
+    ap.add_argument("--sizes", default="s,m")
+    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--methods", default="analytic,simulate")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--limit", type=int, default=None, help="at most this many new rows")
+    ap.add_argument("--list", action="store_true", help="probe what builds; measure nothing")
+    ap.add_argument("--report", action="store_true", help="only rewrite zoo.md / zoo.png")
+    ap.add_argument("--out", default=str(RESULTS / "zoo"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    data = _load(out.with_suffix(".json"))
+    if args.report:
+        report(out, data)
+        return 0
+    tasks = args.tasks.split(",")
+    wanted = set(args.families.split(",")) if args.families else None
+    sizes = args.sizes.split(",")
+    pairs = [(mt, t) for mt, t in families(tasks + (["token-cls"] if args.list else []))
+             if wanted is None or mt in wanted]
+    # 1. what builds (cached in the JSON: a family's probe is the same every run)
+    for i, (mt, task) in enumerate(pairs, 1):
+        for size in sizes:
+            key = f"{mt}|{task}|{size}"
+            if key in data["built"]:
+                continue
+            kw, why = probe(mt, task, size)
+            data["built"][key] = {"config": kw, "skip": why}
+            print(f"[{i}/{len(pairs)}] {key}: {'builds' if kw is not None else why}", flush=True)
+        _save(out.with_suffix(".json"), data)
+    if args.list:
+        report(out, data)
+        return 0
+    # 2. measure and estimate what builds, rows not already there
+    methods = args.methods.split(",")
+    todo = []
+    for mt, task in pairs:
+        for size in sizes:
+            b = data["built"].get(f"{mt}|{task}|{size}")
+            if not b or b["config"] is None:
+                continue
+            for setup in args.setups.split(","):
+                spec = _spec(mt, task, size, setup, b["config"])
+                if spec["name"] not in data["rows"]:
+                    todo.append((spec, setup))
+    todo = todo[: args.limit] if args.limit else todo
+    print(f"{len(todo)} rows to measure ({args.workers} workers)", flush=True)
+    t0 = time.time()
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        futures = {pool.submit(run_one, spec, setup, methods): spec for spec, setup in todo}
+        for n, fut in enumerate(as_completed(futures), 1):
+            spec = futures[fut]
+            try:
+                row = fut.result()
+            except Exception:  # noqa: BLE001
+                row = {"name": spec["name"], "spec": spec,
+                       "error": traceback.format_exc().splitlines()[-1][:300]}
+            data["rows"][row["name"]] = row
+            _save(out.with_suffix(".json"), data)
+            errs = "  ".join(f"{m} {100 * row[m + '_err']:+.1f}%" for m in methods
+                             if m + "_err" in row)
+            print(f"[{n}/{len(todo)} {time.time() - t0:.0f}s] {row['name']}: "
+                  f"{row.get('error') or errs}", flush=True)
+    report(out, data)
+    return 0
+
+
+def _summary(rows: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
+    errs = [r[f"{method}_err"] for r in rows if f"{method}_err" in r]
+    if not errs:
+        return None
+    med, worst = TARGETS[method]
+    mags = [abs(e) for e in errs]
+    under = [e for e in errs if e < UNDER]
+    return {"n": len(errs), "median_abs": statistics.median(mags), "max_abs": max(mags),
+            "under": len(under), "min": min(errs),
+            "met": statistics.median(mags) <= med and max(mags) <= worst and not under}
+
+
+def report(out: Path, data: dict[str, Any]) -> None:
+    """zoo.md and zoo.png from the rows of zoo.json."""
+    rows = [r for r in data["rows"].values() if "measured" in r]
+    methods = [m for m in TARGETS if any(f"{m}_err" in r for r in rows)]
+    lines = ["# The zoo: every family transformers builds, measured on this CPU", "",
+             "`python benchmarks/zoo.py` (see its docstring). Error = (estimate - measured) / "
+             "measured, absolute peak (weights included); negative = an underestimate.", ""]
+    lines += ["| method | rows | median abs | worst abs | lowest | under -3% | target | met |",
+              "|---|---|---|---|---|---|---|---|"]
+    for m in methods:
+        s = _summary(rows, m)
+        if s is None:
+            continue
+        med, worst = TARGETS[m]
+        lines.append(f"| {m} | {s['n']} | {100 * s['median_abs']:.1f}% | "
+                     f"{100 * s['max_abs']:.1f}% | {100 * s['min']:+.1f}% | {s['under']} | "
+                     f"<= {100 * med:g}% / {100 * worst:g}%, none < {100 * UNDER:g}% | "
+                     f"{'yes' if s['met'] else 'no'} |")
+    built = data.get("built", {})
+    ok = sum(1 for b in built.values() if b["config"] is not None)
+    lines += ["", f"Families x tasks x sizes probed: {len(built)}; built and ran: {ok}; "
+              f"rows measured: {len(rows)}; rows that failed: "
+              f"{sum(1 for r in data['rows'].values() if 'error' in r)}.", ""]
+    # per family: the worst error of each method, with its side
+    lines += ["## Per family (worst error of each method over its rows)", "",
+              "| family | task | rows | " + " | ".join(methods) + " |",
+              "|---|---|---|" + "---|" * len(methods)]
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault((r["spec"]["model_type"], r["spec"]["task"]), []).append(r)
+    for (mt, task), rs in sorted(by.items()):
+        cells = []
+        for m in methods:
+            errs = [(r[f"{m}_err"], r["name"]) for r in rs if f"{m}_err" in r]
+            refused = [r for r in rs if f"{m}_error" in r]
+            if errs:
+                e = max(errs, key=lambda x: abs(x[0]))[0]
+                cells.append(f"{100 * e:+.1f}%" + (" **under**" if e < UNDER else ""))
+            else:
+                cells.append("refused" if refused else "-")
+        lines.append(f"| {mt} | {task} | {len(rs)} | " + " | ".join(cells) + " |")
+    failed = [r for r in data["rows"].values() if "error" in r]
+    if failed:
+        lines += ["", "## Rows the harness could not measure", ""]
+        lines += [f"- {r['name']}: {r['error']}" for r in sorted(failed, key=lambda r: r["name"])]
+    skipped = sorted((k, b["skip"]) for k, b in built.items() if b["config"] is None)
+    if skipped:
+        lines += ["", "## Families that do not build offline at the small sizes", ""]
+        lines += [f"- {k.replace('|', ' / ')}: {why}" for k, why in skipped]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    _plot(out.with_suffix(".png"), rows, methods)
+
+
+def _plot(path: Path, rows: list[dict[str, Any]], methods: list[str]) -> None:
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    setups = list(SETUPS)
+    for i, m in enumerate(methods):
+        xs = [setups.index(r.get("setup", "fp32")) for r in rows if f"{m}_err" in r]
+        ys = [100 * r[f"{m}_err"] for r in rows if f"{m}_err" in r]
+        ax.scatter([x + 0.2 * (i - 0.5) for x in xs], ys, s=10, alpha=0.6, label=m)
+    ax.axhline(100 * UNDER, color="red", lw=0.8, ls="--", label="-3% (an OOM below)")
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set_xticks(range(len(setups)), setups)
+    ax.set_ylabel("estimate error, % of measured peak")
+    ax.set_title("autofit's CPU estimates across transformers' families (zoo.py)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
