@@ -81,7 +81,7 @@ class StorageRecorder(TorchDispatchMode):
         self.keepalive: list[Any] = []  # training state that outlives the recorded steps
         # op -> Python implementation to run instead of the op's fake kernel, under this
         # mode, so that the tensors it creates are seen (e.g. bitsandbytes' CPU kernels)
-        self.decompositions: dict[Any, Any] = {}
+        self.decompositions: dict[Any, Any] = dict(_GROUPED_MM)
         self._decomposing = False
         # (label, index into the log): where each micro step and optimizer step begins
         self.marks: list[tuple[str, int]] = []
@@ -243,6 +243,25 @@ class StorageRecorder(TorchDispatchMode):
             ws.alive = False
             self._log.append(("free", ws, self.phase))
         return out
+
+
+def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``aten._grouped_mm`` on fake tensors of any dtype (mixture-of-experts layers:
+    transformers' ``grouped_mm`` experts). Its meta kernel checks CUDA's rule (bf16 only),
+    but the CPU kernel takes fp32 too, which a fp32 MoE model runs; the output is the meta
+    kernel's own (``_create_grouped_mm_output_tensor``: the shape, dtype and strides), made
+    under the recorder so that it is seen. bf16 goes to the op as it is."""
+    if mat_a.dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16):
+        return torch.ops.aten._grouped_mm.default(mat_a, mat_b, offs, bias, out_dtype)
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+    return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+
+
+_GROUPED_MM = ({torch.ops.aten._grouped_mm.default: _grouped_mm}
+               if hasattr(torch.ops.aten, "_grouped_mm") else {})
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
