@@ -214,6 +214,13 @@ def write(out: Path, meta: dict, rows: dict) -> None:
         if base:
             b = r.get("baseline", {}).get("median_wall_s")
             ratio = f"{r['median_wall_s'] / b:.2f}" if b and r["median_wall_s"] else ""
+            if b is None and r.get("baseline", {}).get("runs"):
+                # no run of the baseline finished: say how each ended
+                b = ", ".join(x["last_line"] if x["exit"] is None else f"exit {x['exit']}"
+                              for x in r["baseline"]["runs"])
+                ratio = "< " + ", ".join(f"{r['median_wall_s'] / x['wall_s']:.2f}"
+                                         for x in r["baseline"]["runs"]
+                                         if r["median_wall_s"])
             line += f" {b} | {ratio} |"
         lines.append(line)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
