@@ -140,12 +140,24 @@ def shrink(config: Any, size: str) -> dict[str, Any]:
     return kw
 
 
+def _attention(model_type: str, task: str) -> str:
+    """``sdpa`` where the family's model class runs it, else ``eager`` (BLOOM, Gemma 2,
+    BigBird: transformers refuses sdpa for them), as ``from_pretrained`` picks."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    name = getattr(modeling_auto, TASK_MAPPINGS[task]).get(model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 def _spec(model_type: str, task: str, size: str, setup: str,
           config: dict[str, Any]) -> dict[str, Any]:
     *_, batch, seq = SIZES[size]
     return {"name": f"zoo-{model_type}-{task}-{size}-{setup}", "model_type": model_type,
             "config": config, "task": task, "batch": batch, "seq": seq,
-            "attn_implementation": "sdpa", **SETUPS[setup], "optim_args": None}
+            "attn_implementation": _attention(model_type, task), **SETUPS[setup],
+            "optim_args": None}
 
 
 def probe(model_type: str, task: str, size: str) -> tuple[dict[str, Any] | None, str]:
