@@ -319,8 +319,14 @@ def _run(command: list[str], env: dict[str, str]) -> int:
         raise BadInputError(f"{command[0]}: not executable (permission denied)") from None
     except OSError as e:
         raise BadInputError(f"{command[0]}: cannot start it ({e.strerror or e})") from None
-    with _forwarding(proc):
-        code = proc.wait()
+    try:
+        with _forwarding(proc):
+            code = proc.wait()
+    except KeyboardInterrupt:
+        # Ctrl-C came between the start and the forwarding (the command has it too, in
+        # this process group): wait for the command as if it had been ignored here
+        with _forwarding(proc):
+            code = proc.wait()
     return 128 + -code if code < 0 else code
 
 
