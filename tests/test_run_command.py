@@ -179,6 +179,14 @@ def test_every_process_of_the_command_is_measured(alloc, tmp_path):
     assert r.measured_bytes == big
 
 
+def _as_a_terminal_starts_it() -> None:
+    """Ctrl-C's signal at its default and no signal blocked, whatever this test process
+    inherited (a pytest worker's state is not a terminal's: ignored or blocked there, the
+    command would never see the SIGINT and sleep on)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def test_ctrl_c_reaches_the_command_and_its_status_is_returned(tmp_path):
     script = tmp_path / "wait.py"
     script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(120)\n")
@@ -186,7 +194,7 @@ def test_ctrl_c_reaches_the_command_and_its_status_is_returned(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "autofit", "run", "--json", "--",
                           sys.executable, str(script)], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=_as_a_terminal_starts_it)
     assert p.stdout.readline().strip() == "ready"
     time.sleep(0.2)
     os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
