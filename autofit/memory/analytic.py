@@ -520,23 +520,33 @@ def _dequantized_bytes(info: ModelInfo) -> int:
     return largest * _bytes(info.dtype)
 
 
-# CPU: the math libraries' buffer caches (MKL's GEMM buffers in fp32, oneDNN's primitive
-# cache and scratch in 16-bit), created by the first full-size step and kept for the run;
-# measured as what a step leaves resident beyond its optimizer states
-# (``steady_rss_after_step_bytes``, benchmarks/measure_cpu.py): about half the widest
-# matmul output, at most ~14 MiB, less at short steps (~1-2 MiB at 128 tokens).
-_CPU_LIB_CACHE_MAX = 14 << 20  # bytes
-_CPU_LIB_CACHE_SHARE = 0.5  # of the widest matmul output
+# CPU: the math libraries' buffer caches, created by the first full-size step and kept for
+# the run: not tensors, measured as what a step's matmuls leave resident beyond the tensors
+# (one thread, glibc's thresholds fixed as autofit measures; ``benchmarks/cpu_cache.py``
+# measures them on the machine at hand). They depend on the instruction set the kernels use:
+# * AVX2 (MKL's fp32 GEMM buffers, oneDNN's for 16-bit): about half the widest matmul
+#   output, at most ~14 MiB, less at short steps (~1-2 MiB at 128 tokens);
+# * AVX512 (AMX-capable Xeons too): fp32 GEMMs pack the weight once the rows pass ~400
+#   (448 rows and more: 1 MiB + the widest weight, up to ~15 MiB; 384 rows or fewer:
+#   ~1.4 MiB); 16-bit matmuls go to oneDNN, whose primitive cache and scratch hold
+#   5.5-7.9 MiB whatever the shape.
+# An unknown instruction set takes the larger of the two rules.
+_CPU_LIB_CACHE_MAX = 14 << 20  # bytes (AVX2)
+_CPU_LIB_CACHE_SHARE = 0.5  # of the widest matmul output (AVX2)
 _CPU_LIB_CACHE_FULL_TOKENS = 1024  # tokens per micro batch from which the cache is full size
+_AVX512_PACK_ROWS = 385  # rows from which MKL packs an fp32 weight (384: not; 448: packed)
+_AVX512_PACK_MAX = 15 << 20  # bytes of packed weight kept, at most
+_AVX512_FLOOR = 3 << 19  # 1.5 MiB: what an unpacked fp32 step leaves
+_AVX512_HALF = 8 << 20  # oneDNN's caches for 16-bit matmuls
 
 
 def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
-                            device: DeviceInfo) -> int:
-    """Bytes the CPU's math libraries keep cached through a training step (0 on CUDA):
-    half the widest matmul output of the step, the (B*T, V) logits or else the (B*T, i)
-    feed-forward, at most ``_CPU_LIB_CACHE_MAX``, scaled down below 1024 tokens. Not a
-    tensor, so neither the analytic closed form nor the simulated allocation stream sees it
-    otherwise (up to 7% of a small model's step: issue 25).
+                            device: DeviceInfo, capability: str | None = None) -> int:
+    """Bytes the CPU's math libraries keep cached through a training step (0 on CUDA), by
+    this CPU's instruction set (``capability``: ``autofit.probe.device.cpu_capability()``
+    when ``None``; the rules are in the comment above). Not a tensor, so neither the
+    analytic closed form nor the simulated allocation stream sees it otherwise (up to 7%
+    of a small model's step: issue 25).
 
         >>> from autofit.probe.model import probe_model
         >>> from autofit.probe.device import resolve_device
@@ -547,15 +557,35 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
     """
     if device.allocator == "cuda" or not info.is_transformer:
         return 0
+    if capability is None:
+        from autofit.probe.device import cpu_capability
+
+        capability = cpu_capability()
     tokens = config.micro_batch_size * seq_len
     lm = (info.task != "seq-cls" and info.vocab_size is not None and not config.chunked_loss
           and config.loss_impl != "trl")
-    widest = max([info.vocab_size if lm else 0]
-                 + [b.intermediate_size or b.hidden_size or 0 for b in info.blocks])
+    widths = [(b.hidden_size or 0, b.intermediate_size or b.hidden_size or 0)
+              for b in info.blocks]
+    if lm:
+        widths.append((info.hidden_size or 0, info.vocab_size))
+    widest = max([n for _, n in widths], default=0)
     spec = config.precision_spec
-    elem = 2 if (spec.autocast or spec.param_dtype != "float32") else 4
-    cache = min(_CPU_LIB_CACHE_MAX, _CPU_LIB_CACHE_SHARE * tokens * widest * elem)
-    return int(cache * min(1.0, tokens / _CPU_LIB_CACHE_FULL_TOKENS))
+    half = bool(spec.autocast or spec.param_dtype != "float32")
+    elem = 2 if half else 4
+    avx2 = int(min(_CPU_LIB_CACHE_MAX, _CPU_LIB_CACHE_SHARE * tokens * widest * elem)
+               * min(1.0, tokens / _CPU_LIB_CACHE_FULL_TOKENS))
+    if half:
+        avx512 = _AVX512_HALF
+    elif tokens >= _AVX512_PACK_ROWS:
+        avx512 = _AVX512_FLOOR + min(_AVX512_PACK_MAX, max((k * n * 4 for k, n in widths),
+                                                           default=0))
+    else:
+        avx512 = _AVX512_FLOOR
+    if capability == "AVX2":
+        return avx2
+    if capability.startswith("AVX512"):
+        return avx512
+    return max(avx2, avx512)
 
 
 def _linear_weight_numel(info: ModelInfo) -> int:

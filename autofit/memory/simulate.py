@@ -61,12 +61,13 @@ Known limitations:
 
 - NB: memory that is not a tensor storage is not seen. On the CPU that is mostly the
   math libraries' caches, created by the first full-size step and kept: MKL's
-  buffer cache for fp32 GEMMs (~14 MiB at 1024 tokens, ~2 MiB at 128; gone with
-  ``MKL_DISABLE_FAST_MM=1``) and oneDNN's primitive cache and scratch for bf16
-  (~5-10 MiB). A CPU estimate adds them by the analytic rule
-  (``cpu_library_cache_bytes``: half the widest matmul output, at most 14 MiB, less
-  below 1024 tokens); without it CPU estimates ran 0.1-3.7 % (typically ~1.3 %) below
-  the measured peak RSS of a step, up to 6.6 % on a small model (issue 25).
+  buffer cache for fp32 GEMMs and oneDNN's primitive cache and scratch for 16-bit
+  matmuls, which differ by instruction set (AVX2: ~2 MiB at 128 tokens, ~14 MiB at
+  1024; AVX512: 1.5 MiB + the widest packed fp32 weight from ~400 rows, 8 MiB for
+  16-bit). A CPU estimate adds them by the analytic rule (``cpu_library_cache_bytes``);
+  without it CPU estimates ran 0.1-3.7 % (typically ~1.3 %) below the measured peak
+  RSS of a step, up to 6.6 % on a small model, and the AVX2 rule on an AVX512 machine
+  5-7 % below on masked-LM and sequence-classification steps (issue 25).
 - NB: workspaces allocated *inside* a kernel are invisible at the dispatch level;
   CUDA's flash-attention backward workspace is added by formula, others (cuBLAS
   workspace: in ``DeviceInfo.overhead_bytes``; efficient-attention accumulators;

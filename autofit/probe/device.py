@@ -246,6 +246,16 @@ def _cpu_rates() -> dict[str, float]:
         torch.set_num_threads(threads)
 
 
+@cache
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels use here: ``"AVX2"``, ``"AVX512"``,
+    ``"DEFAULT"`` (no vector extension torch dispatches on, e.g. most ARM builds), ...
+    The math libraries' buffer caches differ by it (``cpu_library_cache_bytes``)."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
 def cpu_matmul_speed(precision: str) -> float:
     """This CPU's matmul speed at ``precision`` (a Lightning name) relative to fp32, one thread.
 

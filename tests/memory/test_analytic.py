@@ -134,8 +134,9 @@ def test_peak_components_hand_computed(info):
     assert est.peak_phase == "backward"
     assert est.breakdown["weights"] == 4 * P
     assert est.breakdown["optimizer_states"] == 8 * P
-    # + the CPU math libraries' cache: half the (N, V) fp32 logits, x N / 1024 tokens
-    lib_cache = int(0.5 * N * 512 * 4 * N / 1024)
+    # + the CPU math libraries' cache (this machine's rule: test_cpu_library_cache_rules)
+    lib_cache = cpu_library_cache_bytes(info, TrainConfig(micro_batch_size=2), 32,
+                                        resolve_device("cpu"))
     assert est.breakdown["temporaries"] == 2 * N * 512 * 4 + lib_cache
     per_layer = N * (32 * 64 + 8 * 32 + 16 * 160 + 4 * 4 + 8)
     assert est.breakdown["activations"] > 2 * per_layer  # + embedding/final norm/log-softmax
@@ -157,11 +158,34 @@ def test_cuda_foreach_adamw_temporary_and_overhead(info):
     assert h100.breakdown["temporaries"] == 4 * P
     assert fused.peak_allocated_bytes < h100.peak_allocated_bytes - 3 * P  # in place, no copy
     lib_cache = cpu_library_cache_bytes(info, TrainConfig(), 1, resolve_device("cpu"))
-    assert lib_cache < 16  # bytes: a 1-token step leaves no cache to speak of
     # 2 x the largest param (embedding), + the math libraries' cache
     assert cpu.breakdown["temporaries"] == 2 * 32768 * 4 + lib_cache
     assert h100.breakdown["overhead"] >= resolve_device("H100-80GB").overhead_bytes
     assert h100.peak_reserved_bytes > h100.peak_allocated_bytes
+
+
+def test_cpu_library_cache_rules(info):
+    # info: hidden 64, feed-forward 160, vocabulary 512 (the widest weight: 64 x 512)
+    cpu, cuda = resolve_device("cpu"), resolve_device("H100-80GB")
+
+    def cache(capability, batch=2, seq=32, **kw):
+        return cpu_library_cache_bytes(info, TrainConfig(micro_batch_size=batch, **kw), seq, cpu,
+                                       capability=capability)
+
+    # AVX2: half the widest fp32 output (N x V), scaled by N / 1024 below 1024 tokens
+    N = 64
+    assert cache("AVX2") == int(0.5 * N * 512 * 4 * N / 1024)
+    assert cache("AVX2", seq=1, batch=1) < 16  # a 1-token step leaves no cache to speak of
+    assert cache("AVX2", batch=64, seq=1024) == 14 << 20  # at most 14 MiB
+    # AVX512: fp32 weights packed from ~400 rows on (1.5 MiB + the widest weight), 16-bit
+    # matmuls' oneDNN caches a constant
+    assert cache("AVX512", batch=12, seq=32) == 3 << 19  # 384 rows: nothing packed
+    assert cache("AVX512", batch=14, seq=32) == (3 << 19) + 64 * 512 * 4  # 448 rows
+    assert cache("AVX512", precision="bf16-mixed") == 8 << 20
+    # an instruction set never measured: the larger rule
+    for kw in ({}, {"batch": 64, "seq": 1024}, {"precision": "bf16-mixed"}):
+        assert cache("SVE256", **kw) == max(cache("AVX2", **kw), cache("AVX512", **kw))
+    assert cpu_library_cache_bytes(info, TrainConfig(), 1024, cuda) == 0
 
 
 def test_checkpointing_lowers_activations(info):
