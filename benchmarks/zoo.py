@@ -206,7 +206,10 @@ def run_one(spec: dict[str, Any], setup: str, methods: list[str]) -> dict[str, A
     """Measure ``spec`` (a child of the harness) and estimate it: one zoo row."""
     from measure_cpu import measure
 
-    row: dict[str, Any] = {"name": spec["name"], "spec": spec, "setup": setup}
+    from autofit.probe.device import cpu_capability
+
+    row: dict[str, Any] = {"name": spec["name"], "spec": spec, "setup": setup,
+                           "cpu": cpu_capability()}  # the math libraries' caches differ by it
     try:
         m = measure(spec)
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
@@ -290,8 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         report(out, data)
         return 0
     if args.reestimate:
+        from autofit.probe.device import cpu_capability
+
         fams = set(args.families.split(",")) if args.families else None
         for name, row in sorted(data["rows"].items()):
+            if _row_cpu(row) != cpu_capability():
+                continue  # measured with another instruction set's library caches
             if "measured" in row and (fams is None or row["spec"]["model_type"] in fams):
                 reestimate(row, args.methods.split(","))
                 print(name, "  ".join(f"{m} {100 * row[m + '_err']:+.1f}%" if m + "_err" in row
@@ -319,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         report(out, data)
         return 0
     # 2. measure and estimate what builds, rows not already there
+    from autofit.probe.device import cpu_capability
+
+    here = cpu_capability()
     methods = args.methods.split(",")
     todo = []
     for mt, task in pairs:
@@ -328,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for setup in args.setups.split(","):
                 spec = _spec(mt, task, size, setup, b["config"])
-                if spec["name"] not in data["rows"]:
-                    todo.append((spec, setup))
+                if _row_cpu(data["rows"].get(spec["name"])) != here:
+                    todo.append((spec, setup))  # new, or measured on another instruction set
     todo = todo[: args.limit] if args.limit else todo
     print(f"{len(todo)} rows to measure ({args.workers} workers)", flush=True)
     t0 = time.time()
@@ -358,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _row_cpu(row: dict[str, Any] | None) -> str | None:
+    """The instruction set a row was measured on (the rows before it was recorded: AVX2)."""
+    return None if row is None else row.get("cpu", "AVX2")
+
+
 def _summary(rows: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
     errs = [r[f"{method}_err"] for r in rows if f"{method}_err" in r]
     if not errs:
@@ -377,14 +392,18 @@ def report(out: Path, data: dict[str, Any]) -> None:
     lines = ["# The zoo: every family transformers builds, measured on this CPU", "",
              "`python benchmarks/zoo.py` (see its docstring). Error = (estimate - measured) / "
              "measured, absolute peak (weights included); negative = an underestimate.", ""]
-    lines += ["| method | rows | median abs | worst abs | lowest | under -3% | target | met |",
-              "|---|---|---|---|---|---|---|---|"]
-    for m in methods:
-        s = _summary(rows, m)
+    lines += ["Rows carry the instruction set they were measured on (the CPU math libraries' "
+              "caches differ by it; rows from before it was recorded: AVX2); each is estimated "
+              "with that instruction set's rule.", ""]
+    lines += ["| method | CPU | rows | median abs | worst abs | lowest | under -3% | target | met |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    cpus = sorted({_row_cpu(r) for r in rows})
+    for m, cpu in [(m, c) for m in methods for c in [*cpus, "all"]]:
+        s = _summary([r for r in rows if cpu in ("all", _row_cpu(r))], m)
         if s is None:
             continue
         med, worst = TARGETS[m]
-        lines.append(f"| {m} | {s['n']} | {100 * s['median_abs']:.1f}% | "
+        lines.append(f"| {m} | {cpu} | {s['n']} | {100 * s['median_abs']:.1f}% | "
                      f"{100 * s['max_abs']:.1f}% | {100 * s['min']:+.1f}% | {s['under']} | "
                      f"<= {100 * med:g}% / {100 * worst:g}%, none < {100 * UNDER:g}% | "
                      f"{'yes' if s['met'] else 'no'} |")
@@ -395,12 +414,12 @@ def report(out: Path, data: dict[str, Any]) -> None:
               f"{sum(1 for r in data['rows'].values() if 'error' in r)}.", ""]
     # per family: the worst error of each method, with its side
     lines += ["## Per family (worst error of each method over its rows)", "",
-              "| family | task | rows | " + " | ".join(methods) + " |",
-              "|---|---|---|" + "---|" * len(methods)]
-    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+              "| family | task | CPU | rows | " + " | ".join(methods) + " |",
+              "|---|---|---|---|" + "---|" * len(methods)]
+    by: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        by.setdefault((r["spec"]["model_type"], r["spec"]["task"]), []).append(r)
-    for (mt, task), rs in sorted(by.items()):
+        by.setdefault((r["spec"]["model_type"], r["spec"]["task"], _row_cpu(r)), []).append(r)
+    for (mt, task, cpu), rs in sorted(by.items()):
         cells = []
         for m in methods:
             errs = [(r[f"{m}_err"], r["name"]) for r in rs if f"{m}_err" in r]
@@ -410,7 +429,7 @@ def report(out: Path, data: dict[str, Any]) -> None:
                 cells.append(f"{100 * e:+.1f}%" + (" **under**" if e < UNDER else ""))
             else:
                 cells.append("refused" if refused else "-")
-        lines.append(f"| {mt} | {task} | {len(rs)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {mt} | {task} | {cpu} | {len(rs)} | " + " | ".join(cells) + " |")
     failed = [r for r in data["rows"].values() if "error" in r]
     if failed:
         lines += ["", "## Rows the harness could not measure", ""]

@@ -467,7 +467,9 @@ def test_two_runs_at_once_share_their_trials(tmp_path, cache_dir):
     assert [p.returncode for p in procs] == [0, 0], [e[-600:] for _, e in outs]
     a, b = (json.loads(o.strip().splitlines()[-1]) for o, _ in outs)
     assert a["config"] == b["config"]  # the same answer
-    assert a["trials"] >= 2 and b["trials"] >= 2
+    # (one trial suffices: the optimizer-only sibling is skipped when its step is too small
+    # a share of the run's to make it 5% faster -- the sharing rules below still decide)
+    assert a["trials"] >= 1 and b["trials"] >= 1
     # every trial ran once, in one of the two: each saw the other's
     assert a["ran"] + b["ran"] < a["trials"] + b["trials"]
     assert a["ran"] + b["ran"] == max(a["trials"], b["trials"])

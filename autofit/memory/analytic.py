@@ -310,7 +310,7 @@ _FAMILY_OF = {
     # and +1.1%; benchmarks/zoo.py)
     "gpt2": "gpt2", "gpt_neo": "gpt2",
     "bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "electra": "bert",
-    "distilbert": "bert", "deberta": "bert",
+    "deberta": "bert",  # (not DistilBERT: fitted, the zoo's rows were 10.5-10.8% under)
     "t5": "t5", "mt5": "t5", "umt5": "t5",
 }
 
@@ -372,6 +372,10 @@ def _needs_derived(info: ModelInfo, config: TrainConfig) -> bool:
         lora = json.loads(info.peft_config) if info.peft_config else {}
         if (config.precision_spec.param_dtype != "float32" or lora.get("lora_dropout")
                 or lora.get("trainable_token_indices")):
+            return True
+        if info.task != "causal-lm":
+            # the table's LoRA rows are causal LMs': on a llama sequence classifier they
+            # missed ~3.6 MiB of 16.8 saved (the zoo's row 6.2% under; derived +5.0%)
             return True
         if _family(info) != "llama":
             # the table's LoRA rows of the GPT-2 and BERT families miss what adapters on
@@ -526,18 +530,25 @@ def _dequantized_bytes(info: ModelInfo) -> int:
 # measures them on the machine at hand). They depend on the instruction set the kernels use:
 # * AVX2 (MKL's fp32 GEMM buffers, oneDNN's for 16-bit): about half the widest matmul
 #   output, at most ~14 MiB, less at short steps (~1-2 MiB at 128 tokens);
-# * AVX512 (AMX-capable Xeons too): fp32 GEMMs pack the weight once the rows pass ~400
-#   (448 rows and more: 1 MiB + the widest weight, up to ~15 MiB; 384 rows or fewer:
-#   ~1.4 MiB); 16-bit matmuls go to oneDNN, whose primitive cache and scratch hold
-#   5.5-7.9 MiB whatever the shape.
+# * AVX512 (AMX-capable Xeons too), an upper bound of what ``benchmarks/cpu_cache.py``
+#   measured: MKL packs an fp32 weight once the rows pass ~400 (384: not; 448: packed),
+#   in a buffer of up to ~15 MiB that a later, smaller weight reuses: a step keeps one
+#   buffer per weight larger than every weight before it (attention, feed-forward, head:
+#   a 3 MiB feed-forward then an 8 MiB head leave 12.4 MiB), at 1024 rows and more one for
+#   the packed activations too; below ~400 rows at most 2 MiB per such weight. 16-bit
+#   matmuls go to oneDNN: ~10 MiB of primitive cache and scratch + the weights it
+#   reorders, at most 9 MiB of them (10.5-18.3 MiB measured on one block and a head).
 # An unknown instruction set takes the larger of the two rules.
 _CPU_LIB_CACHE_MAX = 14 << 20  # bytes (AVX2)
 _CPU_LIB_CACHE_SHARE = 0.5  # of the widest matmul output (AVX2)
 _CPU_LIB_CACHE_FULL_TOKENS = 1024  # tokens per micro batch from which the cache is full size
 _AVX512_PACK_ROWS = 385  # rows from which MKL packs an fp32 weight (384: not; 448: packed)
-_AVX512_PACK_MAX = 15 << 20  # bytes of packed weight kept, at most
-_AVX512_FLOOR = 3 << 19  # 1.5 MiB: what an unpacked fp32 step leaves
-_AVX512_HALF = 8 << 20  # oneDNN's caches for 16-bit matmuls
+_AVX512_PACK_MAX = 15 << 20  # bytes of one packing buffer, at most
+_AVX512_SMALL_MAX = 2 << 20  # ... below _AVX512_PACK_ROWS rows
+_AVX512_FLOOR = 2 << 20  # what any fp32 step leaves
+_AVX512_ACT_ROWS = 1024  # rows from which the activations are packed too
+_AVX512_HALF = 10 << 20  # oneDNN's primitive cache and scratch for 16-bit matmuls
+_AVX512_HALF_WEIGHTS = 9 << 20  # + the 16-bit weights it reorders, at most
 
 
 def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
@@ -564,23 +575,31 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
     tokens = config.micro_batch_size * seq_len
     lm = (info.task != "seq-cls" and info.vocab_size is not None and not config.chunked_loss
           and config.loss_impl != "trl")
-    widths = [(b.hidden_size or 0, b.intermediate_size or b.hidden_size or 0)
-              for b in info.blocks]
+    # the matmul weights of a step in the order it first uses them: attention,
+    # feed-forward in and out, head
+    weights = [k * n for b in info.blocks for k, n in
+               ((b.hidden_size or 0, b.hidden_size or 0),
+                (b.hidden_size or 0, b.intermediate_size or b.hidden_size or 0),
+                (b.intermediate_size or b.hidden_size or 0, b.hidden_size or 0))]
     if lm:
-        widths.append((info.hidden_size or 0, info.vocab_size))
-    widest = max([n for _, n in widths], default=0)
+        weights.append((info.hidden_size or 0) * info.vocab_size)
+    widest = max([info.vocab_size if lm else 0]
+                 + [b.intermediate_size or b.hidden_size or 0 for b in info.blocks])
     spec = config.precision_spec
     half = bool(spec.autocast or spec.param_dtype != "float32")
     elem = 2 if half else 4
     avx2 = int(min(_CPU_LIB_CACHE_MAX, _CPU_LIB_CACHE_SHARE * tokens * widest * elem)
                * min(1.0, tokens / _CPU_LIB_CACHE_FULL_TOKENS))
     if half:
-        avx512 = _AVX512_HALF
-    elif tokens >= _AVX512_PACK_ROWS:
-        avx512 = _AVX512_FLOOR + min(_AVX512_PACK_MAX, max((k * n * 4 for k, n in widths),
-                                                           default=0))
+        avx512 = _AVX512_HALF + min(_AVX512_HALF_WEIGHTS, sum(2 * w for w in set(weights)))
     else:
-        avx512 = _AVX512_FLOOR
+        cap = _AVX512_PACK_MAX if tokens >= _AVX512_PACK_ROWS else _AVX512_SMALL_MAX
+        avx512, largest = _AVX512_FLOOR, 0
+        for w in weights:  # a buffer per weight larger than all before it
+            if w > largest:
+                avx512, largest = avx512 + min(cap, 4 * w), w
+        if tokens >= _AVX512_ACT_ROWS:
+            avx512 += min(_AVX512_PACK_MAX, 4 * tokens * (info.hidden_size or 0))
     if capability == "AVX2":
         return avx2
     if capability.startswith("AVX512"):

@@ -15,6 +15,7 @@ meta device, so a 70B config is probed in about a second with no memory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import weakref
@@ -809,6 +810,13 @@ def _describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
                 if task == "masked-lm" or task == "seq-cls":
                     role = "encoder" if not getattr(config, "is_decoder", False) else role
                 blocks.append(_block_spec(role, len(layers), layers[0], config, fields))
+            if _first(config, "intermediate_size", "n_inner", "d_ff", "ffn_dim") is None:
+                # no field names it (DistilBERT's ``hidden_dim``): the widest linear says it
+                blocks = [dataclasses.replace(b, intermediate_size=max(
+                    [o for _, i, o, _ in b.linears if i == b.hidden_size and o != b.hidden_size]
+                    or [b.intermediate_size])) for b in blocks]
+                if blocks:
+                    fields["intermediate_size"] = max(b.intermediate_size for b in blocks)
     vocab = _first(config, "vocab_size") if config is not None else None
     tie = bool(getattr(config, "tie_word_embeddings", False)) if config is not None else False
     if tie:

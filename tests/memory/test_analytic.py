@@ -177,11 +177,15 @@ def test_cpu_library_cache_rules(info):
     assert cache("AVX2") == int(0.5 * N * 512 * 4 * N / 1024)
     assert cache("AVX2", seq=1, batch=1) < 16  # a 1-token step leaves no cache to speak of
     assert cache("AVX2", batch=64, seq=1024) == 14 << 20  # at most 14 MiB
-    # AVX512: fp32 weights packed from ~400 rows on (1.5 MiB + the widest weight), 16-bit
-    # matmuls' oneDNN caches a constant
-    assert cache("AVX512", batch=12, seq=32) == 3 << 19  # 384 rows: nothing packed
-    assert cache("AVX512", batch=14, seq=32) == (3 << 19) + 64 * 512 * 4  # 448 rows
-    assert cache("AVX512", precision="bf16-mixed") == 8 << 20
+    # AVX512: a packing buffer per fp32 weight larger than all before it (attention 64 x 64,
+    # feed-forward 64 x 160 -- its 160 x 64 output weight reuses that buffer -- head
+    # 64 x 512), up to 2 MiB each below ~400 rows; the activations too from 1024 rows
+    packed = 4 * (64 * 64 + 64 * 160 + 64 * 512)
+    assert cache("AVX512", batch=12, seq=32) == (2 << 20) + packed  # 384 rows
+    assert cache("AVX512", batch=14, seq=32) == (2 << 20) + packed  # 448 rows
+    assert cache("AVX512", batch=64, seq=32) == (2 << 20) + packed + 4 * 2048 * 64
+    # 16-bit: oneDNN's 10 MiB + the weights it reorders (one per size)
+    assert cache("AVX512", precision="bf16-mixed") == (10 << 20) + 2 * 64 * (64 + 160 + 512)
     # an instruction set never measured: the larger rule
     for kw in ({}, {"batch": 64, "seq": 1024}, {"precision": "bf16-mixed"}):
         assert cache("SVE256", **kw) == max(cache("AVX2", **kw), cache("AVX512", **kw))
