@@ -43,6 +43,11 @@ launched like ``torchrun``: one ``python`` child per rank with ``RANK``,
            bf16-mixed = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32
            sharded parameters, bf16 all-gathered parameters, no autocast.
            32-true = MixedPrecisionPolicy() (fp32 everywhere).
+           The optional ``fsdp_mp`` names another bf16-mixed recipe: "accelerate" is what
+           accelerate's FSDP2 runs for ``mixed_precision="bf16"`` (the Trainer's path):
+           MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) AND torch.autocast
+           around forward with the outputs copied to fp32; "autocast" is a hand-written
+           loop's: no policy (fp32 all-gathered parameters) and torch.autocast(bf16).
     zero*  deepspeed.initialize(model, model.parameters(), config) with
            {"zero_optimization": {"stage": N, ...}, "optimizer": {"type": "AdamW",
            "params": {"lr": 1e-5, "weight_decay": 0}}, "gradient_clipping": 1.0,
@@ -189,7 +194,9 @@ DIST_KEYS = ("nproc", "strategy", "offload", "reshard_after_forward",
              "gradient_as_bucket_view", "bucket_cap_mb")
 DIST_DEFAULTS = {"reshard_after_forward": True, "gradient_as_bucket_view": False,
                  "bucket_cap_mb": 25}
-DIST_OPTIONAL = ("ds_buckets",)  # zero*: "trainer-auto" (default) | "deepspeed-default"
+DIST_OPTIONAL = ("ds_buckets",  # zero*: "trainer-auto" (default) | "deepspeed-default"
+                 "fsdp_mp")  # fsdp bf16-mixed: "policy" (default) | "accelerate" | "autocast"
+FSDP_MP = ("policy", "accelerate", "autocast")
 DS_BUCKETS = ("trainer-auto", "deepspeed-default")
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
@@ -236,6 +243,11 @@ def check_spec(spec: dict[str, Any]) -> None:
             problems.append(f"ds_buckets {spec['ds_buckets']!r} not in {list(DS_BUCKETS)}")
         elif not str(strategy).startswith("zero"):
             problems.append("ds_buckets applies to zero1/2/3 only")
+    if "fsdp_mp" in spec:
+        if spec["fsdp_mp"] not in FSDP_MP:
+            problems.append(f"fsdp_mp {spec['fsdp_mp']!r} not in {list(FSDP_MP)}")
+        elif strategy != "fsdp" or spec.get("precision") != "bf16-mixed":
+            problems.append("fsdp_mp applies to fsdp with bf16-mixed only")
     if not isinstance(spec.get("reshard_after_forward", True), bool):
         problems.append("reshard_after_forward must be true or false")
     if not isinstance(spec.get("gradient_as_bucket_view", False), bool):
@@ -448,8 +460,14 @@ class _Run:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mesh = init_device_mesh("cpu", (spec["nproc"],))
-            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if spec["precision"] == "bf16-mixed" else MixedPrecisionPolicy())
+            recipe = spec.get("fsdp_mp", "policy") if spec["precision"] == "bf16-mixed" else None
+            mp = {"policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                 reduce_dtype=torch.float32),
+                  "accelerate": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                     reduce_dtype=torch.bfloat16),
+                  }.get(recipe, MixedPrecisionPolicy())
+            if recipe in ("accelerate", "autocast"):
+                self.autocast = torch.bfloat16
             raf = spec["reshard_after_forward"]
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from autofit.config import TrainConfig
-from autofit.memory.sharding import Layout, combine_ranks
+from autofit.memory.sharding import FSDP_MIXED_NOTE, Layout, combine_ranks
 
 # ``Simulator`` and ``SimulationResult`` (autofit.memory.simulate, which calls this module)
 # are written ``Any`` here: importing them, even for types, would make an import cycle.
@@ -56,8 +56,11 @@ def simulate_ranks(sim: Simulator, config: TrainConfig, seq_len: int,
     top = results[of_rank[combined.peak_rank]]
     note = (f"traced {'FSDP2' if layout.family == 'fsdp' else 'DDP'} on a fake process group: "
             f"{len(classes)} rank trace(s) for {layout.world_size} ranks")
+    notes = (*combined.notes, note)
+    if layout.family == "fsdp" and config.precision_spec.autocast:
+        notes = (*notes, FSDP_MIXED_NOTE)
     import dataclasses
 
     return dataclasses.replace(
-        top, estimate=dataclasses.replace(combined, notes=(*combined.notes, note)),
+        top, estimate=dataclasses.replace(combined, notes=notes),
         wall_s=time.perf_counter() - t0, num_ops=sum(r.num_ops for r in results.values()))
