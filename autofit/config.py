@@ -34,6 +34,8 @@ __all__ = [
     "strategy_conflict",
     "one_process_strategy",
     "LOSS_IMPLS",
+    "QuantRequest",
+    "ModelSpec",
 ]
 
 
@@ -398,3 +400,33 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class QuantRequest:
+    """How the caller asked for the base to be quantized, as given (``load_in_4bit=``,
+    ``load_in_8bit=``, ``quantization_config=``): ``autofit.probe.quant.resolve`` turns it
+    into a ``QuantSpec`` for a device (a 4-bit base computes in fp16 without bf16)."""
+
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    quantization_config: Any = None  # BitsAndBytesConfig | dict | path to a JSON file
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the model is: the reference and how to build it (task, attention, PEFT adapter,
+    quantized base). The public functions build it once from their keywords
+    (``autofit.trial.model.model_spec``, which validates them); every stage reads it, and
+    a trial child rebuilds the model from it (``autofit.trial.model.materialize``).
+
+        >>> ModelSpec("tiny-llama", task="causal-lm").lora is None
+        True
+    """
+
+    ref: Any  # a name, hub id, directory or config.json path (str), or an nn.Module
+    task: str | None = None  # None: from the model's config
+    attn_implementation: str | None = None  # "eager" / "sdpa", for a model built by name
+    lora: Any = None  # an adapter request: LoraSpec | dict | PeftConfig | path (probe.model)
+    quant: Any = None  # autofit.probe.quant.QuantSpec of a quantized base, or None
+    quant_request: QuantRequest = QuantRequest()  # what ``quant`` was resolved from

@@ -1,7 +1,8 @@
 """A model given by reference, and how a trial gives it real weights.
 
-``ModelRef`` is what travels to a trial child instead of a pickled module: the
-child rebuilds the model itself. ``materialize`` builds the base with
+``ModelRef`` (``autofit.config.ModelSpec``: what the model is) is what travels to a trial
+child instead of a pickled module: the child rebuilds the model itself. ``model_spec``
+builds the spec from the public functions' keywords, validated. ``materialize`` builds the base with
 ``autofit.probe.model.build_model`` (meta device), then gives its tensors memory on the
 device and runs the model's own initialisation (``init_weights``, which in
 transformers 5 also recomputes non-persistent buffers such as rotary ``inv_freq``), so
@@ -30,32 +31,65 @@ it trains in the dtype it was loaded in.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["ModelRef", "materialize", "is_quantized_model"]
+from autofit.config import ModelSpec, QuantRequest
+
+__all__ = ["ModelRef", "ModelSpec", "model_spec", "for_device", "build_meta", "materialize",
+           "is_quantized_model"]
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
 
 
-@dataclass(frozen=True)
-class ModelRef:
-    """A model by name or path, with what ``build_model`` needs to rebuild it."""
+# A model by name or path, with what ``build_model`` needs to rebuild it: the spec itself.
+ModelRef = ModelSpec
 
-    ref: str
-    task: str | None = None
-    attn_implementation: str | None = None
-    lora: Any = None  # an adapter request: LoraSpec | dict | PeftConfig | path (probe.model)
-    quant: Any = None  # autofit.probe.quant.QuantSpec of a quantized base, or None
 
-    def build_meta(self, *, adapter: bool = True) -> tuple[torch.nn.Module, str]:
-        from autofit.probe.model import build_model
+def model_spec(model: Any, *, task: str | None = None, attn_implementation: str | None = None,
+               lora: Any = None, peft_config: Any = None, load_in_4bit: bool = False,
+               load_in_8bit: bool = False, quantization_config: Any = None,
+               device: Any = None) -> ModelSpec:
+    """The ``ModelSpec`` of the public functions' model keywords, validated: one adapter
+    request (``lora=`` or ``peft_config=``, not both) and the quantized base resolved
+    (``autofit.probe.quant.resolve``; for ``device`` when given, else device-free: bad
+    input is refused before anything is built).
 
-        return build_model(self.ref, task=self.task, attn_implementation=self.attn_implementation,
-                           lora=self.lora if adapter else None, quantization_config=self.quant)
+    Raises:
+        BadInputError: both adapter requests; conflicting or unsupported quantization.
+    """
+    from autofit.probe.model import adapter_request
+    from autofit.probe.quant import resolve
+
+    request = QuantRequest(load_in_4bit=bool(load_in_4bit), load_in_8bit=bool(load_in_8bit),
+                           quantization_config=quantization_config)
+    adapter = adapter_request(lora, peft_config)
+    quant = resolve(load_in_4bit=request.load_in_4bit, load_in_8bit=request.load_in_8bit,
+                    quantization_config=quantization_config, device=device)
+    return ModelSpec(model, task=task, attn_implementation=attn_implementation, lora=adapter,
+                     quant=quant, quant_request=request)
+
+
+def for_device(spec: ModelSpec, device: Any) -> ModelSpec:
+    """``spec`` with its quantized base resolved for ``device`` (a ``DeviceInfo``)."""
+    from autofit.probe.quant import resolve
+
+    r = spec.quant_request
+    quant = resolve(load_in_4bit=r.load_in_4bit, load_in_8bit=r.load_in_8bit,
+                    quantization_config=r.quantization_config, device=device)
+    return dataclasses.replace(spec, quant=quant)
+
+
+def build_meta(spec: ModelSpec, *, adapter: bool = True) -> tuple[torch.nn.Module, str]:
+    """``spec``'s model on the meta device and its task (``autofit.probe.model.build_model``);
+    without its adapter when ``adapter`` is False."""
+    from autofit.probe.model import build_model
+
+    return build_model(spec.ref, task=spec.task, attn_implementation=spec.attn_implementation,
+                       lora=spec.lora if adapter else None, quantization_config=spec.quant)
 
 
 def is_quantized_model(model: torch.nn.Module) -> bool:
@@ -72,7 +106,7 @@ def materialize(ref: ModelRef, device: torch.device) -> torch.nn.Module:
     if ref.quant is not None and device.type != "cpu":
         module = _load_quantized(ref, device)
     if module is None:
-        module, _ = ref.build_meta(adapter=False)
+        module, _ = build_meta(ref, adapter=False)
         _materialize_meta(module, device)
         if ref.quant is not None:
             _quantize_layers(module, ref.quant, device)

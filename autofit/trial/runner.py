@@ -96,6 +96,7 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -562,7 +563,7 @@ def measure(
     from autofit.knobs import KNOBS
     from autofit.probe.device import resolve_device
     from autofit.probe.model import build_model
-    from autofit.trial.model import ModelRef
+    from autofit.trial.model import build_meta, model_spec
     from autofit.trial.step import plan_step
 
     if not isinstance(config, TrainConfig):
@@ -599,15 +600,13 @@ def measure(
     for k in KNOBS:  # what the device and the installed libraries allow
         k.check(dev, getattr(config, k.name))
 
-    from autofit.probe.model import adapter_request
-
-    lora = adapter_request(lora, peft_config)
-    from autofit.probe.quant import resolve
-
-    quant = resolve(load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
-                    quantization_config=quantization_config, device=dev)
+    asked = model_spec(model, task=task, attn_implementation=attn_implementation, lora=lora,
+                       peft_config=peft_config, load_in_4bit=load_in_4bit,
+                       load_in_8bit=load_in_8bit, quantization_config=quantization_config,
+                       device=dev)
+    quant = asked.quant
     if isinstance(model, torch.nn.Module):
-        module, task_name = build_model(model, task=task, lora=lora,  # checks, never modifies
+        module, task_name = build_model(model, task=task, lora=asked.lora,  # checks, never modifies
                                         quantization_config=quant)
         ref = None
         if attn_implementation is not None:
@@ -616,15 +615,10 @@ def measure(
                 "for a module, build it with the implementation you want"
             )
     else:
-        ref = ModelRef(
-            os.fspath(model) if isinstance(model, os.PathLike) else str(model),
-            task=task,
-            attn_implementation=attn_implementation,
-            lora=lora,
-            quant=quant,
-        )
-        module, task_name = ref.build_meta()  # meta device: cheap; validates the reference
-        ref = ModelRef(ref.ref, task_name, attn_implementation, lora, quant)
+        ref = dataclasses.replace(
+            asked, ref=os.fspath(model) if isinstance(model, os.PathLike) else str(model))
+        module, task_name = build_meta(ref)  # meta device: cheap; validates the reference
+        ref = dataclasses.replace(ref, task=task_name)
     if config.chunked_loss:
         from autofit.knobs.loss import unsupported_reason
 
