@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autofit.config import TrainConfig
+from autofit.config import ModelSpec, TrainConfig
 from autofit.errors import AutofitError, BadInputError, fix
 
 __all__ = ["DEFAULT_METHODS", "PeftRow", "PeftComparison", "compare_peft"]
@@ -221,11 +221,11 @@ def compare_peft(
     chosen = [_method_config(m) for m in (methods if methods else DEFAULT_METHODS)]
     if not chosen:
         raise BadInputError("no PEFT method to compare")
-    from autofit.probe.quant import resolve
+    from autofit.trial.model import model_spec
 
     dev = resolve_device(device)
-    quant = resolve(load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
-                    quantization_config=quantization_config, device=dev)
+    base = model_spec(model, task=task, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
+                      quantization_config=quantization_config, device=dev)  # each method's base
     if precision is None:
         values, _ = next(k for k in KNOBS if k.name == "precision").defaults(dev)
         precision = "bf16-mixed" if "bf16-mixed" in values else values[0]
@@ -241,7 +241,7 @@ def compare_peft(
         from autofit.api import check_positions
         from autofit.probe.model import build_model
 
-        check_positions(data, build_model(model, task=task, quantization_config=quant)[0])
+        check_positions(data, build_model(model, task=task, quantization_config=base.quant)[0])
     seq = seq_len if seq_len is not None else (data.length_max if data is not None else None)
     if seq is None:
         raise BadInputError("give " + fix("--dataset or --seq-len", "dataset= or seq_len="))
@@ -252,30 +252,31 @@ def compare_peft(
     rows: list[PeftRow] = []
     for i, (name, request) in enumerate(chosen, 1):
         say(f"[{i}/{len(chosen)}] {name}: estimating")
-        rows.append(_row(model, name, request, config, seq, dev, budget, task, method,
-                         max_micro_batch, quant))
+        rows.append(_row(base, name, request, config, seq, dev, budget, method,
+                         max_micro_batch))
     if dev.present and confirm_top > 0:
         order = sorted((r for r in rows if r.error is None and (r.max_micro_batch or 0) > 0),
                        key=lambda r: -(r.tokens_per_s or 0.0))[:confirm_top]
         for r in order:
             say(f"confirming {r.method} at micro batch {r.max_micro_batch} with a trial")
-            rows[rows.index(r)] = _confirm(model, r, config, data, dataset, seq, dev, task,
-                                           tokenizer, quant)
+            rows[rows.index(r)] = _confirm(base, r, config, data, dataset, seq, dev, tokenizer)
     return PeftComparison(model=str(model), device=dev.name, capacity_bytes=int(dev.capacity_bytes),
                           budget_bytes=budget, seq_len=seq, micro_batch_size=micro_batch_size,
                           config=config, method=method, rows=tuple(rows))
 
 
-def _row(model: Any, name: str, request: Any, config: TrainConfig, seq: int, dev: Any,
-         budget: int, task: str | None, method: str, limit: int, quant: Any = None) -> PeftRow:
+def _row(base: ModelSpec, name: str, request: Any, config: TrainConfig, seq: int, dev: Any,
+         budget: int, method: str, limit: int) -> PeftRow:
+    """``base`` with the PEFT method ``request`` put on it: its peak at the micro batch
+    compared, the largest micro batch within ``budget`` and its predicted speed."""
     from autofit.memory.ranked import estimate_analytic
     from autofit.probe.model import build_model, describe
     from autofit.search.speed import predict_speed
 
     try:
-        module, t = build_model(model, task=task, peft_config=request,
-                                quantization_config=quant)
-        info = describe(module, task=t, name=str(model))
+        module, t = build_model(base.ref, task=base.task, peft_config=request,
+                                quantization_config=base.quant)
+        info = describe(module, task=t, name=str(base.ref))
         from autofit.probe.quant import check_precision
 
         check_precision(info.quant, info.dtype, config.precision)
@@ -311,18 +312,19 @@ def _row(model: Any, name: str, request: Any, config: TrainConfig, seq: int, dev
                        error=str(e).splitlines()[0])
 
 
-def _confirm(model: Any, row: PeftRow, config: TrainConfig, data: Any, dataset: Any, seq: int,
-             dev: Any, task: str | None, tokenizer: Any, quant: Any = None) -> PeftRow:
+def _confirm(base: ModelSpec, row: PeftRow, config: TrainConfig, data: Any, dataset: Any,
+             seq: int, dev: Any, tokenizer: Any) -> PeftRow:
+    """``row`` with what a trial of its method at its largest micro batch measured."""
     from dataclasses import replace
 
     from autofit.trial import measure
 
     try:
-        trial = measure(model, config.replace(micro_batch_size=row.max_micro_batch),
+        trial = measure(base.ref, config.replace(micro_batch_size=row.max_micro_batch),
                         dataset if data is not None else None, device=dev,
-                        seq_len=None if data is not None else seq, task=task,
+                        seq_len=None if data is not None else seq, task=base.task,
                         tokenizer=tokenizer, peft_config=row.peft_config,
-                        quantization_config=quant)
+                        quantization_config=base.quant)
     except AutofitError as e:
         return replace(row, error=f"trial: {str(e).splitlines()[0]}")
     return replace(row, measured_bytes=int(trial.device_total_bytes), measured_oom=bool(trial.oom),
