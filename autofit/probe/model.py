@@ -166,6 +166,8 @@ class ModelInfo:
     peft_config: str = ""  # the PEFT config as canonical JSON (autofit.probe.peft.config_key)
     virtual_tokens: int = 0  # prompt tokens a PEFT method prepends to every sample
     adapter_buffer_bytes: int = 0  # buffers a PEFT method adds (VeRA's shared projections)
+    buffer_bytes: int = 0  # the model's own floating-point buffers (I-BERT's quantization state)
+    int_buffer_bytes: int = 0  # ... and its other buffers (position ids), never cast
     quant: Any = None  # autofit.probe.quant.QuantSpec of a bitsandbytes-quantized base
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -782,6 +784,8 @@ def _describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
 
         qspec = spec_of_module(module)
 
+    float_buffers, int_buffers = _own_buffer_bytes(module, adapter_buffers)
+
     blocks: list[BlockSpec] = []
     fields: dict[str, Any] = {}
     if config is not None:
@@ -863,9 +867,21 @@ def _describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
         dtype=dtype,
         peft_config=peft_key,
         adapter_buffer_bytes=adapter_buffers,
+        buffer_bytes=float_buffers,
+        int_buffer_bytes=int_buffers,
         virtual_tokens=virtual,
         supports_gradient_checkpointing=bool(getattr(base, "supports_gradient_checkpointing", False)),
     )
+
+
+def _own_buffer_bytes(module: Any, adapter_bytes: int) -> tuple[int, int]:
+    """(floating-point, other) bytes of the model's buffers, each storage once, less the
+    PEFT method's (``_adapter_buffer_bytes``, counted apart; all floating-point)."""
+    seen: dict[int, tuple[int, bool]] = {}
+    for _, b in module.named_buffers():
+        seen[id(b)] = (b.numel() * b.element_size(), bool(b.is_floating_point()))
+    floats = sum(n for n, f in seen.values() if f)
+    return max(floats - adapter_bytes, 0), sum(n for n, f in seen.values() if not f)
 
 
 def _adapter_buffer_bytes(module: Any, adapters: set[str]) -> int:
