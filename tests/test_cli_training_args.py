@@ -216,10 +216,10 @@ def test_a_trl_file_is_tuned_as_an_sft_config_with_its_lora(here, capsys):
 
 
 def test_a_script_that_evaluates_after_training_is_planned_with_that_evaluation():
-    from autofit.api import _RunPlan
+    from autofit.stages import RunPlan
 
-    assert _RunPlan.of({"do_eval": True}).eval_steps is not None  # trainer.evaluate() at the end
-    assert _RunPlan.of({"do_train": True}).eval_steps is None
+    assert RunPlan.of({"do_eval": True}).eval_steps is not None  # trainer.evaluate() at the end
+    assert RunPlan.of({"do_train": True}).eval_steps is None
 
 
 def test_where_the_output_goes(tmp_path):

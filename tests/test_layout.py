@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "autofit"
 
 # The flow, lowest first: a module may import only from its own unit or a lower one.
 LAYERS = ["errors", "config", "probe", "knobs", "memory", "trial", "search", "emit", "report",
-          "result", "preflight", "api", "compare", "cli", "__main__", ""]  # "" = autofit/__init__.py
+          "result", "preflight", "stages", "api", "compare", "cli", "__main__", ""]  # "" = autofit/__init__.py
 TOP_LEVEL_MODULES = {"__init__", "__main__", "api", "compare", "config", "result", "errors"}
 
 
@@ -170,3 +170,35 @@ def test_public_names_of_the_design_stay():
                  "DoesNotFitError", "PreflightError", "PreflightReport", "is_oom"):
         assert hasattr(autofit, name), name
     assert callable(autofit.autofit) and callable(autofit.estimate) and callable(autofit.measure)
+
+
+def _function_lines(path: Path) -> dict[str, int]:
+    """Lines of each function of ``path`` (nested ones apart), its docstring not counted."""
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            n = node.end_lineno - node.lineno + 1
+            doc = node.body[0]
+            if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) \
+                    and isinstance(doc.value.value, str):
+                n -= doc.end_lineno - doc.lineno + 1
+            out[node.name] = n
+    return out
+
+
+def test_one_request_no_options_dict():
+    """The request travels typed (``ModelSpec``, ``TuneOptions``): no stage reads an options
+    dict again (``opts.get(...)`` / ``opts[...]``) or hands work on through one."""
+    wrong = [f"{p.relative_to(ROOT.parent)}:{i}" for p in ROOT.rglob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if "opts.get(" in line or "opts[" in line or "opts.pop(" in line]
+    assert not wrong, "an options dict is read again: " + ", ".join(wrong)
+
+
+def test_the_public_pipelines_read_as_steps():
+    """``estimate`` and ``autofit`` are a sequence of named steps: each under 100 lines of
+    code (their docstrings, the public reference, not counted), and api.py well under the
+    1,300 lines it had."""
+    lines = _function_lines(ROOT / "api.py")
+    assert lines["estimate"] < 100 and lines["autofit"] < 100, lines
+    assert len((ROOT / "api.py").read_text().splitlines()) < 1000

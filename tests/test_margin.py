@@ -5,10 +5,11 @@ import random
 import pytest
 
 from autofit import TrainConfig
-from autofit.api import _RunPlan, autofit
+from autofit.api import autofit
 from autofit.probe.device import resolve_device
 from autofit.probe.run import run_order
 from autofit.search.margin import SAFETY, given_margin, run_margin
+from autofit.stages import RunPlan
 
 MiB = 1 << 20
 
@@ -52,15 +53,15 @@ def test_on_a_card_the_margin_is_what_the_replayed_run_adds():
 
 
 def test_the_run_plan_reads_the_trainers_arguments():
-    assert _RunPlan.of(None).eval_steps and _RunPlan.of(None).assumed  # autofit writes an eval batch
-    plan = _RunPlan.of({"eval_strategy": "steps", "eval_steps": 50, "save_strategy": "no",
+    assert RunPlan.of(None).eval_steps and RunPlan.of(None).assumed  # autofit writes an eval batch
+    plan = RunPlan.of({"eval_strategy": "steps", "eval_steps": 50, "save_strategy": "no",
                         "num_train_epochs": 2, "seed": 7, "max_steps": -1})
     assert (plan.eval_steps, plan.save_steps, plan.epochs, plan.seed, plan.max_steps) == (
         50, None, 2.0, 7, None)
-    plan = _RunPlan.of({"eval_strategy": "IntervalStrategy.STEPS", "eval_steps": None,
+    plan = RunPlan.of({"eval_strategy": "IntervalStrategy.STEPS", "eval_steps": None,
                         "logging_steps": 20, "save_strategy": "epoch", "max_steps": 30})
     assert (plan.eval_steps, plan.save_steps, plan.max_steps) == (20, 10**9, 30)
-    assert _RunPlan.of({"eval_strategy": "no"}).eval_steps is None
+    assert RunPlan.of({"eval_strategy": "no"}).eval_steps is None
 
 
 def test_a_plan_for_a_card_carries_the_runs_need_and_why():

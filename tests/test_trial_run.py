@@ -6,9 +6,10 @@ from types import SimpleNamespace
 import pytest
 
 from autofit import TrainConfig, measure
-from autofit.api import _eval_from_trial, trial_run
 from autofit.probe.device import resolve_device
 from autofit.probe.model import probe_model
+from autofit.stages import TuneOptions
+from autofit.stages.run import eval_from_trial, trial_run
 from autofit.trial.step import RunSpec, cut_batch
 
 CAP = "cpu:1GiB"
@@ -51,35 +52,35 @@ def test_an_evaluation_is_measured_apart_from_the_training(isolation):
 
 
 def test_what_a_trial_replays_of_the_run():
-    from autofit.api import _Probed, _RunPlan
     from autofit.probe.model import build_model
     from autofit.search.margin import RunMargin
+    from autofit.stages import Probed, RunPlan
 
     module, task = build_model("tiny-llama")
     info = probe_model(module)
     data = SimpleNamespace(lengths=tuple(range(10, 200, 3)))
     cfg = TrainConfig(micro_batch_size=4)
-    on_cpu = _Probed("tiny-llama", module, task, info, data, resolve_device("cpu:2GiB"), 197)
-    order = _RunPlan.of(None).order(data.lengths, cfg, None)
-    spec = trial_run(on_cpu, cfg, None, None, {})
+    on_cpu = Probed("tiny-llama", module, task, info, data, resolve_device("cpu:2GiB"), 197)
+    order = RunPlan.of(None).order(data.lengths, cfg, None)
+    spec = trial_run(on_cpu, cfg, None, None, TuneOptions())
     # on the CPU the run's first lengths (short batches fragment glibc's heap) and an eval
     assert spec.lengths == tuple(order.lengths[:12]) and len(set(spec.lengths)) > 1
     assert spec.eval_batch_size >= 1 and spec.eval_length == 197
-    assert trial_run(on_cpu, cfg, None, None, {"generate_max_new_tokens": 8}).eval_batch_size is None
-    same = _Probed("tiny-llama", module, task, info, SimpleNamespace(lengths=(64,) * 40),
+    assert trial_run(on_cpu, cfg, None, None, TuneOptions(generate_max_new_tokens=8)).eval_batch_size is None
+    same = Probed("tiny-llama", module, task, info, SimpleNamespace(lengths=(64,) * 40),
                    resolve_device("cpu:2GiB"), 64)
-    assert trial_run(same, cfg, None, None, {}).lengths == ()  # one length: nothing to replay
-    bare = trial_run(same, cfg, None, None, {"generate_max_new_tokens": 8})
+    assert trial_run(same, cfg, None, None, TuneOptions()).lengths == ()  # one length: nothing to replay
+    bare = trial_run(same, cfg, None, None, TuneOptions(generate_max_new_tokens=8))
     assert bare.lengths == () and bare.eval_batch_size is None
     # the search's budget stops a trial once its peak passes it; the replay is time-bound
     assert spec.stop_above_bytes == int(on_cpu.device.capacity_bytes * (1 - 0.03))
     assert spec.replay_s > 0 and 0 < spec.decisive_spread < 0.05
     # a card whose modelled run fragments (a present one is not here: the rule is the same)
-    card = _Probed("tiny-llama", module, task, info, data, resolve_device("A100-80GB"), 197)
+    card = Probed("tiny-llama", module, task, info, data, resolve_device("A100-80GB"), 197)
     kept = RunMargin(0.05, 1 << 30, "why")
-    spec = trial_run(card, cfg, kept, None, {})
+    spec = trial_run(card, cfg, kept, None, TuneOptions())
     assert spec.lengths == tuple(order.lengths[:12]) and len(set(spec.lengths)) > 1
-    assert trial_run(card, cfg, RunMargin(0.03, 0, "why"), None, {}).lengths == ()
+    assert trial_run(card, cfg, RunMargin(0.03, 0, "why"), None, TuneOptions()).lengths == ()
 
 
 def _outcome(cfg, eval_bytes, eval_oom=False):
@@ -95,13 +96,13 @@ def test_the_eval_batch_written_is_the_one_the_trial_ran():
     dev = resolve_device("cpu:1GiB")
     cfg = TrainConfig(micro_batch_size=2)
     reasons = []
-    b, need, how = _eval_from_trial(_outcome(cfg, 600 << 20), cfg, 16, info, 128, dev, 0.03, {},
-                                    reasons)
+    b, need, how = eval_from_trial(_outcome(cfg, 600 << 20), cfg, 16, info, 128, dev, 0.03, 256,
+                                   reasons)
     assert (b, need, how) == (16, 600 << 20, "measured 600 MiB")
     assert "measured 600 MiB in the trial" in reasons[-1]
     # measured over the budget: re-tuned smaller, from the estimate scaled to the trial
-    b, need, how = _eval_from_trial(_outcome(cfg, 1000 << 20), cfg, 16, info, 128, dev, 0.03,
-                                    {}, reasons)
+    b, need, how = eval_from_trial(_outcome(cfg, 1000 << 20), cfg, 16, info, 128, dev, 0.03,
+                                   256, reasons)
     assert b is not None and b < 16
     assert "scaled x" in reasons[-1] and "measured 1000 MiB > budget" in reasons[-1]
     # ... and the need written for it is that scaled estimate, not the raw one: the trial
@@ -109,18 +110,18 @@ def test_the_eval_batch_written_is_the_one_the_trial_ran():
     # (tiny-gpt2 printed its raw 837 MiB where the trial had said x1.06)
     at16 = estimate_eval(info, 16, 128, dev, training=cfg).device_total_bytes
     over = int(at16 * 1.2)
-    b, need, how = _eval_from_trial(_outcome(cfg, over), cfg, 16, info, 128, dev, 0.03, {},
-                                    reasons)
+    b, need, how = eval_from_trial(_outcome(cfg, over), cfg, 16, info, 128, dev, 0.03, 256,
+                                   reasons)
     raw = estimate_eval(info, b, 128, dev, training=cfg).device_total_bytes
     assert b < 16 and need == int(raw * over / at16) and "x1.20" in how
     assert "x1.20" in reasons[-1] and "needs ~" in how
-    b2, _, _ = _eval_from_trial(_outcome(cfg, 0, eval_oom=True), cfg, 16, info, 128, dev, 0.03,
-                                {}, reasons)
+    b2, _, _ = eval_from_trial(_outcome(cfg, 0, eval_oom=True), cfg, 16, info, 128, dev, 0.03,
+                               256, reasons)
     assert b2 is not None and b2 < 16 and "ran out of memory" in reasons[-1]
     # no trial ran an evaluation of this configuration: the estimate's batch stands
     other = TrainConfig(micro_batch_size=3)
-    assert _eval_from_trial(_outcome(other, 1), cfg, 16, info, 128, dev, 0.03, {},
-                            []) == (16, None, "")
+    assert eval_from_trial(_outcome(other, 1), cfg, 16, info, 128, dev, 0.03, 256,
+                           []) == (16, None, "")
 
 
 def test_a_trial_costs_what_it_must():

@@ -19,7 +19,7 @@ freed), so the allocator model's replay adds nothing (``benchmarks/results/run_r
 and the margin is the safety alone; what it does not model — small blocks of short
 batches fragmenting glibc's heap — is measured instead: a trial replays the run's
 first lengths before its longest step again, when its first longest step peaks close
-enough to the budget for that to matter (``autofit.api.trial_run``).
+enough to the budget for that to matter (``autofit.stages.run.trial_run``).
 On a caching allocator (CUDA) the replay runs once, for the configuration the
 estimate alone would pick; what it adds above that configuration's longest step
 is kept free for every candidate.

@@ -235,6 +235,7 @@ def test_searched_by_default_and_registered():
 def test_not_offered_for_sequence_classification():
     from autofit.api import _space
     from autofit.probe.model import build_model
+    from autofit.stages import TuneOptions
 
     module, task = build_model("tiny-llama", task="seq-cls")
     why = unsupported_reason(module, task)
@@ -256,14 +257,14 @@ def test_not_offered_for_sequence_classification():
     probed = Probed()
     probed.module, probed.task = module, task
     reasons: list[str] = []
-    space, _ = _space(probed, None, {}, reasons)
+    space = _space(probed, None, TuneOptions(), reasons).space
     assert space.values("chunked_loss") == (False,)
     assert any(r.startswith("no chunked loss:") for r in reasons)
     with pytest.raises(BadInputError, match="chunked loss"):
-        _space(probed, None, {"chunked_loss": [False, True]}, [])
+        _space(probed, None, TuneOptions(knobs={"chunked_loss": [False, True]}), [])
     causal = type("P", (), {"device": probed.device, "data": probed.data,
                             "module": build_model("tiny-llama")[0], "task": "causal-lm"})()
-    space, _ = _space(causal, None, {"trainer": "autofit"}, [])
+    space = _space(causal, None, TuneOptions(trainer="autofit"), []).space
     assert space.values("chunked_loss") == (False, True)
-    space, _ = _space(causal, None, {}, [])  # a plain Trainer does not run it: not searched
+    space = _space(causal, None, TuneOptions(), []).space  # a plain Trainer does not run it: not searched
     assert space.values("chunked_loss") == (False,)

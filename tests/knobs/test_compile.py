@@ -50,6 +50,7 @@ def test_hf_argument_parser_loads_the_emitted_fields():
 
 def test_searched_only_when_asked():
     from autofit.api import _space
+    from autofit.stages import TuneOptions
 
     reasons: list[str] = []
     assert restrict(TORCH_COMPILE, CPU, None, reasons) == (False,)
@@ -71,9 +72,9 @@ def test_searched_only_when_asked():
 
     probed = Probed()
     probed.module, probed.task = build_model("tiny-llama")
-    space, _ = _space(probed, None, {}, [])
+    space = _space(probed, None, TuneOptions(), []).space
     assert space.values("torch_compile") == (False,)
-    space, _ = _space(probed, None, {"torch_compile": [False, True]}, [])
+    space = _space(probed, None, TuneOptions(knobs={"torch_compile": [False, True]}), []).space
     assert space.values("torch_compile") == (False, True)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from autofit.cli import main
 from autofit.errors import BadInputError
+from autofit.stages import TuneOptions
 
 # tiny-gpt2 at micro batch 16 x 128 tokens: ~1.6 GiB with the full logits, ~0.6 GiB chunked
 FIELDS = {"output_dir": "out", "per_device_train_batch_size": 16,
@@ -187,13 +188,13 @@ def test_secrets_are_dropped_and_a_masked_value_refused(tmp_path, capsys):
                             "data": type("D", (), {"num_samples": 8})()})()
     reasons: list[str] = []
     user = TrainingArguments(output_dir=str(tmp_path), hub_token="hf_secret", use_cpu=True)
-    _, base = _space(probed, None, {"training_args": user}, reasons)
+    base = _space(probed, None, TuneOptions(training_args=user), reasons).base_args
     assert not any(k.endswith("_token") for k in base)
     assert "hub_token dropped: set it in the environment (HF_TOKEN) or your script, never in " \
            "the tuned file" in reasons
     reasons.clear()
-    _, base = _space(probed, None, {"training_args": TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True)}, reasons)
+    base = _space(probed, None, TuneOptions(training_args=TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True)), reasons).base_args
     assert "hub_token" not in base and not any("dropped" in r for r in reasons)  # None: silent
     masked = tmp_path / "masked.yaml"
     masked.write_text("per_device_train_batch_size: 2\nhub_token: <HUB_TOKEN>\n")
@@ -214,10 +215,9 @@ def test_sft_tokens_are_not_secrets(tmp_path):
     probed = type("P", (), {"device": resolve_device("cpu"), "module": module, "task": task,
                             "data": type("D", (), {"num_samples": 8})()})()
     user = SFTConfig(output_dir=str(tmp_path), eos_token="<|end|>", use_cpu=True)
-    opts = {"training_args": user}
-    _, base = _space(probed, None, opts, [])
-    assert base["eos_token"] == "<|end|>" and "hub_token" not in base
-    assert opts["trainer"] == "trl"
+    space = _space(probed, None, TuneOptions(training_args=user), [])
+    assert space.base_args["eos_token"] == "<|end|>" and "hub_token" not in space.base_args
+    assert space.trainer == "trl"
 
 
 def test_callback_prints_its_verdict(capsys, tmp_path):

@@ -1,0 +1,251 @@
+"""Stage 7 of ``autofit()``: the ``FitResult`` of the search's outcome (estimate, reasons,
+TrainingArguments, eval batch, the candidates), stored in the cache when confirmed; or
+"nothing fits" with suggestions. ``result_from_cache``: the same question answered before.
+
+    >>> from autofit.stages.result import fit_result  # autofit() calls it with what the stages made
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from autofit.config import TrainConfig
+from autofit.knobs import KNOBS
+from autofit.knobs.trainer import runs_chunked_loss
+from autofit.knobs.trl_loss import SFT_CONFIG, is_sft_config
+from autofit.stages.probed import Probed
+from autofit.stages.run import WholeRun, eval_from_trial, whole_run
+
+if TYPE_CHECKING:
+    from autofit.probe.model import ModelInfo
+    from autofit.result import FitResult
+    from autofit.search.engine import Engine, SearchOutcome
+    from autofit.search.margin import RunMargin
+    from autofit.search.space import SearchSpace
+    from autofit.search.study import TrialRecorder
+
+__all__ = ["fit_result", "result_from_cache", "candidate_row"]
+
+
+def fit_result(probed: Probed, space: SearchSpace, engine: Engine, outcome: SearchOutcome,
+               runner: Any, recorder: TrialRecorder | None, key: str, whole: WholeRun,
+               kept: RunMargin, trainer: str, reasons: list[str]) -> FitResult:
+    """Stage 7: the ``FitResult`` (estimate, reasons, TrainingArguments, eval batch, the
+    candidates), stored in the cache when confirmed; or "nothing fits" with suggestions."""
+    from autofit.emit import training_arguments_dict
+    from autofit.memory.ranked import estimate_analytic
+    from autofit.preflight.cache import model_identity
+    from autofit.probe.versions import library_versions
+    from autofit.result import FitResult
+
+    info, dev, seq = probed.info, probed.device, probed.seq_len
+    base_args, options = whole.base_args, whole.options
+    margin = kept.fraction
+    if outcome.config is None:
+        from autofit.search.suggest import nothing_fits
+
+        raise nothing_fits(info, space, engine, seq, dev)
+    config = outcome.config
+    simulated = runner is not None and not dev.present
+    if simulated:
+        est = runner.simulator.simulate(config, seq_len=seq)  # memoised: no new run
+        reasons.append(f"{len(outcome.trials)} configurations simulated; no trial on hardware")
+    else:
+        est = estimate_analytic(info, config, seq, dev, options.layout_fields)
+    confirmed = outcome.confirmed and not simulated
+    reasons = outcome.reasons + reasons
+    reasons += [n for k in KNOBS if (n := _note(k, config, trainer))]
+    if confirmed and config.world_size > 1:
+        reasons += _ranks_line(outcome, config)
+    if config.chunked_loss:
+        reasons.append(_chunked_loss_saving(info, config, seq, dev))
+    if config.activation_offloading:
+        reasons.append(_offloading_saving(info, config, seq, dev))
+    if config.torch_compile:
+        reasons.append(_compile_saving(info, config, seq))
+    kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
+    _recipe_fields(kwargs, options.recipe, config, base_args)
+    eval_micro = whole.eval_batch(config, margin, reasons)
+    eval_micro, eval_need, eval_how = eval_from_trial(outcome, config, eval_micro, info, seq,
+                                                      dev, margin, options.max_micro_batch,
+                                                      reasons)
+    if eval_micro is not None:
+        kwargs["per_device_eval_batch_size"] = eval_micro
+    at = next((i + 1 for i, r in enumerate(reasons) if r.startswith("margin:")), len(reasons))
+    reasons.insert(at, kept.reason)  # why that margin, beside the engine's line
+    est, predicted_run = whole_run(probed, engine, outcome, est, kept, eval_micro, whole,
+                                    reasons, eval_need, eval_how)
+    rows = tuple(candidate_row(c) for c in outcome.candidates)
+    model = probed.model
+    adapter = None  # the PEFT config put on a model given by reference: check rebuilds it
+    if not hasattr(model, "parameters") and getattr(probed.module, "peft_config", None):
+        from autofit.probe.peft import config_dict
+
+        adapter = config_dict(next(iter(probed.module.peft_config.values())))
+    # how a base given by reference was quantized: check rebuilds the same quantized base
+    quant_spec = probed.model_spec.quant
+    quant = (quant_spec.to_dict() if quant_spec is not None and not hasattr(model, "parameters")
+             else None)
+    meta = {"model": probed.name, "task": probed.task, "seq_len": seq, "device": dev.name,
+            "margin": margin, "cache_key": key, "target_batch_size": space.target_batch_size,
+            "max_seq_len": probed.max_seq_len,
+            "model_id": model_identity(probed.module if hasattr(model, "parameters") else model,
+                                       adapter, quant),
+            "versions": library_versions(), "predicted_run_bytes": predicted_run}
+    meta["trainer"] = trainer  # which trainer the file is for
+    if adapter is not None:
+        meta["adapter"] = adapter
+    if probed.seen is not None:  # packed: check re-derives the same blocks
+        meta.update(probed.seen.meta)
+    if is_sft_config(options.training_args):  # emitted as the user's class: SFTConfig
+        meta["arguments_class"] = SFT_CONFIG
+    if quant is not None:
+        meta["quantization"] = quant
+    trials = () if simulated else tuple(outcome.trials)
+    result = FitResult(config=config, estimate=est, trials=trials,
+                       reasons=tuple(reasons), confirmed=confirmed, device=dev.name,
+                       candidates=rows, training_arguments_kwargs=kwargs, meta=meta,
+                       eval_micro_batch=eval_micro, predicted_run_bytes=predicted_run)
+    from autofit.search.study import is_failed
+
+    # an answer that rests on a failed trial (a crash, a timeout) is not kept: the next
+    # run measures that trial again and answers then
+    if (recorder is not None and confirmed and not outcome.stopped_early
+            and not any(is_failed(t) for t in outcome.trials)):
+        recorder.store_result({"config": config.to_dict(), "reasons": list(reasons),
+                               "candidates": list(rows), "meta": meta,
+                               "eval_micro_batch": eval_micro})
+    return result
+
+
+def _chunked_loss_saving(info: ModelInfo, config: TrainConfig, seq: int, dev: Any) -> str:
+    """The reason line of a chosen chunked loss: what it saves, by the closed form."""
+    from autofit.memory.ranked import estimate_analytic
+    from autofit.probe.device import format_bytes as _gib
+
+    on = estimate_analytic(info, config, seq, dev).device_total_bytes
+    off = estimate_analytic(info, config.replace(chunked_loss=False), seq, dev).device_total_bytes
+    return (f"chunked loss: saves ~{_gib(off - on)} at micro batch {config.micro_batch_size} "
+            f"(estimated {_gib(off)} -> {_gib(on)}: no (B, T, V) logits, their fp32 "
+            "log-softmax or their gradients)")
+
+
+def _offloading_saving(info: ModelInfo, config: TrainConfig, seq: int, dev: Any) -> str:
+    """The reason line of chosen activation offloading: what it saves on the device, the host
+    memory it needs and the time its copies take, by the closed form and the speed model."""
+    from autofit.memory.ranked import estimate_analytic
+    from autofit.probe.device import format_bytes as _gib
+    from autofit.search.speed import predict_speed
+
+    on = estimate_analytic(info, config, seq, dev)
+    off_cfg = config.replace(activation_offloading=False)
+    off = estimate_analytic(info, off_cfg, seq, dev).device_total_bytes
+    slower = 1 - predict_speed(info, config, seq, dev).tokens_per_s / max(
+        predict_speed(info, off_cfg, seq, dev).tokens_per_s, 1e-9)
+    return (f"activation offloading: saves ~{_gib(off - on.device_total_bytes)} of device memory "
+            f"at micro batch {config.micro_batch_size} (estimated {_gib(off)} -> "
+            f"{_gib(on.device_total_bytes)}), needs ~{_gib(on.host_bytes)} of pinned host memory, "
+            f"~{100 * slower:.0f}% slower (host copies)")
+
+
+def _compile_saving(info: ModelInfo, config: TrainConfig, seq: int) -> str:
+    """The reason line of a chosen torch.compile: what its rule takes off the eager step."""
+    from autofit.memory.analytic import compile_saving_bytes
+    from autofit.probe.device import format_bytes as _gib
+
+    n = compile_saving_bytes(info, config, seq)
+    what = f"~{_gib(n)} fewer" if n >= 0 else f"~{_gib(-n)} more"
+    return (f"torch.compile: {what} activations than eager at micro batch "
+            f"{config.micro_batch_size}, estimated (fused pointwise chains: autofit.knobs.compile)")
+
+
+def _recipe_fields(kwargs: dict[str, Any], recipe: Any, config: TrainConfig,
+                   base_args: dict[str, Any] | None) -> None:
+    """The tuned file launches the user's recipe, not autofit's: a DeepSpeed config is the
+    user's, its numeric batch fields set to the tuned ones (written beside the tuned file:
+    ``<stem>-deepspeed.json``; the user's own file is never changed); FSDP fields given in
+    ``training_args`` are kept as given."""
+    if recipe is None:
+        return
+    if recipe.deepspeed is not None and config.strategy in ("zero1", "zero2", "zero3"):
+        kwargs["deepspeed"] = recipe.deepspeed_for(config.micro_batch_size,
+                                                   config.grad_accum_steps, config.world_size)
+    elif base_args and base_args.get("fsdp") and "fsdp" in kwargs:
+        kwargs["fsdp"] = base_args["fsdp"]
+        if base_args.get("fsdp_config"):
+            kwargs["fsdp_config"] = base_args["fsdp_config"]
+
+
+def _note(k: Any, config: TrainConfig, trainer: str) -> str | None:
+    """What the user must do besides the fields for knob ``k``'s chosen value; the chunked loss
+    for a trainer that does not run it is carried by ``use_liger_kernel`` (the only way the
+    search chose it then)."""
+    if k.name == "chunked_loss" and config.chunked_loss and not runs_chunked_loss(trainer):
+        return ("chunked loss: use_liger_kernel is set (liger-kernel's fused linear cross "
+                "entropy, which the Trainer applies from that field)")
+    return k.note(getattr(config, k.name))
+
+
+def _ranks_line(outcome: SearchOutcome, config: TrainConfig) -> list[str]:
+    """``confirmed on every rank: rank 0 1.21 GiB, rank 1 1.23 GiB (rank 1 peaks)``: the
+    chosen configuration's trial, rank by rank."""
+    from autofit.probe.device import format_bytes
+
+    ran = [t for t in outcome.trials if getattr(t, "per_rank", ()) and t.fits
+           and t.config.get("micro_batch_size") == config.micro_batch_size
+           and all(t.config.get(k.name) == getattr(config, k.name) for k in KNOBS)]
+    if not ran:
+        return []
+    per = ran[-1].per_rank
+    top = max(per, key=lambda r: r["device_total_bytes"] or 0)
+    return [f"confirmed on every rank ({len(per)} processes): " + ", ".join(
+        f"rank {r['rank']} {format_bytes(r['device_total_bytes'] or 0)}" for r in per)
+        + f" (rank {top['rank']} peaks; its peak is the one kept within the budget)"]
+
+
+def candidate_row(c: Any) -> dict[str, Any]:
+    """One row of the candidates table (plain data, saved in the tuned file's metadata).
+
+    ``estimate_bytes`` is the estimate as made, before any trial; ``calibrated_bytes``
+    the same after the trials' calibration (``calibration`` = their ratio).
+    """
+    return {
+        **c.choice, "micro_batch": c.micro_batch, "status": c.status,
+        "estimate_bytes": c.raw_estimate_bytes, "calibrated_bytes": c.estimate_bytes,
+        "calibration": c.applied_calibration, "measured_bytes": c.measured_bytes,
+        "predicted_tokens_per_s": c.predicted_tokens_per_s,
+        "measured_tokens_per_s": c.measured_tokens_per_s,
+        "failed_micro_batch": c.failed_micro_batch, "reason": c.reason,
+    }
+
+
+def result_from_cache(cached: dict, recorder: TrialRecorder | None, probed: Probed,
+                      base_args: dict[str, Any] | None, trainer: str = "plain"):
+    """The ``FitResult`` of the same question answered before (no trial)."""
+    from autofit.emit import training_arguments_dict
+    from autofit.memory.ranked import estimate_analytic
+    from autofit.result import FitResult
+
+    dev = probed.device
+    config = TrainConfig(**cached["config"])
+    reasons = ["answered from the cache: same model, data (the worst-case rows and the "
+               "collator), device, library versions and constraints; no trial run",
+               *cached["reasons"]]
+    kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
+    eval_micro = cached.get("eval_micro_batch")
+    if eval_micro is not None:
+        kwargs["per_device_eval_batch_size"] = eval_micro
+    return FitResult(
+        config=config,
+        estimate=estimate_analytic(probed.info, config, probed.seq_len, dev),
+        trials=tuple(recorder.all_trials()),
+        reasons=tuple(reasons),
+        confirmed=True,
+        device=dev.name,
+        candidates=tuple(cached["candidates"]),
+        training_arguments_kwargs=kwargs,
+        meta={**cached["meta"], "trainer": trainer},  # the trainer asked now
+        from_cache=True,
+        eval_micro_batch=eval_micro,
+        predicted_run_bytes=cached["meta"].get("predicted_run_bytes"),
+    )
