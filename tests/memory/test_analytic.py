@@ -40,7 +40,10 @@ def test_param_count(info):
                                            ("bf16-true", 2), ("16-true", 2)])
 def test_weights_and_gradients_by_precision(info, precision, bpp):
     c = TrainConfig(precision=precision)
-    assert weights_bytes(info, c) == bpp * P
+    # + the model's own float buffers (rope's inv_freq), cast with it for "-true"
+    buffers = info.buffer_bytes * bpp // 4 + info.int_buffer_bytes
+    assert info.buffer_bytes > 0
+    assert weights_bytes(info, c) == bpp * P + buffers
     assert gradients_bytes(info, c) == bpp * P
 
 
@@ -132,7 +135,7 @@ def test_peak_components_hand_computed(info):
     N = 64
     est = estimate_analytic(info, TrainConfig(micro_batch_size=2), 32, resolve_device("cpu"))
     assert est.peak_phase == "backward"
-    assert est.breakdown["weights"] == 4 * P
+    assert est.breakdown["weights"] == 4 * P + info.buffer_bytes  # (rope's inv_freq)
     assert est.breakdown["optimizer_states"] == 8 * P
     # + the CPU math libraries' cache (this machine's rule: test_cpu_library_cache_rules)
     lib_cache = cpu_library_cache_bytes(info, TrainConfig(micro_batch_size=2), 32,
@@ -237,7 +240,8 @@ def test_qlora_base_is_4bit():
     # load_in_4bit: the base in bf16 (embeddings, norms, head), adapters fp32; per quantized
     # weight (7 per block) packed values, an fp32 absmax per 64 and the 16-entry fp32 code
     half = 2 * (info.num_params - base - lora)
-    assert w == half + 4 * lora + base // 2 + base // 64 * 4 + 4 * 7 * 16 * 4
+    assert w == (half + 4 * lora + base // 2 + base // 64 * 4 + 4 * 7 * 16 * 4
+                 + info.buffer_bytes + info.int_buffer_bytes)  # (rope's inv_freq)
     assert info.quantization == "4bit" and info.trainable_params < info.num_params // 50
 
 

@@ -32,12 +32,12 @@ def test_no_gradients_no_optimizer_states_weights_as_in_training(info):
     est = estimate_eval(info, 4, 64, CPU)
     b = est.breakdown
     assert b["gradients"] == 0 and b["optimizer_states"] == 0
-    assert b["weights"] == weights_bytes(info, TrainConfig()) == 4 * P
+    assert b["weights"] == weights_bytes(info, TrainConfig()) == 4 * P + info.buffer_bytes
     assert sum(b.values()) == est.device_total_bytes and est.method == "analytic-eval"
     # bf16 autocast caches a 16-bit copy of every matmul weight for the forward
     linear = 2 * (4096 + 2048 + 2048 + 4096 + 3 * 10240) + 512 * 64
     assert estimate_eval(info, 4, 64, CPU, precision="bf16-mixed").breakdown["weights"] == (
-        4 * P + 2 * linear)
+        4 * P + info.buffer_bytes + 2 * linear)
 
 
 def test_kv_cache_formula(info):
