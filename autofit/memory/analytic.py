@@ -120,6 +120,23 @@ _CUDA_FRAGMENTATION = 0.06
 TRL_CPU_TILE_TEMPS = 7.25
 TRL_SAVED_PER_TOKEN = 4 + 4 + 8 + 8
 _CUDA_FRAGMENTATION_CHECKPOINTING = 0.20
+
+
+def cuda_reserved_bytes(phases: dict[str, tuple[float, dict[str, float]]],
+                        config: TrainConfig) -> int:
+    """The caching allocator's reserved peak over a step's candidate phases: each phase's
+    allocated bytes with the fragmentation of what it interleaves. Recomputed activations
+    interleave with gradients in a checkpointed backward (``_CUDA_FRAGMENTATION_CHECKPOINTING``);
+    the optimizer step does not (a bert-large full fine-tune with checkpointing peaks in
+    it: simulate's allocator replay +0.3%, the step's 20% applied there +17.8% over a
+    published V100 measurement)."""
+    def frag(phase: str) -> float:
+        if config.gradient_checkpointing and phase != "optimizer":
+            return _CUDA_FRAGMENTATION_CHECKPOINTING
+        return _CUDA_FRAGMENTATION
+
+    return int(max(b * (1 + frag(p)) for p, (b, _) in phases.items()))
+
 # bitsandbytes: 8-bit states for tensors of at least this many elements, fp32 below.
 _BNB_MIN_8BIT_SIZE = 4096
 _BNB_BLOCK = 256  # blockwise quantization: one fp32 absmax per 256 elements
@@ -966,9 +983,7 @@ def estimate_analytic(
     peak_alloc = int(peak_alloc) + lib_cache
 
     if device.allocator == "cuda":
-        frag = (_CUDA_FRAGMENTATION_CHECKPOINTING if config.gradient_checkpointing
-                else _CUDA_FRAGMENTATION)
-        peak_reserved = int(peak_alloc * (1 + frag))
+        peak_reserved = cuda_reserved_bytes(phases, config)
     else:
         peak_reserved = peak_alloc
     total = peak_reserved + device.overhead_bytes

@@ -530,11 +530,7 @@ def estimate_ranks_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
 def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo,
                    rank: _Rank, terms: Any) -> MemoryEstimate:
     """One rank's MemoryEstimate from its phases (as ``estimate_analytic`` builds one)."""
-    from autofit.memory.analytic import (
-        _CUDA_FRAGMENTATION,
-        _CUDA_FRAGMENTATION_CHECKPOINTING,
-        cpu_library_cache_bytes,
-    )
+    from autofit.memory.analytic import cpu_library_cache_bytes, cuda_reserved_bytes
 
     phase, (peak, parts) = max(rank.phases.items(), key=lambda kv: kv[1][0])
     parts = {k: int(v) for k, v in parts.items()}
@@ -544,9 +540,7 @@ def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: D
     parts["temporaries"] = parts.get("temporaries", 0) + lib_cache
     peak = int(peak) + lib_cache
     if device.allocator == "cuda":
-        frag = (_CUDA_FRAGMENTATION_CHECKPOINTING if config.gradient_checkpointing
-                else _CUDA_FRAGMENTATION)
-        reserved = int(peak * (1 + frag))
+        reserved = max(cuda_reserved_bytes(rank.phases, config), peak)
     else:
         reserved = peak
     total = reserved + device.overhead_bytes
