@@ -555,7 +555,8 @@ def _dequantized_bytes(info: ModelInfo) -> int:
 #   in a buffer of up to ~15 MiB that a later, smaller weight reuses: a step keeps one
 #   buffer per weight larger than every weight before it (attention, feed-forward, head:
 #   a 3 MiB feed-forward then an 8 MiB head leave 12.4 MiB), at 1024 rows and more one for
-#   the packed activations too; below ~400 rows at most 2 MiB per such weight. 16-bit
+#   the packed activations too; below ~400 rows at most 2 MiB x rows / 384 per such
+#   weight and half the floor (an 8-bit LoRA trial at 128 rows: within 0.6%). 16-bit
 #   matmuls go to oneDNN: ~10 MiB of primitive cache and scratch + the weights it
 #   reorders, at most 9 MiB of them (10.5-18.3 MiB measured on one block and a head).
 # An unknown instruction set takes the larger of the two rules.
@@ -564,7 +565,7 @@ _CPU_LIB_CACHE_SHARE = 0.5  # of the widest matmul output (AVX2)
 _CPU_LIB_CACHE_FULL_TOKENS = 1024  # tokens per micro batch from which the cache is full size
 _AVX512_PACK_ROWS = 385  # rows from which MKL packs an fp32 weight (384: not; 448: packed)
 _AVX512_PACK_MAX = 15 << 20  # bytes of one packing buffer, at most
-_AVX512_SMALL_MAX = 2 << 20  # ... below _AVX512_PACK_ROWS rows
+_AVX512_SMALL_MAX = 2 << 20  # ... at 384 rows (less below: 128 rows kept 1.7 MiB in all)
 _AVX512_FLOOR = 2 << 20  # what any fp32 step leaves
 _AVX512_ACT_ROWS = 1024  # rows from which the activations are packed too
 _AVX512_HALF = 10 << 20  # oneDNN's primitive cache and scratch for 16-bit matmuls
@@ -597,11 +598,13 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
           and config.loss_impl != "trl")
     if info.is_transformer:
         # the matmul weights of a step in the order it first uses them: attention,
-        # feed-forward in and out, head
+        # feed-forward in and out, head (a quantized base's layers run bitsandbytes'
+        # kernels, not MKL's)
         weights = [k * n for b in info.blocks for k, n in
                    ((b.hidden_size or 0, b.hidden_size or 0),
                     (b.hidden_size or 0, b.intermediate_size or b.hidden_size or 0),
-                    (b.intermediate_size or b.hidden_size or 0, b.hidden_size or 0))]
+                    (b.intermediate_size or b.hidden_size or 0, b.hidden_size or 0))
+                   if info.quant is None]
         if lm:
             weights.append((info.hidden_size or 0) * info.vocab_size)
         widest = max([info.vocab_size if lm else 0]
@@ -627,8 +630,12 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
     if half:
         avx512 = _AVX512_HALF + min(_AVX512_HALF_WEIGHTS, sum(2 * w for w in set(weights)))
     else:
-        cap = _AVX512_PACK_MAX if tokens >= _AVX512_PACK_ROWS else _AVX512_SMALL_MAX
-        avx512, largest = _AVX512_FLOOR, 0
+        if tokens >= _AVX512_PACK_ROWS:
+            cap, avx512 = _AVX512_PACK_MAX, _AVX512_FLOOR
+        else:  # short steps: less kept, the less the fewer rows
+            cap = int(_AVX512_SMALL_MAX * tokens / (_AVX512_PACK_ROWS - 1))
+            avx512 = _AVX512_FLOOR // 2
+        largest = 0
         for w in weights:  # a buffer per weight larger than all before it
             if w > largest:
                 avx512, largest = avx512 + min(cap, 4 * w), w

@@ -182,11 +182,14 @@ def test_cpu_library_cache_rules(info):
     assert cache("AVX2", batch=64, seq=1024) == 14 << 20  # at most 14 MiB
     # AVX512: a packing buffer per fp32 weight larger than all before it (attention 64 x 64,
     # feed-forward 64 x 160 -- its 160 x 64 output weight reuses that buffer -- head
-    # 64 x 512), up to 2 MiB each below ~400 rows; the activations too from 1024 rows
+    # 64 x 512), from ~400 rows up to 15 MiB each and the activations too from 1024 rows;
+    # below, each up to 2 MiB x rows / 384 over half the floor
     packed = 4 * (64 * 64 + 64 * 160 + 64 * 512)
-    assert cache("AVX512", batch=12, seq=32) == (2 << 20) + packed  # 384 rows
+    assert cache("AVX512", batch=12, seq=32) == (1 << 20) + packed  # 384 rows
     assert cache("AVX512", batch=14, seq=32) == (2 << 20) + packed  # 448 rows
     assert cache("AVX512", batch=64, seq=32) == (2 << 20) + packed + 4 * 2048 * 64
+    assert cache("AVX512", batch=1, seq=8) == (1 << 20) + 4 * (64 * 64 + 64 * 160) + (
+        (2 << 20) * 8 // 384)  # 8 rows: the head's buffer at most 2 MiB x 8 / 384
     # 16-bit: oneDNN's 10 MiB + the weights it reorders (one per size)
     assert cache("AVX512", precision="bf16-mixed") == (10 << 20) + 2 * 64 * (64 + 160 + 512)
     # an instruction set never measured: the larger rule
