@@ -111,6 +111,12 @@ def fake_clone(module: torch.nn.Module, *, float_dtype: torch.dtype | None) -> t
                     if isinstance(x, torch.Tensor) and id(x) not in memo:
                         memo[id(x)] = fake_like(x)
     clone = copy.deepcopy(module, memo)
+    for m in clone.modules():
+        # LayerDrop (M2M100, NLLB-MoE, SeamlessM4T, wav2vec2...) skips a layer when
+        # ``torch.rand([]) < layerdrop``: on fake tensors that comparison skipped every
+        # layer (the zoo's rows 42% under); the step to plan for runs them all
+        if isinstance(getattr(m, "layerdrop", None), float) and m.layerdrop > 0:
+            m.layerdrop = 0.0
     if float_dtype in (torch.float16, torch.bfloat16):
         from autofit.probe.peft import upcast_adapters
 

@@ -7,7 +7,16 @@ memory model, against the peaks the independent harness measured for them (commi
   whose meta kernel takes bf16 only: the estimate was an internal error);
 - ``bert`` with LoRA on every linear layer (fitted BERT rows: 4.9% under);
 - ``opt``, ``gptj`` (GPT-2's fitted coefficients: 14.9% and 7.8% over);
-- ``gemma2`` (eager, soft-capped attention; llama's fitted coefficients: 22.8% under).
+- ``gemma2`` (eager, soft-capped attention; llama's fitted coefficients: 22.8% under);
+- ``ibert`` (its own buffers, 12 MiB of quantization state: 8.8% under without them).
+
+and, by simulation (no estimate below -3%, at most 5% above):
+
+- ``m2m_100`` (LayerDrop: on fake tensors every layer was skipped, 42% under);
+- ``fnet`` (blocks not recognised: the CPU libraries' caches of its linear layers, 9% under).
+
+Each row is estimated with the rule of the instruction set it was measured on (the CPU
+math libraries' caches differ by it).
 """
 
 from __future__ import annotations
@@ -20,20 +29,32 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 ROWS = ["zoo-afmoe-causal-lm-s-fp32", "zoo-bert-causal-lm-s-lora", "zoo-opt-causal-lm-s-fp32",
-        "zoo-gptj-causal-lm-s-fp32", "zoo-gemma2-causal-lm-s-lora"]
+        "zoo-gptj-causal-lm-s-fp32", "zoo-gemma2-causal-lm-s-lora", "zoo-ibert-masked-lm-s-fp32"]
+SIMULATED = ["zoo-m2m_100-seq2seq-s-fp32", "zoo-fnet-masked-lm-s-fp32"]
 
 
 def _rows() -> dict[str, dict]:
     return json.loads((BENCH / "results" / "zoo.json").read_text())["rows"]
 
 
-@pytest.mark.parametrize("name", ROWS)
-def test_a_zoo_family_is_estimated_within_its_measurement(name, tmp_path, monkeypatch):
+def _error(name: str, method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> float:
     row = _rows()[name]
+    monkeypatch.setattr("autofit.probe.device.cpu_capability", lambda: row.get("cpu", "AVX2"))
     monkeypatch.syspath_prepend(str(BENCH))
     sys.modules.pop("accuracy", None)
     from accuracy import _estimate
 
-    est, _ = _estimate(row["spec"], "analytic", tmp_path)
-    err = (est.peak_allocated_bytes - row["measured"]) / row["measured"]
+    est, _ = _estimate(row["spec"], method, tmp_path)
+    return (est.peak_allocated_bytes - row["measured"]) / row["measured"]
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_a_zoo_family_is_estimated_within_its_measurement(name, tmp_path, monkeypatch):
+    err = _error(name, "analytic", tmp_path, monkeypatch)
     assert -0.03 <= err <= 0.10, f"{name}: analytic {100 * err:+.1f}% of the measured peak"
+
+
+@pytest.mark.parametrize("name", SIMULATED)
+def test_a_zoo_family_is_simulated_within_its_measurement(name, tmp_path, monkeypatch):
+    err = _error(name, "simulate", tmp_path, monkeypatch)
+    assert -0.03 <= err <= 0.05, f"{name}: simulate {100 * err:+.1f}% of the measured peak"
