@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -223,12 +223,22 @@ class StorageRecorder(TorchDispatchMode):
                 self._decomposing = False
         ws_fn = self.workspaces.get(func) if self.workspaces else None
         ws = self._workspace(ws_fn(args, kwargs)) if ws_fn is not None else None
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            from autofit.errors import BadInputError
+
+            # e.g. Longformer's global attention (``nonzero`` of its mask): skipping the
+            # branch instead was 9.7% under
+            raise BadInputError(
+                f"the model's step makes a tensor whose shape depends on values "
+                f"({func.overloadpacket.__name__}); simulate cannot follow it: use "
+                "method='analytic' or measure it") from None
         self.num_ops += 1
         if isinstance(out, torch.Tensor):
             self.track(out)
-            if out.dtype == torch.bool and out.numel() == 1:
-                out._autofit_origin = func.overloadpacket.__name__  # for _scalar_read
+            if out.dtype == torch.bool:
+                out._autofit_origin = _origin(func.overloadpacket.__name__, args)  # _scalar_read
         elif isinstance(out, (tuple, list)):
             for o in out:
                 if isinstance(o, torch.Tensor):
@@ -280,7 +290,24 @@ def _has_subclass(types: Any) -> bool:
 
 
 # Checks whose usual answer is False (``x.isinf().any()``: no inf in the weights).
-_FALSE_CHECKS = frozenset({"any", "isinf", "isnan", "is_nonzero"})
+_FALSE_CHECKS = frozenset({"isinf", "isnan", "is_nonzero", "isneginf", "isposinf"})
+# Ops that pass a bool tensor's meaning on (a view or copy of the same mask)
+_SAME_MASK = frozenset({"view", "_unsafe_view", "reshape", "flatten", "expand", "clone",
+                        "squeeze", "unsqueeze", "t", "transpose", "permute", "contiguous",
+                        "slice", "select", "alias", "detach"})
+
+
+def _origin(name: str, args: Any) -> str:
+    """What a bool tensor means for ``_scalar_read``: the op that made it, through views of
+    a mask; ``any`` / ``all`` of a mask keep what the mask was (``any:isinf``: a sanity
+    check; ``any:gt``: whether some token is marked, e.g. Longformer's global attention)."""
+    first = args[0] if args else None
+    inner = getattr(first, "_autofit_origin", "") if isinstance(first, torch.Tensor) else ""
+    if name in _SAME_MASK and inner:
+        return inner
+    if name in ("any", "all"):
+        return f"{name}:{inner.split(':')[-1]}"
+    return name
 
 
 def _scalar_read(t: torch.Tensor) -> bool:
@@ -299,4 +326,4 @@ def _scalar_read(t: torch.Tensor) -> bool:
             "the model reads a tensor's value into Python during its step (.item()); "
             "simulate cannot follow data-dependent steps: use method='analytic' or measure it"
         )
-    return getattr(t, "_autofit_origin", "") not in _FALSE_CHECKS
+    return getattr(t, "_autofit_origin", "").split(":")[-1] not in _FALSE_CHECKS
