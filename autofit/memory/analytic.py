@@ -914,8 +914,9 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     block_bwd_temp = 2 * N * inter * act + 2 * N * h * act + _dequantized_bytes(info)
     if info.peft == "lora" and _lora_on_ffn_out(info):
         # an adapter on the feed-forward's output layer: its input's gradient beside the
-        # base layer's until they are summed (LoRA on a CTRL classifier: 9.2% under)
-        block_bwd_temp += N * inter * act
+        # base layer's until they are summed (LoRA on a CTRL classifier: 9.2% under), in
+        # the dtype the feed-forward computes in (16-bit under autocast)
+        block_bwd_temp += N * inter * (_bytes(spec.compute_dtype) if spec.autocast else act)
     opt_temp = _optimizer_step_temporaries(info, config, device)
 
     # with accumulation, the gradients of the earlier micro batches are held through
