@@ -34,19 +34,24 @@ sys.path.insert(0, str(HERE.parent))
 TARGETS = {"analytic": (0.05, 0.15), "simulate": (0.02, 0.05)}  # median, worst |error| (issue 13)
 
 
+def lora_spec(lo: dict | None):
+    """autofit's LoraSpec of a spec's ``"lora"`` dict (r, alpha, target_modules, dropout)."""
+    from autofit.probe.model import LoraSpec
+
+    if not lo:
+        return None
+    tm = lo.get("target_modules", "all-linear")
+    return LoraSpec(r=lo["r"], alpha=lo.get("alpha", 2 * lo["r"]),
+                    target_modules=tm if isinstance(tm, str) else tuple(tm),
+                    dropout=lo.get("dropout", 0.0))
+
+
 def _estimate(spec: dict, method: str, tmp: Path):
     from autofit import TrainConfig, estimate
-    from autofit.probe.model import LoraSpec
 
     cfg_path = tmp / f"{spec['name']}.json"
     cfg_path.write_text(json.dumps({"model_type": spec["model_type"], **spec["config"]}))
-    lora = None
-    if spec.get("lora"):
-        lo = spec["lora"]
-        tm = lo.get("target_modules", "all-linear")
-        lora = LoraSpec(r=lo["r"], alpha=lo.get("alpha", 2 * lo["r"]),
-                        target_modules=tm if isinstance(tm, str) else tuple(tm),
-                        dropout=lo.get("dropout", 0.0))
+    lora = lora_spec(spec.get("lora"))
     config = TrainConfig(
         micro_batch_size=spec["batch"],
         precision=spec["precision"],

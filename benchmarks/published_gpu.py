@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 DATA = HERE / "published_gpu.json"
 OUT = HERE / "results" / "published_gpu.md"
@@ -59,18 +60,13 @@ def _alarm(signum: int, frame: Any) -> None:
 
 def estimate_row(row: dict[str, Any], method: str, tmp: Path) -> tuple[float | None, str, float]:
     """(estimate in the row's unit or None, a note, seconds) for one row and method."""
+    from accuracy import lora_spec
+
     from autofit import TrainConfig, estimate
-    from autofit.probe.model import LoraSpec
 
     path = tmp / f"{row['id']}.json"
     path.write_text(json.dumps({"model_type": row["model_type"], **row["model_config"]}))
-    lora = None
-    if row.get("lora"):
-        lo = row["lora"]
-        tm = lo.get("target_modules", "all-linear")
-        lora = LoraSpec(r=lo["r"], alpha=lo.get("alpha", 2 * lo["r"]),
-                        target_modules=tm if isinstance(tm, str) else tuple(tm),
-                        dropout=lo.get("dropout", 0.0))
+    lora = lora_spec(row.get("lora"))
     config = TrainConfig(micro_batch_size=row["micro_batch"],
                          grad_accum_steps=row.get("grad_accum_steps", 1),
                          precision=row["precision"],

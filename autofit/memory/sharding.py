@@ -539,10 +539,7 @@ def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: D
     lib_cache = cpu_library_cache_bytes(info, config, seq_len, device)
     parts["temporaries"] = parts.get("temporaries", 0) + lib_cache
     peak = int(peak) + lib_cache
-    if device.allocator == "cuda":
-        reserved = max(cuda_reserved_bytes(rank.phases, config), peak)
-    else:
-        reserved = peak
+    reserved = cuda_reserved_bytes(rank.phases, config) if device.allocator == "cuda" else peak
     total = reserved + device.overhead_bytes
     breakdown = {k: parts.get(k, 0) for k in ("weights", "gradients", "optimizer_states",
                                               "activations", "temporaries")}
