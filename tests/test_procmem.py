@@ -50,3 +50,24 @@ def test_a_measuring_childs_address_space_does_not_grow_with_new_lengths():
     grown_cached = _growth(cached)
     assert grown < 4 * MiB, f"{grown / MiB:.1f} MiB mapped over 40 new lengths"
     assert grown_cached > 3 * grown + 8 * MiB, (grown / MiB, grown_cached / MiB)
+
+
+def test_a_trial_s_leak_check_counts_anonymous_memory_not_code_pages(tmp_path):
+    """What a trial leaves behind is anonymous memory; pages of a file read through
+    a mapping (as a kernel's code pages are, the first time it runs) are not."""
+    import mmap
+
+    from autofit.trial.procmem import anon_rss_bytes, rss_bytes
+
+    path = tmp_path / "pages.bin"
+    path.write_bytes(b"\1" * (64 * MiB))
+    anon0, rss0 = anon_rss_bytes(), rss_bytes()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
+        total = sum(pages[i] for i in range(0, len(pages), 4096))  # touch every page
+        assert total == 64 * MiB // 4096
+        assert rss_bytes() - rss0 > 48 * MiB  # resident...
+        assert anon_rss_bytes() - anon0 < 8 * MiB  # ...but not anonymous
+    held = bytearray(64 * MiB)
+    held[::4096] = b"\2" * len(held[::4096])
+    assert anon_rss_bytes() - anon0 > 48 * MiB  # what a leak looks like
+    del held

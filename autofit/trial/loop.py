@@ -175,12 +175,14 @@ class _CpuMeter:
         self.resident = resident
         self.cap = cap
         self.base: int | None = None
+        self.anon_base: int | None = None
         self.previous_limit: tuple[int, int] | None = None
 
     def baseline(self) -> int | None:
         gc.collect(1)  # the young generations: a full collection costs ~0.3 s here
         procmem.malloc_trim()
         self.base = procmem.rss_bytes()
+        self.anon_base = procmem.anon_rss_bytes()
         return self.base
 
     def arm(self) -> None:
@@ -204,15 +206,16 @@ class _CpuMeter:
         return peak, peak, peak
 
     def leaked(self) -> int | None:
-        if self.base is None:
+        """Anonymous memory above the baseline (code pages faulted in are not a leak)."""
+        if self.anon_base is None:
             return None
         for generation in (1, 2):  # a full collection only when memory looks held
             gc.collect(generation)
             procmem.malloc_trim()
-            now = procmem.rss_bytes()
-            if now is None or now - self.base <= self.tolerance:
+            now = procmem.anon_rss_bytes()
+            if now is None or now - self.anon_base <= self.tolerance:
                 break
-        return None if now is None else max(0, now - self.base)
+        return None if now is None else max(0, now - self.anon_base)
 
     tolerance = CPU_LEAK_TOLERANCE
 

@@ -31,6 +31,7 @@ __all__ = [
     "CHILD_MALLOC_ENV",
     "vm_size_bytes",
     "rss_bytes",
+    "anon_rss_bytes",
     "peak_rss_bytes",
     "reset_peak_rss",
     "malloc_trim",
@@ -82,6 +83,23 @@ def rss_bytes() -> int | None:
     """Resident memory of this process now (VmRSS), bytes."""
     s = _statm()
     return s[1] if s else None
+
+
+def anon_rss_bytes() -> int | None:
+    """Anonymous resident memory now (RssAnon), bytes; VmRSS where the kernel lacks it.
+
+    What a trial can leave behind (tensors, allocator caches) is anonymous; the
+    file-backed part of VmRSS grows when a kernel's code pages are first touched
+    (tens of MiB the first time a worker runs a new op) and is not a leak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError):
+        return None
+    return rss_bytes()
 
 
 def peak_rss_bytes() -> int | None:
