@@ -13,11 +13,15 @@ configuration maps one to one onto a ``transformers.TrainingArguments``.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from autofit.errors import InvalidConfigError, fix
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "PRECISIONS",
@@ -36,7 +40,18 @@ __all__ = [
     "LOSS_IMPLS",
     "QuantRequest",
     "ModelSpec",
+    "Batch",
+    "ModelSource",
+    "Progress",
+    "Collator",
 ]
+
+# The types the stages hand each other besides the dataclasses below (annotations only:
+# naming them imports neither torch nor transformers).
+Batch: TypeAlias = "dict[str, torch.Tensor]"  # one micro batch: (B, T) input_ids, labels, ...
+ModelSource: TypeAlias = "str | os.PathLike[str] | torch.nn.Module"  # a reference or a module
+Progress: TypeAlias = Callable[[str], None]  # hears one line at a time
+Collator: TypeAlias = "Callable[[list[dict[str, object]]], dict[str, torch.Tensor]]"  # rows -> Batch
 
 
 def offload_needs_checkpointing() -> str:

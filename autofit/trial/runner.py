@@ -106,7 +106,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, InvalidConfigError, UnknownDeviceError
@@ -114,6 +114,19 @@ from autofit.trial import process
 from autofit.trial.oom import is_oom
 from autofit.trial.process import describe_signal
 from autofit.trial.result import TrialResult
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+    from peft import PeftConfig
+    from transformers import BitsAndBytesConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+    from autofit.config import Batch, Collator, ModelSource, ModelSpec, Progress
+    from autofit.probe.device import DeviceInfo
+    from autofit.probe.model import LoraSpec
+    from autofit.trial.loop import RawTrial
+    from autofit.trial.step import RunSpec, StepPlan
 
 __all__ = ["measure", "ISOLATIONS", "DEFAULT_TIMEOUT_S", "MEASURE_STEPS"]
 
@@ -150,7 +163,7 @@ def _check_counts(warmup_steps: int, measure_steps: int, timeout_s: float | None
         raise BadInputError("; ".join(problems))
 
 
-def _fit_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
+def _fit_rows(batch: Mapping[str, object], rows: int) -> Batch:
     """Repeat or cut a batch's rows to ``rows`` samples."""
     import torch
 
@@ -177,21 +190,21 @@ def _fit_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
     }
 
 
-def _model_config(module: Any) -> Any:
+def _model_config(module: torch.nn.Module) -> PretrainedConfig | None:
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     return getattr(base, "config", None)
 
 
 def _make_batch(
-    data: Any,
+    data: object,
     config: TrainConfig,
-    module: Any,
+    module: torch.nn.Module,
     task: str,
     *,
     seq_len: int | None,
-    tokenizer: Any,
-    collator: Any,
-) -> dict[str, Any]:
+    tokenizer: PreTrainedTokenizerBase | None,
+    collator: Collator | None,
+) -> Batch:
     from autofit.probe.data import random_batch, worst_case_batch
 
     rows = config.micro_batch_size
@@ -217,7 +230,7 @@ def _make_batch(
     )
 
 
-def _with_decoder_inputs(batch: dict[str, Any], module: Any) -> dict[str, Any]:
+def _with_decoder_inputs(batch: Batch, module: torch.nn.Module) -> Batch:
     """Seq2seq: decoder inputs = labels shifted right, as DataCollatorForSeq2Seq makes them.
 
     Done here rather than by the model, whose shift needs ``decoder_start_token_id``
@@ -243,7 +256,7 @@ def _with_decoder_inputs(batch: dict[str, Any], module: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------- running
 
 
-def _torch_device(dev: Any) -> Any:
+def _torch_device(dev: DeviceInfo) -> torch.device:
     import torch
 
     if dev.kind == "cpu":
@@ -251,7 +264,7 @@ def _torch_device(dev: Any) -> Any:
     return torch.device(dev.kind, dev.index if dev.index is not None else 0)
 
 
-def _accel_empty_cache(tdev: Any) -> None:
+def _accel_empty_cache(tdev: torch.device) -> None:
     if tdev.type == "cpu":
         return
     from autofit.trial.loop import _accel
@@ -261,17 +274,17 @@ def _accel_empty_cache(tdev: Any) -> None:
 
 
 def _run_in_process(
-    model: Any,
-    batch: dict[str, Any],
-    plan: Any,
-    tdev: Any,
+    model: ModelSource | ModelSpec,
+    batch: Batch,
+    plan: StepPlan,
+    tdev: torch.device,
     *,
     cap: int | None,
     warmup_steps: int,
     measure_steps: int,
     deadline: float | None,
-    run: Any = None,
-) -> Any:
+    run: RunSpec | None = None,
+) -> RawTrial:
     from autofit.probe.peft import upcast_adapters
     from autofit.trial.loop import run_steps
     from autofit.trial.model import ModelRef, is_quantized_model, materialize
@@ -353,17 +366,17 @@ class _Unpicklable(Exception):
 
 
 def _run_subprocess(
-    model: Any,
-    batch: dict[str, Any],
-    plan: Any,
-    tdev: Any,
+    model: ModelSource | ModelSpec,
+    batch: Batch,
+    plan: StepPlan,
+    tdev: torch.device,
     *,
     cap: int | None,
     warmup_steps: int,
     measure_steps: int,
     timeout_s: float | None,
-    run: Any = None,
-) -> Any:
+    run: RunSpec | None = None,
+) -> RawTrial:
     """The trial in a fresh child (``autofit.trial.process``), retried once if killed.
 
     A child killed from outside (``process.OUTSIDE_SIGNALS``: the host's OOM killer,
@@ -414,7 +427,7 @@ def _run_subprocess(
 
 def _run_child(
     work: Path, deadline: float | None, timeout_s: float | None, *, fork: bool = False
-) -> Any:
+) -> RawTrial:
     """One child process over the payload in ``work``; its ``RawTrial``.
 
     ``fork``: forked by the trial server (``autofit.trial.server``) when it can;
@@ -477,30 +490,30 @@ def _run_child(
 
 
 def measure(
-    model: Any,
+    model: ModelSource,
     config: TrainConfig,
-    dataset_or_batch: Any = None,
+    dataset_or_batch: object = None,
     *,
-    device: Any = "cpu:4GiB",
+    device: str | DeviceInfo = "cpu:4GiB",
     seq_len: int | None = None,
     task: str | None = None,
     isolation: str = "auto",
     warmup_steps: int = 1,
     measure_steps: int = MEASURE_STEPS,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
-    tokenizer: Any = None,
-    collator: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    collator: Collator | None = None,
     attn_implementation: str | None = None,
-    lora: Any = None,
-    peft_config: Any = None,
+    lora: LoraSpec | dict[str, object] | None = None,
+    peft_config: PeftConfig | None = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
-    quantization_config: Any = None,
-    run: Any = None,
-    progress: Any = None,
+    quantization_config: BitsAndBytesConfig | dict[str, object] | None = None,
+    run: RunSpec | None = None,
+    progress: Progress | None = None,
     block_size: int | None = None,
-    deepspeed_config: Any = None,
-    accelerate_config: Any = None,
+    deepspeed_config: str | os.PathLike[str] | dict[str, object] | None = None,
+    accelerate_config: str | os.PathLike[str] | dict[str, object] | None = None,
     trainer: str | None = None,
 ) -> TrialResult:
     """Run ``warmup_steps`` + ``measure_steps`` real training steps and measure them.
@@ -558,14 +571,45 @@ def measure(
         >>> r.fits, r.peak_allocated_bytes > 0                  # doctest: +SKIP
         (True, True)
     """
-    import torch
-
-    from autofit.knobs import KNOBS
-    from autofit.probe.device import resolve_device
-    from autofit.probe.model import build_model
-    from autofit.trial.model import build_meta, model_spec
+    dataset_or_batch, config, user_ds, recipe_line = _checked_request(
+        config, dataset_or_batch, isolation=isolation, warmup_steps=warmup_steps,
+        measure_steps=measure_steps, timeout_s=timeout_s, block_size=block_size,
+        tokenizer=tokenizer, deepspeed_config=deepspeed_config,
+        accelerate_config=accelerate_config, trainer=trainer)
+    dev = _present_device(device, config)
+    ref, module, task_name = _trial_model(
+        model, config, dev, task=task, attn_implementation=attn_implementation, lora=lora,
+        peft_config=peft_config, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
+        quantization_config=quantization_config)
+    batch = _trial_batch(dataset_or_batch, config, module, task_name, seq_len=seq_len,
+                         tokenizer=tokenizer, collator=collator, block_size=block_size)
     from autofit.trial.step import plan_step
 
+    plan = plan_step(module, config, use_cpu=dev.kind == "cpu")
+    tdev = _torch_device(dev)
+    source = ref if ref is not None else model
+    if config.world_size > 1:
+        return _measure_ranks(source, module, batch, plan, config,
+                              dev, tdev, isolation=isolation, warmup_steps=warmup_steps,
+                              measure_steps=measure_steps, timeout_s=timeout_s, run=run,
+                              progress=progress, deepspeed=user_ds, notes=recipe_line)
+    raw, mode, reason = _run_one_process(source, batch, plan, dev, tdev, isolation=isolation,
+                                         warmup_steps=warmup_steps,
+                                         measure_steps=measure_steps, timeout_s=timeout_s,
+                                         run=run)
+    return _one_process_result(raw, config, dev, batch, plan, mode, reason, timeout_s,
+                               recipe_line)
+
+
+def _checked_request(config: TrainConfig, dataset_or_batch: object, *, isolation: str,
+                     warmup_steps: int, measure_steps: int, timeout_s: float | None,
+                     block_size: int | None, tokenizer: object,
+                     deepspeed_config: object, accelerate_config: object,
+                     trainer: str | None,
+                     ) -> tuple[Any, TrainConfig, dict[str, Any] | None, tuple[str, ...]]:
+    """Step 1 of ``measure``: the request checked (config, isolation, counts), a dataset
+    packed into ``block_size`` blocks, the user's recipe applied and the trainer's levers
+    kept: ``(data, config, the user's DeepSpeed config, the recipe's line)``."""
     if not isinstance(config, TrainConfig):
         raise InvalidConfigError(f"config must be a TrainConfig, got {type(config).__name__}")
     from autofit.config import one_process_strategy
@@ -591,6 +635,14 @@ def measure(
     from autofit.knobs.trainer import for_trainer
 
     config, _ = for_trainer(config, trainer)  # a lever the trainer does not run: bad input
+    return dataset_or_batch, config, user_ds, recipe_line
+
+
+def _present_device(device: object, config: TrainConfig) -> DeviceInfo:
+    """Step 2 of ``measure``: the device, present here, able to run every knob's value."""
+    from autofit.knobs import KNOBS
+    from autofit.probe.device import resolve_device
+
     dev = resolve_device(device)
     if not dev.present:
         raise UnknownDeviceError(
@@ -599,6 +651,20 @@ def measure(
         )
     for k in KNOBS:  # what the device and the installed libraries allow
         k.check(dev, getattr(config, k.name))
+    return dev
+
+
+def _trial_model(model: ModelSource, config: TrainConfig, dev: DeviceInfo, *, task: str | None,
+                 attn_implementation: str | None, lora: object, peft_config: PeftConfig | None,
+                 load_in_4bit: bool, load_in_8bit: bool, quantization_config: BitsAndBytesConfig | dict[str, object] | None,
+                 ) -> tuple[ModelSpec | None, torch.nn.Module, str]:
+    """Step 3 of ``measure``: the model to train, ``(its ModelSpec when given by reference,
+    the module (on the meta device when by reference), its task)``, checked: the chunked
+    loss applies, a quantized base's precision, some parameter trains."""
+    import torch
+
+    from autofit.probe.model import build_model
+    from autofit.trial.model import build_meta, model_spec
 
     asked = model_spec(model, task=task, attn_implementation=attn_implementation, lora=lora,
                        peft_config=peft_config, load_in_4bit=load_in_4bit,
@@ -636,9 +702,17 @@ def measure(
         from autofit.errors import NoTrainableParametersError
 
         raise NoTrainableParametersError("the model has no trainable parameter (requires_grad)")
+    return ref, module, task_name
+
+
+def _trial_batch(dataset_or_batch: object, config: TrainConfig, module: torch.nn.Module,
+                 task_name: str, *, seq_len: int | None, tokenizer: object, collator: object,
+                 block_size: int | None) -> dict[str, Any]:
+    """Step 4 of ``measure``: the batch of one micro step, checked against the model's
+    vocabulary and positions (with decoder inputs for a seq2seq model)."""
+    from autofit.probe.model import token_limits
 
     if block_size is not None:
-        from autofit.probe.model import token_limits
         from autofit.probe.packing import check_block_size
 
         check_block_size(block_size, max_positions=token_limits(module)[1])
@@ -652,28 +726,28 @@ def measure(
         collator=collator,
     )
     from autofit.probe.data import check_batch
-    from autofit.probe.model import token_limits
 
     vocab, positions = token_limits(module)  # an id or length past them is an IndexError
     check_batch(batch, vocab_size=vocab, max_positions=positions)
     if task_name == "seq2seq":
         batch = _with_decoder_inputs(batch, module)
-    b, t = (int(s) for s in batch["input_ids"].shape)
-    plan = plan_step(module, config, use_cpu=dev.kind == "cpu")
-    tdev = _torch_device(dev)
-    cap = dev.capacity_bytes if dev.capped else None
+    return batch
 
-    if config.world_size > 1:
-        return _measure_ranks(ref if ref is not None else model, module, batch, plan, config,
-                              dev, tdev, isolation=isolation, warmup_steps=warmup_steps,
-                              measure_steps=measure_steps, timeout_s=timeout_s, run=run,
-                              progress=progress, deepspeed=user_ds, notes=recipe_line)
+
+def _run_one_process(source: ModelSource | ModelSpec, batch: Batch, plan: StepPlan, dev: DeviceInfo,
+                     tdev: torch.device, *, isolation: str, warmup_steps: int,
+                     measure_steps: int, timeout_s: float | None, run: RunSpec | None,
+                     ) -> tuple[RawTrial, str, str]:
+    """Step 5 of ``measure`` on one rank: the steps run in a subprocess or in this process
+    (``_choose_isolation``; ``auto`` falls back to this process when the model cannot be
+    sent or loaded there): ``(raw measurement, isolation, its reason)``."""
+    cap = dev.capacity_bytes if dev.capped else None
     mode, reason = _choose_isolation(isolation, dev)
     raw = None
     if mode == "subprocess":
         try:
             raw = _run_subprocess(
-                ref if ref is not None else model,
+                source,
                 batch,
                 plan,
                 tdev,
@@ -705,7 +779,7 @@ def measure(
                 mode, raw = "in-process", None
     if raw is None:
         raw = _run_in_process(
-            ref if ref is not None else model,
+            source,
             batch,
             plan,
             tdev,
@@ -715,18 +789,28 @@ def measure(
             deadline=None if timeout_s is None else time.monotonic() + float(timeout_s),
             run=run,
         )
+    return raw, mode, reason
+
+
+def _one_process_result(raw: RawTrial, config: TrainConfig, dev: DeviceInfo,
+                        batch: Batch, plan: StepPlan, mode: str, reason: str,
+                        timeout_s: float | None, recipe_line: tuple[str, ...]) -> TrialResult:
+    """Step 6 of ``measure`` on one rank: the ``TrialResult``; an in-process trial whose
+    memory did not return to its baseline sends later trials on that device to a
+    subprocess (with a warning)."""
     notes = [*recipe_line, *raw.notes]
     if mode == "in-process" and raw.recovered is False:
         msg = (
             f"memory did not return to its baseline after a trial on {dev.name} "
             f"({raw.leaked_bytes} bytes left); later trials there run in a subprocess"
         )
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
         notes.append(msg)
         _FAILED_RECOVERY[dev.name] = msg
     error = raw.error
     if raw.timed_out:
         error = f"timeout after {timeout_s:g}s"
+    b, t = (int(s) for s in batch["input_ids"].shape)
     micro = plan.micro_batches_per_step
     return _trial_result(
         raw, config, dev, b, t, micro, error=error, isolation=mode, isolation_reason=reason,
@@ -736,10 +820,10 @@ def measure(
         notes=tuple(notes))
 
 
-def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
-                   config: TrainConfig, dev: Any, tdev: Any, *, isolation: str,
-                   warmup_steps: int, measure_steps: int, timeout_s: float | None, run: Any,
-                   progress: Any, deepspeed: dict[str, Any] | None = None,
+def _measure_ranks(model: ModelSource | ModelSpec, module: torch.nn.Module, batch: Batch, plan: StepPlan,
+                   config: TrainConfig, dev: DeviceInfo, tdev: torch.device, *, isolation: str,
+                   warmup_steps: int, measure_steps: int, timeout_s: float | None, run: RunSpec | None,
+                   progress: Progress | None, deepspeed: dict[str, object] | None = None,
                    notes: tuple[str, ...] = ()) -> TrialResult:
     """``measure`` on ``config.world_size`` ranks (``autofit.trial.ranks``; ``deepspeed``:
     the user's DeepSpeed config instead of autofit's)."""
@@ -773,8 +857,8 @@ def _measure_ranks(model: Any, module: Any, batch: dict[str, Any], plan: Any,
         per_rank=done.per_rank)
 
 
-def _trial_result(raw: Any, config: TrainConfig, dev: Any, b: int, t: int, micro: int,
-                  **fields: Any) -> TrialResult:
+def _trial_result(raw: RawTrial, config: TrainConfig, dev: DeviceInfo, b: int, t: int, micro: int,
+                  **fields: object) -> TrialResult:
     """A ``TrialResult`` of a trial's raw measurement (one process or the peaking rank):
     what every trial reports, and ``fields`` (isolation, capacity, error, notes, ...)."""
     from autofit.trial.loop import run_step_s
@@ -814,7 +898,7 @@ def _trial_result(raw: Any, config: TrainConfig, dev: Any, b: int, t: int, micro
     )
 
 
-def warm_up(dev: Any, isolation: str = "auto") -> None:
+def warm_up(dev: DeviceInfo, isolation: str = "auto") -> None:
     """Start the trial server now when ``dev``'s trials will fork from it (a present CPU,
     one rank, trials in a subprocess): its imports (seconds) then overlap the caller's
     work before the first trial instead of delaying it. Nothing otherwise; never raises."""
@@ -826,7 +910,7 @@ def warm_up(dev: Any, isolation: str = "auto") -> None:
     server.prepare(_child_env())
 
 
-def _choose_isolation(isolation: str, dev: Any) -> tuple[str, str]:
+def _choose_isolation(isolation: str, dev: DeviceInfo) -> tuple[str, str]:
     if isolation == "in-process":
         return "in-process", "asked for (isolation='in-process')" + (
             f"; the {dev.name} cap is set on this process during the steps" if dev.capped else ""
