@@ -71,6 +71,15 @@ class BadInputError(AutofitError, ValueError):
     """The caller asked for something that cannot be done as asked."""
 
 
+class ValueDependentShapeError(BadInputError):
+    """The model's step makes a tensor whose shape depends on its values (``nonzero`` of a
+    mask: Longformer's and LED's global attention), which fake tensors cannot follow."""
+
+    def __init__(self, message: str, op: str) -> None:
+        super().__init__(message)
+        self.op = op
+
+
 class UnknownModelError(BadInputError):
     """The model could not be found or recognised."""
 

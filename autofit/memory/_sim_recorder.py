@@ -226,14 +226,16 @@ class StorageRecorder(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except DynamicOutputShapeException:
-            from autofit.errors import BadInputError
+            from autofit.errors import ValueDependentShapeError, fix
 
             # e.g. Longformer's global attention (``nonzero`` of its mask): skipping the
             # branch instead was 9.7% under
-            raise BadInputError(
-                f"the model's step makes a tensor whose shape depends on values "
-                f"({func.overloadpacket.__name__}); simulate cannot follow it: use "
-                "method='analytic' or measure it") from None
+            op = func.overloadpacket.__name__
+            analytic = fix("--method analytic", "method='analytic'")
+            raise ValueDependentShapeError(
+                f"the model's step makes a tensor whose shape depends on values ({op}); "
+                f"simulate cannot follow it: use {analytic} or measure it "
+                f"({fix('autofit measure', 'autofit.measure')})", op) from None
         self.num_ops += 1
         if isinstance(out, torch.Tensor):
             self.track(out)
@@ -320,10 +322,11 @@ def _scalar_read(t: torch.Tensor) -> bool:
     runs). A read of a number (not a bool) is an error: its value would change shapes.
     """
     if t.dtype != torch.bool:
-        from autofit.errors import BadInputError
+        from autofit.errors import ValueDependentShapeError, fix
 
-        raise BadInputError(
+        raise ValueDependentShapeError(
             "the model reads a tensor's value into Python during its step (.item()); "
-            "simulate cannot follow data-dependent steps: use method='analytic' or measure it"
-        )
+            "simulate cannot follow data-dependent steps: use "
+            + fix("--method analytic", "method='analytic'") + " or measure it ("
+            + fix("autofit measure", "autofit.measure") + ")", "item")
     return getattr(t, "_autofit_origin", "").split(":")[-1] not in _FALSE_CHECKS

@@ -8,7 +8,10 @@ fake tensors (``_sim_model``) and run forward only, at four small shapes
 (micro batch 1 at ``T1 < T2 < T3`` tokens, and 2 at ``T1``), with each block's
 allocations told apart by forward hooks. The clone keeps one block of each kind
 (blocks alike in modules, parameters and buffers; adaption prompt's adapted top
-layers are a second kind), which stands for all blocks of its kind. What is still alive when the loss is
+layers are a second kind), which stands for all blocks of its kind; an encoder-decoder's
+encoder and decoder are two stacks, each with coefficients of its own (``layer`` and
+``layer_decoder``; the cross-attention's scores, at the one length the analytic model
+takes for source and target, in the quadratic term). What is still alive when the loss is
 computed is what backward needs (the saved activations, the adapters' dtype casts
 and dropout copies, virtual tokens, merged delta weights); it splits exactly into
 
@@ -45,7 +48,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
-from autofit.errors import BadInputError, fix
+from autofit.errors import BadInputError, ValueDependentShapeError, fix
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -99,10 +102,26 @@ def _kinds(blocks: list[Any]) -> list[tuple[int, int]]:
     return sorted(kept)
 
 
+def _stacks(base: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+    """The stacks of blocks of ``base``: one, or an encoder-decoder's two (encoder first)."""
+    from autofit.probe.model import _layer_lists
+
+    lists = _layer_lists(base)
+    if len(lists) == 2:
+        lists.sort(key=lambda nl: "decoder" in nl[0])
+        if "decoder" in lists[0][0] or "decoder" not in lists[1][0]:
+            lists = []  # two stacks, but not an encoder's and a decoder's
+    if len(lists) not in (1, 2):
+        raise BadInputError("analytic coefficients are derived for one stack of blocks, or "
+                            "an encoder's and a decoder's; use " + _simulate())
+    return lists
+
+
 def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
-                   device: DeviceInfo) -> list[tuple[float, int]]:
-    """(bytes alive at the loss in the blocks, per block; in all) at each of ``SHAPES``,
-    weights excluded, on one fake clone that keeps one block of each kind."""
+                   device: DeviceInfo) -> list[tuple[list[float], int]]:
+    """(bytes alive at the loss per block of each stack -- an encoder-decoder's encoder,
+    then its decoder; in all) at each of ``SHAPES``, weights excluded, on one fake clone
+    that keeps one block of each kind per stack."""
     import contextlib
     import warnings
 
@@ -118,35 +137,32 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
     )
     from autofit.memory._sim_recorder import StorageRecorder
     from autofit.memory._sim_step import chunked_loss_kernels, forward_loss
-    from autofit.probe.model import _layer_lists
 
     spec = config.precision_spec
     target = "cuda" if device.allocator == "cuda" else "cpu"
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    out: list[tuple[float, int]] = []
+    out: list[tuple[list[float], int]] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with fake_mode:
             model = fake_clone(module, float_dtype=getattr(torch, spec.param_dtype))
             prepare_for_training(model, gradient_checkpointing=False)
         base = unwrap(model)
-        lists = _layer_lists(base)
-        if len(lists) != 1:
-            raise BadInputError("analytic coefficients are derived for one stack of blocks; "
-                                "use " + _simulate())
-        owner_name, layers = lists[0]
-        kinds = _kinds(list(layers))
-        kept = torch.nn.ModuleList([layers[i] for i, _ in kinds])
-        parent_name, _, attr = owner_name.rpartition(".")
-        setattr(base.get_submodule(parent_name) if parent_name else base, attr, kept)
-        n = sum(c for _, c in kinds)
+        stacks = []  # per stack: (kept blocks, [(index, how many it stands for)], blocks)
+        for owner_name, layers in _stacks(base):
+            kinds = _kinds(list(layers))
+            kept = torch.nn.ModuleList([layers[i] for i, _ in kinds])
+            parent_name, _, attr = owner_name.rpartition(".")
+            setattr(base.get_submodule(parent_name) if parent_name else base, attr, kept)
+            stacks.append((kept, kinds, sum(c for _, c in kinds)))
+        all_kept = [blk for kept, _, _ in stacks for blk in kept]
         for batch, seq_len in SHAPES:
             rec = StorageRecorder()
             for t in weight_tensors(model):
                 rec.track(t, "weights")
-            spans: list[list[int]] = [[0, 0] for _ in kept]
+            spans: list[list[int]] = [[0, 0] for _ in all_kept]
             handles = []
-            for i, blk in enumerate(kept):
+            for i, blk in enumerate(all_kept):
                 handles.append(blk.register_forward_pre_hook(
                     lambda _m, _a, i=i, rec=rec, spans=spans: spans[i].__setitem__(
                         0, len(rec._log))))
@@ -174,9 +190,15 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                 del loss, data, kwargs
             for h in handles:
                 h.remove()
-            blocks = sum(b * c for b, (_, c) in zip(per_kind, kinds, strict=True))
-            # the whole model: the kept blocks stand for all of their kind
-            out.append((blocks / n, int(total - sum(per_kind) + blocks)))
+            per_block, at = [], 0
+            blocks = 0.0
+            for kept, kinds, n in stacks:
+                mine = per_kind[at:at + len(kept)]
+                at += len(kept)
+                stack = sum(b * c for b, (_, c) in zip(mine, kinds, strict=True))
+                per_block.append(stack / n)  # the kept blocks stand for all of their kind
+                blocks += stack
+            out.append((per_block, int(total - sum(per_kind) + blocks)))
     return out
 
 
@@ -201,9 +223,6 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     """Coefficients for ``estimate_analytic`` in the form of a ``coefficients.json``
     entry (``layer``: per block, ``base``: outside the blocks), derived from ``module``'s
     own forward (see the module docstring)."""
-    if info.is_encoder_decoder:
-        raise BadInputError(f"{info.name}: analytic coefficients are not derived for "
-                            "encoder-decoder models; use " + _simulate())
     key = _key(info, config, device)
     hit = _CACHE.get(key)
     if hit is None:
@@ -216,26 +235,46 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     if isinstance(limit, int) and max(t for _, t in SHAPES) > limit:
         raise BadInputError(f"{info.name} takes at most {limit} positions; "
                             "use " + _simulate())
-    n = info.num_layers or 0
-    if n == 0:
+    roles: tuple[str | None, ...] = (("encoder", "decoder") if info.is_encoder_decoder
+                                     else (None,))
+    counts = ([_role_count(info, r) for r in roles] if info.is_encoder_decoder
+              else [info.num_layers or 0])
+    if 0 in counts:
         raise BadInputError(f"{info.name}: no transformer blocks found; use " + _simulate())
-    at = _forward_saved(module, config, info.task, device)
-    layer_vals = [per_block for per_block, _ in at]
-    base_vals = [total - per_block * n for per_block, total in at]
-    lay, bas = _solve(layer_vals), _solve(base_vals)
+    try:
+        at = _forward_saved(module, config, info.task, device)
+    except ValueDependentShapeError as e:  # (the table's coefficients were 33% under: LED)
+        raise ValueDependentShapeError(
+            f"{info.name}: its step makes tensors whose shapes depend on values ({e.op}), "
+            "which neither estimate can follow; measure it ("
+            + fix("autofit measure", "autofit.measure") + ")", e.op) from None
+    if any(len(per_block) != len(roles) for per_block, _ in at):
+        raise BadInputError(f"{info.name}: its stacks of blocks are not the ones it "
+                            "describes; use " + _simulate())
+    lays = [_solve([per_block[k] for per_block, _ in at]) for k in range(len(roles))]
+    base_vals = [total - sum(p * c for p, c in zip(per_block, counts, strict=True))
+                 for per_block, total in at]
+    bas = _solve(base_vals)
     if config.precision_spec.autocast:
-        # autocast's 16-bit weight copies, alive at the loss, are counted apart
-        per_layer = info.block_matmul_numel * 2 / max(n, 1)
-        lay["F"] -= per_layer
+        # autocast's 16-bit weight copies, alive at the loss, are counted apart (per block
+        # of a stack: its share of the blocks' matmul weights)
+        for lay, role, count in zip(lays, roles, counts, strict=True):
+            lay["F"] -= 2 * _matmul_numel(info, role) / count
         if not config.chunked_loss and (info.quant is None or info.dtype == "float32"):
             bas["F"] -= _head_numel(info) * 2  # (a 16-bit head is used as it is)
-    coef = {
-        "layer": {"h": 0.0, "kv": 0.0, "i": 0.0, "H": 0.0, "HT": 0.0, "c0": lay["a"],
-                  "T": lay["b"], "s": lay["s"], "F": max(lay["F"], 0.0)},
+
+    def layer(lay: dict[str, float]) -> dict[str, float]:
+        return {"h": 0.0, "kv": 0.0, "i": 0.0, "H": 0.0, "HT": 0.0, "c0": lay["a"],
+                "T": lay["b"], "s": lay["s"], "F": max(lay["F"], 0.0)}
+
+    coef: dict[str, Any] = {
+        "layer": layer(lays[0]),
         "base": {"h": 0.0, "V": 0.0, "c0": bas["a"], "T": bas["b"], "s": bas["s"],
                  "F": max(bas["F"], 0.0)},
         "derived": True,
     }
+    if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
+        coef["layer_decoder"] = layer(lays[1])
     _CACHE[key] = coef
     _store(key, coef)
     return coef
@@ -267,7 +306,9 @@ def _valid(coef: Any) -> bool:
     """Whether ``coef`` reads as derived coefficients (finite numbers where they belong)."""
     if not isinstance(coef, dict) or coef.get("derived") is not True:
         return False
-    for part, names in (("layer", ("c0", "T", "s", "F")), ("base", ("c0", "T", "s", "F"))):
+    parts = ["layer", "base"] + (["layer_decoder"] if "layer_decoder" in coef else [])
+    for part in parts:
+        names = ("c0", "T", "s", "F")
         d = coef.get(part)
         if not isinstance(d, dict) or not all(
                 isinstance(d.get(n), int | float) and not isinstance(d.get(n), bool)
@@ -313,6 +354,24 @@ def _suppress():
     import contextlib
 
     return contextlib.suppress(OSError)
+
+
+def _in_role(block: Any, role: str | None) -> bool:
+    """Whether ``block`` belongs to the stack ``role`` names (None: the only one)."""
+    return role is None or (block.role == "encoder") == (role == "encoder")
+
+
+def _role_count(info: ModelInfo, role: str | None) -> int:
+    return sum(b.count for b in info.blocks if _in_role(b, role))
+
+
+def _matmul_numel(info: ModelInfo, role: str | None) -> int:
+    """Elements of the matmul weights of the blocks of stack ``role`` (what autocast copies;
+    none for a bitsandbytes-quantized base)."""
+    if role is None or info.quantization is not None:
+        return info.block_matmul_numel
+    return sum(b.count * sum(i * o for _, i, o, _ in b.linears) for b in info.blocks
+               if _in_role(b, role))
 
 
 def _head_numel(info: ModelInfo) -> int:
