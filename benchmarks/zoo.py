@@ -228,6 +228,7 @@ def run_one(spec: dict[str, Any], setup: str, methods: list[str]) -> dict[str, A
             row[f"{method}_err"] = (est - truth) / truth
             row[f"{method}_phase"] = phase
             row[f"{method}_s"] = round(secs, 2)
+    return row
 
 
 def reestimate(row: dict[str, Any], methods: list[str]) -> dict[str, Any]:
