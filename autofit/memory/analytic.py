@@ -357,13 +357,6 @@ def _lora_regime(info: ModelInfo) -> str:
     return "attn"
 
 
-def _lora_on_ffn_out(info: ModelInfo) -> bool:
-    """Whether LoRA adapts a block's last linear layer (the feed-forward's output)."""
-    names = {t.rsplit(".", 1)[-1] for t in info.lora_targets}
-    return "all-linear" in names or any(
-        b.linears and b.linears[-1][0].rsplit(".", 1)[-1] in names for b in info.blocks)
-
-
 def _cuda_sdpa_is_math(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> bool:
     """Whether torch's CUDA SDPA falls back to the math kernel for this model.
 
@@ -809,7 +802,8 @@ class AnalyticTerms:
 
     Attributes:
         phases: candidate peak -> (bytes, component -> bytes): ``"backward"`` (its start),
-            ``"backward-end"``, ``"optimizer"`` and, with checkpointing, ``"recompute"``.
+            ``"backward-end"``, ``"optimizer"``, with checkpointing ``"recompute"`` and,
+            with derived coefficients, ``"forward"``.
         host: pinned host bytes (activation offloading).
         W, copies, copies_head, G, S, G_held, opt_temp, A, A_base, A_transient, loss_temp,
         block_bwd_temp: the terms the phases add up (bytes; see ``estimate_analytic``).
@@ -920,11 +914,6 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     # one block's backward: grads of its widest activations (e.g. MLP: 2 x (N, i))
     inter = max((b.intermediate_size for b in info.blocks), default=0)
     block_bwd_temp = 2 * N * inter * act + 2 * N * h * act + _dequantized_bytes(info)
-    if info.peft == "lora" and _lora_on_ffn_out(info):
-        # an adapter on the feed-forward's output layer: its input's gradient beside the
-        # base layer's until they are summed (LoRA on a CTRL classifier: 9.2% under), in
-        # the dtype the feed-forward computes in (16-bit under autocast)
-        block_bwd_temp += N * inter * (_bytes(spec.compute_dtype) if spec.autocast else act)
     opt_temp = _optimizer_step_temporaries(info, config, device)
 
     # with accumulation, the gradients of the earlier micro batches are held through
@@ -957,6 +946,19 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
                       {"weights": W, "optimizer_states": S, "gradients": G, "activations": 0,
                        "temporaries": opt_temp}),
     }
+    fwd_c = c.get("forward")  # derived: the forward's transient above what it keeps
+    if fwd_c is not None:
+        # the forward's highest point: an op's or a block's scratch (AXK2's indexer scores
+        # on a sequence classifier: 9.3% under without it) above the activations made by
+        # then (all of them, or an encoder-decoder's encoder's share: see
+        # ``autofit.memory.derived``; all with checkpointing, whose forward keeps other
+        # tensors than derived)
+        fwd_temp = max(N * (fwd_c["c0"] + fwd_c["T"] * T) + B * fwd_c["s"], 0.0) + fwd_c["F"]
+        share = 1.0 if config.gradient_checkpointing else fwd_c.get("share", 1.0)
+        phases["forward"] = (W + copies + S + G_held + share * A + fwd_temp,
+                             {"weights": W + copies, "optimizer_states": S,
+                              "gradients": G_held, "activations": share * A,
+                              "temporaries": fwd_temp})
     if config.gradient_checkpointing:
         # after the loss and head backward, each block is recomputed in turn: its full
         # activations and autocast copies exist again while the gradients accumulate
@@ -1042,7 +1044,7 @@ def estimate_analytic(
         breakdown=breakdown,
         method="analytic",
         device=device.name,
-        peak_phase="optimizer" if phase == "optimizer" else "backward",
+        peak_phase=phase if phase in ("optimizer", "forward") else "backward",
         model=info.name,
         num_params=info.num_params,
         trainable_params=info.trainable_params,

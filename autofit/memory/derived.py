@@ -118,10 +118,14 @@ def _stacks(base: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
 
 
 def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
-                   device: DeviceInfo) -> list[tuple[list[float], int]]:
+                   device: DeviceInfo) -> list[tuple[list[float], int, tuple[int, float]]]:
     """(bytes alive at the loss per block of each stack -- an encoder-decoder's encoder,
-    then its decoder; in all) at each of ``SHAPES``, weights excluded, on one fake clone
-    that keeps one block of each kind per stack."""
+    then its decoder; in all; the forward's transient) at each of ``SHAPES``, weights
+    excluded, on one fake clone that keeps one block of each kind per stack.
+
+    The transient is what the forward holds at its highest beyond what it keeps for
+    backward by then, with the share of all it keeps that it keeps by then
+    (``_forward_transient``)."""
     import contextlib
     import warnings
 
@@ -141,7 +145,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
     spec = config.precision_spec
     target = "cuda" if device.allocator == "cuda" else "cpu"
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    out: list[tuple[list[float], int]] = []
+    out: list[tuple[list[float], int, tuple[int, float]]] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with fake_mode:
@@ -187,6 +191,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                     for a, b in spans
                 ]
                 total = sum(r.size for r in rec.live_records() if id(r) in alive)
+                transient = _forward_transient(log, alive)
                 del loss, data, kwargs
             for h in handles:
                 h.remove()
@@ -198,8 +203,29 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                 stack = sum(b * c for b, (_, c) in zip(mine, kinds, strict=True))
                 per_block.append(stack / n)  # the kept blocks stand for all of their kind
                 blocks += stack
-            out.append((per_block, int(total - sum(per_kind) + blocks)))
+            out.append((per_block, int(total - sum(per_kind) + blocks), transient))
     return out
+
+
+def _forward_transient(log: list[tuple[str, Any, str]], alive: set[int]) -> tuple[int, float]:
+    """At the forward's highest point (weights apart), the bytes alive then that backward
+    does not keep: an op's scratch, a block's intermediate results (an indexer's (T, T)
+    scores over every head of AXK2's sparse attention, freed within the block). A model
+    whose forward peaks above what backward starts with has its peak there: the analytic
+    phases take it as the ``forward`` candidate. Also the share of what backward keeps that
+    is made by then."""
+    live = peak = peak_at = 0
+    for i, (kind, r, _) in enumerate(log):
+        if r.category == "weights":
+            continue
+        live += r.size if kind == "alloc" else -r.size
+        if live > peak:
+            peak, peak_at = live, i
+    kept = sum(r.size for kind, r, _ in log[:peak_at + 1]
+               if kind == "alloc" and id(r) in alive and r.category != "weights")
+    everything = sum(r.size for kind, r, _ in log
+                     if kind == "alloc" and id(r) in alive and r.category != "weights")
+    return max(peak - kept, 0), (kept / everything if everything else 1.0)
 
 
 def _solve(values: list[float]) -> dict[str, float]:
@@ -248,13 +274,21 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
             f"{info.name}: its step makes tensors whose shapes depend on values ({e.op}), "
             "which neither estimate can follow; measure it ("
             + fix("autofit measure", "autofit.measure") + ")", e.op) from None
-    if any(len(per_block) != len(roles) for per_block, _ in at):
+    if any(len(per_block) != len(roles) for per_block, _, _ in at):
         raise BadInputError(f"{info.name}: its stacks of blocks are not the ones it "
                             "describes; use " + _simulate())
-    lays = [_solve([per_block[k] for per_block, _ in at]) for k in range(len(roles))]
+    lays = [_solve([per_block[k] for per_block, _, _ in at]) for k in range(len(roles))]
     base_vals = [total - sum(p * c for p, c in zip(per_block, counts, strict=True))
-                 for per_block, total in at]
+                 for per_block, total, _ in at]
     bas = _solve(base_vals)
+    fwd = _solve([float(transient) for _, _, (transient, _) in at])
+    # the share of the activations made by the forward's peak: an encoder-decoder's
+    # peak in its encoder comes before any decoder activation (Pegasus-X's padded blocks:
+    # 23% over with all of them); the largest over the four shapes. Elsewhere all of them:
+    # where a one-stack model's peak falls moves with the shape (CTRL's classifier: its
+    # share at the four shapes made it 9.2% under)
+    fwd["share"] = (max(share for _, _, (_, share) in at) if info.is_encoder_decoder
+                    else 1.0)
     if config.precision_spec.autocast:
         # autocast's 16-bit weight copies, alive at the loss, are counted apart (per block
         # of a stack: its share of the blocks' matmul weights)
@@ -271,6 +305,9 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         "layer": layer(lays[0]),
         "base": {"h": 0.0, "V": 0.0, "c0": bas["a"], "T": bas["b"], "s": bas["s"],
                  "F": max(bas["F"], 0.0)},
+        # the forward's transient above what it keeps (``_forward_transient``)
+        "forward": {"c0": fwd["a"], "T": fwd["b"], "s": fwd["s"], "F": max(fwd["F"], 0.0),
+                    "share": min(max(fwd["share"], 0.0), 1.0)},
         "derived": True,
     }
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
