@@ -52,7 +52,9 @@ from autofit.stages.run import WholeRun, eval_working_set, trial_run
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
+    from autofit.config import Collator, ModelSource
     from autofit.knobs.recipe import Recipe
     from autofit.memory.sharding import Layout
     from autofit.memory.simulate import Simulator
@@ -68,7 +70,7 @@ __all__ = ["estimate", "autofit", "METHODS"]
 
 
 def estimate(
-    model: Any,
+    model: ModelSource,
     config: TrainConfig | None = None,
     *,
     seq_len: int | None = None,
@@ -81,9 +83,9 @@ def estimate(
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
     quantization_config: Any = None,
-    dataset: Any = None,
+    dataset: object = None,
     max_seq_len: int | None = None,
-    tokenizer: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     epochs: float = 1.0,
     seed: int = 42,
     sampling: str = "random",
@@ -218,8 +220,9 @@ def _launch(config: TrainConfig | None, trainer: str | None, sharding: Any,
     return config, recipe, _layout(config, sharding)
 
 
-def _estimate_data(dataset: Any, block_size: int | None, max_seq_len: int | None,
-                   tokenizer: Any) -> tuple[ScriptData | None, DataInfo | None]:
+def _estimate_data(dataset: object, block_size: int | None, max_seq_len: int | None,
+                   tokenizer: PreTrainedTokenizerBase | None
+                   ) -> tuple[ScriptData | None, DataInfo | None]:
     """``estimate``'s step 2: the samples as the script sees them (``ScriptData``) and their
     lengths (``DataInfo``); (None, None) without a dataset."""
     if dataset is None:
@@ -328,8 +331,8 @@ def _run_estimate(est: MemoryEstimate, sim: Simulator | None, info: ModelInfo,
 
 
 def autofit(
-    model: Any,
-    dataset: Any,
+    model: ModelSource,
+    dataset: object,
     *,
     device: str | DeviceInfo = "auto",
     target_batch_size: int | None = None,
@@ -337,7 +340,7 @@ def autofit(
     margin: float | None = None,
     objective: str = "throughput",
     time_budget_s: float | None = None,
-    **constraints: Any,
+    **constraints: object,
 ):
     """The fastest training configuration of ``model`` on ``device`` that fits for the whole run.
 
@@ -525,7 +528,7 @@ def _quantized_precisions(probed: Probed, reasons: list[str]) -> list[str] | Non
     return ok
 
 
-def _chunked_loss_allowed(probed: Probed, asked: Any, training_args: Any, trainer: str,
+def _chunked_loss_allowed(probed: Probed, asked: object, training_args: Any, trainer: str,
                           loss_impl: str, reasons: list[str]) -> Any:
     """The chunked loss's allowed values: as asked, or False (with the reason) when TRL's
     loss runs, when neither the trainer nor a field runs it, or when the model cannot."""
@@ -549,8 +552,8 @@ def _chunked_loss_allowed(probed: Probed, asked: Any, training_args: Any, traine
     return asked
 
 
-def _trainer(given: str | None, training_args: Any, base_args: dict[str, Any] | None,
-             allowed: Mapping[str, Any], dev: DeviceInfo, loss_impl: str,
+def _trainer(given: str | None, training_args: Any, base_args: dict[str, object] | None,
+             allowed: Mapping[str, object], dev: DeviceInfo, loss_impl: str,
              reasons: list[str]) -> tuple[str, str]:
     """The trainer that will run the file and the loss it computes (``loss_impl``). Given
     (``trainer=``) or implied: ``trl`` for an SFTConfig, ``autofit`` when the chunked loss
@@ -681,7 +684,7 @@ def _device_trials(probed: Probed, options: TuneOptions, kept: RunMargin | None 
     recipe = options.recipe  # the user's DeepSpeed config runs on the ranks
     recipe_ds = recipe is not None and recipe.deepspeed is not None
 
-    def rows(b: int, collator: Any) -> Any:
+    def rows(b: int, collator: Collator | None) -> Any:
         return worst_case_batch(probed.dataset, b, max_seq_len=probed.max_seq_len,
                                 tokenizer=options.tokenizer, collator=collator,
                                 task=probed.task, text_column=options.text_column)

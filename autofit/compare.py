@@ -27,10 +27,16 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import ModelSpec, TrainConfig
 from autofit.errors import AutofitError, BadInputError, fix
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from autofit.config import ModelSource
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["DEFAULT_METHODS", "PeftRow", "PeftComparison", "compare_peft"]
 
@@ -105,7 +111,7 @@ class PeftComparison:
         return plot_comparison(self, path)
 
 
-def _method_config(m: str | dict[str, Any]) -> tuple[str, Any]:
+def _method_config(m: str | dict[str, object]) -> tuple[str, Any]:
     """(the row's name, the request) of one named or configured method; an unknown name or a
     method autofit refuses is bad input here, before any estimate (did-you-mean)."""
     from autofit.probe.peft import _ALIASES, default_config, method_name, methods, peft_config
@@ -150,11 +156,11 @@ def _largest(fits: Callable[[int], bool], limit: int) -> int:
 
 
 def compare_peft(
-    model: Any,
-    dataset: Any = None,
+    model: ModelSource,
+    dataset: object = None,
     *,
-    device: Any = "auto",
-    methods: Sequence[str | dict[str, Any]] | None = None,
+    device: str | DeviceInfo = "auto",
+    methods: Sequence[str | dict[str, object]] | None = None,
     micro_batch_size: int = 1,
     seq_len: int | None = None,
     max_seq_len: int | None = None,
@@ -166,7 +172,7 @@ def compare_peft(
     method: str = "analytic",
     confirm_top: int = 2,
     max_micro_batch: int = 1024,
-    tokenizer: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     progress: Callable[[str], None] | None = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
@@ -265,7 +271,7 @@ def compare_peft(
                           config=config, method=method, rows=tuple(rows))
 
 
-def _row(base: ModelSpec, name: str, request: Any, config: TrainConfig, seq: int, dev: Any,
+def _row(base: ModelSpec, name: str, request: Any, config: TrainConfig, seq: int, dev: DeviceInfo,
          budget: int, method: str, limit: int) -> PeftRow:
     """``base`` with the PEFT method ``request`` put on it: its peak at the micro batch
     compared, the largest micro batch within ``budget`` and its predicted speed."""
@@ -312,8 +318,8 @@ def _row(base: ModelSpec, name: str, request: Any, config: TrainConfig, seq: int
                        error=str(e).splitlines()[0])
 
 
-def _confirm(base: ModelSpec, row: PeftRow, config: TrainConfig, data: Any, dataset: Any,
-             seq: int, dev: Any, tokenizer: Any) -> PeftRow:
+def _confirm(base: ModelSpec, row: PeftRow, config: TrainConfig, data: object, dataset: object,
+             seq: int, dev: DeviceInfo, tokenizer: PreTrainedTokenizerBase | None) -> PeftRow:
     """``row`` with what a trial of its method at its largest micro batch measured."""
     from dataclasses import replace
 

@@ -47,11 +47,11 @@ def own_tmp(tmp_path, monkeypatch):
     """Work dirs of this process's trials go under tmp_path/tmp (where we can look)."""
     import tempfile
 
-    from autofit.trial.process import _SWEPT
+    from autofit.trial.process import _swept
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    _SWEPT.clear()
+    _swept().clear()
     yield tmp
-    _SWEPT.clear()
+    _swept().clear()

@@ -20,11 +20,11 @@ def _forget_definitions():
     caches of the TrainingArguments family: SFTConfig's fields when trl is here)."""
     yield
     from autofit.emit.args_file import _trl_fields
-    from autofit.emit.validate import _CLEAN, _definitions
+    from autofit.emit.validate import _clean, _definitions
 
     _definitions.cache_clear()
     _trl_fields.cache_clear()
-    _CLEAN.clear()
+    _clean().clear()
 
 
 def run(capsys, *argv):

@@ -53,9 +53,9 @@ def tiny_module():
 
 @pytest.fixture(autouse=True)
 def _fresh_isolation_state():
-    trial_runner._FAILED_RECOVERY.clear()
+    trial_runner._failed_recovery().clear()
     yield
-    trial_runner._FAILED_RECOVERY.clear()
+    trial_runner._failed_recovery().clear()
 
 
 # ---------------------------------------------------------------- is_oom

@@ -76,7 +76,7 @@ def tiny_path(tmp_path_factory):
 def server_on(monkeypatch):
     """The server in use, not given up by an earlier test; forks recorded."""
     monkeypatch.delenv("AUTOFIT_TRIAL_SERVER", raising=False)
-    trial_server._GIVEN_UP = None
+    trial_server._owner().given_up = None
     forks: list[trial_server.Child | None] = []
     start_child = trial_server.start_child
 
@@ -86,7 +86,7 @@ def server_on(monkeypatch):
 
     monkeypatch.setattr(trial_server, "start_child", recorded)
     yield forks
-    trial_server._GIVEN_UP = None
+    trial_server._owner().given_up = None
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -244,7 +244,7 @@ def test_a_forked_child_killed_twice_is_reported_killed_and_the_server_stays(
     assert len(k.seen) == 2  # retried once, forked again
     assert not r.oom and not r.fits and r.killed_by == "SIGKILL"
     assert "killed by SIGKILL (signal 9)" in r.error
-    assert _server_warnings(caplog) == [] and trial_server._GIVEN_UP is None
+    assert _server_warnings(caplog) == [] and trial_server._owner().given_up is None
     again = measure(tiny_path, **FITS)
     assert again.fits and isinstance(server_on[-1], trial_server.Child)
     assert leftovers(own_tmp) == []
@@ -360,11 +360,11 @@ def test_the_server_is_kept_across_variables_no_child_reads(monkeypatch):
             pass
 
     monkeypatch.setattr(trial_server, "_Server", Fake)
-    monkeypatch.setattr(trial_server, "_SERVER", None)
-    monkeypatch.setattr(trial_server, "_GIVEN_UP", None)
-    monkeypatch.setattr(trial_server, "_ATEXIT", True)
+    owner = trial_server._Owner()
+    owner.at_exit = True
+    monkeypatch.setattr(trial_server, "_owner", lambda: owner)
     env = {"PATH": "/bin", "PYTEST_CURRENT_TEST": "a", "AUTOFIT_CACHE_DIR": "/x"}
-    with trial_server._LOCK:
+    with owner.lock:
         first = trial_server._current(env)
         same = trial_server._current({**env, "PYTEST_CURRENT_TEST": "b",
                                       "AUTOFIT_CACHE_DIR": "/y"})

@@ -46,7 +46,7 @@ from autofit.cli.options import (
 __all__ = ["add_check_parser", "run_check_command"]
 
 
-def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_check_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``check`` sub-command to an argparse ``subparsers`` object."""
     p = subparsers.add_parser(
         "check",
@@ -141,7 +141,7 @@ def run_check_command(args: argparse.Namespace) -> int:
     return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
 
 
-def _recipe(fields: dict[str, Any], args: argparse.Namespace) -> Any:
+def _recipe(fields: dict[str, object], args: argparse.Namespace) -> Any:
     """The launch recipe the run uses: ``--deepspeed-config`` / ``--accelerate-config``, else
     the file's ``deepspeed`` (a path relative to the file, or a dict) / ``fsdp`` fields;
     its batch numbers and precision must agree with the file's."""
@@ -163,7 +163,7 @@ def _recipe(fields: dict[str, Any], args: argparse.Namespace) -> Any:
     return recipe
 
 
-def _with_ranks(config: Any, meta: dict[str, Any],
+def _with_ranks(config: Any, meta: dict[str, object],
                 args: argparse.Namespace) -> tuple[Any, tuple[str, ...]]:
     """``config`` on the ranks the run is launched with (no TrainingArguments field says how
     many processes a run has: the launcher does): the ``<name>-accelerate.yaml`` a tune wrote

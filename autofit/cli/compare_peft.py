@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 from autofit.cli.options import (
     EXIT_DOES_NOT_FIT,
@@ -29,7 +28,7 @@ from autofit.cli.options import (
 __all__ = ["add_compare_peft_parser", "run_compare_peft"]
 
 
-def add_compare_peft_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_compare_peft_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``compare-peft`` sub-command to an argparse ``subparsers`` object."""
     from autofit.api import METHODS
 

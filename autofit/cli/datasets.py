@@ -106,7 +106,7 @@ def _json_lines(text: str, path: str) -> list[Any]:
     return out
 
 
-def _columns(data: dict[str, Any]) -> bool:
+def _columns(data: dict[str, object]) -> bool:
     """Whether an object holds columns of equal length (not one sample's lists of ids)."""
     values = list(data.values())
     if not values or not all(isinstance(v, list) for v in values):

@@ -27,7 +27,7 @@ from autofit.cli.options import (
 __all__ = ["add_estimate_parser", "run_estimate"]
 
 
-def add_estimate_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_estimate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``estimate`` sub-command to an argparse ``subparsers`` object."""
     from autofit.api import METHODS
 

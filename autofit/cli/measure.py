@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.cli.options import (
     EXIT_DOES_NOT_FIT,
@@ -31,12 +31,17 @@ from autofit.cli.options import (
 )
 from autofit.knobs import KNOBS, describe_choice
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from autofit.trial.result import TrialResult
+
 __all__ = ["add_measure_parser", "run_measure"]
 
 EXIT_OOM = EXIT_DOES_NOT_FIT
 
 
-def add_measure_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_measure_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``measure`` sub-command to an argparse ``subparsers`` object."""
     p = subparsers.add_parser(
         "measure",
@@ -104,7 +109,7 @@ def _fmt(n: int | None) -> str:
     return "n/a" if n is None else format_bytes(n)
 
 
-def _print_human(result: Any, args: argparse.Namespace) -> None:
+def _print_human(result: TrialResult, args: argparse.Namespace) -> None:
     from rich.console import Console
 
     console = Console(highlight=False)
@@ -202,8 +207,8 @@ def _lora(args: argparse.Namespace) -> Any:
     return lora
 
 
-def _run(args: argparse.Namespace, config: Any, data: Any, tokenizer: Any,
-         progress: Any) -> Any:
+def _run(args: argparse.Namespace, config: Any, data: object,
+         tokenizer: PreTrainedTokenizerBase | None, progress: Any) -> Any:
     from autofit.probe.model import LoraSpec
     from autofit.trial import measure
 

@@ -199,7 +199,7 @@ def train_config(args: argparse.Namespace):
     )
 
 
-def tokenizer_for(args: argparse.Namespace, data: list[Any]) -> Any:
+def tokenizer_for(args: argparse.Namespace, data: list[object]) -> Any:
     """The tokenizer a dataset of text needs (``--tokenizer``, else the model's), or None."""
     from autofit.errors import BadInputError
 
@@ -264,7 +264,7 @@ class FileSubject:
     packing: str | None = None  # how (autofit.probe.packing.STRATEGIES); None: group_texts
 
 
-def file_subject(args: argparse.Namespace, meta: dict[str, Any],
+def file_subject(args: argparse.Namespace, meta: dict[str, object],
                  source: Any = None) -> FileSubject:
     """Resolve ``add_file_subject_options`` against a file's autofit metadata (may be empty)
     and, for a mixed arguments file (``autofit.emit.args_file.ArgsFile``), its own model,
@@ -332,7 +332,7 @@ def _file_keys(source: Any) -> dict[str, Any]:
     return keys if isinstance(keys, dict) else {}
 
 
-def _default_device(meta: dict[str, Any]) -> tuple[str, str]:
+def _default_device(meta: dict[str, object]) -> tuple[str, str]:
     """The device of a file's run: the file's when present here, else auto (with why)."""
     name = meta.get("device")
     if name:

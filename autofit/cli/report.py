@@ -35,7 +35,7 @@ from autofit.cli.options import (
 __all__ = ["add_report_parser", "run_report_command"]
 
 
-def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``report`` sub-command to an argparse ``subparsers`` object."""
     from autofit.api import METHODS
 
@@ -64,7 +64,7 @@ def _overrides(args: argparse.Namespace) -> bool:
                                                        "max_seq_len", "task", "block_size"))
 
 
-def _estimated(args: argparse.Namespace, fields: dict[str, Any], meta: dict[str, Any],
+def _estimated(args: argparse.Namespace, fields: dict[str, object], meta: dict[str, object],
                config: Any, source: Any = None) -> Any:
     """ReportData of the file's configuration (``config``: as the declared trainer runs the
     fields), estimated for the model, data and device."""

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 __all__ = ["add_run_parser", "run_run_command"]
 
 
-def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``run`` sub-command to an argparse ``subparsers`` object."""
     p = subparsers.add_parser(
         "run",
@@ -66,7 +65,7 @@ def run_run_command(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _print_table(r: Any) -> None:
+def _print_table(r: object) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -133,11 +133,11 @@ class ArgsFile:
             out["target_parameters"] = k["lora_target_parameters"]
         return out
 
-    def merged(self, args: dict[str, Any]) -> dict[str, Any]:
+    def merged(self, args: dict[str, object]) -> dict[str, Any]:
         """``merged_mapping(self, args)``."""
         return merged_mapping(self, args)
 
-    def merged_yaml(self, args: dict[str, Any]) -> tuple[str, bool]:
+    def merged_yaml(self, args: dict[str, object]) -> tuple[str, bool]:
         """``merged_yaml(self, args)``."""
         return merged_yaml(self, args)
 
@@ -209,12 +209,12 @@ def read_args_file(path: str | Path) -> ArgsFile:
 _LISTED = 24  # keys named in the note; the rest counted
 
 
-def _short(key: Any, limit: int = 40) -> str:
+def _short(key: object, limit: int = 40) -> str:
     text = str(key)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _path_key(keys: dict[str, Any], names: tuple[str, ...], p: Path,
+def _path_key(keys: dict[str, object], names: tuple[str, ...], p: Path,
               must_exist: bool) -> tuple[str | None, str | None]:
     """The first of ``names`` the file sets, as a path when it names one: relative to the
     working directory (as the script reads it), else beside the file (with why)."""
@@ -243,7 +243,7 @@ def _path_key(keys: dict[str, Any], names: tuple[str, ...], p: Path,
 # ---------------------------------------------------------------- writing back
 
 
-def merged_mapping(source: ArgsFile, args: dict[str, Any]) -> dict[str, Any]:
+def merged_mapping(source: ArgsFile, args: dict[str, object]) -> dict[str, Any]:
     """The file's mapping with ``args`` (the tuned TrainingArguments fields, every one)
     written in: other keys kept in place, a field the file has changed in place, a new
     field at the end, a field of the file that ``args`` drops (a secret) left out."""
@@ -258,7 +258,7 @@ def merged_mapping(source: ArgsFile, args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def merged_yaml(source: ArgsFile, args: dict[str, Any]) -> tuple[str, bool]:
+def merged_yaml(source: ArgsFile, args: dict[str, object]) -> tuple[str, bool]:
     """The YAML text of ``merged_mapping``, and whether the file's comments are kept.
 
     Each changed field is edited on its own line (its trailing comment kept), new fields
@@ -297,7 +297,7 @@ def _body(lines: list[str]) -> list[str]:
     return lines
 
 
-def _line(key: str, value: Any) -> list[str]:
+def _line(key: str, value: object) -> list[str]:
     import yaml
 
     text = yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=False,
@@ -308,7 +308,7 @@ def _line(key: str, value: Any) -> list[str]:
 _COMMENT = re.compile(r"\s+#.*$")
 
 
-def _edited(source: ArgsFile, want: dict[str, Any]) -> str | None:
+def _edited(source: ArgsFile, want: dict[str, object]) -> str | None:
     """The file's text with ``want``'s changed keys edited line by line (None: not safely)."""
     lines = _body(source.text.splitlines())
     old = source.keys

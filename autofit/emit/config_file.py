@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["write_config", "read_config", "check_config_output"]
 
@@ -43,7 +46,7 @@ def _sidecar(p: Path) -> Path:
     return p.with_name(p.stem + ".autofit.json")  # a JSON file's metadata
 
 
-def write_config(path: str | Path, args: dict[str, Any], meta: dict[str, Any],
+def write_config(path: str | Path, args: dict[str, object], meta: dict[str, object],
                  beside: dict[Path, str] | None = None, source: Any = None) -> Path:
     """Write TrainingArguments fields (+ autofit's metadata) as YAML or JSON by suffix.
 
@@ -186,27 +189,27 @@ def _read_text(p: Path) -> str:
 # the check or the report as a wrong type: each key autofit reads is checked here.
 
 
-def _text(v: Any) -> bool:
+def _text(v: object) -> bool:
     return isinstance(v, str) and bool(v)
 
 
-def _count(v: Any) -> bool:
+def _count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
-def _number(v: Any) -> bool:
+def _number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _optional(check: Any) -> Any:
+def _optional(check: Callable[[object], bool]) -> Any:
     return lambda v: v is None or check(v)
 
 
-def _list_of(check: Any) -> Any:
+def _list_of(check: Callable[[object], bool]) -> Any:
     return lambda v: isinstance(v, list) and all(check(x) for x in v)
 
 
-def _numbers_inside(v: Any) -> bool:
+def _numbers_inside(v: object) -> bool:
     """A dict (or list of dicts) whose numeric-named entries are numbers (or null)."""
     if isinstance(v, list):
         return all(_numbers_inside(x) for x in v)
@@ -222,7 +225,7 @@ def _numbers_inside(v: Any) -> bool:
     return True
 
 
-def _train_config(v: Any) -> bool:
+def _train_config(v: object) -> bool:
     from dataclasses import fields
 
     from autofit.config import TrainConfig
@@ -238,7 +241,7 @@ def _train_config(v: Any) -> bool:
     return True
 
 
-def _quantization(v: Any) -> bool:
+def _quantization(v: object) -> bool:
     """A tuned file's quantization settings: what ``QuantSpec.from_dict`` reads."""
     from autofit.errors import AutofitError
     from autofit.probe.quant import QuantSpec

@@ -137,7 +137,7 @@ def launch_commands(path: str | Path, config: TrainConfig, script: str = "train.
 
 
 def launch_files(path: str | Path, config: TrainConfig,
-                 args: dict[str, Any]) -> tuple[dict[str, Any], dict[Path, str], dict[str, Any]]:
+                 args: dict[str, object]) -> tuple[dict[str, Any], dict[Path, str], dict[str, Any]]:
     """What a tuned file at ``path`` writes beside it for ``config``'s ranks.
 
     Returns ``args`` (its ``deepspeed`` dict replaced by the JSON's path), the files to

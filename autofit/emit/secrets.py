@@ -18,7 +18,6 @@ SFTConfig's ``eos_token`` / ``pad_token`` are tokenizer tokens, not secrets (``N
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 __all__ = ["NOT_SECRET", "is_secret", "is_masked", "masked_fields", "drop_secrets",
            "refuse_masked"]
@@ -32,17 +31,17 @@ def is_secret(key: str) -> bool:
     return key.endswith("_token") and key not in NOT_SECRET
 
 
-def is_masked(key: str, value: Any) -> bool:
+def is_masked(key: str, value: object) -> bool:
     """Whether ``value`` is ``to_dict()``'s placeholder for ``key`` (``"<HUB_TOKEN>"``)."""
     return key.endswith("_token") and value == f"<{key.upper()}>"
 
 
-def masked_fields(args: dict[str, Any]) -> list[str]:
+def masked_fields(args: dict[str, object]) -> list[str]:
     """The keys of ``args`` whose value is a masked placeholder."""
     return [k for k, v in args.items() if is_masked(k, v)]
 
 
-def drop_secrets(args: dict[str, Any], real: dict[str, Any] | None = None) -> list[str]:
+def drop_secrets(args: dict[str, object], real: dict[str, object] | None = None) -> list[str]:
     """Remove every secret field (and every masked placeholder) from ``args`` in place; the
     note lines of those that held something (``real``: the true values when ``args`` is a
     masked ``to_dict()``: a None token is dropped without a note)."""
@@ -56,7 +55,7 @@ def drop_secrets(args: dict[str, Any], real: dict[str, Any] | None = None) -> li
     return notes
 
 
-def refuse_masked(args: dict[str, Any], where: str | Path) -> None:
+def refuse_masked(args: dict[str, object], where: str | Path) -> None:
     """Raise ``BadInputError`` when ``args`` holds a masked placeholder (one line)."""
     bad = masked_fields(args)
     if bad:

@@ -31,7 +31,7 @@ TUNED_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", *o
 def training_arguments_dict(
     config: TrainConfig,
     *,
-    base: dict[str, Any] | None = None,
+    base: dict[str, object] | None = None,
     output_dir: str = "autofit-output",
     use_cpu: bool = False,
 ) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def training_arguments_dict(
     return {k: (v.value if hasattr(v, "value") else v) for k, v in out.items()}
 
 
-def build_training_arguments(kwargs: dict[str, Any], cls: str | None = None) -> Any:
+def build_training_arguments(kwargs: dict[str, object], cls: str | None = None) -> Any:
     """``transformers.TrainingArguments(**kwargs)`` (``trl.SFTConfig`` when ``cls`` is
     ``"trl.SFTConfig"``: the user's arguments were one), with autofit's error on failure."""
     if cls == SFT_CONFIG:
@@ -77,7 +77,7 @@ def build_training_arguments(kwargs: dict[str, Any], cls: str | None = None) -> 
         ) from None
 
 
-def config_from_arguments(args: dict[str, Any], seq_len: int | None = None, *,
+def config_from_arguments(args: dict[str, object], seq_len: int | None = None, *,
                           source: str = "the TrainingArguments fields",
                           extra: tuple[str, ...] = ()) -> TrainConfig:
     """The TrainConfig a TrainingArguments dict (or file) describes (each knob reads its own).

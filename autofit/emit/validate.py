@@ -48,9 +48,12 @@ import typing
 from collections.abc import Callable, Iterable
 from enum import Enum
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import InvalidArgumentsError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = ["training_arguments_problems", "check_training_arguments", "field_names"]
 
@@ -110,7 +113,7 @@ def field_names() -> frozenset[str]:
     return frozenset(library_cached("field-names", lambda: sorted(_definitions())))
 
 
-def _versions_key(*parts: Any) -> str | None:
+def _versions_key(*parts: object) -> str | None:
     """A hash of ``parts``, the library versions (trl's too: SFTConfig's fields) and the
     source of this module and of ``args_file`` (what reads them); None when not JSON."""
     import hashlib
@@ -137,7 +140,7 @@ def _versions_key(*parts: Any) -> str | None:
     return h.hexdigest()[:24]
 
 
-def library_cached(name: str, compute: Callable[[], Any]) -> Any:
+def library_cached(name: str, compute: Callable[[], object]) -> Any:
     """``compute()`` (plain JSON data that depends only on the installed libraries, e.g. the
     field names of TrainingArguments), kept in the cache directory per library versions: a
     second run reads it without importing transformers (seconds of imports)."""
@@ -160,14 +163,14 @@ def library_cached(name: str, compute: Callable[[], Any]) -> Any:
     return value
 
 
-def _plain(v: Any) -> Any:
+def _plain(v: object) -> Any:
     return v.value if isinstance(v, Enum) else v
 
 
 # ---------------------------------------------------------------- one field
 
 
-def _matches(value: Any, hint: Any) -> bool:
+def _matches(value: object, hint: object) -> bool:
     """Whether ``value`` is of the declared type ``hint`` as the constructor receives it."""
     if hint is Any:
         return True
@@ -198,7 +201,7 @@ def _matches(value: Any, hint: Any) -> bool:
 _KINDS = {int: "a whole number", float: "a number"}
 
 
-def _kind(convert: Any) -> str:
+def _kind(convert: object) -> str:
     if convert in _KINDS:
         return _KINDS[convert]
     if getattr(convert, "__name__", "") == "string_to_bool":
@@ -206,7 +209,7 @@ def _kind(convert: Any) -> str:
     return f"a {getattr(convert, '__name__', 'value')}"
 
 
-def _as_written(value: Any) -> str:
+def _as_written(value: object) -> str:
     """How a value is written in the file (YAML's spelling is valid JSON for scalars)."""
     import yaml
 
@@ -214,7 +217,7 @@ def _as_written(value: Any) -> str:
     return text.removesuffix("...").strip()
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def _short(value: object, limit: int = 60) -> str:
     """``repr(value)``, cut to one short phrase (a pasted blob must not flood the line)."""
     r = repr(value)
     return r if len(r) <= limit else r[: limit - 3] + "..."
@@ -225,7 +228,7 @@ def _near(name: str, names: Iterable[str]) -> str | None:
     return near[0] if near else None
 
 
-def _value_problem(f: _Field, value: Any) -> str | None:
+def _value_problem(f: _Field, value: object) -> str | None:
     value = _plain(value)
     if value is None:
         return None if _matches(None, f.hint) else f"{f.name}: needs a value, not null"
@@ -257,7 +260,7 @@ def _value_problem(f: _Field, value: Any) -> str | None:
 # _validate_args; the last is autofit's own.
 
 
-def _one_half_precision(v: dict[str, Any]) -> list[str]:
+def _one_half_precision(v: dict[str, object]) -> list[str]:
     out = []
     if v["bf16"] and v["fp16"]:
         out.append("bf16 and fp16 are both true and TrainingArguments takes one: keep bf16 "
@@ -267,7 +270,7 @@ def _one_half_precision(v: dict[str, Any]) -> list[str]:
     return out
 
 
-def _steps(v: dict[str, Any]) -> list[str]:
+def _steps(v: dict[str, object]) -> list[str]:
     out = []
     if v["logging_strategy"] == "steps" and v["logging_steps"] == 0:
         out.append("logging_strategy steps needs a non-zero logging_steps")
@@ -280,7 +283,7 @@ def _steps(v: dict[str, Any]) -> list[str]:
     return out
 
 
-def _best_model(v: dict[str, Any]) -> list[str]:
+def _best_model(v: dict[str, object]) -> list[str]:
     if not v["load_best_model_at_end"] or v["save_strategy"] == "best":
         return []
     if v["eval_strategy"] != v["save_strategy"]:
@@ -293,14 +296,14 @@ def _best_model(v: dict[str, Any]) -> list[str]:
     return []
 
 
-def _scheduler(v: dict[str, Any]) -> list[str]:
+def _scheduler(v: dict[str, object]) -> list[str]:
     if v["lr_scheduler_type"] in ("reduce_lr_on_plateau", "greedy") and v["eval_strategy"] == "no":
         return [f"lr_scheduler_type {v['lr_scheduler_type']} needs an eval_strategy other "
                 "than no"]
     return []
 
 
-def _loading(v: dict[str, Any]) -> list[str]:
+def _loading(v: dict[str, object]) -> list[str]:
     out = []
     if v["warmup_steps"] < 0:
         out.append(f"warmup_steps must be >= 0, got {v['warmup_steps']}")
@@ -311,7 +314,7 @@ def _loading(v: dict[str, Any]) -> list[str]:
     return out
 
 
-def _batches(v: dict[str, Any]) -> list[str]:
+def _batches(v: dict[str, object]) -> list[str]:
     return [f"{n} must be at least 1, got {v[n]}"
             for n in ("per_device_train_batch_size", "gradient_accumulation_steps",
                       "per_device_eval_batch_size") if v[n] < 1]
@@ -324,7 +327,7 @@ _RULES: tuple[Callable[[dict[str, Any]], list[str]], ...] = (
 # ---------------------------------------------------------------- the check
 
 
-def training_arguments_problems(fields: dict[str, Any], *,
+def training_arguments_problems(fields: dict[str, object], *,
                                 extra: Iterable[str] = ()) -> list[str]:
     """Every reason TrainingArguments would refuse ``fields``, one line each ([] when none).
 
@@ -356,15 +359,18 @@ def training_arguments_problems(fields: dict[str, Any], *,
     return problems
 
 
-_CLEAN: set[str] = set()  # keys (``_clean_key``) of fields found clean in this process
+@lru_cache(maxsize=1)
+def _clean() -> set[str]:
+    """The keys (``_clean_key``) of fields found clean in this process."""
+    return set()
 
 
-def _clean_key(fields: dict[str, Any]) -> str | None:
+def _clean_key(fields: dict[str, object]) -> str | None:
     """A key of ``fields`` and of what their check depends on (``_versions_key``)."""
     return _versions_key("clean", fields)
 
 
-def _found_clean(fields: dict[str, Any], memo: bool) -> tuple[bool, str | None]:
+def _found_clean(fields: dict[str, object], memo: bool) -> tuple[bool, str | None]:
     """(whether ``fields`` were found clean before, their key). In this process always; in
     the cache directory (``checked-fields/<key>``) with ``memo``: a cached ``autofit check``
     then answers without importing transformers, whose ``TrainingArguments`` definitions
@@ -372,19 +378,19 @@ def _found_clean(fields: dict[str, Any], memo: bool) -> tuple[bool, str | None]:
     key = _clean_key(fields)
     if key is None:
         return False, None
-    if key in _CLEAN:
+    if key in _clean():
         return True, key
     if memo:
         from autofit.probe.versions import cache_dir
 
         if (cache_dir() / "checked-fields" / key).exists():
-            _CLEAN.add(key)
+            _clean().add(key)
             return True, key
     return False, key
 
 
 def _remember_clean(key: str, memo: bool) -> None:
-    _CLEAN.add(key)
+    _clean().add(key)
     if memo:
         from autofit.probe.versions import cache_dir
 
@@ -394,7 +400,8 @@ def _remember_clean(key: str, memo: bool) -> None:
             marker.touch()
 
 
-def check_training_arguments(fields: Any, *, source: str = "the TrainingArguments fields",
+def check_training_arguments(fields: Mapping[str, object], *,
+                             source: str = 'the TrainingArguments fields',
                              extra: Iterable[str] = (), memo: bool = False) -> None:
     """Raise ``InvalidArgumentsError`` listing every problem of ``fields`` (see the module).
 

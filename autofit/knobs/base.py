@@ -40,9 +40,17 @@ import argparse
 import importlib.util
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-__all__ = ["Knob", "OnOffKnob", "installed", "training_arguments_fields", "restrict"]
+if TYPE_CHECKING:
+    from autofit.config import TrainConfig
+    from autofit.probe.device import DeviceInfo
+
+__all__ = ["Knob", "KnobValue", "OnOffKnob", "installed", "training_arguments_fields",
+           "restrict"]
+
+# A knob's value: on/off levers a bool, the others a name (``"bf16-mixed"``, ``"zero2"``).
+KnobValue: TypeAlias = bool | str
 
 
 class Knob(Protocol):
@@ -55,27 +63,27 @@ class Knob(Protocol):
     saving: Any
     calibrates_apart: bool
 
-    def normalize(self, value: Any) -> Any: ...
+    def normalize(self, value: object) -> Any: ...
 
-    def changes_math(self, value: Any) -> bool: ...
+    def changes_math(self, value: KnobValue) -> bool: ...
 
-    def defaults(self, device: Any) -> tuple[tuple[Any, ...], str | None]: ...
+    def defaults(self, device: DeviceInfo) -> tuple[tuple[Any, ...], str | None]: ...
 
-    def check(self, device: Any, value: Any, run: bool = True) -> None: ...
+    def check(self, device: DeviceInfo, value: KnobValue, run: bool = True) -> None: ...
 
-    def describe(self, value: Any) -> str: ...
+    def describe(self, value: KnobValue) -> str: ...
 
-    def short(self, value: Any) -> str: ...
+    def short(self, value: KnobValue) -> str: ...
 
-    def flag(self, value: Any) -> str: ...
+    def flag(self, value: KnobValue) -> str: ...
 
-    def suggest(self, device: Any) -> tuple[Any, ...]: ...
+    def suggest(self, device: DeviceInfo) -> tuple[Any, ...]: ...
 
-    def note(self, value: Any) -> str | None: ...
+    def note(self, value: KnobValue) -> str | None: ...
 
-    def emit(self, config: Any, args: dict[str, Any]) -> None: ...
+    def emit(self, config: TrainConfig, args: dict[str, object]) -> None: ...
 
-    def read(self, args: dict[str, Any]) -> Any: ...
+    def read(self, args: dict[str, object]) -> Any: ...
 
     def add_options(self, parser: argparse.ArgumentParser) -> None: ...
 
@@ -99,22 +107,22 @@ class OnOffKnob:
     option = ""
     help_on = help_off = help_one = ""
 
-    def normalize(self, value: Any) -> bool:
+    def normalize(self, value: object) -> bool:
         return bool(value)
 
     def changes_math(self, value: bool) -> bool:
         return False
 
-    def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
+    def defaults(self, device: DeviceInfo) -> tuple[tuple[bool, ...], str | None]:
         return (False, True), None
 
-    def check(self, device: Any, value: bool, run: bool = True) -> None:
+    def check(self, device: DeviceInfo, value: bool, run: bool = True) -> None:
         return None  # every device runs it; whether the *model* supports it is the model's
 
     def flag(self, value: bool) -> str:
         return f"--{self.option}" if value else f"--no-{self.option}"
 
-    def suggest(self, device: Any) -> tuple[bool, ...]:
+    def suggest(self, device: DeviceInfo) -> tuple[bool, ...]:
         return ()
 
     def note(self, value: bool) -> str | None:
@@ -153,7 +161,8 @@ def training_arguments_fields() -> frozenset[str]:
     return frozenset(f.name for f in fields(TrainingArguments))
 
 
-def restrict(knob: Knob, device: Any, allowed: Any, reasons: list[str]) -> tuple[Any, ...]:
+def restrict(knob: Knob, device: DeviceInfo, allowed: object, reasons: list[str]
+             ) -> tuple[Any, ...]:
     """The values of ``knob`` to search: ``allowed`` (one value or several) checked against
     the device, or the knob's defaults (their reason appended to ``reasons``)."""
     if allowed is None:

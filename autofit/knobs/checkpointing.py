@@ -10,9 +10,12 @@ are searched by default; on is the value that saves memory.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autofit.knobs.base import OnOffKnob, training_arguments_fields
+
+if TYPE_CHECKING:
+    from autofit.config import TrainConfig
 
 __all__ = ["CHECKPOINTING", "CheckpointingKnob"]
 
@@ -39,7 +42,7 @@ class CheckpointingKnob(OnOffKnob):
     def short(self, value: bool) -> str:
         return "yes" if value else "no"
 
-    def emit(self, config: Any, args: dict[str, Any]) -> None:
+    def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         name = field_name()
         for old in {_OLD, f"{_OLD}_kwargs", _NEW, f"{_NEW}_kwargs"} - {name}:
             args.pop(old, None)  # the deprecated alias (5.x) would say something else
@@ -49,7 +52,7 @@ class CheckpointingKnob(OnOffKnob):
         else:
             args.pop(f"{name}_kwargs", None)
 
-    def read(self, args: dict[str, Any]) -> bool:
+    def read(self, args: dict[str, object]) -> bool:
         return bool(args.get(_NEW) or args.get(_OLD))
 
 

@@ -17,9 +17,13 @@ field written instead; on a CPU it is never offered (liger's kernels need a GPU)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autofit.knobs.base import OnOffKnob, installed, training_arguments_fields
+
+if TYPE_CHECKING:
+    from autofit.config import TrainConfig
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["CHUNKED_LOSS", "ChunkedLossKnob", "TRAINER_NAME", "liger_offered"]
 
@@ -27,7 +31,7 @@ TRAINER_NAME = "autofit.ChunkedLossTrainer"
 _LIGER = "use_liger_kernel"
 
 
-def liger_offered(args: dict[str, Any]) -> bool:
+def liger_offered(args: dict[str, object]) -> bool:
     """Whether ``use_liger_kernel`` is the field that turns the chunked loss on: liger-kernel
     installed, the installed TrainingArguments has the field, and the plan is not for a CPU
     (``use_cpu``: liger's Triton kernels need a GPU)."""
@@ -42,7 +46,7 @@ SEVERAL_RANKS = ("one rank only: autofit's ChunkedLossTrainer runs the backbone 
                  "FSDP2 refuses)")
 
 
-def _several_ranks(device: Any) -> bool:
+def _several_ranks(device: DeviceInfo) -> bool:
     return (int(getattr(device, "nproc_per_node", 1) or 1)
             * int(getattr(device, "nnodes", 1) or 1)) > 1
 
@@ -57,12 +61,12 @@ class ChunkedLossKnob(OnOffKnob):
     help_off = "never chunk the loss"
     help_one = "compute the causal-LM loss in chunks (no full logits)"
 
-    def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
+    def defaults(self, device: DeviceInfo) -> tuple[tuple[bool, ...], str | None]:
         if _several_ranks(device):
             return (False,), "no chunked loss: " + SEVERAL_RANKS
         return (False, True), None
 
-    def check(self, device: Any, value: bool, run: bool = True) -> None:
+    def check(self, device: DeviceInfo, value: bool, run: bool = True) -> None:
         """Raise ``BadInputError`` for the chunked loss on a device with several ranks."""
         if value and _several_ranks(device):
             from autofit.errors import BadInputError
@@ -82,12 +86,12 @@ class ChunkedLossKnob(OnOffKnob):
                 "compute_loss runs autofit.causal_lm_chunked_loss); TrainingArguments has no "
                 "field for it")
 
-    def emit(self, config: Any, args: dict[str, Any]) -> None:
+    def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         if getattr(config, "chunked_loss", False) and liger_offered(args):
             args[_LIGER] = True
         # otherwise the user's own use_liger_kernel (other fused kernels too) is left as is
 
-    def read(self, args: dict[str, Any]) -> bool:
+    def read(self, args: dict[str, object]) -> bool:
         return bool(args.get(_LIGER))
 
 

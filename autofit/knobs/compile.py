@@ -79,10 +79,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autofit.errors import MissingDependencyError, fix
 from autofit.knobs.base import OnOffKnob, installed
+
+if TYPE_CHECKING:
+    from autofit.config import TrainConfig
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["TORCH_COMPILE", "TorchCompileKnob", "FIELD"]
 
@@ -103,10 +107,10 @@ class TorchCompileKnob(OnOffKnob):
     help_off = "never compile (the default)"
     help_one = "run the step through torch.compile (inductor), as torch_compile=True does"
 
-    def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
+    def defaults(self, device: DeviceInfo) -> tuple[tuple[bool, ...], str | None]:
         return (False,), None  # searched only when asked (--torch-compile)
 
-    def check(self, device: Any, value: bool, run: bool = True) -> None:
+    def check(self, device: DeviceInfo, value: bool, run: bool = True) -> None:
         """Raise ``MissingDependencyError`` when this machine cannot compile for a present
         ``device``: inductor builds C++ kernels on the CPU (a C++ compiler: ``$CXX`` or
         g++ / clang++) and Triton kernels on a GPU (``triton``). A plan for an absent
@@ -125,7 +129,7 @@ class TorchCompileKnob(OnOffKnob):
                 "torch.compile on a GPU needs triton, which is not installed: pip install "
                 "triton, or drop " + fix("--torch-compile", "torch_compile=True"))
 
-    def suggest(self, device: Any) -> tuple[bool, ...]:
+    def suggest(self, device: DeviceInfo) -> tuple[bool, ...]:
         return (True,)  # offered when nothing fits, with its estimated peak
 
     def describe(self, value: bool) -> str:
@@ -151,7 +155,7 @@ class TorchCompileKnob(OnOffKnob):
     def flag(self, value: bool) -> str:
         return f"--{self.option}" if value else f"--no-{self.option}"
 
-    def emit(self, config: Any, args: dict[str, Any]) -> None:
+    def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         if getattr(config, self.name, False):
             args[FIELD] = True
         else:
@@ -159,7 +163,7 @@ class TorchCompileKnob(OnOffKnob):
             for f in (FIELD, *_ALSO):
                 args.pop(f, None)
 
-    def read(self, args: dict[str, Any]) -> bool:
+    def read(self, args: dict[str, object]) -> bool:
         return bool(args.get(FIELD) or any(args.get(f) for f in _ALSO))
 
 

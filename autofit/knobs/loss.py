@@ -36,7 +36,13 @@ Known limitations:
 
 from __future__ import annotations
 
-from typing import Any
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from autofit.config import Batch
 
 __all__ = ["causal_lm_chunked_loss", "unsupported_reason", "lm_parts",  # noqa: F822
            "ChunkedLossTrainer", "trainer_class", "IGNORE_INDEX"]
@@ -47,7 +53,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplie
                      "logits_scaling")
 
 
-def _unwrap(model: Any) -> Any:
+def _unwrap(model: torch.nn.Module) -> Any:
     """The transformers model inside a PEFT / DDP / compiled wrapper."""
     for _ in range(4):
         if hasattr(model, "get_base_model"):  # peft.PeftModel
@@ -61,7 +67,7 @@ def _unwrap(model: Any) -> Any:
     return model
 
 
-def lm_parts(model: Any) -> tuple[Any, Any]:
+def lm_parts(model: torch.nn.Module) -> tuple[Any, Any]:
     """(backbone, head) of a causal LM: the base model that returns the last hidden states,
     and the output embedding (a ``Linear`` whose weight is (V, h)); raises ValueError."""
     why = unsupported_reason(model)
@@ -71,7 +77,7 @@ def lm_parts(model: Any) -> tuple[Any, Any]:
     return inner.base_model, inner.get_output_embeddings()
 
 
-def unsupported_reason(model: Any, task: str = "causal-lm") -> str | None:
+def unsupported_reason(model: torch.nn.Module, task: str = "causal-lm") -> str | None:
     """Why ``model`` cannot use the chunked loss for ``task`` (None when it can)."""
     if task != "causal-lm":
         return f"a {task} model's loss is not the causal-LM loss over a vocabulary"
@@ -94,8 +100,8 @@ def unsupported_reason(model: Any, task: str = "causal-lm") -> str | None:
     return None
 
 
-def causal_lm_chunked_loss(model: Any, inputs: dict[str, Any],
-                           num_items_in_batch: Any = None) -> Any:
+def causal_lm_chunked_loss(model: torch.nn.Module, inputs: Batch,
+                           num_items_in_batch: torch.Tensor | int | None = None) -> Any:
     """The causal-LM loss of ``model`` on ``inputs`` (with ``labels``), logits never whole.
 
     Args:
@@ -138,13 +144,10 @@ def causal_lm_chunked_loss(model: Any, inputs: dict[str, Any],
     return loss
 
 
-_TRAINER: list[type] = []
-
-
+@lru_cache(maxsize=1)
 def trainer_class() -> type:
-    """``ChunkedLossTrainer``: a ``transformers.Trainer`` whose loss is the chunked one."""
-    if _TRAINER:
-        return _TRAINER[0]
+    """``ChunkedLossTrainer``: a ``transformers.Trainer`` whose loss is the chunked one
+    (built on first use, once)."""
     from transformers import Trainer
 
     class ChunkedLossTrainer(Trainer):
@@ -183,7 +186,6 @@ def trainer_class() -> type:
             return (loss, {"loss": loss}) if return_outputs else loss
 
     ChunkedLossTrainer.__qualname__ = "ChunkedLossTrainer"
-    _TRAINER.append(ChunkedLossTrainer)
     return ChunkedLossTrainer
 
 

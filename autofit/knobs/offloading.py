@@ -41,18 +41,23 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError, MissingDependencyError, fix
 from autofit.knobs.base import OnOffKnob
 from autofit.knobs.checkpointing import field_name
+
+if TYPE_CHECKING:
+    from autofit.config import TrainConfig
+    from autofit.knobs.base import KnobValue
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["OFFLOADING", "OffloadingKnob", "transformers_offloads"]
 
 _KEY = "offload"  # the key of activation_checkpointing_kwargs transformers pops
 
 
-def _kwargs(args: dict[str, Any], name: str) -> dict[str, Any]:
+def _kwargs(args: dict[str, object], name: str) -> dict[str, Any]:
     """``args[name]`` as a dict (a file may hold the JSON string TrainingArguments accepts)."""
     v = args.get(name)
     if isinstance(v, str):
@@ -86,10 +91,10 @@ class OffloadingKnob(OnOffKnob):
     help_off = "never offload activations"
     help_one = "hold the checkpointed activations in host memory (CUDA, with checkpointing)"
 
-    def defaults(self, device: Any) -> tuple[tuple[bool, ...], str | None]:
+    def defaults(self, device: DeviceInfo) -> tuple[tuple[bool, ...], str | None]:
         return (False,), None  # only when asked: it costs host transfers every step
 
-    def check(self, device: Any, value: bool, run: bool = True) -> None:
+    def check(self, device: DeviceInfo, value: bool, run: bool = True) -> None:
         """Raise ``BadInputError`` when ``value`` is on and ``device`` is not a CUDA device,
         ``MissingDependencyError`` when the installed transformers cannot offload."""
         if not value:
@@ -108,7 +113,7 @@ class OffloadingKnob(OnOffKnob):
                 "(activation_checkpointing_kwargs 'offload' came with transformers 5): upgrade "
                 "it or drop " + fix("--activation-offloading", "activation_offloading=True"))
 
-    def conflict(self, choice: dict[str, Any]) -> str | None:
+    def conflict(self, choice: dict[str, KnobValue]) -> str | None:
         """Why ``choice`` (knob name -> value) cannot be trained, or None."""
         if choice.get(self.name) and not choice.get("gradient_checkpointing", False):
             from autofit.config import offload_needs_checkpointing
@@ -116,7 +121,7 @@ class OffloadingKnob(OnOffKnob):
             return offload_needs_checkpointing()
         return None
 
-    def suggest(self, device: Any) -> tuple[bool, ...]:
+    def suggest(self, device: DeviceInfo) -> tuple[bool, ...]:
         return (True,) if device.kind == "cuda" else ()
 
     def describe(self, value: bool) -> str:
@@ -131,7 +136,7 @@ class OffloadingKnob(OnOffKnob):
         return ("activation offloading: the checkpointed activations live in pinned host "
                 "memory (the estimate's host_bytes); each step copies them to the host and back")
 
-    def emit(self, config: Any, args: dict[str, Any]) -> None:
+    def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         # after the checkpointing knob (registry order), which writes the kwargs afresh
         name = f"{field_name()}_kwargs"
         if getattr(config, self.name, False) and getattr(config, "gradient_checkpointing", False):
@@ -141,7 +146,7 @@ class OffloadingKnob(OnOffKnob):
             if kw.pop(_KEY, None) is not None:
                 args[name] = kw
 
-    def read(self, args: dict[str, Any]) -> bool:
+    def read(self, args: dict[str, object]) -> bool:
         # transformers offloads only where it checkpoints
         for ckpt in ("activation_checkpointing", "gradient_checkpointing"):
             if args.get(ckpt) and _kwargs(args, f"{ckpt}_kwargs").get(_KEY):

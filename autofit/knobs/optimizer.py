@@ -11,11 +11,15 @@ training and is tried only when asked. bitsandbytes optimizers need it installed
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import OPTIMIZERS, check_optimizer
 from autofit.errors import MissingDependencyError, fix
 from autofit.knobs import base
+
+if TYPE_CHECKING:
+    from autofit.config import TrainConfig
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["OPTIMIZER", "OptimizerKnob"]
 
@@ -31,20 +35,20 @@ class OptimizerKnob:
     saving = None  # the ones that save memory change the update
     calibrates_apart = True  # its state and step dominate the estimate's error
 
-    def normalize(self, value: Any) -> str:
+    def normalize(self, value: object) -> str:
         return check_optimizer(value)
 
     def changes_math(self, value: str) -> bool:
         return OPTIMIZERS[value].family != "adamw"
 
-    def defaults(self, device: Any) -> tuple[tuple[str, ...], str]:
+    def defaults(self, device: DeviceInfo) -> tuple[tuple[str, ...], str]:
         opts = ["adamw_torch_fused", "adamw_torch"]
         if base.installed("bitsandbytes"):
             opts.append("adamw_bnb_8bit")
         return tuple(opts), ("optimizer: AdamW variants searched (" + ", ".join(opts) + "); "
                              "other optimizers change training and are tried only when asked")
 
-    def check(self, device: Any, value: str, run: bool = True) -> None:
+    def check(self, device: DeviceInfo, value: str, run: bool = True) -> None:
         """Raise ``MissingDependencyError`` for a bitsandbytes optimizer without bitsandbytes."""
         if OPTIMIZERS[value].bnb and not base.installed("bitsandbytes"):
             raise MissingDependencyError(
@@ -62,20 +66,20 @@ class OptimizerKnob:
     def flag(self, value: str) -> str:
         return f"--optim {value}"
 
-    def suggest(self, device: Any) -> tuple[str, ...]:
+    def suggest(self, device: DeviceInfo) -> tuple[str, ...]:
         return ("adamw_bnb_8bit",) if base.installed("bitsandbytes") else ()
 
     def note(self, value: str) -> str | None:
         return None
 
-    def emit(self, config: Any, args: dict[str, Any]) -> None:
+    def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         args["optim"] = config.optimizer
         if config.optim_args:
             args["optim_args"] = config.optim_args
         else:
             args.pop("optim_args", None)
 
-    def read(self, args: dict[str, Any]) -> str:
+    def read(self, args: dict[str, object]) -> str:
         optim = args.get("optim", "adamw_torch")
         return str(getattr(optim, "value", optim))
 

@@ -16,10 +16,14 @@ and the model must be loaded in that dtype (TrainingArguments has no flag for it
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import PRECISIONS, normalize_precision
 from autofit.errors import UnsupportedPrecisionError, fix
+
+if TYPE_CHECKING:
+    from autofit.config import TrainConfig
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["PRECISION", "PrecisionKnob"]
 
@@ -32,20 +36,20 @@ class PrecisionKnob:
     saving = None  # mixed precisions trade memory both ways (autocast copies vs activations)
     calibrates_apart = False
 
-    def normalize(self, value: Any) -> str:
+    def normalize(self, value: object) -> str:
         return normalize_precision(value)
 
     def changes_math(self, value: str) -> bool:
         return value in ("bf16-true", "16-true")
 
-    def defaults(self, device: Any) -> tuple[tuple[str, ...], str]:
+    def defaults(self, device: DeviceInfo) -> tuple[tuple[str, ...], str]:
         if device.bf16:
             return ("bf16-mixed", "32-true"), ("precision: bf16-mixed and 32-true searched "
                                                "(device supports bf16; fp16 only when asked)")
         return ("16-mixed", "32-true"), ("precision: 16-mixed and 32-true searched "
                                          "(device has no bf16)")
 
-    def check(self, device: Any, value: str, run: bool = True) -> None:
+    def check(self, device: DeviceInfo, value: str, run: bool = True) -> None:
         """Raise ``UnsupportedPrecisionError`` when ``device`` cannot run ``value``."""
         name = device.product or device.name
         if value.startswith("bf16") and not device.bf16:
@@ -65,7 +69,7 @@ class PrecisionKnob:
     def flag(self, value: str) -> str:
         return f"--precision {value}"
 
-    def suggest(self, device: Any) -> tuple[str, ...]:
+    def suggest(self, device: DeviceInfo) -> tuple[str, ...]:
         return ("bf16-true",) if device.bf16 else ()
 
     def note(self, value: str) -> str | None:
@@ -75,11 +79,11 @@ class PrecisionKnob:
                     "TrainingArguments has no flag for it")
         return None
 
-    def emit(self, config: Any, args: dict[str, Any]) -> None:
+    def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         args["bf16"] = config.precision == "bf16-mixed"
         args["fp16"] = config.precision == "16-mixed"
 
-    def read(self, args: dict[str, Any]) -> str:
+    def read(self, args: dict[str, object]) -> str:
         return "bf16-mixed" if args.get("bf16") else "16-mixed" if args.get("fp16") else "32-true"
 
     def add_options(self, parser: argparse.ArgumentParser) -> None:

@@ -68,9 +68,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError
+
+if TYPE_CHECKING:
+    import os
+
+    from autofit.config import TrainConfig
 
 __all__ = ["Recipe", "read_recipe", "recipe_of_fields", "DS_OPTIMIZERS", "BATCH_KEYS"]
 
@@ -178,7 +183,7 @@ class Recipe:
             out["optim_args"] = None
         return out
 
-    def apply(self, config: Any) -> Any:
+    def apply(self, config: TrainConfig) -> TrainConfig:
         """``config`` (a ``TrainConfig``) with what the recipe fixes; the batch numbers
         must agree with the config's (else ``BadInputError`` naming both)."""
         fields = self.config_fields()
@@ -221,8 +226,9 @@ class Recipe:
         return ds
 
 
-def read_recipe(*, deepspeed: Any = None, accelerate: Any = None,
-                fsdp_fields: dict[str, Any] | None = None, source: str | None = None,
+def read_recipe(*, deepspeed: dict[str, object] | str | os.PathLike[str] | None = None,
+                accelerate: dict[str, object] | str | os.PathLike[str] | None = None,
+                fsdp_fields: dict[str, object] | None = None, source: str | None = None,
                 base: str | Path | None = None) -> Recipe | None:
     """The recipe of a DeepSpeed config (a path, a JSON string or a dict), an accelerate
     config (a path or a dict) and/or TrainingArguments' ``fsdp`` / ``fsdp_config`` fields.
@@ -247,7 +253,7 @@ def read_recipe(*, deepspeed: Any = None, accelerate: Any = None,
     return recipe
 
 
-def recipe_of_fields(fields: dict[str, Any], source: str,
+def recipe_of_fields(fields: dict[str, object], source: str,
                      base: str | Path | None = None) -> Recipe | None:
     """The recipe a TrainingArguments file's ``deepspeed`` / ``fsdp`` / ``fsdp_config``
     fields carry (a relative ``deepspeed`` path read from ``base``), or None. Its batch
@@ -264,7 +270,7 @@ def recipe_of_fields(fields: dict[str, Any], source: str,
     return recipe
 
 
-def check_batch(recipe: Recipe, fields: dict[str, Any], source: str) -> None:
+def check_batch(recipe: Recipe, fields: dict[str, object], source: str) -> None:
     """Raise when the recipe's batch numbers (or a DeepSpeed config's precision) disagree
     with ``fields`` (TrainingArguments): transformers refuses such a pair at launch."""
     if recipe.deepspeed is not None and recipe.precision is not None:
@@ -288,7 +294,8 @@ def check_batch(recipe: Recipe, fields: dict[str, Any], source: str) -> None:
 # --------------------------------------------------------------------------- DeepSpeed
 
 
-def _deepspeed_dict(ds: Any, base: str | Path | None) -> tuple[dict[str, Any], str, str | None]:
+def _deepspeed_dict(ds: dict[str, object] | str | os.PathLike[str], base: str | Path | None
+                    ) -> tuple[dict[str, Any], str, str | None]:
     """(config, its name for messages, its path) of a dict, a JSON string or a path."""
     if isinstance(ds, dict):
         return ds, "the inline deepspeed config", None
@@ -320,7 +327,7 @@ def _json(text: str, name: str) -> dict[str, Any]:
     return d
 
 
-def _number(v: Any, key: str, name: str) -> int | None:
+def _number(v: object, key: str, name: str) -> int | None:
     """A DeepSpeed size: an int (``5e8`` is read as one), None for ``"auto"``."""
     if v == "auto":
         return None
@@ -329,7 +336,7 @@ def _number(v: Any, key: str, name: str) -> int | None:
     return int(v)
 
 
-def _flag(v: Any, key: str, name: str) -> bool | None:
+def _flag(v: object, key: str, name: str) -> bool | None:
     """A DeepSpeed switch: True / False, None for ``"auto"``."""
     if v == "auto":
         return None
@@ -350,10 +357,46 @@ def _short(n: int) -> str:
     return str(n)
 
 
-def _from_deepspeed(ds: dict[str, Any], name: str, path: str | None) -> Recipe:
+def _from_deepspeed(ds: dict[str, object], name: str, path: str | None) -> Recipe:
+    """The ``Recipe`` of a DeepSpeed config: its ZeRO stage, the sizes and flags it sets,
+    its offloading, precision, batch sizes and optimizer (each read by a step below)."""
     zero = ds.get("zero_optimization") or {}
     if not isinstance(zero, dict):
         raise BadInputError(f"{name}: zero_optimization must be an object, got {zero!r}")
+    stage = _ds_stage(zero, name)
+    strategy = _STAGES[stage]
+    details: list[str] = []
+    notes: list[str] = []
+    overrides = _ds_overrides(zero, stage, name, details, notes)
+    offload = _ds_offload(zero, stage, name, details, notes)
+    precision = _ds_precision(ds, name)
+    if precision is not None:
+        details.append(_WORD[precision])
+    micro, accum = _ds_batch(ds, name)
+    optimizer, optim_args, zero_opt = _ds_optimizer(ds, name, details)
+    if (offload != "none" and optimizer is None
+            and _flag(ds.get("zero_force_ds_cpu_optimizer", True),
+                      "zero_force_ds_cpu_optimizer", name) is not False):
+        # DeepSpeed's engine refuses the Trainer's optimizer with an offloaded one
+        # (ZeRORuntimeException at deepspeed.initialize; found by a trial, DeepSpeed 0.19.8)
+        raise BadInputError(f"{name}: offload_optimizer with the Trainer's optimizer stops at "
+                            "deepspeed.initialize; add an \"optimizer\" block (DeepSpeed's "
+                            "CPUAdam runs it) or \"zero_force_ds_cpu_optimizer\": false")
+    if strategy == "ddp" and optimizer is not None:
+        notes.append("stage 0 with DeepSpeed's optimizer: estimated as DDP with that optimizer")
+    sharding: list[tuple[str, object]] = []
+    if strategy in ("zero1", "zero2", "zero3"):
+        # absent sizes are DeepSpeed's defaults; "auto" ones transformers fills in
+        sharding += [("zero_sizes", "deepspeed"), ("zero_overrides", tuple(overrides)),
+                     ("zero_optimizer", zero_opt)]
+    return Recipe(source=name, strategy=strategy, offload=offload, precision=precision,
+                  optimizer=optimizer, optim_args=optim_args, micro_batch_size=micro,
+                  grad_accum_steps=accum, sharding=tuple(sharding), deepspeed=ds,
+                  deepspeed_file=path, details=tuple(details), notes=tuple(notes))
+
+
+def _ds_stage(zero: dict[str, object], name: str) -> int:
+    """The ZeRO stage (0-3) of a ``zero_optimization`` block."""
     stage_v = zero.get("stage", 0)
     try:
         stage = int(stage_v)
@@ -364,10 +407,14 @@ def _from_deepspeed(ds: dict[str, Any], name: str, path: str | None) -> Recipe:
     if stage not in _STAGES:
         raise BadInputError(f"{name}: unknown ZeRO stage {stage_v!r}; DeepSpeed has stages "
                             "0, 1, 2 and 3")
-    strategy = _STAGES[stage]
-    details: list[str] = []
-    notes: list[str] = []
-    overrides: list[tuple[str, Any]] = []
+    return stage
+
+
+def _ds_overrides(zero: dict[str, object], stage: int, name: str, details: list[str],
+                  notes: list[str]) -> list[tuple[str, object]]:
+    """The ZeRO sizes and flags the block sets (``(attribute, value)``; a size may be
+    ``"auto"``), each described in ``details``; what is read but not modelled in ``notes``."""
+    overrides: list[tuple[str, object]] = []
     unmodelled: list[str] = []
     for key, attr in _ZERO_SIZES.items():
         if key not in zero:
@@ -391,6 +438,13 @@ def _from_deepspeed(ds: dict[str, Any], name: str, path: str | None) -> Recipe:
                 if key == "contiguous_gradients" and not v:
                     notes.append("contiguous_gradients false: estimated as true (DeepSpeed's "
                                  "default)")
+    return overrides
+
+
+def _ds_offload(zero: dict[str, object], stage: int, name: str, details: list[str],
+                notes: list[str]) -> str:
+    """The recipe's ``offload`` (``none``, ``optimizer``, ``optimizer+params``) of the
+    block's ``offload_optimizer`` / ``offload_param``, checked against the stage."""
     offload = "none"
     where = []
     for key in ("offload_optimizer", "offload_param"):
@@ -421,9 +475,12 @@ def _from_deepspeed(ds: dict[str, Any], name: str, path: str | None) -> Recipe:
         offload = "optimizer"
     for key, dev in where:
         details.append(f"offload {key.split('_')[1].replace('param', 'parameters')} to {dev}")
-    precision = _ds_precision(ds, name)
-    if precision is not None:
-        details.append(_WORD[precision])
+    return offload
+
+
+def _ds_batch(ds: dict[str, object], name: str) -> tuple[int | None, int | None]:
+    """The config's micro batch and accumulation (None: ``auto``), checked against its
+    ``train_batch_size``."""
     micro = _number(ds.get("train_micro_batch_size_per_gpu", "auto"),
                     "train_micro_batch_size_per_gpu", name)
     accum = _number(ds.get("gradient_accumulation_steps", "auto"),
@@ -437,29 +494,10 @@ def _from_deepspeed(ds: dict[str, Any], name: str, path: str | None) -> Recipe:
         raise BadInputError(f"{name}: train_batch_size {total} is not "
                             f"train_micro_batch_size_per_gpu {micro} x "
                             f"gradient_accumulation_steps {accum} x ranks; make them agree")
-    optimizer, optim_args, zero_opt = _ds_optimizer(ds, name, details)
-    if (offload != "none" and optimizer is None
-            and _flag(ds.get("zero_force_ds_cpu_optimizer", True),
-                      "zero_force_ds_cpu_optimizer", name) is not False):
-        # DeepSpeed's engine refuses the Trainer's optimizer with an offloaded one
-        # (ZeRORuntimeException at deepspeed.initialize; found by a trial, DeepSpeed 0.19.8)
-        raise BadInputError(f"{name}: offload_optimizer with the Trainer's optimizer stops at "
-                            "deepspeed.initialize; add an \"optimizer\" block (DeepSpeed's "
-                            "CPUAdam runs it) or \"zero_force_ds_cpu_optimizer\": false")
-    if strategy == "ddp" and optimizer is not None:
-        notes.append("stage 0 with DeepSpeed's optimizer: estimated as DDP with that optimizer")
-    sharding: list[tuple[str, Any]] = []
-    if strategy in ("zero1", "zero2", "zero3"):
-        # absent sizes are DeepSpeed's defaults; "auto" ones transformers fills in
-        sharding += [("zero_sizes", "deepspeed"), ("zero_overrides", tuple(overrides)),
-                     ("zero_optimizer", zero_opt)]
-    return Recipe(source=name, strategy=strategy, offload=offload, precision=precision,
-                  optimizer=optimizer, optim_args=optim_args, micro_batch_size=micro,
-                  grad_accum_steps=accum, sharding=tuple(sharding), deepspeed=ds,
-                  deepspeed_file=path, details=tuple(details), notes=tuple(notes))
+    return micro, accum
 
 
-def _ds_precision(ds: dict[str, Any], name: str) -> str | None:
+def _ds_precision(ds: dict[str, object], name: str) -> str | None:
     """``bf16-mixed`` / ``16-mixed`` / ``32-true`` when the config fixes it, None for auto."""
     on = {}
     for key, alias in (("bf16", "bfloat16"), ("fp16", None)):
@@ -482,7 +520,7 @@ def _ds_precision(ds: dict[str, Any], name: str) -> str | None:
     return None
 
 
-def _ds_optimizer(ds: dict[str, Any], name: str,
+def _ds_optimizer(ds: dict[str, object], name: str,
                   details: list[str]) -> tuple[str | None, str | None, str]:
     """DeepSpeed's own optimizer: (autofit's optimizer with its states, optim_args,
     ``Layout.zero_optimizer``); (None, None, "torch") when the Trainer's runs."""
@@ -509,11 +547,11 @@ def _ds_optimizer(ds: dict[str, Any], name: str,
 # --------------------------------------------------------------------------- FSDP
 
 
-def _truthy(v: Any) -> bool:
+def _truthy(v: object) -> bool:
     return str(v).strip().lower() in ("true", "1", "yes")
 
 
-def _from_fsdp(fields: dict[str, Any], name: str) -> Recipe:
+def _from_fsdp(fields: dict[str, object], name: str) -> Recipe:
     """TrainingArguments' ``fsdp`` + ``fsdp_config`` (keys with or without ``fsdp_``)."""
     from autofit.knobs.strategy import OFFLOAD, STRATEGY
 
@@ -531,8 +569,8 @@ def _from_fsdp(fields: dict[str, Any], name: str) -> Recipe:
         mixed=cfg.get("mixed_precision_policy"))
 
 
-def _fsdp_recipe(name: str, *, version: Any, strategy: str, offload: str, wrap: Any,
-                 layer_cls: Any, mixed: Any, hsdp: bool = False) -> Recipe:
+def _fsdp_recipe(name: str, *, version: object, strategy: str, offload: str, wrap: object,
+                 layer_cls: object, mixed: object, hsdp: bool = False) -> Recipe:
     if str(version) != "2":
         raise BadInputError(f"{name}: FSDP version {version} (FSDP1) is not modelled; autofit "
                             "models FSDP2: set version 2 (fsdp_version: 2)")
@@ -563,7 +601,7 @@ _DTYPES = {"bf16": "bf16-mixed", "bfloat16": "bf16-mixed", "fp16": "16-mixed",
 _WORD = {"bf16-mixed": "bf16", "16-mixed": "fp16", "32-true": "fp32"}
 
 
-def _fsdp_mixed(mixed: Any, name: str) -> str | None:
+def _fsdp_mixed(mixed: object, name: str) -> str | None:
     """The precision an FSDP ``mixed_precision_policy`` fixes (accelerate: a dtype name, or
     ``param_dtype`` / ``reduce_dtype`` / ``buffer_dtype``); None when not given. Modelled:
     parameters gathered and gradients reduced in one dtype, as the Trainer's bf16 / fp16
@@ -571,7 +609,7 @@ def _fsdp_mixed(mixed: Any, name: str) -> str | None:
     if mixed is None:
         return None
 
-    def dtype(v: Any) -> str | None:
+    def dtype(v: object) -> str | None:
         key = str(v).lower().removeprefix("torch.")
         if key not in _DTYPES:
             raise BadInputError(f"{name}: mixed_precision_policy dtype {v!r} is not modelled; "
@@ -596,7 +634,7 @@ def _fsdp_mixed(mixed: Any, name: str) -> str | None:
 # --------------------------------------------------------------------------- accelerate
 
 
-def _accelerate(acc: Any) -> dict[str, Any]:
+def _accelerate(acc: dict[str, object] | str | os.PathLike[str]) -> dict[str, Any]:
     """An accelerate config (path or dict) as what it says: its type, ranks, precision,
     FSDP fields and DeepSpeed config (a file path or inline keys)."""
     import yaml
@@ -663,7 +701,7 @@ def _accelerate(acc: Any) -> dict[str, Any]:
     return out
 
 
-def _with_accelerate(recipe: Recipe | None, acc: dict[str, Any]) -> Recipe:
+def _with_accelerate(recipe: Recipe | None, acc: dict[str, object]) -> Recipe:
     """``recipe`` (from a DeepSpeed file or FSDP fields, or None) with the accelerate
     config's type, ranks and precision."""
     import dataclasses

@@ -13,7 +13,7 @@ knob, and the search space leaves such combinations out.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError
 from autofit.knobs.base import Knob
@@ -24,6 +24,10 @@ from autofit.knobs.offloading import OFFLOADING
 from autofit.knobs.optimizer import OPTIMIZER
 from autofit.knobs.precision import PRECISION
 from autofit.knobs.strategy import OFFLOAD, STRATEGY
+
+if TYPE_CHECKING:
+    from autofit.config import TrainConfig
+    from autofit.knobs.base import KnobValue
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
            "conflict"]
@@ -46,7 +50,7 @@ def knob_names() -> tuple[str, ...]:
     return tuple(k.name for k in KNOBS)
 
 
-def choice_of(config: Any) -> dict[str, Any]:
+def choice_of(config: TrainConfig) -> dict[str, Any]:
     """``{knob name: value}`` of a ``TrainConfig`` (or anything with those attributes); with
     TRL's loss (``loss_impl="trl"``) the chunked loss is no choice (SFTTrainer's loss runs)."""
     trl = getattr(config, "loss_impl", "model") == "trl"
@@ -54,7 +58,7 @@ def choice_of(config: Any) -> dict[str, Any]:
             if not (trl and k.name == "chunked_loss")}
 
 
-def describe_choice(choice: dict[str, Any], sep: str = ", ") -> str:
+def describe_choice(choice: dict[str, KnobValue], sep: str = ", ") -> str:
     """``"bf16-mixed, checkpointing, adamw_torch"``: each knob's value as the reasons read."""
     return sep.join(k.describe(choice[k.name]) for k in KNOBS if k.name in choice)
 
@@ -64,7 +68,7 @@ def owned_fields() -> tuple[str, ...]:
     return tuple(f for k in KNOBS for f in k.fields)
 
 
-def conflict(choice: dict[str, Any]) -> str | None:
+def conflict(choice: dict[str, KnobValue]) -> str | None:
     """Why the combination ``choice`` ({knob name: value}) cannot be trained, or None."""
     for k in KNOBS:
         check = getattr(k, "conflict", None)

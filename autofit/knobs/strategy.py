@@ -40,7 +40,7 @@ The memory rules live with the estimators (``autofit.memory``).
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import (
     OFFLOADS,
@@ -52,6 +52,13 @@ from autofit.config import (
 from autofit.errors import MissingDependencyError, fix
 from autofit.knobs import base
 
+if TYPE_CHECKING:
+    import os
+
+    from autofit.config import TrainConfig
+    from autofit.knobs.base import KnobValue
+    from autofit.probe.device import DeviceInfo
+
 __all__ = ["STRATEGY", "OFFLOAD", "StrategyKnob", "OffloadKnob", "ranks_of",
            "deepspeed_config", "ZERO_STAGE"]
 
@@ -61,7 +68,7 @@ _SHORT = {"ddp": "ddp", "fsdp": "fsdp", "fsdp-shard-grad-op": "fsdp no-reshard",
           "hsdp": "hsdp", "zero1": "zero-1", "zero2": "zero-2", "zero3": "zero-3"}
 
 
-def ranks_of(device: Any) -> tuple[int, int]:
+def ranks_of(device: object) -> tuple[int, int]:
     """``(nproc_per_node, nnodes)`` of a device (a ``DeviceInfo``; 1 x 1 for anything else)."""
     return int(getattr(device, "nproc_per_node", 1) or 1), int(getattr(device, "nnodes", 1) or 1)
 
@@ -100,13 +107,13 @@ class StrategyKnob:
     saving = None  # what saves memory depends on the ranks: suggested instead
     calibrates_apart = True  # each strategy allocates its own buffers
 
-    def normalize(self, value: Any) -> str:
+    def normalize(self, value: object) -> str:
         return normalize_strategy(value)
 
     def changes_math(self, value: str) -> bool:
         return False
 
-    def defaults(self, device: Any) -> tuple[tuple[str, ...], str | None]:
+    def defaults(self, device: DeviceInfo) -> tuple[tuple[str, ...], str | None]:
         nproc, nnodes = ranks_of(device)
         if nproc * nnodes == 1:
             return ("ddp",), None
@@ -122,7 +129,7 @@ class StrategyKnob:
                               "(they change no math; ranked by predicted throughput with "
                               "communication)" + why)
 
-    def check(self, device: Any, value: str, run: bool = True) -> None:
+    def check(self, device: DeviceInfo, value: str, run: bool = True) -> None:
         """Raise ``MissingDependencyError`` for ZeRO to run on a present device without
         DeepSpeed (an estimate, ``run=False``, needs no DeepSpeed: ZeRO is modelled)."""
         if (run and value in ZERO_STAGE and getattr(device, "present", False)
@@ -132,7 +139,7 @@ class StrategyKnob:
                 "'autofit[deepspeed]' (or choose "
                 + fix("--strategy fsdp", "strategy='fsdp'") + ")")
 
-    def conflict(self, choice: dict[str, Any]) -> str | None:
+    def conflict(self, choice: dict[str, KnobValue]) -> str | None:
         """FSDP2 with a bitsandbytes optimizer: its update ops have no DTensor sharding rule
         (a trial on two ranks: ``NotImplementedError: Operator
         bitsandbytes.optimizer_update_32bit.default does not have a sharding strategy``)."""
@@ -155,7 +162,7 @@ class StrategyKnob:
     def flag(self, value: str) -> str:
         return f"--strategy {value}"
 
-    def suggest(self, device: Any) -> tuple[str, ...]:
+    def suggest(self, device: DeviceInfo) -> tuple[str, ...]:
         nproc, nnodes = ranks_of(device)
         return ("zero3", "fsdp") if nproc * nnodes > 1 else ()
 
@@ -170,7 +177,7 @@ class StrategyKnob:
                     "across nodes)")
         return None
 
-    def emit(self, config: Any, args: dict[str, Any]) -> None:
+    def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         for f in self.fields:
             args.pop(f, None)
         strategy, offload = config.strategy, getattr(config, "offload", "none")
@@ -186,7 +193,7 @@ class StrategyKnob:
         else:
             args["deepspeed"] = deepspeed_config(ZERO_STAGE[strategy], offload)
 
-    def read(self, args: dict[str, Any]) -> str:
+    def read(self, args: dict[str, object]) -> str:
         ds = args.get("deepspeed")
         if ds:
             stage = _deepspeed_dict(ds).get("zero_optimization", {}).get("stage", 0)
@@ -230,19 +237,19 @@ class OffloadKnob:
     saving = None  # slow: searched only when asked, suggested when nothing fits
     calibrates_apart = True
 
-    def normalize(self, value: Any) -> str:
+    def normalize(self, value: object) -> str:
         return normalize_offload(value)
 
     def changes_math(self, value: str) -> bool:
         return False
 
-    def defaults(self, device: Any) -> tuple[tuple[str, ...], str | None]:
+    def defaults(self, device: DeviceInfo) -> tuple[tuple[str, ...], str | None]:
         return ("none",), None
 
-    def check(self, device: Any, value: str, run: bool = True) -> None:
+    def check(self, device: DeviceInfo, value: str, run: bool = True) -> None:
         return None  # which strategy can offload what: conflict()
 
-    def conflict(self, choice: dict[str, Any]) -> str | None:
+    def conflict(self, choice: dict[str, KnobValue]) -> str | None:
         return strategy_conflict(choice.get("strategy", "ddp"), choice.get("offload", "none"))
 
     def describe(self, value: str) -> str:
@@ -255,7 +262,7 @@ class OffloadKnob:
     def flag(self, value: str) -> str:
         return f"--offload {value}"
 
-    def suggest(self, device: Any) -> tuple[str, ...]:
+    def suggest(self, device: DeviceInfo) -> tuple[str, ...]:
         nproc, nnodes = ranks_of(device)
         return ("optimizer", "optimizer+params") if nproc * nnodes > 1 else ()
 
@@ -265,10 +272,10 @@ class OffloadKnob:
         return ("offload: every node needs the host memory the estimate reports (host_bytes); "
                 "steps wait on the host link")
 
-    def emit(self, config: Any, args: dict[str, Any]) -> None:
+    def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         return None  # STRATEGY.emit writes it with the strategy's config
 
-    def read(self, args: dict[str, Any]) -> str:
+    def read(self, args: dict[str, object]) -> str:
         ds = args.get("deepspeed")
         if ds:
             zero = _deepspeed_dict(ds).get("zero_optimization", {})
@@ -299,7 +306,7 @@ class OffloadKnob:
         return args.offload
 
 
-def _deepspeed_dict(ds: Any) -> dict[str, Any]:
+def _deepspeed_dict(ds: dict[str, object] | str | os.PathLike[str]) -> dict[str, Any]:
     """A DeepSpeed config given as a dict, a JSON string or a path to a JSON file."""
     import json
     from pathlib import Path

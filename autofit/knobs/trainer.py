@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import difflib
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autofit.config import TrainConfig
 
 __all__ = ["Trainer", "TRAINERS", "normalize_trainer", "trainer_of", "implied_trainer",
            "for_trainer", "runs_chunked_loss", "chunked_loss_refused", "header_line", "CLASS_NAME", "recorded_trainer",
@@ -47,7 +50,7 @@ _HEADER = {Trainer.PLAIN: "# for a plain transformers.Trainer (built from these 
            Trainer.TRL: "# for trl.SFTTrainer (TRL's loss, from these SFTConfig fields)"}
 
 
-def normalize_trainer(name: Any) -> str:
+def normalize_trainer(name: object) -> str:
     """``name`` as one of ``TRAINERS``, or a ``BadInputError`` naming them."""
     from autofit.errors import BadInputError
 
@@ -59,7 +62,7 @@ def normalize_trainer(name: Any) -> str:
     return t
 
 
-def trainer_of(trainer: Any) -> str:
+def trainer_of(trainer: object) -> str:
     """The trainer a ``Trainer`` object is, by its class: ``ChunkedLossTrainer`` -> autofit,
     ``SFTTrainer`` -> trl, else plain (a subclass of either counts as it)."""
     names = [(c.__name__, c.__module__) for c in type(trainer).__mro__]
@@ -103,7 +106,7 @@ def not_searched_reason(trainer: str) -> str:
             + fix("--trainer autofit", "trainer='autofit'"))
 
 
-def for_trainer(config: Any, trainer: str | None) -> tuple[Any, str]:
+def for_trainer(config: TrainConfig, trainer: str | None) -> tuple[Any, str]:
     """``(config, trainer)``: the ``TrainConfig`` as ``trainer`` runs it and the trainer (None:
     the one ``config`` implies). ``trl`` computes TRL's loss (``loss_impl="trl"``); a chunked
     loss asked of ``plain`` / ``trl``, or TRL's loss asked of another trainer, is a
@@ -125,7 +128,7 @@ def for_trainer(config: Any, trainer: str | None) -> tuple[Any, str]:
     return config, t
 
 
-def recorded_trainer(meta: dict[str, Any]) -> str:
+def recorded_trainer(meta: dict[str, object]) -> str:
     """The trainer a tuned file's metadata records (a file written before it was recorded:
     ``trl`` for an SFTConfig file, else ``plain``)."""
     from autofit.knobs.trl_loss import SFT_CONFIG

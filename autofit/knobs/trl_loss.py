@@ -31,7 +31,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+    from transformers import TrainingArguments
+
+    from autofit.config import Batch
 
 __all__ = ["SFT_CONFIG", "SFTConfigFields", "TRL_OUTPUTS", "TOKEN_TILE", "VOCAB_TILE", "is_sft_config", "trl_loss_type",
            "loss_impl_of", "fused_lm_head", "trl_sft_loss", "triton_folds", "trl_loss_reason", "trl_loss_bytes"]
@@ -48,14 +56,15 @@ class SFTConfigFields(dict):
     ``autofit tune --training-args``): a dict of fields that ``SFTTrainer`` runs."""
 
 
-def is_sft_config(args: Any) -> bool:
+def is_sft_config(args: TrainingArguments | Mapping[str, object] | None) -> bool:
     """Whether ``args`` is a ``trl.SFTConfig`` (by class name, so trl need not be imported)
     or ``SFTConfigFields``."""
     return isinstance(args, SFTConfigFields) or any(
         c.__name__ == "SFTConfig" for c in type(args).__mro__)
 
 
-def trl_loss_type(args: Any, *, sft: bool | None = None) -> str | None:
+def trl_loss_type(args: TrainingArguments | Mapping[str, object] | None, *, sft: bool | None = None
+                  ) -> str | None:
     """The ``loss_type`` SFTTrainer computes through the fused LM head for ``args`` (an
     ``SFTConfig`` or a dict of its fields with ``sft=True``), None when it is not TRL's
     fused loss: not an SFTConfig, label smoothing, Ulysses sequence parallelism."""
@@ -74,7 +83,7 @@ def trl_loss_type(args: Any, *, sft: bool | None = None) -> str | None:
     return loss_type
 
 
-def loss_impl_of(args: Any) -> str:
+def loss_impl_of(args: TrainingArguments | Mapping[str, object] | None) -> str:
     """``TrainConfig.loss_impl`` for the user's training arguments: "trl" or "model"."""
     return "model" if args is None or trl_loss_type(args) is None else "trl"
 
@@ -86,7 +95,7 @@ def trl_loss_reason(loss_type: str) -> str:
 
 
 @contextlib.contextmanager
-def fused_lm_head(model: Any) -> Iterator[Any]:
+def fused_lm_head(model: torch.nn.Module) -> Iterator[Any]:
     """``model`` with TRL's fused LM head added as SFTTrainer adds it (to the PEFT base
     model), undone on exit: the instance's ``forward`` is restored, so no model is left
     patched (autofit patches only its own copies, and only for the call)."""
@@ -106,7 +115,7 @@ def fused_lm_head(model: Any) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def _vocab_tile(model: Any) -> Iterator[None]:
+def _vocab_tile(model: torch.nn.Module) -> Iterator[None]:
     """TRL's vocabulary tile narrowed to the vocabulary (at most 32768) for the call: the
     tiles and the loop are TRL's; its buffer is only as wide as the columns it writes."""
     import trl.trainer.utils as tu
@@ -120,7 +129,7 @@ def _vocab_tile(model: Any) -> Iterator[None]:
         tu._CHUNKED_LOGPROB_CHUNK_SIZE = old
 
 
-def _noop_fold(*args: Any, **kwargs: Any) -> None:
+def _noop_fold(*args: object, **kwargs: object) -> None:
     """A tile's fold as TRL's Triton kernels do it for memory: in place, nothing allocated."""
 
 
@@ -141,7 +150,7 @@ def triton_folds() -> Iterator[None]:
         ck._forward_tile, ck._backward_tile, ck._addmm_fp32 = old
 
 
-def trl_sft_loss(model: Any, inputs: dict[str, Any], loss_type: str = "nll", *,
+def trl_sft_loss(model: torch.nn.Module, inputs: Batch, loss_type: str = "nll", *,
                  resident_only: bool = False) -> Any:
     """The loss ``SFTTrainer.compute_loss`` returns (no ``num_items_in_batch``): the fused
     forward, ``-log_probs`` (times ``exp(log_probs)`` for DFT) summed over the labelled

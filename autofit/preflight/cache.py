@@ -27,11 +27,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.trial.result import trial_from_dict
+
+if TYPE_CHECKING:
+    import torch
+    from optuna.storages import BaseStorage
+
+    from autofit.config import ModelSource, ModelSpec
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["model_identity", "check_key", "CheckCache", "reusable"]
 
@@ -40,8 +48,8 @@ def _file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def model_identity(model: Any, adapter: dict[str, Any] | None = None,
-                   quantization: dict[str, Any] | None = None) -> str:
+def model_identity(model: ModelSource | ModelSpec, adapter: dict[str, object] | None = None,
+                   quantization: dict[str, object] | None = None) -> str:
     """A short hash of what a model's memory depends on, cheap for a reference.
 
     A bundled name, a config.json or a model directory hashes its config file
@@ -80,7 +88,7 @@ def model_identity(model: Any, adapter: dict[str, Any] | None = None,
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _task_of(module: Any) -> str:
+def _task_of(module: torch.nn.Module) -> str:
     from autofit.probe.model import default_task
 
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
@@ -93,9 +101,9 @@ def check_key(
     task: str | None,
     config: TrainConfig,
     seq_len: int,
-    device: Any,
+    device: DeviceInfo,
     versions: dict[str, str],
-    extra: dict[str, Any] | None = None,
+    extra: dict[str, object] | None = None,
 ) -> str:
     """The key of one exact check (see the module docstring)."""
     from autofit.search import cache_key
@@ -111,7 +119,7 @@ def check_key(
     })
 
 
-def reusable(trial: Any, device: Any) -> bool:
+def reusable(trial: Any, device: DeviceInfo) -> bool:
     """Whether a recorded trial answers for ``device`` as it is now."""
     if trial is None:
         return False
@@ -121,12 +129,24 @@ def reusable(trial: Any, device: Any) -> bool:
     return trial.error is None and trial.device_total_bytes is not None
 
 
-def _same_config(recorded: dict[str, Any], config: TrainConfig, seq_len: int) -> bool:
+def _same_config(recorded: dict[str, object], config: TrainConfig, seq_len: int) -> bool:
     want = config.replace(seq_len=seq_len).to_dict()
     return all(recorded.get(k) == v for k, v in want.items())
 
 
-_STORAGES: dict[str, Any] = {}
+class _NotOpened(Exception):
+    """``open_storage`` gave None (it warned): not cached, the next cache tries again."""
+
+
+@cache
+def _opened_storage(url: str) -> BaseStorage:
+    """The optuna storage at ``url``, opened once per process (opening checks the schema)."""
+    from autofit.search.storage import open_storage
+
+    opened = open_storage(url)  # None: warned already
+    if opened is None:
+        raise _NotOpened(url)
+    return opened
 
 
 class CheckCache:
@@ -160,16 +180,12 @@ class CheckCache:
         if self._storage is None:
             import optuna
 
-            from autofit.search.storage import open_storage
-
             optuna.logging.set_verbosity(optuna.logging.WARNING)
-            if self.url not in _STORAGES:  # opening one checks the schema: once per process
-                opened = open_storage(self.url)  # None: warned already
-                if opened is None:
-                    self._guarded.broken = True
-                    return None
-                _STORAGES[self.url] = opened
-            self._storage = _STORAGES[self.url]
+            try:
+                self._storage = _opened_storage(self.url)
+            except _NotOpened:
+                self._guarded.broken = True
+                return None
         return self._storage
 
     def _load(self, name: str) -> Any:
@@ -206,11 +222,11 @@ class CheckCache:
         entry["trial"] = trial_from_dict(entry["trial"]) if entry.get("trial") else None
         return entry
 
-    def store(self, key: str, entry: dict[str, Any]) -> None:
+    def store(self, key: str, entry: dict[str, object]) -> None:
         """Record ``entry`` (trial as a ``TrialResult``, estimates as dicts) under ``key``."""
         self._guarded(None, self._store, key, entry)
 
-    def _store(self, key: str, entry: dict[str, Any]) -> None:
+    def _store(self, key: str, entry: dict[str, object]) -> None:
         import optuna
 
         data = dict(entry)
@@ -233,11 +249,13 @@ class CheckCache:
         tmp.write_text(raw)
         tmp.replace(self.index / f"{key}.json")  # atomic: a reader sees all or nothing
 
-    def lookup_tune(self, tune_key: str, config: TrainConfig, seq_len: int, device: Any) -> Any:
+    def lookup_tune(self, tune_key: str, config: TrainConfig, seq_len: int, device: DeviceInfo
+                    ) -> Any:
         """A tuning trial of exactly ``config`` on ``device`` in study ``autofit-<tune_key>``."""
         return self._guarded(None, self._lookup_tune, tune_key, config, seq_len, device)
 
-    def _lookup_tune(self, tune_key: str, config: TrainConfig, seq_len: int, device: Any) -> Any:
+    def _lookup_tune(self, tune_key: str, config: TrainConfig, seq_len: int, device: DeviceInfo
+                     ) -> Any:
         import optuna
 
         study = self._load(f"autofit-{tune_key}")

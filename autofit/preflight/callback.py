@@ -10,11 +10,15 @@ measured / estimated / from the cache, and the numbers.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError
 from autofit.preflight.trainer import preflight
 from autofit.preflight.verdict import PreflightError, PreflightReport
+
+if TYPE_CHECKING:
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["callback_class"]
 
@@ -56,7 +60,8 @@ def _callback_class() -> type:
             >>> Trainer(model, args, train_dataset=data, callbacks=[cb]).train()  # doctest: +SKIP
         """
 
-        def __init__(self, dataset: Any = None, *, device: Any = "auto", **options: Any) -> None:
+        def __init__(self, dataset: object = None, *, device: str | DeviceInfo = 'auto',
+                     **options: Any) -> None:
             if "fix" in options:
                 raise BadInputError(
                     "AutofitCallback cannot fix: on_train_begin comes after the Trainer built "
@@ -99,13 +104,8 @@ def _callback_class() -> type:
     return AutofitCallback
 
 
-_CALLBACK: type | None = None
-
-
+@lru_cache(maxsize=1)
 def callback_class() -> type:
-    """``AutofitCallback``, built on first use so that ``import autofit`` does not import
-    transformers (it subclasses ``transformers.TrainerCallback``)."""
-    global _CALLBACK
-    if _CALLBACK is None:
-        _CALLBACK = _callback_class()
-    return _CALLBACK
+    """``AutofitCallback``, built on first use (once) so that ``import autofit`` does not
+    import transformers (it subclasses ``transformers.TrainerCallback``)."""
+    return _callback_class()

@@ -23,12 +23,24 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
-from autofit.errors import BadInputError, fix
+from autofit.errors import BadInputError
+from autofit.errors import fix as how_to_fix
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import format_bytes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from autofit.config import Collator, ModelSource, Progress
+    from autofit.knobs.recipe import Recipe
+    from autofit.preflight.cache import CheckCache
+    from autofit.probe.device import DeviceInfo
+    from autofit.probe.model import ModelInfo
+    from autofit.probe.packing import ScriptData
+    from autofit.trial.result import TrialResult
 
 __all__ = ["run_check", "CERTAIN_OVER", "FIX_MARGIN", "MAX_FIX_TRIALS"]
 
@@ -51,7 +63,7 @@ class _Assessment:
     notes: list[str] = field(default_factory=list)
 
 
-def _estimate_from_dict(d: dict[str, Any] | None) -> MemoryEstimate | None:
+def _estimate_from_dict(d: dict[str, object] | None) -> MemoryEstimate | None:
     if not d:
         return None
     from dataclasses import fields
@@ -62,14 +74,14 @@ def _estimate_from_dict(d: dict[str, Any] | None) -> MemoryEstimate | None:
     return MemoryEstimate(**kw)
 
 
-def _learned_positions(info: Any) -> bool:
+def _learned_positions(info: ModelInfo) -> bool:
     """A learned (max_positions, hidden) position table (GPT-2, BERT), not rotary/relative."""
     pos, vocab = info.max_position_embeddings, info.vocab_size
     return any(g.role == "embedding" and len(g.shape) == 2 and g.shape[0] == pos
                and g.shape[0] != vocab for g in info.params)
 
 
-def _failed(trial: Any) -> bool:
+def _failed(trial: TrialResult | None) -> bool:
     """A trial that ran and failed for a reason other than memory (exit 4, never 3)."""
     return trial is not None and not trial.oom and trial.error is not None
 
@@ -83,12 +95,13 @@ def _divisors_below(n: int, below: int) -> list[int]:
 class _Checker:
     """One check's context: the model (described lazily), the device, the data and the cache."""
 
-    def __init__(self, model: Any, *, device: Any, seq_len: int, dataset: Any, task: str | None,
-                 margin: float, trial: bool, cache: Any, tune_meta: dict[str, Any] | None,
-                 eval_batch_size: int | None, eval_seq_len: int | None,
-                 generate_max_new_tokens: int | None, max_seq_len: int | None,
-                 tokenizer: Any, collator: Any, isolation: str, timeout_s: float | None,
-                 progress: Any, recipe: Any = None) -> None:
+    def __init__(self, model: ModelSource, *, device: DeviceInfo, seq_len: int, dataset: object,
+                 task: str | None, margin: float, trial: bool, cache: CheckCache | None,
+                 tune_meta: dict[str, object] | None, eval_batch_size: int | None,
+                 eval_seq_len: int | None, generate_max_new_tokens: int | None,
+                 max_seq_len: int | None, tokenizer: PreTrainedTokenizerBase | None,
+                 collator: Collator | None, isolation: str, timeout_s: float | None,
+                 progress: Progress | None, recipe: Recipe | None = None) -> None:
         from autofit.preflight.cache import _task_of, model_identity
         from autofit.probe.versions import library_versions
 
@@ -350,7 +363,7 @@ class _Checker:
         return 1.0
 
     # -- the fix -------------------------------------------------------------------------
-    def fix(self, first: _Assessment) -> tuple[_Assessment | None, list[str]]:
+    def split_batch(self, first: _Assessment) -> tuple[_Assessment | None, list[str]]:
         """The largest smaller micro batch (same effective batch) that fits, or None."""
         c = first.config
         product = c.micro_batch_size * c.grad_accum_steps
@@ -383,7 +396,7 @@ class _Checker:
         for m in _divisors_below(product, c.micro_batch_size):
             est = self._estimate(c.replace(micro_batch_size=m, grad_accum_steps=product // m))
             if est is not None and est.device_total_bytes * ratio <= budget:
-                how = fix(f"set per_device_train_batch_size: {m} and "
+                how = how_to_fix(f"set per_device_train_batch_size: {m} and "
                           f"gradient_accumulation_steps: {product // m} in the file",
                           "pass fix=True")
                 return (f"micro batch {m} x accumulation {product // m} keeps the effective batch "
@@ -392,17 +405,17 @@ class _Checker:
 
 
 def run_check(
-    model: Any,
+    model: ModelSource,
     config: TrainConfig,
     *,
     seq_len: int | None = None,
-    dataset: Any = None,
-    device: Any = "auto",
+    dataset: object = None,
+    device: str | DeviceInfo = "auto",
     task: str | None = None,
     margin: float = 0.0,
     trial: bool = True,
     cache: bool | str = True,
-    tune_meta: dict[str, Any] | None = None,
+    tune_meta: dict[str, object] | None = None,
     eval_batch_size: int | None = None,
     eval_seq_len: int | None = None,
     generate_max_new_tokens: int | None = None,
@@ -410,14 +423,14 @@ def run_check(
     eval_required: bool = True,
     seq_len_source: str = "as given",
     max_seq_len: int | None = None,
-    tokenizer: Any = None,
-    collator: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    collator: Collator | None = None,
     isolation: str = "auto",
     timeout_s: float | None = 600.0,
-    progress: Any = None,
+    progress: Progress | None = None,
     block_size: int | None = None,
     packing: str | None = None,
-    recipe: Any = None,
+    recipe: Recipe | None = None,
     trainer: str | None = None,
 ) -> Any:
     """Check one configuration (see the module docstring); returns a ``PreflightReport``.
@@ -437,6 +450,68 @@ def run_check(
         AutofitError: bad input (unknown model or device, no sequence length ...).
     """
     from autofit.preflight.verdict import PreflightReport
+
+    config, trainer, dev, reasons = _checked_request(config, margin, trainer, device, recipe)
+    seen, dataset, max_seq_len, seq_len = _sequence_length(
+        dataset, seq_len, reasons, block_size=block_size, max_seq_len=max_seq_len,
+        packing=packing, tokenizer=tokenizer, seq_len_source=seq_len_source)
+    store = None
+    if cache:
+        from autofit.preflight.cache import CheckCache
+
+        store = CheckCache(cache if isinstance(cache, str) else None)
+    checker = _Checker(model, device=dev, seq_len=int(seq_len), dataset=dataset, task=task,
+                       margin=margin, trial=trial, cache=store, tune_meta=tune_meta,
+                       eval_batch_size=eval_batch_size, eval_seq_len=eval_seq_len,
+                       generate_max_new_tokens=generate_max_new_tokens,
+                       max_seq_len=max_seq_len, tokenizer=tokenizer, collator=collator,
+                       isolation=isolation, timeout_s=timeout_s, progress=progress,
+                       recipe=recipe)
+    if seen is not None and seen.block_size is not None:  # a block past the positions: exit 2
+        from autofit.probe.packing import check_block_size
+
+        info = checker.info
+        check_block_size(seen.block_size, name=seen.source, max_positions=(
+            info.max_position_embeddings if _learned_positions(info) else None))
+    first = checker.assess(config)
+    changes: dict[str, tuple[int | None, int | None]] = {}
+    final, fix_notes = _fixed_training_batch(checker, first, fix, changes, reasons)
+    problems = list(final.static_problems)
+    mem = checker.memory_problem(final)
+    if mem:
+        hint = (checker.suggestion(final) if not fix and final.config.micro_batch_size > 1
+                and not _failed(final.trial) else None)
+        problems.append(mem + (f"; {hint}" if hint else ""))
+    eval_batch = _fixed_eval_batch(checker, final, fix, eval_required, changes, problems,
+                                   reasons, eval_batch_size=eval_batch_size, margin=margin,
+                                   generate_max_new_tokens=generate_max_new_tokens)
+    reasons += first.notes + (final.notes if final is not first else []) + fix_notes
+    if not problems:
+        reasons += _fit_lines(checker, final)
+    return PreflightReport(
+        fits=not problems,
+        config=final.config,
+        requested=first.config,
+        estimate=final.estimate,
+        trial=final.trial,
+        from_cache=final.from_cache,
+        problems=tuple(problems),
+        reasons=tuple(reasons),
+        changes=changes,
+        device=dev.name,
+        capacity_bytes=dev.capacity_bytes,
+        seq_len=int(seq_len),
+        eval_estimate=final.eval_estimate,
+        eval_batch_size=eval_batch,
+        trials_run=checker.trials_run,
+    )
+
+
+def _checked_request(config: TrainConfig, margin: float, trainer: str | None,
+                     device: str | DeviceInfo, recipe: Recipe | None,
+                     ) -> tuple[TrainConfig, str, DeviceInfo, list[str]]:
+    """Step 1 of ``run_check``: the margin and config checked, the levers the trainer runs,
+    the device (one per rank): ``(config, trainer, device, the request's reason lines)``."""
     from autofit.probe.device import resolve_device
 
     if not 0 <= margin < 1:
@@ -466,6 +541,16 @@ def run_check(
         reasons.append(f"{config.world_size} ranks ({config.strategy}"
                        + (f", offload {config.offload}" if config.offload != "none" else "")
                        + f"), each on a {dev.name}: the verdict is the peaking rank's")
+    return config, trainer, dev, reasons
+
+
+def _sequence_length(dataset: object, seq_len: int | None, reasons: list[str], *,
+                     block_size: int | None, max_seq_len: int | None, packing: str | None,
+                     tokenizer: PreTrainedTokenizerBase | None, seq_len_source: str,
+                     ) -> tuple[ScriptData | None, object, int | None, int]:
+    """Step 2 of ``run_check``: the sequence length checked, the longest sample of the
+    dataset as the script sees it (packed, truncated) or ``seq_len`` as given, its reason
+    appended: ``(what the script sees, the dataset, max_seq_len, seq_len)``."""
     seen = None
     if dataset is not None:
         from autofit.probe.data import probe_data
@@ -487,45 +572,36 @@ def run_check(
     else:
         reasons.append(f"sequence length {seq_len}: {seq_len_source} (no dataset: the trial "
                        "batch is random tokens of that length)")
-    store = None
-    if cache:
-        from autofit.preflight.cache import CheckCache
+    return seen, dataset, max_seq_len, seq_len
 
-        store = CheckCache(cache if isinstance(cache, str) else None)
-    checker = _Checker(model, device=dev, seq_len=int(seq_len), dataset=dataset, task=task,
-                       margin=margin, trial=trial, cache=store, tune_meta=tune_meta,
-                       eval_batch_size=eval_batch_size, eval_seq_len=eval_seq_len,
-                       generate_max_new_tokens=generate_max_new_tokens,
-                       max_seq_len=max_seq_len, tokenizer=tokenizer, collator=collator,
-                       isolation=isolation, timeout_s=timeout_s, progress=progress,
-                       recipe=recipe)
-    if seen is not None and seen.block_size is not None:  # a block past the positions: exit 2
-        from autofit.probe.packing import check_block_size
 
-        info = checker.info
-        check_block_size(seen.block_size, name=seen.source, max_positions=(
-            info.max_position_embeddings if _learned_positions(info) else None))
-    first = checker.assess(config)
-    final = first
-    changes: dict[str, tuple[Any, Any]] = {}
+def _fixed_training_batch(checker: _Checker, first: _Assessment, fix: bool,
+                          changes: dict[str, tuple[int | None, int | None]],
+                          reasons: list[str]) -> tuple[_Assessment, list[str]]:
+    """Step 3 of ``run_check``: with ``fix``, a training batch that does not fit split into a
+    smaller micro batch and more accumulation (the change and its reason recorded):
+    ``(the assessment kept, the fix's notes)``."""
     mem = checker.memory_problem(first)
-    fix_notes: list[str] = []
-    if mem and fix and not first.static_problems and not _failed(first.trial):
-        fixed, fix_notes = checker.fix(first)
-        if fixed is not None:
-            c0, c1 = first.config, fixed.config
-            changes["per_device_train_batch_size"] = (c0.micro_batch_size, c1.micro_batch_size)
-            changes["gradient_accumulation_steps"] = (c0.grad_accum_steps, c1.grad_accum_steps)
-            reasons.append(f"fixed: {mem}; micro batch {c1.micro_batch_size} x accumulation "
-                           f"{c1.grad_accum_steps} fits and keeps the effective batch "
-                           f"{c1.effective_batch_size}")
-            final = fixed
-    problems = list(final.static_problems)
-    mem = checker.memory_problem(final)
-    if mem:
-        hint = (checker.suggestion(final) if not fix and final.config.micro_batch_size > 1
-                and not _failed(final.trial) else None)
-        problems.append(mem + (f"; {hint}" if hint else ""))
+    if not (mem and fix and not first.static_problems and not _failed(first.trial)):
+        return first, []
+    fixed, fix_notes = checker.split_batch(first)
+    if fixed is None:
+        return first, fix_notes
+    c0, c1 = first.config, fixed.config
+    changes["per_device_train_batch_size"] = (c0.micro_batch_size, c1.micro_batch_size)
+    changes["gradient_accumulation_steps"] = (c0.grad_accum_steps, c1.grad_accum_steps)
+    reasons.append(f"fixed: {mem}; micro batch {c1.micro_batch_size} x accumulation "
+                   f"{c1.grad_accum_steps} fits and keeps the effective batch "
+                   f"{c1.effective_batch_size}")
+    return fixed, fix_notes
+
+
+def _fixed_eval_batch(checker: _Checker, final: _Assessment, fix: bool, eval_required: bool,
+                      changes: dict[str, tuple[int | None, int | None]], problems: list[str],
+                      reasons: list[str], *, eval_batch_size: int | None, margin: float,
+                      generate_max_new_tokens: int | None) -> int | None:
+    """Step 4 of ``run_check``: an eval batch that does not fit is fixed (``fix``), a
+    problem (``eval_required``) or a warning; the eval batch kept."""
     eval_batch = eval_batch_size
     ev = checker.eval_problem(final)
     if ev and fix:
@@ -533,7 +609,7 @@ def run_check(
         from autofit.memory.eval import tune_eval_batch
 
         try:
-            eval_batch = tune_eval_batch(checker.info, checker.eval_seq_len, dev,
+            eval_batch = tune_eval_batch(checker.info, checker.eval_seq_len, checker.dev,
                                          max(margin, FIX_MARGIN), training=final.config,
                                          max_micro_batch=max(1, eval_batch_size - 1),
                                          generate_max_new_tokens=generate_max_new_tokens)
@@ -547,29 +623,20 @@ def run_check(
         problems.append(ev)
     elif ev:
         reasons.append(f"warning, if the run evaluates: {ev}")
-    reasons += first.notes + (final.notes if final is not first else []) + fix_notes
+    return eval_batch
+
+
+def _fit_lines(checker: _Checker, final: _Assessment) -> list[str]:
+    """Step 5 of ``run_check``, when it fits: what it needs of the device, and ``tight`` when
+    little is left."""
+    dev = checker.dev
     need, source = checker.need(final)
-    if need is not None and not problems:
-        head = dev.capacity_bytes - need
-        reasons.append(f"fits: {source} {format_bytes(need)} of {format_bytes(dev.capacity_bytes)} "
-                       f"on {dev.name} ({format_bytes(head)} headroom)")
-        if head < TIGHT * dev.capacity_bytes:
-            reasons.append(f"tight: less than {TIGHT:.0%} headroom; fragmentation over a long run "
-                           "may need more (tune with a margin: autofit tune)")
-    return PreflightReport(
-        fits=not problems,
-        config=final.config,
-        requested=first.config,
-        estimate=final.estimate,
-        trial=final.trial,
-        from_cache=final.from_cache,
-        problems=tuple(problems),
-        reasons=tuple(reasons),
-        changes=changes,
-        device=dev.name,
-        capacity_bytes=dev.capacity_bytes,
-        seq_len=int(seq_len),
-        eval_estimate=final.eval_estimate,
-        eval_batch_size=eval_batch,
-        trials_run=checker.trials_run,
-    )
+    if need is None:
+        return []
+    head = dev.capacity_bytes - need
+    out = [f"fits: {source} {format_bytes(need)} of {format_bytes(dev.capacity_bytes)} "
+           f"on {dev.name} ({format_bytes(head)} headroom)"]
+    if head < TIGHT * dev.capacity_bytes:
+        out.append(f"tight: less than {TIGHT:.0%} headroom; fragmentation over a long run "
+                   "may need more (tune with a margin: autofit tune)")
+    return out

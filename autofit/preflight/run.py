@@ -360,7 +360,7 @@ def _read_records(folder: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _process(raw: dict[str, Any]) -> ProcessPeak | None:
+def _process(raw: dict[str, object]) -> ProcessPeak | None:
     cuda = max(raw.get("cuda") or [], key=lambda d: d.get("peak_reserved_bytes", 0),
                default=None)
     if "baseline_rss_bytes" not in raw and cuda is None:
@@ -380,7 +380,7 @@ def _process(raw: dict[str, Any]) -> ProcessPeak | None:
 
 
 def _record(command: list[str], device: str, cap: int | None, exit_code: int,
-            raw: list[dict[str, Any]], predicted: int | None, config: str | None,
+            raw: list[dict[str, object]], predicted: int | None, config: str | None,
             notes: list[str]) -> RunRecord:
     from autofit.trial.oom import OOM_MESSAGES
 

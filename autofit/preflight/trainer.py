@@ -43,7 +43,7 @@ Known limitations:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError
@@ -51,6 +51,14 @@ from autofit.knobs import owned_fields
 from autofit.knobs.trainer import normalize_trainer, trainer_of
 from autofit.knobs.trl_loss import loss_impl_of
 from autofit.preflight.verdict import PreflightError, PreflightReport
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
+
+    from autofit.config import Collator, ModelSource
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["preflight", "config_of", "file_config", "trainer_loss", "only_with"]
 
@@ -68,11 +76,11 @@ _ARG_FIELDS = (
 # ---------------------------------------------------------------- reading a run
 
 
-def _is_trainer(obj: Any) -> bool:
+def _is_trainer(obj: object) -> bool:
     return hasattr(obj, "args") and hasattr(obj, "train") and hasattr(obj, "model")
 
 
-def _fields(args: Any) -> dict[str, Any]:
+def _fields(args: TrainingArguments | Mapping[str, object]) -> dict[str, Any]:
     if isinstance(args, dict):
         d = dict(args)
     else:
@@ -86,7 +94,7 @@ def _fields(args: Any) -> dict[str, Any]:
     return d
 
 
-def config_of(args: Any) -> TrainConfig:
+def config_of(args: TrainingArguments | Mapping[str, object]) -> TrainConfig:
     """The ``TrainConfig`` a ``TrainingArguments`` (or a dict of its fields) runs.
 
     Raises:
@@ -113,7 +121,8 @@ def config_of(args: Any) -> TrainConfig:
     return config
 
 
-def trainer_loss(config: TrainConfig, trainer: Any, args: Any = None) -> TrainConfig:
+def trainer_loss(config: TrainConfig, trainer: Trainer,
+                 args: TrainingArguments | Mapping[str, object] = None) -> TrainConfig:
     """``config`` with the loss ``trainer`` computes (a ``Trainer`` object, read by its class,
     or a name of ``autofit.knobs.trainer.TRAINERS``): ``autofit.ChunkedLossTrainer``'s chunked
     one; TRL's fused LM head only under ``SFTTrainer`` without a ``compute_loss_func`` (with
@@ -131,7 +140,7 @@ def trainer_loss(config: TrainConfig, trainer: Any, args: Any = None) -> TrainCo
     return config.replace(loss_impl="model")
 
 
-def file_config(fields: dict[str, Any], meta: dict[str, Any],
+def file_config(fields: dict[str, object], meta: dict[str, object],
                 trainer: str | None = None) -> tuple[TrainConfig, str, str | None]:
     """What a configuration file runs under the declared trainer (``trainer``, else the one
     its metadata records, else ``plain``): ``(config, trainer, lost)``. The config holds what
@@ -191,7 +200,7 @@ def only_with(report: PreflightReport, declared: str, lost: str | None) -> Prefl
     return dataclasses.replace(report, problems=(line, *report.problems))
 
 
-def _eval_settings(d: dict[str, Any], eval_dataset: Any,
+def _eval_settings(d: dict[str, object], eval_dataset: object,
                    generate_max_new_tokens: int | None) -> tuple[int | None, int | None]:
     strategy = str(d.get("eval_strategy") or "no")
     evaluates = eval_dataset is not None or strategy != "no" or bool(d.get("do_eval"))
@@ -203,7 +212,8 @@ def _eval_settings(d: dict[str, Any], eval_dataset: Any,
     return batch, gen
 
 
-def _apply(target: Any, trainer: Any, changes: dict[str, tuple[Any, Any]]) -> None:
+def _apply(target: object, trainer: Trainer, changes: dict[str, tuple[int | None, int | None]]
+           ) -> None:
     for name, (_, new) in changes.items():
         if isinstance(target, dict):
             target[name] = new
@@ -216,21 +226,21 @@ def _apply(target: Any, trainer: Any, changes: dict[str, tuple[Any, Any]]) -> No
 
 
 def preflight(
-    trainer_or_args: Any,
-    model: Any = None,
-    dataset: Any = None,
+    trainer_or_args: Trainer | TrainingArguments | Mapping[str, object],
+    model: ModelSource | None = None,
+    dataset: object = None,
     fix: bool = False,
-    device: Any = "auto",
+    device: str | DeviceInfo = "auto",
     *,
     seq_len: int | None = None,
     max_seq_len: int | None = None,
-    eval_dataset: Any = None,
+    eval_dataset: object = None,
     generate_max_new_tokens: int | None = None,
     margin: float = 0.0,
     trial: bool = True,
     cache: bool | str = True,
-    tokenizer: Any = None,
-    collator: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    collator: Collator | None = None,
     timeout_s: float | None = 600.0,
     raise_on_failure: bool = True,
     block_size: int | None = None,

@@ -42,11 +42,16 @@ import heapq
 import math
 import statistics
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError, EmptyDatasetError, UnknownTaskError, fix
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from autofit.config import Batch, Collator
 
 __all__ = ["DataInfo", "probe_data", "worst_case_batch", "random_batch", "check_batch",
            "sample_ids"]
@@ -90,7 +95,7 @@ def _check_task(task: str | None) -> str:
     return t
 
 
-def _to_list(x: Any) -> list[int]:
+def _to_list(x: object) -> list[int]:
     if hasattr(x, "tolist"):
         x = x.tolist()
     if isinstance(x, int):
@@ -98,7 +103,7 @@ def _to_list(x: Any) -> list[int]:
     return [int(v) for v in x]
 
 
-def _ids_array(x: Any) -> array:
+def _ids_array(x: object) -> array:
     """Token ids as an int64 array (C speed); TypeError / OverflowError for anything else
     (text, floats, nested lists, None)."""
     if hasattr(x, "tolist"):
@@ -110,7 +115,7 @@ def _ids_array(x: Any) -> array:
     return array("q", x)
 
 
-def _not_ids(x: Any) -> str:
+def _not_ids(x: object) -> str:
     """What a value that is not a list of token ids holds, for the message."""
     if hasattr(x, "tolist"):
         x = x.tolist()
@@ -162,7 +167,7 @@ class _Scan:
     unreadable: set[int]  # samples whose ids could not be read (length 0, not "empty")
 
 
-def _scan(ids_of_samples: Iterable[tuple[int, Any]]) -> _Scan:
+def _scan(ids_of_samples: Iterable[tuple[int, object]]) -> _Scan:
     """Read every sample's ids once; unreadable ones are problems (length 0)."""
     scan = _Scan([], [], [], _Problems(), set())
     lengths, mins, maxs = scan.lengths, scan.mins, scan.maxs
@@ -194,8 +199,8 @@ class _View:
 
     def __init__(
         self,
-        dataset: Any,
-        tokenizer: Any,
+        dataset: object,
+        tokenizer: PreTrainedTokenizerBase | None,
         max_seq_len: int | None,
         text_column: str | None,
         text_suffix: str | None = None,
@@ -365,7 +370,7 @@ class _View:
         return out
 
 
-def _is_scalar(v: Any) -> bool:
+def _is_scalar(v: object) -> bool:
     if isinstance(v, (int, float)):
         return True
     return getattr(v, "ndim", None) == 0 or (hasattr(v, "dim") and v.dim() == 0)
@@ -393,11 +398,11 @@ def _check_max_len(max_seq_len: int | None) -> None:
 
 
 def probe_data(
-    dataset: Any,
+    dataset: object,
     micro_batch_size: int = 1,
     *,
     max_seq_len: int | None = None,
-    tokenizer: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     text_column: str | None = None,
     vocab_size: int | None = None,
     max_positions: int | None = None,
@@ -440,8 +445,8 @@ def probe_data(
     )
 
 
-def sample_ids(dataset: Any, *, tokenizer: Any = None, text_column: str | None = None,
-               text_suffix: str | None = None) -> list[list[int]]:
+def sample_ids(dataset: object, *, tokenizer: PreTrainedTokenizerBase | None = None,
+               text_column: str | None = None, text_suffix: str | None = None) -> list[list[int]]:
     """Every sample's token ids, in dataset order (a text column tokenized, each text ending
     in ``text_suffix`` first); every sample checked as ``probe_data`` checks it."""
     view = _View(dataset, tokenizer, None, text_column, text_suffix)
@@ -452,12 +457,12 @@ def sample_ids(dataset: Any, *, tokenizer: Any = None, text_column: str | None =
 
 
 def worst_case_batch(
-    dataset: Any,
+    dataset: object,
     micro_batch_size: int,
     *,
     max_seq_len: int | None = None,
-    tokenizer: Any = None,
-    collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    collator: Collator | None = None,
     task: str | None = "causal-lm",
     text_column: str | None = None,
 ) -> dict[str, Any]:
@@ -500,7 +505,7 @@ def worst_case_batch(
     return _collate(features, t, 0 if pad_id is None else int(pad_id))
 
 
-def _labels_from_ids(batch: dict[str, Any], task: str) -> Any:
+def _labels_from_ids(batch: Batch, task: str) -> Any:
     import torch
 
     ids = batch["input_ids"]
@@ -521,7 +526,7 @@ def _pad(rows: list[list[int]], value: int, width: int) -> Any:
     return out
 
 
-def _collate(features: list[dict[str, Any]], task: str, pad_id: int) -> dict[str, Any]:
+def _collate(features: list[dict[str, object]], task: str, pad_id: int) -> dict[str, Any]:
     """Pad to the longest sample (right padding), add attention mask and labels."""
     import torch
 
@@ -546,7 +551,7 @@ def _collate(features: list[dict[str, Any]], task: str, pad_id: int) -> dict[str
     return batch
 
 
-def check_batch(batch: dict[str, Any], *, vocab_size: int | None = None,
+def check_batch(batch: Batch, *, vocab_size: int | None = None,
                 max_positions: int | None = None) -> None:
     """A collated batch's ``input_ids`` are integer token ids the model can embed: none
     negative or at/above ``vocab_size``, no row longer than ``max_positions`` (learned

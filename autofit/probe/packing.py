@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError, fix
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["STRATEGIES", "Packed", "ScriptData", "pack_ids", "pack_dataset", "check_block_size",
            "as_script_sees"]
@@ -145,8 +148,8 @@ def _best_fit_decreasing(ids: list[list[int]], size: int, *, split: bool) -> lis
     return bins
 
 
-def pack_dataset(dataset: Any, block_size: int, *, strategy: str = "group_texts",
-                 tokenizer: Any = None, text_column: str | None = None,
+def pack_dataset(dataset: object, block_size: int, *, strategy: str = "group_texts",
+                 tokenizer: PreTrainedTokenizerBase | None = None, text_column: str | None = None,
                  text_suffix: str | None = None) -> Packed:
     """``dataset`` tokenized as ``probe_data`` reads it, then packed (module docstring).
 
@@ -193,9 +196,10 @@ class ScriptData:
             {"packing": self.strategy} if self.strategy != "group_texts" else {})}
 
 
-def as_script_sees(dataset: Any, *, block_size: int | None = None,
+def as_script_sees(dataset: object, *, block_size: int | None = None,
                    max_seq_len: int | None = None, packing: str | None = None, sft: Any = None,
-                   tokenizer: Any = None, text_column: str | None = None) -> ScriptData:
+                   tokenizer: PreTrainedTokenizerBase | None = None, text_column: str | None = None
+                   ) -> ScriptData:
     """``dataset`` packed into ``block_size`` blocks (``packing``: a strategy, default
     group_texts), or as ``trl.SFTTrainer`` prepares it for ``sft`` (an ``SFTConfig``):
     truncated at ``max_length``, or packed by its ``packing_strategy``. An explicit
@@ -220,7 +224,8 @@ def as_script_sees(dataset: Any, *, block_size: int | None = None,
     return _sft_sees(dataset, sft, tokenizer, text_column)
 
 
-def _sft_sees(dataset: Any, sft: Any, tokenizer: Any, text_column: str | None) -> ScriptData:
+def _sft_sees(dataset: object, sft: Any, tokenizer: PreTrainedTokenizerBase | None,
+              text_column: str | None) -> ScriptData:
     """What SFTTrainer makes of the dataset (``trl.SFTTrainer._prepare_dataset``): every text
     ends in the EOS token; then truncation at ``max_length``, or packing into it."""
     max_length = _sft_value(sft, "max_length")
@@ -268,7 +273,7 @@ def _sft_value(sft: Any, name: str) -> Any:
     return None if f is None or f.default is MISSING else f.default
 
 
-def _has_text(dataset: Any) -> bool:
+def _has_text(dataset: object) -> bool:
     """Whether the samples are text to tokenize (no ``input_ids``)."""
     try:
         cols = (dataset.column_names if hasattr(dataset, "column_names")

@@ -32,6 +32,7 @@ from autofit.errors import BadInputError, MissingDependencyError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from peft import PeftConfig
 
 __all__ = [
     "UNSUPPORTED",
@@ -82,7 +83,7 @@ _ON_QUANTIZED: dict[tuple[str, int], str] = {
 
 
 @contextlib.contextmanager
-def dora_dequantize(override: Callable[[Any], Any]) -> Iterator[None]:
+def dora_dequantize(override: Callable[[object], object]) -> Iterator[None]:
     """While inside, peft's DoRA dequantizes a base layer's weight (its
     ``dequantize_module_weight``, at initialisation and in every forward) with
     ``override(layer)`` first, peft's own where that returns None. Without peft nothing
@@ -94,7 +95,7 @@ def dora_dequantize(override: Callable[[Any], Any]) -> Iterator[None]:
         return
     real = dora.dequantize_module_weight
 
-    def dequantize(module: Any) -> Any:
+    def dequantize(module: torch.nn.Module) -> Any:
         w = override(module)
         return real(module) if w is None else w
 
@@ -115,7 +116,7 @@ def _meta_dequantize(quant: Any) -> contextlib.AbstractContextManager[None]:
 
     dtype = getattr(torch, quant.compute_dtype)
 
-    def meta_weight(module: Any) -> Any:
+    def meta_weight(module: torch.nn.Module) -> Any:
         w = module.weight
         if type(w).__name__ not in {"Params4bit", "Int8Params"} or not w.is_meta:
             return None
@@ -201,7 +202,7 @@ def default_config(method: str) -> dict[str, Any]:
     return d
 
 
-def peft_config(value: Any, task: str) -> Any:
+def peft_config(value: object, task: str) -> Any:
     """The ``peft.PeftConfig`` to train with (see the module docstring).
 
     Raises:
@@ -251,7 +252,7 @@ def peft_config(value: Any, task: str) -> Any:
         raise BadInputError(f"PEFT {pt.lower()}: {str(e).splitlines()[0]}") from None
 
 
-def _json_types(hint: Any) -> tuple[type, ...] | None:
+def _json_types(hint: object) -> tuple[type, ...] | None:
     """The JSON value types a config field's annotation allows (bool apart from numbers),
     or None when the annotation allows more than plain values (lists, dicts, objects)."""
     import types
@@ -279,7 +280,7 @@ def _json_types(hint: Any) -> tuple[type, ...] | None:
     return None
 
 
-def _field_problems(cls: Any, d: dict[str, Any], version: str) -> list[str]:
+def _field_problems(cls: Any, d: dict[str, object], version: str) -> list[str]:
     """Every key that is not a field of the method's config class (did-you-mean), and every
     value whose JSON type the field does not take ("no" where a bool belongs reads as true;
     peft checks neither): all problems at once."""
@@ -314,7 +315,7 @@ def _field_problems(cls: Any, d: dict[str, Any], version: str) -> list[str]:
     return problems
 
 
-def method_name(config: Any) -> str:
+def method_name(config: PeftConfig) -> str:
     """``"lora"``, ``"dora"``, ``"ia3"``, ... (LoRA's DoRA variant has its own name)."""
     pt = str(getattr(config.peft_type, "value", config.peft_type)).lower()
     if pt == "lora" and getattr(config, "use_dora", False):
@@ -322,7 +323,7 @@ def method_name(config: Any) -> str:
     return pt
 
 
-def virtual_tokens(config: Any) -> int:
+def virtual_tokens(config: PeftConfig) -> int:
     """Tokens the method prepends to every sample's sequence (prompt tuning, P-tuning):
     the model's forward, logits and loss run over ``seq_len + virtual_tokens``. Prefix
     tuning's tokens lengthen only the attention's keys and values."""
@@ -348,14 +349,14 @@ def upcast_adapters(model: torch.nn.Module) -> None:
         cast_adapter_dtype(getattr(base, "model", base), adapter_name=name)
 
 
-def config_dict(config: Any) -> dict[str, Any]:
+def config_dict(config: PeftConfig) -> dict[str, Any]:
     """The config as plain JSON data (sets as sorted lists), without what does not change
     memory: what a tuned file records and ``peft_config`` reads back."""
     d = config.to_dict()
     for k in ("base_model_name_or_path", "revision", "inference_mode", "auto_mapping"):
         d.pop(k, None)
 
-    def plain(v: Any) -> Any:
+    def plain(v: object) -> Any:
         if isinstance(v, (set, frozenset)):
             return sorted(plain(x) for x in v)
         if isinstance(v, (list, tuple)):
@@ -367,12 +368,13 @@ def config_dict(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(plain(d), default=str))
 
 
-def config_key(config: Any) -> str:
+def config_key(config: PeftConfig) -> str:
     """The config as canonical JSON (cache keys)."""
     return json.dumps(config_dict(config), sort_keys=True)
 
 
-def apply_peft(module: torch.nn.Module, config: Any, *, meta: bool = True) -> torch.nn.Module:
+def apply_peft(module: torch.nn.Module, config: PeftConfig, *, meta: bool = True
+               ) -> torch.nn.Module:
     """``get_peft_model(module, config)``, the base's weights frozen first: on a meta base
     (``meta=True``) or on a real one (a trial: peft initialises on the base's device).
 

@@ -36,9 +36,14 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError, fix
+
+if TYPE_CHECKING:
+    import torch
+
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["QuantSpec", "resolve", "spec_of_module", "check_precision", "DTYPES", "QUANT_TYPES"]
 
@@ -64,7 +69,7 @@ _TYPES = {"load_in_4bit": _BOOL, "load_in_8bit": _BOOL, "bnb_4bit_use_double_qua
           "llm_int8_skip_modules": _NAMES}
 
 
-def _has_type(value: Any, kind: str) -> bool:
+def _has_type(value: object, kind: str) -> bool:
     if value is None:
         return True
     if kind == _BOOL:
@@ -79,14 +84,14 @@ def _has_type(value: Any, kind: str) -> bool:
     return not isinstance(value, bool | int | float | list | tuple | dict)  # str or torch.dtype
 
 
-def _type_problems(d: dict[str, Any]) -> list[str]:
+def _type_problems(d: dict[str, object]) -> list[str]:
     """Each key whose value is not of its JSON type ("no" for a bool reads as true)."""
     types = {**_TYPES, "_load_in_4bit": _BOOL, "_load_in_8bit": _BOOL}
     return [f"{k} must be {kind}, got {d[k]!r}" for k, kind in types.items()
             if k in d and not _has_type(d[k], kind)]
 
 
-def _dtype_name(value: Any, where: str) -> str:
+def _dtype_name(value: object, where: str) -> str:
     name = str(value).replace("torch.", "").strip().lower()
     if name not in DTYPES:
         raise BadInputError(f"{where} {value!r} is not a dtype bitsandbytes computes in; "
@@ -203,7 +208,7 @@ class QuantSpec:
 
     # ------------------------------------------------------------------ readers
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "quantization_config") -> QuantSpec:
+    def from_dict(cls, d: dict[str, object], where: str = "quantization_config") -> QuantSpec:
         """A spec from a config.json-style ``quantization_config`` dict (all problems at once)."""
         if not isinstance(d, dict):
             raise BadInputError(f"{where} must be a JSON object such as "
@@ -254,7 +259,7 @@ class QuantSpec:
         )
 
     @classmethod
-    def read(cls, value: Any) -> QuantSpec:
+    def read(cls, value: object) -> QuantSpec:
         """A spec from a ``BitsAndBytesConfig``, a dict, a ``QuantSpec``, a JSON file (a
         config.json with a ``quantization_config``, or that object alone), a model
         directory whose config.json has one, or inline JSON."""
@@ -324,7 +329,7 @@ def resolve(
     compute_dtype: str | None = None,
     double_quant: bool | None = None,
     saved: Any = None,
-    device: Any = None,
+    device: DeviceInfo | None = None,
 ) -> QuantSpec | None:
     """The spec a caller asks for, or None for a base in full precision.
 
@@ -404,7 +409,7 @@ def _flag(name: str) -> str:
     return fix(*flags[name])
 
 
-def spec_of_module(module: Any) -> QuantSpec | None:
+def spec_of_module(module: torch.nn.Module) -> QuantSpec | None:
     """The spec of a model whose layers bitsandbytes already quantized (a user's model, or
     one ``build_model`` quantized on the meta device), read from its layers; None if none is.
 

@@ -32,7 +32,7 @@ def _params(n: int | None) -> str:
     return str(n)
 
 
-def comparison_renderable(c: Any) -> Any:
+def comparison_renderable(c: object) -> Any:
     from rich.table import Table
 
     best = c.best
@@ -66,7 +66,7 @@ def comparison_renderable(c: Any) -> Any:
     return t
 
 
-def render_comparison(c: Any, width: int = 110) -> str:
+def render_comparison(c: object, width: int = 110) -> str:
     """The table as text (no colour codes)."""
     from rich.console import Console
 
@@ -77,11 +77,11 @@ def render_comparison(c: Any, width: int = 110) -> str:
     return console.export_text()
 
 
-def _errors(c: Any) -> list[str]:
+def _errors(c: object) -> list[str]:
     return [f"n/a {r.method}: {r.error}" for r in c.rows if r.error is not None]
 
 
-def print_comparison(c: Any, png: Path | None = None) -> None:
+def print_comparison(c: object, png: Path | None = None) -> None:
     """Print the table (and where the picture is) to the terminal."""
     from rich.console import Console
 
@@ -101,7 +101,7 @@ def print_comparison(c: Any, png: Path | None = None) -> None:
         console.print(f"picture: {png}")
 
 
-def plot_comparison(c: Any, path: str | Path) -> Path:
+def plot_comparison(c: object, path: str | Path) -> Path:
     """Two panels: each method's estimated peak at the compared micro batch (with the
     device's budget and the trials' measurements), and its largest micro batch."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -63,7 +63,7 @@ class ReportData:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def trial_summary(t: Any) -> dict[str, Any]:
+def trial_summary(t: object) -> dict[str, Any]:
     """The few fields of a TrialResult (object or dict) a report draws."""
     d = t.to_dict() if hasattr(t, "to_dict") else dict(t)
     c = d.get("config") or {}
@@ -82,7 +82,7 @@ def trial_summary(t: Any) -> dict[str, Any]:
     }
 
 
-def estimate_from_dict(d: dict[str, Any], **defaults: Any) -> MemoryEstimate:
+def estimate_from_dict(d: dict[str, object], **defaults: Any) -> MemoryEstimate:
     """A MemoryEstimate from ``to_dict()`` output; fields missing from older files are filled."""
     from dataclasses import fields
 
@@ -162,20 +162,20 @@ def report_data_from_file(path: str | Path) -> ReportData:
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "p", "<", ">")
 
 
-def _combo(r: dict[str, Any]) -> tuple[Any, ...]:
+def _combo(r: dict[str, object]) -> tuple[Any, ...]:
     """A row's (or trial's) combination: each knob's value (checkpointing as a bool)."""
     return tuple(bool(r.get(k.name)) if isinstance(k.values[0], bool) else r.get(k.name)
                  for k in KNOBS)
 
 
-def _combo_label(key: tuple[Any, ...]) -> str:
+def _combo_label(key: tuple[object, ...]) -> str:
     # a yes/no knob reads by its title ("ckpt" / "no ckpt"); one with its own words by them
     return ", ".join(k.short(v) if not isinstance(v, bool) or k.short(True) != "yes"
                      else (k.title if v else f"no {k.title}")
                      for k, v in zip(KNOBS, key, strict=True) if v is not None)
 
 
-def combo_styles(keys: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], tuple[Any, str]]:
+def combo_styles(keys: list[tuple[object, ...]]) -> dict[tuple[Any, ...], tuple[Any, str]]:
     """``{combination: (colour, marker)}``: distinct pairs for up to 120 combinations."""
     import matplotlib
 
@@ -212,7 +212,7 @@ def _figure(data: ReportData) -> Any:
     return fig
 
 
-def _combo_handle(style: tuple[Any, str], label: str, hollow: bool = False) -> Any:
+def _combo_handle(style: tuple[object, str], label: str, hollow: bool = False) -> Any:
     from matplotlib.lines import Line2D
 
     colour, marker = style
@@ -257,8 +257,8 @@ def _draw_breakdown(ax: Any, data: ReportData, cap: float) -> None:
               frameon=False)
 
 
-def _draw_candidates(ax: Any, data: ReportData, what: str, keys: list[tuple[Any, ...]],
-                     style: dict[tuple[Any, ...], tuple[Any, str]], cap: float) -> None:
+def _draw_candidates(ax: Any, data: ReportData, what: str, keys: list[tuple[object, ...]],
+                     style: dict[tuple[object, ...], tuple[object, str]], cap: float) -> None:
     """Panels 2 and 3: micro batch against peak memory or throughput, per combination:
     estimates hollow, trials filled and joined, out of memory a red x."""
     for k in keys:
@@ -314,14 +314,14 @@ def _draw(data: ReportData) -> bytes:
 # ---------------------------------------------------------------- the page
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
+def _table(headers: list[str], rows: list[list[object]]) -> str:
     e = html.escape
     head = "".join(f"<th>{e(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _fmt(v: Any, kind: str) -> str:
+def _fmt(v: object, kind: str) -> str:
     if v is None or v == "":
         return "—"
     if kind == "b":
@@ -341,7 +341,7 @@ code{background:#f3f3f3;padding:0 .2em}
 """
 
 
-def _knob_cells(r: dict[str, Any]) -> list[str]:
+def _knob_cells(r: dict[str, object]) -> list[str]:
     return [k.short(v) if (v := r.get(k.name)) is not None else "—" for k in KNOBS]
 
 

@@ -222,7 +222,7 @@ def candidates_renderable(result: Any) -> RenderableType:
     defaults = {k.name: f.default for k in KNOBS
                 if (f := TrainConfig.__dataclass_fields__.get(k.name)) is not None}
 
-    def value(r: dict[str, Any], k: Any) -> Any:
+    def value(r: dict[str, object], k: object) -> Any:
         # a row written before a knob existed (a cached answer) has the knob's default
         return r.get(k.name, defaults.get(k.name))
 
@@ -242,7 +242,7 @@ def candidates_renderable(result: Any) -> RenderableType:
                   - 1e-9 * (r.get("predicted_tokens_per_s") or 0.0))
     notes: list[str] = []
 
-    def fmt(v: Any, kind: str) -> str:
+    def fmt(v: object, kind: str) -> str:
         if v is None:
             return "—"
         return format_bytes(v) if kind == "b" else f"{v:,.0f}"

@@ -429,7 +429,7 @@ class Engine:
         best = self._fastest_confirmed()
         return None if best is None else (best.measured_tokens_per_s or 0.0) / OUTPACED
 
-    def _slower(self, c: Candidate, r: Any) -> None:
+    def _slower(self, c: Candidate, r: object) -> None:
         """``c``'s trial stopped after its first timed step, outpaced by a confirmed rival:
         not confirmed (its run was not replayed), never chosen; its speed is kept."""
         best = self._fastest_confirmed()

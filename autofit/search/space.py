@@ -17,10 +17,13 @@ import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError
 from autofit.knobs import KNOBS, conflict, knob, restrict
+
+if TYPE_CHECKING:
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["SearchSpace", "build_space", "micro_batch_options", "divisors", "check_batch_size",
            "MAX_BATCH_SIZE"]
@@ -96,7 +99,7 @@ class SearchSpace:
             [self.nnodes] if self.nnodes != 1 else [])
 
 
-def check_batch_size(name: str, value: Any, *, optional: bool = False) -> int | None:
+def check_batch_size(name: str, value: object, *, optional: bool = False) -> int | None:
     """``value`` as a batch size (1 to ``MAX_BATCH_SIZE`` samples), or a BadInputError naming it.
 
     ``True``, ``"16"`` and ``7.5`` are refused: a batch size is a whole number of samples.
@@ -155,7 +158,7 @@ def micro_batch_options(
 
 
 def build_space(
-    device: Any,
+    device: DeviceInfo,
     *,
     max_micro_batch: int = 256,
     target_batch_size: int | None = None,

@@ -37,7 +37,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.search.space import SearchSpace
@@ -53,13 +53,17 @@ from autofit.search.storage import (
 )
 from autofit.trial.result import trial_from_dict
 
+if TYPE_CHECKING:
+    from autofit.config import Collator
+    from autofit.trial.result import TrialResult
+
 __all__ = ["TrialRecorder", "open_recorder", "default_storage", "cache_key", "is_failed",
            "batch_digest", "collator_identity"]
 
 CLAIM_POLL_S = 0.5  # how often a run waiting for another run's trial looks at the study
 
 
-def is_failed(result: Any) -> bool:
+def is_failed(result: TrialResult) -> bool:
     """A trial that failed without running out of memory (crash, timeout, killed): no answer."""
     return not result.oom and (result.error is not None or result.device_total_bytes is None)
 
@@ -145,12 +149,12 @@ class TrialRecorder:
         raw = self._guarded(None, lambda: self.study.user_attrs.get("result"))
         return json.loads(raw) if raw else None
 
-    def store_result(self, result: dict[str, Any]) -> None:
+    def store_result(self, result: dict[str, object]) -> None:
         """Store the answer: the next run with this key returns it with no trial."""
         self._guarded(None, self.study.set_user_attr, "result", json.dumps(result, default=str))
 
     # -- trials --------------------------------------------------------------------------
-    def _same(self, want: dict[str, Any]) -> list[Any]:
+    def _same(self, want: dict[str, object]) -> list[Any]:
         import optuna
 
         S = optuna.trial.TrialState
@@ -212,7 +216,7 @@ class TrialRecorder:
             waited = True
             time.sleep(CLAIM_POLL_S)
 
-    def _live(self, t: Any) -> bool:
+    def _live(self, t: object) -> bool:
         """Whether another run still holds claim ``t`` (a void one is marked FAIL)."""
         if t.number in self._held:
             return True
@@ -225,14 +229,14 @@ class TrialRecorder:
             self._void(t)
         return live
 
-    def _void(self, t: Any) -> None:
+    def _void(self, t: object) -> None:
         import optuna
 
         # another run may void it first
         with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError, ValueError):
             self.study.tell(t.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
 
-    def _claim(self, want: dict[str, Any]) -> int:
+    def _claim(self, want: dict[str, object]) -> int:
         import optuna
 
         template = optuna.trial.create_trial(
@@ -245,13 +249,13 @@ class TrialRecorder:
         return number
 
     def _finish(self, number: int, value: float | None, state: Any,
-                attrs: dict[str, Any]) -> None:
+                attrs: dict[str, object]) -> None:
         trial_id = self._held.pop(number)
         for k, v in attrs.items():
             self.storage.set_trial_user_attr(trial_id, k, v)
         self.study.tell(number, value, state=state, skip_if_finished=True)
 
-    def record(self, config: TrainConfig, result: Any, estimate_bytes: int, budget: int,
+    def record(self, config: TrainConfig, result: TrialResult, estimate_bytes: int, budget: int,
                claim: int | None = None) -> None:
         """Tell the study one trial: value = measured tokens/s, constraint = total - budget.
 
@@ -260,7 +264,7 @@ class TrialRecorder:
         """
         self._guarded(None, self._record, config, result, estimate_bytes, budget, claim)
 
-    def _record(self, config: TrainConfig, result: Any, estimate_bytes: int, budget: int,
+    def _record(self, config: TrainConfig, result: TrialResult, estimate_bytes: int, budget: int,
                 claim: int | None) -> None:
         import optuna
 
@@ -320,7 +324,7 @@ def open_recorder(key: str, *, storage: str | None, space: SearchSpace, capacity
         return None
 
 
-def batch_digest(batch: dict[str, Any]) -> str:
+def batch_digest(batch: dict[str, object]) -> str:
     """A short hash of a batch's content: every tensor's name, dtype, shape and values."""
     import hashlib
 
@@ -339,7 +343,7 @@ def batch_digest(batch: dict[str, Any]) -> str:
     return h.hexdigest()[:16]
 
 
-def _plain(v: Any) -> Any:
+def _plain(v: object) -> Any:
     """A setting as plain data: scalars as they are; a tokenizer by its name and vocabulary
     size; anything else by its type (not hashed deeper)."""
     if v is None or isinstance(v, (bool, int, float, str)):
@@ -352,7 +356,7 @@ def _plain(v: Any) -> Any:
     return {"type": f"{type(v).__module__}.{type(v).__qualname__}"}
 
 
-def collator_identity(collator: Any) -> dict[str, Any] | None:
+def collator_identity(collator: Collator | None) -> dict[str, Any] | None:
     """What of a collator goes into the cache key: its type and, where cheap, its settings.
 
     A dataclass collator (transformers' ``DataCollator*``) gives its fields; a
@@ -383,7 +387,7 @@ def collator_identity(collator: Any) -> dict[str, Any] | None:
                          if not k.startswith("_")}}
 
 
-def cache_key(parts: dict[str, Any]) -> str:
+def cache_key(parts: dict[str, object]) -> str:
     """A stable short hash of what determines a search's answer."""
     import hashlib
     blob = json.dumps(parts, sort_keys=True, default=str)

@@ -13,13 +13,16 @@ tokens up; none when no such length fits).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.errors import AutofitError, DoesNotFitError, fix
 from autofit.knobs import KNOBS
 from autofit.probe.device import format_bytes
 from autofit.probe.model import ModelInfo, ParamGroup
+
+if TYPE_CHECKING:
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["with_lora", "quantized_base", "nothing_fits"]
 
@@ -114,7 +117,8 @@ def _shorter_length(seq_len: int, positions: int | None, fits: Any) -> int | Non
     return length if length >= 16 else None
 
 
-def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: Any) -> DoesNotFitError:
+def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: DeviceInfo
+                 ) -> DoesNotFitError:
     """The DoesNotFitError for a search where no candidate fits, with suggestions.
 
     Every number is the engine's calibrated one: a trial's measured peak where a

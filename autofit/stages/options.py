@@ -67,7 +67,7 @@ class TuneOptions:
         """What the caller asked of ``knob`` (a value, a list of values), or None."""
         return self.knobs.get(knob)
 
-    def with_knobs(self, **asked: Any) -> TuneOptions:
+    def with_knobs(self, **asked: object) -> TuneOptions:
         return dataclasses.replace(self, knobs=MappingProxyType({**self.knobs, **asked}))
 
     @property
@@ -76,8 +76,8 @@ class TuneOptions:
         return self.recipe.layout_fields if self.recipe is not None else None
 
     @classmethod
-    def of(cls, constraints: Mapping[str, Any], objective: str = "throughput",
-           **numbers: Any) -> TuneOptions:
+    def of(cls, constraints: Mapping[str, object], objective: str = "throughput",
+           **numbers: object) -> TuneOptions:
         """The keyword options, validated before anything is built: every unknown name is one
         line naming the known ones; every bad number is reported, all in one line.
         ``numbers``: the named parameters of ``autofit()`` checked with them (the target
@@ -117,14 +117,14 @@ def _named(option: str) -> str:
     return fix(_FLAGS[option], option) if option in _FLAGS else option
 
 
-def _number_problems(values: Mapping[str, Any]) -> list[str]:
+def _number_problems(values: Mapping[str, object]) -> list[str]:
     """What is wrong with the numeric options (None: the default), one phrase each."""
     from autofit.search.space import check_batch_size
 
-    def number(v: Any) -> bool:
+    def number(v: object) -> bool:
         return isinstance(v, int | float) and not isinstance(v, bool) and not math.isnan(v)
 
-    def whole(v: Any) -> bool:
+    def whole(v: object) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
     problems = []

@@ -62,7 +62,7 @@ class Probed:
         return self.seen.max_seq_len if self.seen is not None else None
 
 
-def script_data(dataset: Any, max_seq_len: int | None, options: TuneOptions,
+def script_data(dataset: object, max_seq_len: int | None, options: TuneOptions,
                 reasons: list[str]) -> ScriptData:
     """Stage 0: the samples as the script feeds them (``block_size=`` packing, an
     SFTConfig's ``max_length`` / ``packing``; ``autofit.probe.packing.ScriptData``)."""
@@ -76,8 +76,8 @@ def script_data(dataset: Any, max_seq_len: int | None, options: TuneOptions,
     return seen
 
 
-def probe(spec: ModelSpec, seen: ScriptData, device: str | DeviceInfo, options: TuneOptions, reasons: list[str],
-          warm_trials: bool = False) -> Probed:
+def probe(spec: ModelSpec, seen: ScriptData, device: str | DeviceInfo, options: TuneOptions,
+          reasons: list[str], warm_trials: bool = False) -> Probed:
     """Stage 1: resolve the device, build and describe the model, measure the data's lengths.
 
     ``seen``: the samples as the script feeds them (``script_data``). ``warm_trials``:

@@ -17,6 +17,7 @@ from autofit.stages.probed import Probed
 from autofit.stages.run import WholeRun, eval_from_trial, whole_run
 
 if TYPE_CHECKING:
+    from autofit.probe.device import DeviceInfo
     from autofit.probe.model import ModelInfo
     from autofit.result import FitResult
     from autofit.search.engine import Engine, SearchOutcome
@@ -118,7 +119,7 @@ def fit_result(probed: Probed, space: SearchSpace, engine: Engine, outcome: Sear
     return result
 
 
-def _chunked_loss_saving(info: ModelInfo, config: TrainConfig, seq: int, dev: Any) -> str:
+def _chunked_loss_saving(info: ModelInfo, config: TrainConfig, seq: int, dev: DeviceInfo) -> str:
     """The reason line of a chosen chunked loss: what it saves, by the closed form."""
     from autofit.memory.ranked import estimate_analytic
     from autofit.probe.device import format_bytes as _gib
@@ -130,7 +131,7 @@ def _chunked_loss_saving(info: ModelInfo, config: TrainConfig, seq: int, dev: An
             "log-softmax or their gradients)")
 
 
-def _offloading_saving(info: ModelInfo, config: TrainConfig, seq: int, dev: Any) -> str:
+def _offloading_saving(info: ModelInfo, config: TrainConfig, seq: int, dev: DeviceInfo) -> str:
     """The reason line of chosen activation offloading: what it saves on the device, the host
     memory it needs and the time its copies take, by the closed form and the speed model."""
     from autofit.memory.ranked import estimate_analytic
@@ -159,8 +160,8 @@ def _compile_saving(info: ModelInfo, config: TrainConfig, seq: int) -> str:
             f"{config.micro_batch_size}, estimated (fused pointwise chains: autofit.knobs.compile)")
 
 
-def _recipe_fields(kwargs: dict[str, Any], recipe: Any, config: TrainConfig,
-                   base_args: dict[str, Any] | None) -> None:
+def _recipe_fields(kwargs: dict[str, object], recipe: Any, config: TrainConfig,
+                   base_args: dict[str, object] | None) -> None:
     """The tuned file launches the user's recipe, not autofit's: a DeepSpeed config is the
     user's, its numeric batch fields set to the tuned ones (written beside the tuned file:
     ``<stem>-deepspeed.json``; the user's own file is never changed); FSDP fields given in
@@ -176,7 +177,7 @@ def _recipe_fields(kwargs: dict[str, Any], recipe: Any, config: TrainConfig,
             kwargs["fsdp_config"] = base_args["fsdp_config"]
 
 
-def _note(k: Any, config: TrainConfig, trainer: str) -> str | None:
+def _note(k: object, config: TrainConfig, trainer: str) -> str | None:
     """What the user must do besides the fields for knob ``k``'s chosen value; the chunked loss
     for a trainer that does not run it is carried by ``use_liger_kernel`` (the only way the
     search chose it then)."""
@@ -203,7 +204,7 @@ def _ranks_line(outcome: SearchOutcome, config: TrainConfig) -> list[str]:
         + f" (rank {top['rank']} peaks; its peak is the one kept within the budget)"]
 
 
-def candidate_row(c: Any) -> dict[str, Any]:
+def candidate_row(c: object) -> dict[str, Any]:
     """One row of the candidates table (plain data, saved in the tuned file's metadata).
 
     ``estimate_bytes`` is the estimate as made, before any trial; ``calibrated_bytes``
@@ -220,7 +221,7 @@ def candidate_row(c: Any) -> dict[str, Any]:
 
 
 def result_from_cache(cached: dict, recorder: TrialRecorder | None, probed: Probed,
-                      base_args: dict[str, Any] | None, trainer: str = "plain"):
+                      base_args: dict[str, object] | None, trainer: str = "plain"):
     """The ``FitResult`` of the same question answered before (no trial)."""
     from autofit.emit import training_arguments_dict
     from autofit.memory.ranked import estimate_analytic

@@ -46,7 +46,7 @@ class RunPlan:
     assumed: bool = True  # no training_args: one evaluation and one save assumed
 
     @classmethod
-    def of(cls, base_args: dict[str, Any] | None) -> RunPlan:
+    def of(cls, base_args: dict[str, object] | None) -> RunPlan:
         if base_args is None:  # autofit writes an eval batch: assume the run evaluates
             return cls(eval_steps=10**9, save_steps=10**9)
         a = base_args
@@ -104,7 +104,7 @@ class WholeRun:
     of a configuration's run through the target's allocator model (one ``Simulator``,
     built when first needed)."""
 
-    def __init__(self, probed: Probed, base_args: dict[str, Any] | None,
+    def __init__(self, probed: Probed, base_args: dict[str, object] | None,
                  options: TuneOptions) -> None:
         self.probed, self.base_args, self.options = probed, base_args, options
         self.plan = RunPlan.of(base_args)
@@ -164,7 +164,7 @@ RUN_TRIAL_REPLAY_WITHIN = 0.10
 
 
 def trial_run(probed: Probed, config: TrainConfig, kept: RunMargin | None,
-              base_args: dict[str, Any] | None, options: TuneOptions,
+              base_args: dict[str, object] | None, options: TuneOptions,
               whole: WholeRun | None = None, outpaced_below: float | None = None) -> Any:
     """The short run a trial of ``config`` replays besides its worst-case steps
     (``autofit.trial.step.RunSpec``), or None.

@@ -37,7 +37,7 @@ class SimulatedTrial:
 
 def simulated_trials(module: torch.nn.Module, task: str, info: ModelInfo, dev: DeviceInfo,
                      seq_len: int, speed: Callable[[TrainConfig], float],
-                     sharding: dict[str, Any] | None = None) -> Callable[[TrainConfig], Any]:
+                     sharding: dict[str, object] | None = None) -> Callable[[TrainConfig], Any]:
     """A trial function for a device that is not here: the simulated step on fake tensors.
 
     The engine brackets the limit with it exactly as with real trials (a few
@@ -63,7 +63,7 @@ def simulated_trials(module: torch.nn.Module, task: str, info: ModelInfo, dev: D
 
 def simulated_estimate(module: torch.nn.Module, task: str, info: ModelInfo, dev: DeviceInfo,
                        seq_len: int, progress: Callable[[str], None] | None = None,
-                       sharding: dict[str, Any] | None = None) -> Callable[[TrainConfig], int]:
+                       sharding: dict[str, object] | None = None) -> Callable[[TrainConfig], int]:
     """``config -> device total bytes`` from the simulated step's peak line per combination."""
     from autofit.memory.simulate import Simulator
 

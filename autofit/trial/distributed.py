@@ -41,7 +41,7 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,6 +52,12 @@ from autofit.trial.step import (
     free_grads,
     optimizer_step,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["RankSpec", "Ranks", "join", "wrap", "OK", "OOM", "FAILED", "FSDP_STRATEGIES",
            "ZERO_STAGES"]
@@ -169,7 +175,9 @@ class _TorchStepper(_Phases):
     """DDP and FSDP2: the Trainer's step through a wrapper, with a torch optimizer."""
 
     def __init__(self, model: torch.nn.Module, wrapped: torch.nn.Module, plan: StepPlan,
-                 device: torch.device, no_sync: Any, scaler: Any = None) -> None:
+                 device: torch.device,
+                 no_sync: Callable[[], contextlib.AbstractContextManager[None]],
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         self.model = model  # the module whose parameters train (FSDP2: the same object)
         self.wrapped = wrapped
         self.plan = plan
@@ -238,8 +246,8 @@ def _ddp(model: torch.nn.Module, plan: StepPlan, spec: RankSpec,
 class _Accelerator:
     """What accelerate's ``fsdp2_prepare_model`` reads of an ``Accelerator``."""
 
-    def __init__(self, plugin: Any, mesh: Any, device: torch.device, precision: str,
-                 main: bool) -> None:
+    def __init__(self, plugin: FullyShardedDataParallelPlugin, mesh: DeviceMesh | None,
+                 device: torch.device, precision: str, main: bool) -> None:
         from types import SimpleNamespace
 
         self.state = SimpleNamespace(fsdp_plugin=plugin)

@@ -66,10 +66,19 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError
 from autofit.trial.oom import is_oom
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    from transformers import Trainer
+    from transformers.trainer_utils import TrainOutput
+
+    from autofit.config import Batch
 
 __all__ = ["guard", "Rescue", "RETRY_AFTER", "RECORD_NAME", "read_record", "record_beside",
            "evidence"]
@@ -150,7 +159,7 @@ def evidence(tuned: str | os.PathLike, micro_batch: int) -> str | None:
 # ------------------------------------------------------------------------ splitting
 
 
-def _batch_shape(inputs: dict[str, Any]) -> tuple[int, ...]:
+def _batch_shape(inputs: Batch) -> tuple[int, ...]:
     for key in ("input_ids", "inputs_embeds", "pixel_values", "labels"):
         v = inputs.get(key)
         if hasattr(v, "shape") and len(v.shape) >= 1:
@@ -161,7 +170,7 @@ def _batch_shape(inputs: dict[str, Any]) -> tuple[int, ...]:
     return (0,)
 
 
-def _split(inputs: dict[str, Any], k: int) -> list[dict[str, Any]]:
+def _split(inputs: Batch, k: int) -> list[dict[str, Any]]:
     """``inputs`` cut into ``k`` chunks along dim 0 (every tensor with the batch's size
     there; other values shared), sizes differing by at most one, in order."""
     import torch
@@ -178,7 +187,7 @@ def _split(inputs: dict[str, Any], k: int) -> list[dict[str, Any]]:
     return parts
 
 
-def _items(trainer: Any, inputs: dict[str, Any]) -> int:
+def _items(trainer: Trainer, inputs: Batch) -> int:
     """Label items of ``inputs`` as the Trainer counts them: label tokens != -100 (after the
     causal shift when the model's loss shifts), else samples."""
     labels = inputs.get("shift_labels")
@@ -198,7 +207,7 @@ def _items(trainer: Any, inputs: dict[str, Any]) -> int:
 # ------------------------------------------------------------------------ memory
 
 
-def _device_of(trainer: Any) -> str:
+def _device_of(trainer: Trainer) -> str:
     dev = getattr(getattr(trainer, "args", None), "device", None)
     return str(dev) if dev is not None else "cpu"
 
@@ -230,7 +239,7 @@ def _free(device: str) -> None:
 class _Guard:
     """The state of one guarded trainer: the split in force, the rescues, the hooks."""
 
-    def __init__(self, trainer: Any, retry_after: int, record: Path | None, echo: bool) -> None:
+    def __init__(self, trainer: Trainer, retry_after: int, record: Path | None, echo: bool) -> None:
         self.trainer = trainer
         self.retry_after = retry_after
         self.record = record
@@ -247,19 +256,19 @@ class _Guard:
         self.ranks: _Ranks | None = None  # several processes: how they agree
 
     # -- which parameters an attempt accumulated ------------------------------------------
-    def watch(self, model: Any) -> None:
+    def watch(self, model: torch.nn.Module) -> None:
         if self.handles:
             return
         for p in model.parameters():
             if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
                 self.handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
-    def _accumulated(self, p: Any) -> None:
+    def _accumulated(self, p: torch.nn.Parameter) -> None:
         if self.recording:
             self.touched.add(id(p))
 
     @contextlib.contextmanager
-    def _zero_grads_of(self, model: Any, ids: set[int]) -> Any:
+    def _zero_grads_of(self, model: torch.nn.Module, ids: set[int]) -> Any:
         """Incoming gradients of the parameters in ``ids`` replaced by zeros (they hold this
         micro batch's gradient already, from the attempt that ran out of memory)."""
         if not ids:  # the common case: nothing to undo (no parameter walk on the hot path)
@@ -337,8 +346,8 @@ class _Guard:
                 logger.warning("autofit.guard: could not write %s (%s)", self.record, e)
 
     # -- training_step ---------------------------------------------------------------------
-    def training_step(self, model: Any, inputs: dict[str, Any],
-                      num_items_in_batch: Any = None) -> Any:
+    def training_step(self, model: torch.nn.Module, inputs: Batch,
+                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         """The guarded step: on one process, ``_local_step``; on several, the same under the
         model's ``no_sync`` and then the ranks' agreement (``_Ranks.step``)."""
         if self.ranks is None:
@@ -347,8 +356,8 @@ class _Guard:
             return loss
         return self.ranks.step(self, model, inputs, num_items_in_batch)
 
-    def _local_step(self, model: Any, inputs: dict[str, Any],
-                    num_items_in_batch: Any = None) -> Any:
+    def _local_step(self, model: torch.nn.Module, inputs: Batch,
+                    num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         """The Trainer's step over ``inputs``, in pieces when a piece runs out of memory.
 
         Pieces run in order; a piece that fails is halved in place. The parameters a failed
@@ -390,8 +399,8 @@ class _Guard:
         self._settle(k, shape, smallest, rescued)
         return loss
 
-    def _piece(self, model: Any, piece: dict[str, Any], whole: dict[str, Any],
-               num_items_in_batch: Any, total: int | None) -> Any:
+    def _piece(self, model: torch.nn.Module, piece: Batch, whole: Batch,
+               num_items_in_batch: torch.Tensor | int | None, total: int | None) -> Any:
         if piece is whole or total is None:
             return self.train_step(model, piece, num_items_in_batch)
         weight = _weight(self.trainer, piece, whole, total)
@@ -399,8 +408,8 @@ class _Guard:
             return self.train_step(model, piece, num_items_in_batch)
 
     # -- prediction_step -------------------------------------------------------------------
-    def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
-                        ignore_keys: Any = None) -> Any:
+    def prediction_step(self, model: torch.nn.Module, inputs: Batch, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> Any:
         """The Trainer's evaluation step, in pieces when one runs out of memory: the losses
         weighted by items, logits and labels concatenated in order."""
         from collections import deque
@@ -440,7 +449,7 @@ class _Guard:
         return loss, logits, labels
 
     # -- outside the micro steps -----------------------------------------------------------
-    def train(self, train: Any, *args: Any, **kwargs: Any) -> Any:
+    def train(self, train: Callable[..., TrainOutput], *args: object, **kwargs: object) -> Any:
         try:
             return train(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised, with a note
@@ -481,8 +490,8 @@ class _Ranks:
     def __init__(self, world: int) -> None:
         self.world = world
 
-    def step(self, guard: _Guard, model: Any, inputs: dict[str, Any],
-             num_items_in_batch: Any) -> Any:
+    def step(self, guard: _Guard, model: torch.nn.Module, inputs: Batch,
+             num_items_in_batch: torch.Tensor | int | None) -> Any:
         no_sync = getattr(model, "no_sync", None)
         if no_sync is None:
             raise BadInputError(
@@ -531,7 +540,7 @@ class _Ranks:
             guard.k, guard.length, guard.clean_steps = k, -length, -clean
         return -low if low != self._NONE else None
 
-    def average_gradients(self, model: Any, device: str) -> None:
+    def average_gradients(self, model: torch.nn.Module, device: str) -> None:
         """Every trainable parameter's gradient replaced by its mean over the ranks (as DDP
         does: a sum, divided by the world size); a parameter no rank gave a gradient keeps
         None."""
@@ -560,7 +569,7 @@ class _Ranks:
             bucket, size = [], 0
 
 
-def _weight(trainer: Any, piece: dict[str, Any], whole: dict[str, Any], total: int) -> float:
+def _weight(trainer: Trainer, piece: Batch, whole: Batch, total: int) -> float:
     """``piece``'s share of ``whole``: its label items over the whole's (samples when the
     whole has no label item)."""
     if total > 0:
@@ -569,13 +578,13 @@ def _weight(trainer: Any, piece: dict[str, Any], whole: dict[str, Any], total: i
 
 
 @contextlib.contextmanager
-def _scaled_loss(trainer: Any, weight: float) -> Any:
+def _scaled_loss(trainer: Trainer, weight: float) -> Any:
     """``trainer.compute_loss`` multiplied by ``weight`` for the duration (an instance
     attribute over the class's method, removed after)."""
     own = vars(trainer).get("compute_loss")
     original = trainer.compute_loss
 
-    def compute_loss(*args: Any, **kwargs: Any) -> Any:
+    def compute_loss(*args: object, **kwargs: object) -> Any:
         out = original(*args, **kwargs)
         if isinstance(out, tuple):
             return (out[0] * weight, *out[1:])
@@ -597,7 +606,7 @@ def _add_note(exc: BaseException, note: str) -> None:
     logger.error(note)
 
 
-def _world_size(trainer: Any) -> int:
+def _world_size(trainer: Trainer) -> int:
     args = getattr(trainer, "args", None)
     try:
         return int(getattr(args, "world_size", 1) or 1)
@@ -605,7 +614,7 @@ def _world_size(trainer: Any) -> int:
         return 1
 
 
-def guard(trainer: Any, *, retry_after: int = RETRY_AFTER,
+def guard(trainer: Trainer, *, retry_after: int = RETRY_AFTER,
           record: str | os.PathLike | None = None, echo: bool = True) -> Any:
     """Absorb out-of-memory errors inside the trainer's micro steps (see the module docstring).
 

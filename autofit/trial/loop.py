@@ -33,7 +33,7 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -51,6 +51,11 @@ from autofit.trial.step import (
     setup_batch,
     storage_bytes,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from autofit.config import Batch
 
 __all__ = ["RawTrial", "run_steps", "CPU_LEAK_TOLERANCE", "ACCEL_LEAK_TOLERANCE"]
 
@@ -279,8 +284,8 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {head}"[:500]
 
 
-def _evaluate(stepper: Stepper, batch: dict[str, torch.Tensor], run: RunSpec, meter: Any,
-              raw: RawTrial) -> None:
+def _evaluate(stepper: Stepper, batch: dict[str, torch.Tensor], run: RunSpec,
+              meter: _CpuMeter | _AccelMeter, raw: RawTrial) -> None:
     """The evaluation step of ``run``, its peak measured apart from the training's (which
     is read first and kept in ``raw``)."""
     raw.peak_allocated_bytes, raw.peak_reserved_bytes, raw.device_total_bytes = meter.peaks()
@@ -296,7 +301,8 @@ def _evaluate(stepper: Stepper, batch: dict[str, torch.Tensor], run: RunSpec, me
     raw.eval_device_total_bytes = meter.peaks()[2]
 
 
-def _passed_budget(meter: Any, run: RunSpec | None, raw: RawTrial, what: str) -> bool:
+def _passed_budget(meter: _CpuMeter | _AccelMeter, run: RunSpec | None, raw: RawTrial, what: str
+                   ) -> bool:
     """Whether the peak since the warm-up passed ``run.stop_above_bytes`` (then noted in
     ``raw``): the peak only grows, so the trial's verdict (over the budget) is settled."""
     limit = run.stop_above_bytes if run is not None else None
@@ -312,7 +318,7 @@ def _passed_budget(meter: Any, run: RunSpec | None, raw: RawTrial, what: str) ->
 
 
 def _timed_step(stepper: Stepper, batch: dict[str, torch.Tensor], device: torch.device,
-                meter: Any, run: RunSpec | None, raw: RawTrial,
+                meter: _CpuMeter | _AccelMeter, run: RunSpec | None, raw: RawTrial,
                 deadline: float | None) -> str | None:
     """One timed full-length step (its time in ``raw.step_times_s``), and why the trial
     stops there, if it does: ``"budget"`` (its peak passed the budget), ``"outpaced"`` (its
@@ -344,7 +350,7 @@ def _timed_step(stepper: Stepper, batch: dict[str, torch.Tensor], device: torch.
     return None
 
 
-def _replay_moot(meter: Any, run: RunSpec, raw: RawTrial) -> bool:
+def _replay_moot(meter: _CpuMeter | _AccelMeter, run: RunSpec, raw: RawTrial) -> bool:
     """Whether the first timed step's peak is so far under the budget that the replay
     cannot change the verdict (``RunSpec.replay_within``); noted in ``raw`` when it is."""
     if run.replay_within is None or run.stop_above_bytes is None:
@@ -416,26 +422,57 @@ def run_steps(
     user's original model when the trial runs on a copy beside it).
     ``deadline``: ``time.monotonic()`` after which no further step starts.
     """
-    raw = RawTrial()
-    clock = [time.monotonic()]
-
-    def lap(name: str) -> None:  # seconds since the previous lap, in raw.phase_s
-        now = time.monotonic()
-        raw.phase_s[name] = round(now - clock[0], 3)
-        clock[0] = now
-
+    trial = _Steps(device, deadline)
+    raw = trial.raw
     batch = move_batch(batch, device)
-    stepper: Stepper | None = None
-    meter: Any = None
     error: str | None = None
     oom = False
-    phase = "set-up"
     try:
+        forward = trial.set_up(model, batch, plan, run)
+        if not trial.baseline(model, batch, plan, forward, cap_bytes, excluded_bytes):
+            return raw
+        trial.steps(batch, warmup_steps=warmup_steps, measure_steps=measure_steps, run=run)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes part of the result
+        oom = is_oom(exc)
+        error = f"{trial.phase} step: {_first_line(exc)}"
+        # NB: nothing else here; `exc` and its frames (the step's tensors) go at block end
+    if error is not None:
+        raw.oom = oom
+        raw.error = error
+    trial.clean_up(model)
+    return raw
+
+
+class _Steps:
+    """One trial's steps in order (``run_steps``): set-up, baseline, the steps (warm-up,
+    replay, timed, evaluation), clean-up; ``raw`` the measurement so far, ``phase`` the
+    step running (for an error), ``lap`` the seconds of each part in ``raw.phase_s``."""
+
+    def __init__(self, device: torch.device, deadline: float | None) -> None:
+        self.device, self.deadline = device, deadline
+        self.raw = RawTrial()
+        self.clock = time.monotonic()
+        self.stepper: Stepper | None = None
+        self.meter: _CpuMeter | _AccelMeter | None = None
+        self.phase = "set-up"
+
+    def lap(self, name: str) -> None:  # seconds since the previous lap, in raw.phase_s
+        now = time.monotonic()
+        self.raw.phase_s[name] = round(now - self.clock, 3)
+        self.clock = now
+
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def set_up(self, model: torch.nn.Module, batch: Batch, plan: StepPlan,
+               run: RunSpec | None) -> Callable[..., object] | None:
+        """1. the model prepared; the set-up step on one sample at full length (compiled
+        steps under torch.compile), then freed; the compiled forward (None: eager)."""
+        raw = self.raw
         prepare_model(model, plan)
         raw.notes.extend(plan.notes)
         forward = compile_model(model) if plan.torch_compile else None
-        # 1. the set-up step on one sample at full length, then free it
-        stepper = Stepper(model, plan, device, forward)
+        stepper = self.stepper = Stepper(model, plan, self.device, forward)
         if forward is None:
             stepper.step(setup_batch(batch))
         else:
@@ -445,12 +482,19 @@ def run_steps(
             raw.notes.append(f"torch.compile: set-up steps compiled in {raw.compile_s:.1f} s "
                              "(before the baseline, not timed)")
         stepper.close()
-        stepper = None
-        # 2. baseline
+        self.stepper = None
+        return forward
+
+    def baseline(self, model: torch.nn.Module, batch: Batch, plan: StepPlan,
+                 forward: Callable[..., object] | None, cap_bytes: int | None,
+                 excluded_bytes: int) -> bool:
+        """2. the baseline and the stepper of the steps; False (an out-of-memory recorded)
+        when the weights, buffers and batch alone pass a CPU cap."""
+        raw, device = self.raw, self.device
         if device.type == "cpu":
             resident = storage_bytes(model.parameters(), model.buffers(), batch.values())
             raw.resident_bytes = resident
-            meter = _CpuMeter(resident, cap_bytes)
+            meter = self.meter = _CpuMeter(resident, cap_bytes)
             if cap_bytes is not None and resident >= cap_bytes:
                 raw.oom = True
                 raw.error = (
@@ -459,98 +503,118 @@ def run_steps(
                 )
                 raw.peak_allocated_bytes = raw.peak_reserved_bytes = resident
                 raw.device_total_bytes = resident
-                return raw
+                return False
         else:
-            meter = _AccelMeter(device, excluded_bytes)
+            meter = self.meter = _AccelMeter(device, excluded_bytes)
         raw.baseline_bytes = meter.baseline()
-        stepper = Stepper(model, plan, device, forward)
-        stepper.sync = None if device.type == "cpu" else (lambda: _sync(device))
-        lap("set-up")
-        # 3.-4. the steps
-        phase = "warm-up"
+        self.stepper = Stepper(model, plan, device, forward)
+        self.stepper.sync = None if device.type == "cpu" else (lambda: _sync(device))
+        self.lap("set-up")
+        return True
+
+    def steps(self, batch: Batch, *, warmup_steps: int, measure_steps: int,
+              run: RunSpec | None) -> None:
+        """3.-4. the warm-up, the peak reset, the replay of the run's other lengths, the
+        timed steps and the evaluation, while the meter is armed."""
+        raw, meter = self.raw, self.meter
+        self.phase = "warm-up"
         meter.arm()
         try:
-            done = 0
-            skipped_extra = 0
-            while done < warmup_steps:
-                ok = stepper.step(batch)
-                if not ok and skipped_extra < 8:
-                    skipped_extra += 1  # fp16 loss scale still settling: no state yet
-                    continue
-                done += 1
-                raw.warmup_done = done
-                if deadline is not None and time.monotonic() > deadline:
-                    raw.timed_out = True
-                    break
-            if stepper.skipped_steps:
-                raw.notes.append(f"GradScaler skipped {stepper.skipped_steps} step(s) (inf grads)")
-            lap("warm-up")
-            phase = "measured"
+            self._warm_up(batch, warmup_steps)
+            self.lap("warm-up")
+            self.phase = "measured"
             if not raw.timed_out:
                 meter.reset_peak()
-                lengths = run.lengths if run is not None else ()
-                stop = False
-                if lengths:
-                    # the first timed step before the replay: an over-budget or outpaced
-                    # trial is settled by it, before the replay's cost
-                    why = _timed_step(stepper, batch, device, meter, run, raw, deadline)
-                    raw.timed_out = why == "deadline"
-                    stop = why is not None
-                    moot = not stop and _replay_moot(meter, run, raw)
-                    t0 = time.monotonic()
-                    for i, length in enumerate(() if stop or moot else lengths):
-                        if _replay_spent(run, i, t0, raw):
-                            break
-                        phase = f"run (length {length})"
-                        stepper.step(cut_batch(batch, length))
-                        raw.run_steps += 1
-                        if _passed_budget(meter, run, raw, f"replayed step {i + 1}"):
-                            stop = True
-                            break
-                        if deadline is not None and time.monotonic() > deadline:
-                            raw.timed_out = stop = True
-                            break
-                    raw.phase_s["replay"] = round(time.monotonic() - t0, 3)
-                    phase = "measured"
-                spread = run.decisive_spread if run is not None else None
-                # at least one full-length step after the replay: the run's peak is there
-                owed = 0 if stop else max(measure_steps - len(raw.step_times_s), 1)
-                for k in range(owed):
-                    why = _timed_step(stepper, batch, device, meter, run, raw, deadline)
-                    if why is not None:
-                        raw.timed_out = why == "deadline" and k < owed - 1
-                        break
-                    if _decided(raw.step_times_s, spread, measure_steps):
-                        raw.notes.append(f"{len(raw.step_times_s)} timed steps of "
-                                         f"{measure_steps}: they agree within "
-                                         f"{100 * spread:.1f}%, a further one cannot move "
-                                         "their median out of them")
-                        break
+                stop = self._replay(batch, run)
+                self._timed(batch, run, measure_steps, stop)
             raw.phase_s["timed"] = round(sum(raw.step_times_s), 3)
-            lap("steps")
+            self.lap("steps")
             if (run is not None and run.eval_batch_size and not raw.timed_out
                     and not raw.over_budget and not raw.outpaced):
-                _evaluate(stepper, batch, run, meter, raw)
-                lap("evaluation")
+                _evaluate(self.stepper, batch, run, meter, raw)
+                self.lap("evaluation")
         finally:
             meter.disarm()
-    except Exception as exc:  # noqa: BLE001 - every failure becomes part of the result
-        oom = is_oom(exc)
-        error = f"{phase} step: {_first_line(exc)}"
-        # NB: nothing else here; `exc` and its frames (the step's tensors) go at block end
-    if error is not None:
-        raw.oom = oom
-        raw.error = error
-    if meter is not None and meter.base is not None and raw.eval_device_total_bytes is None:
-        raw.peak_allocated_bytes, raw.peak_reserved_bytes, raw.device_total_bytes = meter.peaks()
-    # 5. free what the trial made, then check the baseline
-    if stepper is not None:
-        stepper.close()
-    stepper = None
-    free_grads(model)
-    if meter is not None and meter.base is not None:
-        leaked = meter.leaked()
-        raw.leaked_bytes = leaked
-        raw.recovered = leaked is not None and leaked <= meter.tolerance
-    lap("clean-up")
-    return raw
+
+    def _warm_up(self, batch: Batch, warmup_steps: int) -> None:
+        raw, stepper = self.raw, self.stepper
+        done = 0
+        skipped_extra = 0
+        while done < warmup_steps:
+            ok = stepper.step(batch)
+            if not ok and skipped_extra < 8:
+                skipped_extra += 1  # fp16 loss scale still settling: no state yet
+                continue
+            done += 1
+            raw.warmup_done = done
+            if self._past_deadline():
+                raw.timed_out = True
+                break
+        if stepper.skipped_steps:
+            raw.notes.append(f"GradScaler skipped {stepper.skipped_steps} step(s) (inf grads)")
+
+    def _replay(self, batch: Batch, run: RunSpec | None) -> bool:
+        """The run's other lengths, one step each, after a first timed step; whether the
+        trial stops there (over budget, outpaced, the deadline)."""
+        raw, meter = self.raw, self.meter
+        lengths = run.lengths if run is not None else ()
+        if not lengths:
+            return False
+        # the first timed step before the replay: an over-budget or outpaced
+        # trial is settled by it, before the replay's cost
+        why = _timed_step(self.stepper, batch, self.device, meter, run, raw, self.deadline)
+        raw.timed_out = why == "deadline"
+        stop = why is not None
+        moot = not stop and _replay_moot(meter, run, raw)
+        t0 = time.monotonic()
+        for i, length in enumerate(() if stop or moot else lengths):
+            if _replay_spent(run, i, t0, raw):
+                break
+            self.phase = f"run (length {length})"
+            self.stepper.step(cut_batch(batch, length))
+            raw.run_steps += 1
+            if _passed_budget(meter, run, raw, f"replayed step {i + 1}"):
+                stop = True
+                break
+            if self._past_deadline():
+                raw.timed_out = stop = True
+                break
+        raw.phase_s["replay"] = round(time.monotonic() - t0, 3)
+        self.phase = "measured"
+        return stop
+
+    def _timed(self, batch: Batch, run: RunSpec | None, measure_steps: int,
+               stop: bool) -> None:
+        """The timed steps still owed, until their median is decided."""
+        raw = self.raw
+        spread = run.decisive_spread if run is not None else None
+        # at least one full-length step after the replay: the run's peak is there
+        owed = 0 if stop else max(measure_steps - len(raw.step_times_s), 1)
+        for k in range(owed):
+            why = _timed_step(self.stepper, batch, self.device, self.meter, run, raw,
+                              self.deadline)
+            if why is not None:
+                raw.timed_out = why == "deadline" and k < owed - 1
+                break
+            if _decided(raw.step_times_s, spread, measure_steps):
+                raw.notes.append(f"{len(raw.step_times_s)} timed steps of "
+                                 f"{measure_steps}: they agree within "
+                                 f"{100 * spread:.1f}%, a further one cannot move "
+                                 "their median out of them")
+                break
+
+    def clean_up(self, model: torch.nn.Module) -> None:
+        """The peaks; 5. what the trial made freed, then the baseline checked."""
+        raw, meter = self.raw, self.meter
+        if meter is not None and meter.base is not None and raw.eval_device_total_bytes is None:
+            raw.peak_allocated_bytes, raw.peak_reserved_bytes, raw.device_total_bytes = \
+                meter.peaks()
+        if self.stepper is not None:
+            self.stepper.close()
+        self.stepper = None
+        free_grads(model)
+        if meter is not None and meter.base is not None:
+            leaked = meter.leaked()
+            raw.leaked_bytes = leaked
+            raw.recovered = leaked is not None and leaked <= meter.tolerance
+        self.lap("clean-up")

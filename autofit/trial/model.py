@@ -33,11 +33,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autofit.config import ModelSpec, QuantRequest
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
+    from transformers import BitsAndBytesConfig
+
+    from autofit.config import ModelSource
+    from autofit.probe.device import DeviceInfo
+    from autofit.probe.model import LoraSpec
+    from autofit.probe.quant import QuantSpec
 
 __all__ = ["ModelRef", "ModelSpec", "model_spec", "for_device", "build_meta", "materialize",
            "is_quantized_model"]
@@ -49,10 +58,13 @@ _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index
 ModelRef = ModelSpec
 
 
-def model_spec(model: Any, *, task: str | None = None, attn_implementation: str | None = None,
-               lora: Any = None, peft_config: Any = None, load_in_4bit: bool = False,
-               load_in_8bit: bool = False, quantization_config: Any = None,
-               device: Any = None) -> ModelSpec:
+def model_spec(model: ModelSource, *, task: str | None = None,
+               attn_implementation: str | None = None,
+               lora: LoraSpec | dict[str, object] | None = None,
+               peft_config: PeftConfig | None = None, load_in_4bit: bool = False,
+               load_in_8bit: bool = False,
+               quantization_config: BitsAndBytesConfig | dict[str, object] | None = None,
+               device: DeviceInfo | None = None) -> ModelSpec:
     """The ``ModelSpec`` of the public functions' model keywords, validated: one adapter
     request (``lora=`` or ``peft_config=``, not both) and the quantized base resolved
     (``autofit.probe.quant.resolve``; for ``device`` when given, else device-free: bad
@@ -73,7 +85,7 @@ def model_spec(model: Any, *, task: str | None = None, attn_implementation: str 
                      quant=quant, quant_request=request)
 
 
-def for_device(spec: ModelSpec, device: Any) -> ModelSpec:
+def for_device(spec: ModelSpec, device: DeviceInfo) -> ModelSpec:
     """``spec`` with its quantized base resolved for ``device`` (a ``DeviceInfo``)."""
     from autofit.probe.quant import resolve
 
@@ -156,7 +168,7 @@ def _materialize_meta(module: torch.nn.Module, device: torch.device) -> None:
             init()
 
 
-def _quantize_layers(module: torch.nn.Module, spec: Any, device: torch.device) -> None:
+def _quantize_layers(module: torch.nn.Module, spec: QuantSpec, device: torch.device) -> None:
     """Draw each bitsandbytes layer's weight on ``device`` in the compute dtype and quantize
     it there, one layer at a time (module docstring)."""
     import bitsandbytes as bnb

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import shutil
@@ -48,7 +49,11 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import FrameType
+    from typing import IO
 
 __all__ = [
     "OUTSIDE_SIGNALS",
@@ -119,7 +124,7 @@ def workdir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def start(args: list[str], *, env: dict[str, str], log: Any) -> subprocess.Popen:
+def start(args: list[str], *, env: dict[str, str], log: IO[bytes] | int) -> subprocess.Popen:
     """Start a child in a session of its own (its own process group), output to ``log``."""
     return subprocess.Popen(
         args,
@@ -144,7 +149,10 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-_SWEPT: set[str] = set()  # temp dirs already swept by this process
+@functools.lru_cache(maxsize=1)
+def _swept() -> set[str]:
+    """The temp dirs this process swept already."""
+    return set()
 
 
 def sweep(tmp: str | os.PathLike | None = None, *, force: bool = False) -> list[Path]:
@@ -157,9 +165,10 @@ def sweep(tmp: str | os.PathLike | None = None, *, force: bool = False) -> list[
     ``force``.
     """
     root = Path(tmp if tmp is not None else tempfile.gettempdir())
-    if str(root) in _SWEPT and not force:
+    swept = _swept()
+    if str(root) in swept and not force:
         return []
-    _SWEPT.add(str(root))
+    swept.add(str(root))
     removed = []
     try:
         entries = list(os.scandir(root))
@@ -283,7 +292,7 @@ class _Guard:
         if self.orphaned():
             self.die()
 
-    def on_signal(self, signum: int, frame: Any) -> None:
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
         # PR_SET_PDEATHSIG also fires when the parent's *thread* that started us ends
         # while the parent lives on: then getppid() is unchanged and we carry on.
         self.check()

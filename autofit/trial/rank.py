@@ -47,7 +47,15 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from autofit.config import Batch
+    from autofit.trial.distributed import Ranks, RankSpec
+    from autofit.trial.loop import RawTrial, _AccelMeter, _CpuMeter
+    from autofit.trial.step import RunSpec, Stepper, StepPlan
 
 __all__ = ["main", "peer_gone", "LAUNCH_FILE", "status_path", "result_path", "pid_path", "log_path"]
 
@@ -75,7 +83,7 @@ def log_path(work: Path, rank: int) -> Path:
     return work / f"rank-{rank}.log"
 
 
-def _write_json(path: Path, data: Any) -> None:
+def _write_json(path: Path, data: object) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, default=str)
@@ -191,7 +199,7 @@ def _worker(work: Path, owner: int) -> int:
     os._exit(0)  # a stopped rank may leave threads blocked in a collective: do not join them
 
 
-def _load_model(payload: dict[str, Any], device: Any) -> Any:
+def _load_model(payload: dict[str, object], device: torch.device) -> torch.nn.Module:
     import torch
 
     from autofit.trial.model import ModelRef, materialize
@@ -221,83 +229,123 @@ def peer_gone(exc: BaseException) -> bool:
     return any(w in text for w in _PEER_GONE)
 
 
-def run_rank(model: Any, batch: dict[str, Any], plan: Any, spec: Any, ranks: Any, device: Any,
-             *, cap: int | None, warmup_steps: int, measure_steps: int, run: Any,
-             deadline: float | None, status: Any) -> tuple[Any, str | None]:
+def run_rank(model: torch.nn.Module, batch: Batch, plan: StepPlan, spec: RankSpec,
+             ranks: Ranks, device: torch.device, *, cap: int | None, warmup_steps: int,
+             measure_steps: int, run: RunSpec | None, deadline: float | None,
+             status: _Status) -> tuple[RawTrial, str | None]:
     """Measure this rank's steps (the module docstring's protocol); its ``RawTrial`` and,
     when the ranks agreed to stop early, why (None when every step ran)."""
-    import gc
-
-    from autofit.trial import procmem
-    from autofit.trial.distributed import wrap
-    from autofit.trial.loop import RawTrial, _AccelMeter, _CpuMeter, _evaluate, _first_line, _sync
     from autofit.trial.oom import is_oom
-    from autofit.trial.step import (
-        Stepper,
-        cut_batch,
-        move_batch,
-        prepare_model,
-        setup_batch,
-        storage_bytes,
-    )
+    from autofit.trial.step import move_batch
 
-    raw = RawTrial()
+    rank = _RankSteps(ranks, status, deadline)
+    raw = rank.raw
     batch = move_batch(batch, device)
-    meter: Any = None
-    stepper: Any = None
-    phase = "set-up"
-    stopped_by: str | None = None
-    slowest = [0.0]  # the slowest step so far: how long peers may take to reach the agreement
+    try:
+        bare = rank.set_up(model, batch, plan, device)
+        if not rank.wrap(model, batch, plan, spec, device):
+            return raw, rank.stopped_by
+        if not rank.baseline(model, device, cap, bare):
+            return raw, rank.stopped_by
+        rank.steps(batch, device, warmup_steps=warmup_steps, measure_steps=measure_steps,
+                   run=run)
+    except Exception as exc:  # noqa: BLE001 - outside the steps (wrapping, set-up)
+        from autofit.trial.loop import _first_line
 
-    def agree(code: int) -> int:
-        status.sub("waiting for the other ranks")
-        return ranks.agree(code, wait_s=AGREE_WAIT_S + 3 * slowest[0])
+        raw.oom = is_oom(exc)
+        raw.error = f"{rank.phase} step: {_first_line(exc)}"
+        rank.stopped_by = "its own " + ("out of memory" if raw.oom else "failure")
+    if raw.timed_out:
+        rank.stopped_by = rank.stopped_by or "the deadline"
+    meter = rank.meter
+    if meter is not None and meter.base is not None and raw.eval_device_total_bytes is None:
+        raw.peak_allocated_bytes, raw.peak_reserved_bytes, raw.device_total_bytes = meter.peaks()
+    return raw, rank.stopped_by
 
-    def one_step(b: dict[str, Any]) -> tuple[int, int, str | None]:
+
+class _RankSteps:
+    """One rank's measurement in steps (``run_rank``): the set-up, the wrapper, the baseline
+    and the steps, each step followed by the ranks' agreement; ``raw`` the measurement so
+    far, ``stopped_by`` why the ranks stopped together (None while they go on)."""
+
+    def __init__(self, ranks: Ranks, status: _Status, deadline: float | None) -> None:
+        from autofit.trial.loop import RawTrial
+
+        self.ranks, self.status, self.deadline = ranks, status, deadline
+        self.raw = RawTrial()
+        self.meter: _CpuMeter | _AccelMeter | None = None
+        self.stepper: Stepper | None = None
+        self.phase = "set-up"
+        self.stopped_by: str | None = None
+        self.slowest = 0.0  # the slowest step so far: how long peers may take to agree
+
+    def agree(self, code: int) -> int:
+        self.status.sub("waiting for the other ranks")
+        return self.ranks.agree(code, wait_s=AGREE_WAIT_S + 3 * self.slowest)
+
+    def one_step(self, b: Batch) -> tuple[int, int, str | None]:
         """One step, then the agreement: (agreed code, this rank's code, its error or None).
         The agreed code is -1 when the GradScaler skipped the step (inf grads)."""
+        from autofit.trial.loop import _first_line
+        from autofit.trial.oom import is_oom
+
         err, code = None, 0
         t0 = time.perf_counter()
         try:
-            ok = stepper.step(b)
+            ok = self.stepper.step(b)
         except Exception as exc:  # noqa: BLE001 - every failure becomes part of the result
             code = 3 if is_oom(exc) else 2
-            err = f"{phase} step: {_first_line(exc)}"
+            err = f"{self.phase} step: {_first_line(exc)}"
             if code == 2 and peer_gone(exc):
-                err = f"{phase} step: stopped: another rank stopped ({_first_line(exc)[:120]})"
+                err = f"{self.phase} step: stopped: another rank stopped ({_first_line(exc)[:120]})"
             ok = True
         else:
-            slowest[0] = max(slowest[0], time.perf_counter() - t0)
-        if deadline is not None and time.monotonic() > deadline:
+            self.slowest = max(self.slowest, time.perf_counter() - t0)
+        if self.deadline is not None and time.monotonic() > self.deadline:
             code = max(code, 1)
-        agreed = agree(code)
+        agreed = self.agree(code)
         if agreed == 0 and not ok:
             return -1, code, None
         return agreed, code, err
 
-    def stop(agreed: int, code: int, err: str | None) -> None:
+    def stop(self, agreed: int, code: int, err: str | None) -> None:
         """Record why this rank stops with the others (``agreed`` > 0)."""
-        nonlocal stopped_by
+        raw = self.raw
         if err is not None and ": stopped: another rank" in err:
             raw.error = err
-            stopped_by = "another rank stopped"
+            self.stopped_by = "another rank stopped"
         elif err is not None:  # its own failure
             raw.error = err
             raw.oom = code == 3
-            stopped_by = "its own " + ("out of memory" if raw.oom else "failure")
+            self.stopped_by = "its own " + ("out of memory" if raw.oom else "failure")
         elif agreed == 1:
             raw.timed_out = True
-            stopped_by = "the deadline"
+            self.stopped_by = "the deadline"
         else:
-            stopped_by = f"another rank {_CODE_WORDS.get(agreed, 'stopped')}"
-            raw.error = f"{phase} step: stopped: {stopped_by}"
+            self.stopped_by = f"another rank {_CODE_WORDS.get(agreed, 'stopped')}"
+            raw.error = f"{self.phase} step: stopped: {self.stopped_by}"
 
-    try:
-        status("preparing the model")
+    def _stepped(self, b: Batch) -> bool:
+        """One step and the agreement; False (the stop recorded) when the ranks stop."""
+        agreed, code, err = self.one_step(b)
+        if agreed > 0:
+            self.stop(agreed, code, err)
+            return False
+        return True
+
+    def set_up(self, model: torch.nn.Module, batch: Batch, plan: StepPlan,
+               device: torch.device) -> int | None:
+        """1. the set-up step on this rank alone, unwrapped; the bare process's bytes (CPU;
+        None elsewhere)."""
+        import gc
+
+        from autofit.trial import procmem
+        from autofit.trial.step import Stepper, prepare_model, setup_batch, storage_bytes
+
+        self.status("preparing the model")
         prepare_model(model, plan)
-        raw.notes.extend(plan.notes)
-        # 1. the set-up step on this rank alone, unwrapped; the bare process
-        status("set-up step")
+        self.raw.notes.extend(plan.notes)
+        self.status("set-up step")
         plain = Stepper(model, plan, device)
         plain.step(setup_batch(batch))
         plain.close()
@@ -309,20 +357,34 @@ def run_rank(model: Any, batch: dict[str, Any], plan: Any, spec: Any, ranks: Any
             rss = procmem.rss_bytes()
             if rss is not None:
                 bare = rss - storage_bytes(model.parameters(), model.buffers(), batch.values())
-        # 2. the wrapper and its set-up step (in lockstep with the peers)
-        status(f"wrapping the model ({spec.strategy})")
-        stepper = wrap(model, plan, spec, device, ranks.rank)
-        stepper.on_phase = status.sub
-        phase = "wrapped set-up"
-        status("wrapped set-up step")
-        agreed, code, err = one_step(setup_batch(batch))
-        if agreed > 0:
-            stop(agreed, code, err)
-            return raw, stopped_by
-        stepper.close()
-        # 3. baseline
+        return bare
+
+    def wrap(self, model: torch.nn.Module, batch: Batch, plan: StepPlan, spec: RankSpec,
+             device: torch.device) -> bool:
+        """2. the wrapper and its set-up step (in lockstep with the peers); False when the
+        ranks stop there."""
+        from autofit.trial.distributed import wrap
+        from autofit.trial.step import setup_batch
+
+        self.status(f"wrapping the model ({spec.strategy})")
+        self.stepper = wrap(model, plan, spec, device, self.ranks.rank)
+        self.stepper.on_phase = self.status.sub
+        self.phase = "wrapped set-up"
+        self.status("wrapped set-up step")
+        if not self._stepped(setup_batch(batch)):
+            return False
+        self.stepper.close()
+        return True
+
+    def baseline(self, model: torch.nn.Module, device: torch.device, cap: int | None,
+                 bare: int | None) -> bool:
+        """3. the baseline (on the CPU the rank's resident bytes, agreed against its cap);
+        False when the ranks stop there."""
+        from autofit.trial.loop import _AccelMeter, _CpuMeter
+
+        raw = self.raw
         if device.type == "cpu":
-            meter = _CpuMeter(0, cap)
+            meter = self.meter = _CpuMeter(0, cap)
             base = meter.baseline()
             resident = max(0, base - bare) if base is not None and bare is not None else 0
             meter.resident = resident
@@ -330,76 +392,83 @@ def run_rank(model: Any, batch: dict[str, Any], plan: Any, spec: Any, ranks: Any
             code = 0
             if cap is not None and resident >= cap:
                 code = 3
-            agreed = agree(code)
+            agreed = self.agree(code)
             if agreed > 0:
                 if code:
                     raw.oom = True
                     raw.error = (f"the rank's resident weights, buffers and batch ({resident} "
                                  f"bytes) exceed its cap ({cap} bytes)")
-                    stopped_by = "its own out of memory"
+                    self.stopped_by = "its own out of memory"
                 else:
-                    stop(agreed, 0, None)
+                    self.stop(agreed, 0, None)
                 raw.peak_allocated_bytes = raw.peak_reserved_bytes = resident
                 raw.device_total_bytes = resident
-                return raw, stopped_by
+                return False
         else:
-            meter = _AccelMeter(device, 0)
+            meter = self.meter = _AccelMeter(device, 0)
             meter.baseline()
         raw.baseline_bytes = meter.base
-        stepper.reopen()
-        # 4. the steps
-        phase = "warm-up"
-        meter.arm()
+        self.stepper.reopen()
+        return True
+
+    def steps(self, batch: Batch, device: torch.device, *, warmup_steps: int,
+              measure_steps: int, run: RunSpec | None) -> None:
+        """4. the warm-up steps, the peak reset, the run's other lengths, the timed steps and
+        the evaluation step, while the meter is armed."""
+        self.phase = "warm-up"
+        self.meter.arm()
         try:
-            done = skipped = 0
-            while done < warmup_steps:
-                status(f"warm-up step {done + 1}/{warmup_steps}")
-                agreed, code, err = one_step(batch)
-                if agreed == -1 and skipped < 8:
-                    skipped += 1
-                    continue
-                if agreed > 0:
-                    stop(agreed, code, err)
-                    break
-                done += 1
-                raw.warmup_done = done
-            if stopped_by is None:
-                meter.reset_peak()
-                for i, length in enumerate(run.lengths if run is not None else ()):
-                    phase = f"run (length {length})"
-                    status(f"run step {i + 1} (length {length})")
-                    agreed, code, err = one_step(cut_batch(batch, length))
-                    if agreed > 0:
-                        stop(agreed, code, err)
-                        break
-                    raw.run_steps += 1
-            if stopped_by is None:
-                phase = "measured"
-                for i in range(measure_steps):
-                    status(f"measured step {i + 1}/{measure_steps}")
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    agreed, code, err = one_step(batch)
-                    if agreed > 0:
-                        stop(agreed, code, err)
-                        break
-                    raw.step_times_s.append(time.perf_counter() - t0)
-            if stopped_by is None and run is not None and run.eval_batch_size:
-                status("evaluation step")
-                _evaluate(stepper, batch, run, meter, raw)
-                if agree(2 if raw.eval_error and not raw.eval_oom else 0) > 0:
-                    stopped_by = stopped_by or "another rank's evaluation failed"
+            self._warm_up(batch, warmup_steps)
+            if self.stopped_by is None:
+                self.meter.reset_peak()
+                self._run_lengths(batch, run)
+            if self.stopped_by is None:
+                self._measured(batch, device, measure_steps)
+            if self.stopped_by is None and run is not None and run.eval_batch_size:
+                from autofit.trial.loop import _evaluate
+
+                self.status("evaluation step")
+                _evaluate(self.stepper, batch, run, self.meter, self.raw)
+                if self.agree(2 if self.raw.eval_error and not self.raw.eval_oom else 0) > 0:
+                    self.stopped_by = self.stopped_by or "another rank's evaluation failed"
         finally:
-            meter.disarm()
-    except Exception as exc:  # noqa: BLE001 - outside the steps (wrapping, set-up)
-        raw.oom = is_oom(exc)
-        raw.error = f"{phase} step: {_first_line(exc)}"
-        stopped_by = "its own " + ("out of memory" if raw.oom else "failure")
-    if raw.timed_out:
-        stopped_by = stopped_by or "the deadline"
-    if meter is not None and meter.base is not None and raw.eval_device_total_bytes is None:
-        raw.peak_allocated_bytes, raw.peak_reserved_bytes, raw.device_total_bytes = meter.peaks()
-    return raw, stopped_by
+            self.meter.disarm()
+
+    def _warm_up(self, batch: Batch, warmup_steps: int) -> None:
+        done = skipped = 0
+        while done < warmup_steps:
+            self.status(f"warm-up step {done + 1}/{warmup_steps}")
+            agreed, code, err = self.one_step(batch)
+            if agreed == -1 and skipped < 8:
+                skipped += 1
+                continue
+            if agreed > 0:
+                self.stop(agreed, code, err)
+                break
+            done += 1
+            self.raw.warmup_done = done
+
+    def _run_lengths(self, batch: Batch, run: RunSpec | None) -> None:
+        from autofit.trial.step import cut_batch
+
+        for i, length in enumerate(run.lengths if run is not None else ()):
+            self.phase = f"run (length {length})"
+            self.status(f"run step {i + 1} (length {length})")
+            if not self._stepped(cut_batch(batch, length)):
+                break
+            self.raw.run_steps += 1
+
+    def _measured(self, batch: Batch, device: torch.device, measure_steps: int) -> None:
+        from autofit.trial.loop import _sync
+
+        self.phase = "measured"
+        for i in range(measure_steps):
+            self.status(f"measured step {i + 1}/{measure_steps}")
+            _sync(device)
+            t0 = time.perf_counter()
+            if not self._stepped(batch):
+                break
+            self.raw.step_times_s.append(time.perf_counter() - t0)
 
 
 def main(argv: list[str]) -> int:

@@ -60,10 +60,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, MissingDependencyError, UnknownDeviceError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import TrainingArguments
+
+    from autofit.config import Batch, ModelSource, ModelSpec, Progress
+    from autofit.probe.device import DeviceInfo
+    from autofit.trial.distributed import RankSpec
+    from autofit.trial.loop import RawTrial
+    from autofit.trial.step import RunSpec, StepPlan
 
 __all__ = ["RankRun", "run_ranks", "rank_spec", "rank_caps", "check_ranks", "RANK_MALLOC_ENV"]
 
@@ -75,6 +85,15 @@ __all__ = ["RankRun", "run_ranks", "rank_spec", "rank_caps", "check_ranks", "RAN
 RANK_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 POLL_S = 0.25
 EXIT_GRACE_S = 10.0  # after every rank wrote its result, how long the launcher may take
+
+
+class RankStatus(TypedDict):
+    """A rank's ``rank-<r>.status`` file (``autofit.trial.rank``): what it does now, how
+    many phases it went through, when (``time.time()``)."""
+
+    phase: str
+    n: int
+    t: float
 
 
 @dataclass
@@ -90,13 +109,13 @@ class RankRun:
 # ---------------------------------------------------------------- the plan
 
 
-def rank_caps(dev: Any, world_size: int) -> tuple[int | None, ...]:
+def rank_caps(dev: DeviceInfo, world_size: int) -> tuple[int | None, ...]:
     """Each rank's cap in bytes (the device's, on every rank; None: not capped)."""
     cap = dev.capacity_bytes if getattr(dev, "capped", False) else None
     return (cap,) * world_size
 
 
-def check_ranks(config: TrainConfig, dev: Any) -> None:
+def check_ranks(config: TrainConfig, dev: DeviceInfo) -> None:
     """Raise when this machine cannot run ``config``'s ranks as a trial (one line, what to do),
     before any process starts: what no trial runs (a knob conflict: FSDP2 with a
     bitsandbytes optimizer), and what a CPU cannot (FSDP2's ``CPUOffloadPolicy`` asks the
@@ -137,7 +156,7 @@ def check_ranks(config: TrainConfig, dev: Any) -> None:
         raise UnknownDeviceError(f"trials on several ranks run on CUDA or the CPU, not {dev.kind}")
 
 
-def _find_unused(module: Any, config: TrainConfig) -> bool:
+def _find_unused(module: torch.nn.Module, config: TrainConfig) -> bool:
     """DDP's ``find_unused_parameters`` as the Trainer sets it (``ddp_find_unused_parameters``
     unset): ``not gradient checkpointing`` for a ``PreTrainedModel``, else True."""
     try:
@@ -150,7 +169,7 @@ def _find_unused(module: Any, config: TrainConfig) -> bool:
 class _WorldArgs:
     """A ``TrainingArguments`` seen with the run's ``world_size`` (it is 1 in this process)."""
 
-    def __init__(self, args: Any, world_size: int) -> None:
+    def __init__(self, args: TrainingArguments, world_size: int) -> None:
         self._args = args
         self.world_size = world_size
 
@@ -158,8 +177,8 @@ class _WorldArgs:
         return getattr(self._args, name)
 
 
-def _resolved_deepspeed(config: TrainConfig, module: Any, use_cpu: bool,
-                        user: dict[str, Any] | None = None) -> dict[str, Any]:
+def _resolved_deepspeed(config: TrainConfig, module: torch.nn.Module, use_cpu: bool,
+                        user: dict[str, object] | None = None) -> dict[str, Any]:
     """The DeepSpeed config the tuned file carries (``user``: the user's own, as given),
     every ``"auto"`` filled as transformers
     fills it (``HfTrainerDeepSpeedConfig.trainer_config_process`` / ``_finalize``: batch
@@ -205,8 +224,8 @@ def _resolved_deepspeed(config: TrainConfig, module: Any, use_cpu: bool,
     return out
 
 
-def rank_spec(config: TrainConfig, module: Any, dev: Any, timeout_s: float | None,
-              deepspeed: dict[str, Any] | None = None) -> Any:
+def rank_spec(config: TrainConfig, module: torch.nn.Module, dev: DeviceInfo,
+              timeout_s: float | None, deepspeed: dict[str, object] | None = None) -> Any:
     """The ``RankSpec`` of ``config`` on ``dev`` (``module``: the model, meta or real;
     ``deepspeed``: the user's DeepSpeed config instead of the one autofit emits)."""
     from autofit.trial.distributed import ZERO_STAGES, RankSpec
@@ -259,13 +278,13 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _statuses(work: Path, world: int) -> list[dict[str, Any] | None]:
+def _statuses(work: Path, world: int) -> list[RankStatus | None]:
     from autofit.trial.rank import status_path
 
     return [_read_json(status_path(work, r)) for r in range(world)]
 
 
-def _progress_line(statuses: list[dict[str, Any] | None], spec: Any) -> str:
+def _progress_line(statuses: list[RankStatus | None], spec: RankSpec) -> str:
     """``2 ranks (fsdp): rank 0 measured step 2/3 · rank 1 measured step 2/3``: each rank's
     step (its forward, backward... are left out: they change too fast to read)."""
     parts = [f"rank {r} {s['phase'].split(': ')[0] if s else 'starting'}"
@@ -315,9 +334,9 @@ def _exit_codes(launch_log: Path) -> dict[int, int]:
     return {int(r): int(c) for r, c in _EXIT.findall(text)}
 
 
-def run_ranks(model: Any, batch: dict[str, Any], plan: Any, spec: Any, tdev: Any, *,
-              warmup_steps: int, measure_steps: int, timeout_s: float | None, run: Any = None,
-              progress: Any = None) -> RankRun:
+def run_ranks(model: ModelSource | ModelSpec, batch: Batch, plan: StepPlan, spec: RankSpec,
+              tdev: torch.device, *, warmup_steps: int, measure_steps: int, timeout_s: float | None,
+              run: RunSpec | None = None, progress: Progress | None = None) -> RankRun:
     """Run the trial's steps on ``spec.world_size`` ranks under torchrun; see the module."""
     import torch
 
@@ -366,7 +385,7 @@ def run_ranks(model: Any, batch: dict[str, Any], plan: Any, spec: Any, tdev: Any
         return _collect(work, spec, statuses, timed_out=timed_out, timeout_s=timeout_s)
 
 
-def _collect(work: Path, spec: Any, statuses: list[dict[str, Any] | None], *, timed_out: bool,
+def _collect(work: Path, spec: RankSpec, statuses: list[RankStatus | None], *, timed_out: bool,
              timeout_s: float | None) -> RankRun:
     """The ranks' results as one trial: the peaking rank's numbers, the verdict, per rank."""
     from autofit.trial.loop import RawTrial
@@ -433,8 +452,8 @@ def _collect(work: Path, spec: Any, statuses: list[dict[str, Any] | None], *, ti
     return RankRun(raw, tuple(per), notes)
 
 
-def _verdict(per: list[dict[str, Any]], raws: dict[int, Any], spec: Any, *, timed_out: bool,
-             timeout_s: float | None) -> Any:
+def _verdict(per: list[dict[str, object]], raws: dict[int, RawTrial], spec: RankSpec, *,
+             timed_out: bool, timeout_s: float | None) -> Any:
     """One ``RawTrial``: peaks of the peaking rank, the first rank's own out-of-memory or
     failure as the error, the slowest rank's steps, the run's own timeout."""
     from autofit.trial.loop import RawTrial
@@ -486,7 +505,7 @@ def _verdict(per: list[dict[str, Any]], raws: dict[int, Any], spec: Any, *, time
     return out
 
 
-def _launch_failure(work: Path, statuses: list[dict[str, Any] | None]) -> str | None:
+def _launch_failure(work: Path, statuses: list[RankStatus | None]) -> str | None:
     """Why torchrun started no rank (its last line), when no rank ever wrote a status."""
     if any(s is not None for s in statuses):
         return None
@@ -494,7 +513,7 @@ def _launch_failure(work: Path, statuses: list[dict[str, Any] | None]) -> str | 
     return f"torchrun started no rank: {last}" if last else "torchrun started no rank"
 
 
-def _timeout_message(per: list[dict[str, Any]], timeout_s: float | None) -> str:
+def _timeout_message(per: list[dict[str, object]], timeout_s: float | None) -> str:
     """``timeout after 40s: rank 1 was furthest behind, in 'warm-up step 1/1: forward' (its
     last output: ...); rank 0 waited in 'warm-up step 1/1: backward'``."""
     left = [p for p in per if p["device_total_bytes"] is None and p.get("stuck_in")]

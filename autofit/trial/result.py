@@ -78,7 +78,7 @@ class TrialResult:
         return d
 
 
-def trial_from_dict(d: dict[str, Any]) -> TrialResult:
+def trial_from_dict(d: dict[str, object]) -> TrialResult:
     """A ``TrialResult`` from ``to_dict()`` output (fields unknown to this version dropped)."""
     from dataclasses import fields
 

@@ -79,7 +79,6 @@ HOOK_DIR_ENV = "AUTOFIT_RUN_HOOK_DIR"  # the folder holding this file as sitecus
 GUARD_ENV = "AUTOFIT_RUN_GUARD"  # "1": guard every Trainer (autofit run --guard)
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_state: dict = {"pid": os.getpid(), "argv": list(sys.argv), "notes": []}
 
 
 def _statm() -> tuple[int, int] | None:
@@ -119,28 +118,28 @@ def _malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _write() -> None:
+def _write(record: dict[str, object]) -> None:
     folder = os.environ.get(RECORD_DIR_ENV)
-    if not folder or os.getpid() != _state["pid"]:  # a forked child inherits the hook
+    if not folder or os.getpid() != record["pid"]:  # a forked child inherits the hook
         return
-    path = os.path.join(folder, f"{_state['pid']}.json")
+    path = os.path.join(folder, f"{record['pid']}.json")
     tmp = path + ".tmp"
     with contextlib.suppress(OSError):
         with open(tmp, "w") as f:
-            json.dump(_state, f)
+            json.dump(record, f)
         os.replace(tmp, path)
 
 
-def _baseline() -> None:
+def _baseline(record: dict[str, object]) -> None:
     """The model is about to be built: baseline RSS, cap the address space, reset VmHWM."""
     gc.collect()
     _malloc_trim()
     now = _statm()
     if now is None:
-        _state["notes"].append("no /proc/self/statm: CPU memory not measured (Linux only)")
+        record["notes"].append("no /proc/self/statm: CPU memory not measured (Linux only)")
         return
     size, rss = now
-    _state.update(baseline_rss_bytes=rss, baseline_vm_size_bytes=size, baseline_time=time.time())
+    record.update(baseline_rss_bytes=rss, baseline_vm_size_bytes=size, baseline_time=time.time())
     cap = os.environ.get(CAP_ENV)
     if cap:
         try:
@@ -149,16 +148,16 @@ def _baseline() -> None:
             if hard != resource.RLIM_INFINITY and limit > hard:
                 limit = hard
             resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-            _state["address_space_limit_bytes"] = limit
+            record["address_space_limit_bytes"] = limit
         except (OSError, ValueError) as e:
-            _state["notes"].append(f"could not cap the address space: {e}")
+            record["notes"].append(f"could not cap the address space: {e}")
     if not _reset_hwm():
-        _state["notes"].append("cannot reset VmHWM (/proc/self/clear_refs): the peak "
+        record["notes"].append("cannot reset VmHWM (/proc/self/clear_refs): the peak "
                                "includes what the process held before the model")
-        _state["hwm_reset"] = False
+        record["hwm_reset"] = False
     else:
-        _state["hwm_reset"] = True
-    _write()  # a process that dies without atexit still says it got this far
+        record["hwm_reset"] = True
+    _write(record)  # a process that dies without atexit still says it got this far
 
 
 def _importing() -> bool:
@@ -171,7 +170,7 @@ def _importing() -> bool:
     return False
 
 
-def _patch_torch(torch) -> None:
+def _patch_torch(torch, record: dict[str, object]) -> None:
     module_cls = torch.nn.Module
     original = module_cls.__dict__["__init__"]
 
@@ -179,9 +178,9 @@ def _patch_torch(torch) -> None:
         if not _importing():
             module_cls.__init__ = original  # once: the first model's construction
             try:
-                _baseline()
+                _baseline(record)
             except Exception as e:  # noqa: BLE001 - the hook never breaks the run
-                _state["notes"].append(f"baseline failed: {type(e).__name__}: {e}")
+                record["notes"].append(f"baseline failed: {type(e).__name__}: {e}")
         original(self, *args, **kwargs)
 
     module_cls.__init__ = __init__
@@ -196,8 +195,9 @@ class _Watch(importlib.abc.MetaPathFinder):
     finder too, so the finder stays until the module really executes (it stepped aside at
     the first look before, and a run that imported ``datasets`` first measured nothing)."""
 
-    def __init__(self, name: str, patch) -> None:
+    def __init__(self, name: str, patch, record: dict[str, object]) -> None:
         self.name, self.patch, self.done = name, patch, False
+        self.record = record
 
     def find_spec(self, name, path=None, target=None):
         if name != self.name or self.done:
@@ -222,15 +222,15 @@ class _Watch(importlib.abc.MetaPathFinder):
             with contextlib.suppress(ValueError):
                 sys.meta_path.remove(self)
             try:
-                self.patch(module)
+                self.patch(module, self.record)
             except Exception as e:  # noqa: BLE001
-                _state["notes"].append(f"could not hook {name}: {type(e).__name__}: {e}")
+                self.record["notes"].append(f"could not hook {name}: {type(e).__name__}: {e}")
 
         spec.loader.exec_module = exec_and_patch
         return spec
 
 
-def _patch_trainer(module) -> None:
+def _patch_trainer(module, record: dict[str, object]) -> None:
     """``autofit run --guard``: every ``Trainer`` is guarded when it starts training
     (``autofit.guard``; autofit's folder is on ``PYTHONPATH`` for that)."""
     trainer_cls = module.Trainer
@@ -241,7 +241,7 @@ def _patch_trainer(module) -> None:
             from autofit.trial.guard import guard
 
             guard(self)  # wraps this instance's train, which comes back here, guarded
-            _state["guarded"] = True
+            record["guarded"] = True
             return self.train(*args, **kwargs)
         return original(self, *args, **kwargs)
 
@@ -264,17 +264,17 @@ def _cuda_peaks() -> list[dict]:
     return out
 
 
-def _at_exit() -> None:
+def _at_exit(record: dict[str, object]) -> None:
     try:
         hwm, vm_peak = _status("VmHWM"), _status("VmPeak")
-        if hwm is not None and "baseline_rss_bytes" in _state:
-            _state["hwm_bytes"] = hwm
-            _state["peak_bytes"] = max(0, hwm - _state["baseline_rss_bytes"])
-        if vm_peak is not None and "baseline_vm_size_bytes" in _state:
+        if hwm is not None and "baseline_rss_bytes" in record:
+            record["hwm_bytes"] = hwm
+            record["peak_bytes"] = max(0, hwm - record["baseline_rss_bytes"])
+        if vm_peak is not None and "baseline_vm_size_bytes" in record:
             # what RLIMIT_AS counts (NB: VmPeak cannot be reset: a larger address space
             # before the baseline would show here; imports only grow it, in practice)
-            _state["address_space_bytes"] = max(0, vm_peak - _state["baseline_vm_size_bytes"])
-        _state["cuda"] = _cuda_peaks()
+            record["address_space_bytes"] = max(0, vm_peak - record["baseline_vm_size_bytes"])
+        record["cuda"] = _cuda_peaks()
         error = getattr(sys, "last_value", None)  # an uncaught exception ended the script
         if error is not None:
             text = str(error).strip().splitlines()
@@ -282,11 +282,11 @@ def _at_exit() -> None:
             # torch prefixes allocator errors with "[enforce fail at alloc_cpu.cpp:127] err == 0. "
             if head.startswith("[enforce fail") and "] " in head:
                 head = head.split("] ", 1)[1].removeprefix("err == 0. ")
-            _state["error"] = f"{type(error).__name__}: {head}"[:500]
-        _state["exited"] = True
+            record["error"] = f"{type(error).__name__}: {head}"[:500]
+        record["exited"] = True
     except Exception as e:  # noqa: BLE001
-        _state["notes"].append(f"exit record failed: {type(e).__name__}: {e}")
-    _write()
+        record["notes"].append(f"exit record failed: {type(e).__name__}: {e}")
+    _write(record)
 
 
 def _chain() -> None:
@@ -313,15 +313,17 @@ def _chain() -> None:
 def _install() -> None:
     if not os.environ.get(RECORD_DIR_ENV):
         return
-    _state["rank"] = os.environ.get("RANK")
-    _state["local_rank"] = os.environ.get("LOCAL_RANK")
+    # this process's record, written to <pid>.json (baseline, peaks, notes)
+    record: dict[str, object] = {"pid": os.getpid(), "argv": list(sys.argv), "notes": []}
+    record["rank"] = os.environ.get("RANK")
+    record["local_rank"] = os.environ.get("LOCAL_RANK")
     if "torch" in sys.modules:
-        _patch_torch(sys.modules["torch"])
+        _patch_torch(sys.modules["torch"], record)
     else:
-        sys.meta_path.insert(0, _Watch("torch", _patch_torch))
+        sys.meta_path.insert(0, _Watch("torch", _patch_torch, record))
     if os.environ.get(GUARD_ENV):
-        sys.meta_path.insert(0, _Watch("transformers.trainer", _patch_trainer))
-    atexit.register(_at_exit)
+        sys.meta_path.insert(0, _Watch("transformers.trainer", _patch_trainer, record))
+    atexit.register(_at_exit, record)
 
 
 if __name__ == "sitecustomize":  # imported by autofit itself (for its names): nothing runs

@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -116,11 +117,10 @@ from autofit.trial.process import describe_signal
 from autofit.trial.result import TrialResult
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
 
     import torch
     from peft import PeftConfig
-    from transformers import BitsAndBytesConfig, PretrainedConfig, PreTrainedTokenizerBase
+    from transformers import BitsAndBytesConfig, PreTrainedTokenizerBase
 
     from autofit.config import Batch, Collator, ModelSource, ModelSpec, Progress
     from autofit.probe.device import DeviceInfo
@@ -144,8 +144,11 @@ def _kill_grace_s(timeout_s: float) -> float:
     return min(5.0, 0.5 + 0.1 * timeout_s)
 
 
-# Devices where an in-process trial did not give its memory back: device -> reason.
-_FAILED_RECOVERY: dict[str, str] = {}
+@functools.lru_cache(maxsize=1)
+def _failed_recovery() -> dict[str, str]:
+    """Devices where an in-process trial of this process did not give its memory back:
+    device -> reason (later trials there run in a subprocess)."""
+    return {}
 
 
 # ---------------------------------------------------------------- inputs
@@ -161,96 +164,6 @@ def _check_counts(warmup_steps: int, measure_steps: int, timeout_s: float | None
         problems.append(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if problems:
         raise BadInputError("; ".join(problems))
-
-
-def _fit_rows(batch: Mapping[str, object], rows: int) -> Batch:
-    """Repeat or cut a batch's rows to ``rows`` samples."""
-    import torch
-
-    out = {}
-    for k, v in batch.items():
-        if not isinstance(v, torch.Tensor):
-            try:
-                v = torch.as_tensor(v)
-            except (TypeError, ValueError, RuntimeError):
-                raise BadInputError(f"batch[{k!r}] is not a tensor or a list of numbers") from None
-        out[k] = v
-    ids = out.get("input_ids")
-    if ids is None or ids.dim() != 2:
-        raise BadInputError("a batch needs 'input_ids' of shape (batch, seq_len)")
-    b0 = ids.shape[0]
-    if b0 == 0 or ids.shape[1] == 0:
-        raise BadInputError(f"the batch is empty (input_ids of shape {tuple(ids.shape)})")
-    if b0 == rows:
-        return out
-    index = torch.tensor([i % b0 for i in range(rows)])
-    return {
-        k: (v.index_select(0, index) if v.dim() >= 1 and v.shape[0] == b0 else v)
-        for k, v in out.items()
-    }
-
-
-def _model_config(module: torch.nn.Module) -> PretrainedConfig | None:
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
-    return getattr(base, "config", None)
-
-
-def _make_batch(
-    data: object,
-    config: TrainConfig,
-    module: torch.nn.Module,
-    task: str,
-    *,
-    seq_len: int | None,
-    tokenizer: PreTrainedTokenizerBase | None,
-    collator: Collator | None,
-) -> Batch:
-    from autofit.probe.data import random_batch, worst_case_batch
-
-    rows = config.micro_batch_size
-    length = seq_len if seq_len is not None else config.seq_len
-    if data is None:
-        if length is None:
-            raise BadInputError("give a dataset, a batch or seq_len (tokens per sample)")
-        cfg = _model_config(module)
-        vocab = getattr(cfg, "vocab_size", None)
-        if not vocab:
-            raise BadInputError("the model has no config.vocab_size; pass a batch instead")
-        return random_batch(
-            rows,
-            int(length),
-            vocab_size=int(vocab),
-            task=task,
-            num_labels=int(getattr(cfg, "num_labels", 2) or 2),
-        )
-    if isinstance(data, dict):
-        return _fit_rows(data, rows)
-    return worst_case_batch(
-        data, rows, max_seq_len=length, tokenizer=tokenizer, collator=collator, task=task
-    )
-
-
-def _with_decoder_inputs(batch: Batch, module: torch.nn.Module) -> Batch:
-    """Seq2seq: decoder inputs = labels shifted right, as DataCollatorForSeq2Seq makes them.
-
-    Done here rather than by the model, whose shift needs ``decoder_start_token_id``
-    (absent from some configs).
-    """
-    import torch
-
-    if "decoder_input_ids" in batch or "labels" not in batch or batch["labels"].dim() != 2:
-        return batch
-    cfg = _model_config(module)
-    pad = getattr(cfg, "pad_token_id", None)
-    pad = 0 if pad is None else int(pad)
-    start = getattr(cfg, "decoder_start_token_id", None)
-    start = pad if start is None else int(start)
-    labels = batch["labels"]
-    shifted = torch.full_like(labels, pad)
-    shifted[:, 1:] = labels[:, :-1]
-    shifted[:, 0] = start
-    shifted[shifted == -100] = pad
-    return {**batch, "decoder_input_ids": shifted}
 
 
 # ---------------------------------------------------------------- running
@@ -581,7 +494,9 @@ def measure(
         model, config, dev, task=task, attn_implementation=attn_implementation, lora=lora,
         peft_config=peft_config, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
         quantization_config=quantization_config)
-    batch = _trial_batch(dataset_or_batch, config, module, task_name, seq_len=seq_len,
+    from autofit.trial.batch import trial_batch
+
+    batch = trial_batch(dataset_or_batch, config, module, task_name, seq_len=seq_len,
                          tokenizer=tokenizer, collator=collator, block_size=block_size)
     from autofit.trial.step import plan_step
 
@@ -603,8 +518,9 @@ def measure(
 
 def _checked_request(config: TrainConfig, dataset_or_batch: object, *, isolation: str,
                      warmup_steps: int, measure_steps: int, timeout_s: float | None,
-                     block_size: int | None, tokenizer: object,
-                     deepspeed_config: object, accelerate_config: object,
+                     block_size: int | None, tokenizer: PreTrainedTokenizerBase | None,
+                     deepspeed_config: str | os.PathLike[str] | dict[str, object] | None,
+                     accelerate_config: str | os.PathLike[str] | dict[str, object] | None,
                      trainer: str | None,
                      ) -> tuple[Any, TrainConfig, dict[str, Any] | None, tuple[str, ...]]:
     """Step 1 of ``measure``: the request checked (config, isolation, counts), a dataset
@@ -638,7 +554,7 @@ def _checked_request(config: TrainConfig, dataset_or_batch: object, *, isolation
     return dataset_or_batch, config, user_ds, recipe_line
 
 
-def _present_device(device: object, config: TrainConfig) -> DeviceInfo:
+def _present_device(device: str | DeviceInfo, config: TrainConfig) -> DeviceInfo:
     """Step 2 of ``measure``: the device, present here, able to run every knob's value."""
     from autofit.knobs import KNOBS
     from autofit.probe.device import resolve_device
@@ -656,7 +572,8 @@ def _present_device(device: object, config: TrainConfig) -> DeviceInfo:
 
 def _trial_model(model: ModelSource, config: TrainConfig, dev: DeviceInfo, *, task: str | None,
                  attn_implementation: str | None, lora: object, peft_config: PeftConfig | None,
-                 load_in_4bit: bool, load_in_8bit: bool, quantization_config: BitsAndBytesConfig | dict[str, object] | None,
+                 load_in_4bit: bool, load_in_8bit: bool,
+                 quantization_config: BitsAndBytesConfig | dict[str, object] | None
                  ) -> tuple[ModelSpec | None, torch.nn.Module, str]:
     """Step 3 of ``measure``: the model to train, ``(its ModelSpec when given by reference,
     the module (on the meta device when by reference), its task)``, checked: the chunked
@@ -703,35 +620,6 @@ def _trial_model(model: ModelSource, config: TrainConfig, dev: DeviceInfo, *, ta
 
         raise NoTrainableParametersError("the model has no trainable parameter (requires_grad)")
     return ref, module, task_name
-
-
-def _trial_batch(dataset_or_batch: object, config: TrainConfig, module: torch.nn.Module,
-                 task_name: str, *, seq_len: int | None, tokenizer: object, collator: object,
-                 block_size: int | None) -> dict[str, Any]:
-    """Step 4 of ``measure``: the batch of one micro step, checked against the model's
-    vocabulary and positions (with decoder inputs for a seq2seq model)."""
-    from autofit.probe.model import token_limits
-
-    if block_size is not None:
-        from autofit.probe.packing import check_block_size
-
-        check_block_size(block_size, max_positions=token_limits(module)[1])
-    batch = _make_batch(
-        dataset_or_batch,
-        config,
-        module,
-        task_name,
-        seq_len=seq_len,
-        tokenizer=tokenizer,
-        collator=collator,
-    )
-    from autofit.probe.data import check_batch
-
-    vocab, positions = token_limits(module)  # an id or length past them is an IndexError
-    check_batch(batch, vocab_size=vocab, max_positions=positions)
-    if task_name == "seq2seq":
-        batch = _with_decoder_inputs(batch, module)
-    return batch
 
 
 def _run_one_process(source: ModelSource | ModelSpec, batch: Batch, plan: StepPlan, dev: DeviceInfo,
@@ -806,7 +694,7 @@ def _one_process_result(raw: RawTrial, config: TrainConfig, dev: DeviceInfo,
         )
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         notes.append(msg)
-        _FAILED_RECOVERY[dev.name] = msg
+        _failed_recovery()[dev.name] = msg
     error = raw.error
     if raw.timed_out:
         error = f"timeout after {timeout_s:g}s"
@@ -820,11 +708,12 @@ def _one_process_result(raw: RawTrial, config: TrainConfig, dev: DeviceInfo,
         notes=tuple(notes))
 
 
-def _measure_ranks(model: ModelSource | ModelSpec, module: torch.nn.Module, batch: Batch, plan: StepPlan,
-                   config: TrainConfig, dev: DeviceInfo, tdev: torch.device, *, isolation: str,
-                   warmup_steps: int, measure_steps: int, timeout_s: float | None, run: RunSpec | None,
-                   progress: Progress | None, deepspeed: dict[str, object] | None = None,
-                   notes: tuple[str, ...] = ()) -> TrialResult:
+def _measure_ranks(model: ModelSource | ModelSpec, module: torch.nn.Module, batch: Batch,
+                   plan: StepPlan, config: TrainConfig, dev: DeviceInfo, tdev: torch.device, *,
+                   isolation: str, warmup_steps: int, measure_steps: int, timeout_s: float | None,
+                   run: RunSpec | None, progress: Progress | None,
+                   deepspeed: dict[str, object] | None = None, notes: tuple[str, ...] = ()
+                   ) -> TrialResult:
     """``measure`` on ``config.world_size`` ranks (``autofit.trial.ranks``; ``deepspeed``:
     the user's DeepSpeed config instead of autofit's)."""
     from autofit.trial.ranks import check_ranks, rank_spec, run_ranks
@@ -921,10 +810,11 @@ def _choose_isolation(isolation: str, dev: DeviceInfo) -> tuple[str, str]:
         return "subprocess", (
             f"{dev.name} is a capped CPU: the cap is an address-space limit on a fresh process"
         )
-    if dev.name in _FAILED_RECOVERY:
+    failed = _failed_recovery()
+    if dev.name in failed:
         return (
             "subprocess",
-            f"an earlier in-process trial failed to recover: {_FAILED_RECOVERY[dev.name]}",
+            f"an earlier in-process trial failed to recover: {failed[dev.name]}",
         )
     return "in-process", (
         f"{dev.name} is not capped: in-process is fastest, and memory is checked back at "

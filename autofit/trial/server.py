@@ -63,6 +63,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import gc
 import importlib
 import importlib.util
@@ -130,21 +131,33 @@ def enabled() -> bool:
 
 # ---------------------------------------------------------------- the owner's side
 
-_LOCK = threading.Lock()  # guards the three below
-_SERVER: _Server | None = None
-_GIVEN_UP: str | None = None  # why this process starts fresh children from now on
-_ATEXIT = False
+class _Owner:
+    """This process's side of its server: the server (None until a trial starts it), why
+    this process starts fresh children from now on (None: it does not), whether
+    ``shutdown`` runs at exit; ``lock`` guards the three."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.server: _Server | None = None
+        self.given_up: str | None = None
+        self.at_exit = False
+
+
+@functools.lru_cache(maxsize=1)
+def _owner() -> _Owner:
+    """The one ``_Owner`` of this process (a fork inherits it: ``_current`` checks)."""
+    return _Owner()
 
 
 def prepare(env: dict[str, str]) -> None:
     """Start the server now if none runs (it imports while the payload is written)."""
     if not enabled():
         return
-    with _LOCK:
+    with _owner().lock:
         try:
             _current(env)
         except Exception as e:  # noqa: BLE001 - never fail a trial because of the server
-            _give_up_locked(_SERVER, f"could not be started ({type(e).__name__}: {e})")
+            _give_up_locked(_owner().server, f"could not be started ({type(e).__name__}: {e})")
 
 
 def start_child(work: Path, *, env: dict[str, str], until: float | None) -> Child | None:
@@ -156,11 +169,11 @@ def start_child(work: Path, *, env: dict[str, str], until: float | None) -> Chil
     """
     if not enabled():
         return None
-    with _LOCK:
+    with _owner().lock:
         try:
             srv = _current(env)
         except Exception as e:  # noqa: BLE001 - never fail a trial because of the server
-            _give_up_locked(_SERVER, f"could not be started ({type(e).__name__}: {e})")
+            _give_up_locked(_owner().server, f"could not be started ({type(e).__name__}: {e})")
             return None
     if srv is None or not srv.busy.acquire(blocking=False):
         return None
@@ -178,50 +191,51 @@ def start_child(work: Path, *, env: dict[str, str], until: float | None) -> Chil
 
 def shutdown() -> None:
     """Kill this process's server (at exit; tests). A later trial starts a new one."""
-    global _SERVER
-    with _LOCK:
-        srv, _SERVER = _SERVER, None
+    owner = _owner()
+    with owner.lock:
+        srv, owner.server = owner.server, None
     if srv is not None and srv.owner == os.getpid():
         srv.kill()
 
 
 def _current(env: dict[str, str]) -> _Server | None:
-    """This process's server for ``env`` (``_LOCK`` held): restarted when the key changed."""
-    global _SERVER, _ATEXIT
-    if _GIVEN_UP is not None:
+    """This process's server for ``env`` (``_owner().lock`` held): restarted when the key
+    changed."""
+    owner = _owner()
+    if owner.given_up is not None:
         return None
     key = (sys.executable, tuple(sorted((k, v) for k, v in env.items() if k not in _UNREAD)))
-    srv = _SERVER
+    srv = owner.server
     if srv is not None and srv.owner != os.getpid():
-        srv = _SERVER = None  # inherited by a fork of the owner: the owner's, not ours
+        srv = owner.server = None  # inherited by a fork of the owner: the owner's, not ours
     if srv is not None and srv.key != key and srv.busy.acquire(blocking=False):
         srv.kill()  # idle, but started with another environment
-        srv = _SERVER = None
+        srv = owner.server = None
     if srv is None:
         try:
-            srv = _SERVER = _Server(key, env)
+            srv = owner.server = _Server(key, env)
         except OSError as e:
             _give_up_locked(None, f"could not be started ({type(e).__name__}: {e})")
             return None
-        if not _ATEXIT:
+        if not owner.at_exit:
             atexit.register(shutdown)
-            _ATEXIT = True
+            owner.at_exit = True
     return srv
 
 
 def _give_up(srv: _Server | None, why: str) -> None:
-    with _LOCK:
+    with _owner().lock:
         _give_up_locked(srv, why)
 
 
 def _give_up_locked(srv: _Server | None, why: str) -> None:
-    global _SERVER, _GIVEN_UP
+    owner = _owner()
     if srv is not None:
         srv.kill()
-        if _SERVER is srv:
-            _SERVER = None
-    if _GIVEN_UP is None:
-        _GIVEN_UP = why
+        if owner.server is srv:
+            owner.server = None
+    if owner.given_up is None:
+        owner.given_up = why
         logger.warning(
             "the trial server %s; every trial starts a fresh process from now on "
             "(seconds of imports each)", why,
@@ -251,7 +265,7 @@ class _Server:
 
     # the line protocol
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: dict[str, object]) -> None:
         try:
             self.proc.stdin.write((json.dumps(msg) + "\n").encode())
             self.proc.stdin.flush()
@@ -406,7 +420,17 @@ class Child:
 
 # ---------------------------------------------------------------- the server's side
 
-_RUNNING: tuple[int, Path] | None = None  # the child running now and its work dir
+class _Serving:
+    """The server process's state: the child running now and its work dir (None between
+    trials), for ``_die``."""
+
+    def __init__(self) -> None:
+        self.running: tuple[int, Path] | None = None
+
+
+@functools.lru_cache(maxsize=1)
+def _serving() -> _Serving:
+    return _Serving()
 
 
 def main(argv: list[str]) -> int:
@@ -459,7 +483,7 @@ def _threads() -> int | None:
         return None
 
 
-def _send(fd: int, msg: dict[str, Any]) -> None:
+def _send(fd: int, msg: dict[str, object]) -> None:
     data = (json.dumps(msg) + "\n").encode()
     while data:
         data = data[os.write(fd, data):]
@@ -480,8 +504,9 @@ def _check_owner(owner: int) -> None:
 
 def _die(*, remove: bool) -> None:
     """Kill the running child (its group) and exit; ``remove``: its work dir too."""
-    if _RUNNING is not None:
-        pid, work = _RUNNING
+    running = _serving().running
+    if running is not None:
+        pid, work = running
         for kill in (os.killpg, os.kill):
             with contextlib.suppress(OSError):
                 kill(pid, signal.SIGKILL)
@@ -511,7 +536,7 @@ class _Lines:
 
 
 def _serve(owner: int, inp: int, out: int) -> None:
-    global _RUNNING
+    serving = _serving()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -531,10 +556,10 @@ def _serve(owner: int, inp: int, out: int) -> None:
             _child(request, owner, (inp, out, wake_r, wake_w))  # never returns
         with contextlib.suppress(OSError):
             os.setpgid(pid, pid)  # as the child does: no window without its group
-        _RUNNING = (pid, work)
+        serving.running = (pid, work)
         _send(out, {"pid": pid})
         code = _wait(pid, owner, lines, wake_r)
-        _RUNNING = None
+        serving.running = None
         _send(out, {"pid": pid, "returncode": code})
 
 
@@ -561,7 +586,7 @@ def _wait(pid: int, owner: int, lines: _Lines, wake_r: int) -> int:
         _check_owner(owner)
 
 
-def _child(request: dict[str, Any], owner: int, fds: tuple[int, ...]) -> None:
+def _child(request: dict[str, object], owner: int, fds: tuple[int, ...]) -> None:
     """In the forked child: become a fresh trial child, run it, exit."""
     code = 1
     try:

@@ -30,16 +30,19 @@ from __future__ import annotations
 import copy
 import random
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 __all__ = ["ModelSnapshot", "RngSnapshot", "needs_copy", "working_copy"]
 
 _SKIP = ("_parameters", "_buffers", "_modules")
 
 
-def _is_dict(v: Any) -> bool:
+def _is_dict(v: object) -> bool:
     return type(v) in (dict, OrderedDict)
 
 
@@ -103,7 +106,7 @@ class ModelSnapshot:
         _restore_bnb_manager(self.bnb)
 
 
-def _unique(tensors: Any) -> list[torch.Tensor]:
+def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     seen: set[int] = set()
     out = []
     for t in tensors:
@@ -126,7 +129,7 @@ def _bnb_manager_state() -> dict[str, Any] | None:
     return {k: copy.copy(v) for k, v in manager.__dict__.items()}
 
 
-def _restore_bnb_manager(state: dict[str, Any] | None) -> None:
+def _restore_bnb_manager(state: dict[str, object] | None) -> None:
     import sys
 
     bnb = sys.modules.get("bitsandbytes")

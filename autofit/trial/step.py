@@ -32,12 +32,19 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autofit.config import TrainConfig
 from autofit.errors import MissingDependencyError, require
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from transformers.utils import ModelOutput
+
+    from autofit.config import Batch
 
 __all__ = [
     "StepPlan",
@@ -325,11 +332,11 @@ def setup_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def move_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def move_batch(batch: Batch, device: torch.device) -> dict[str, Any]:
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
-def storage_bytes(*tensor_sets: Any) -> int:
+def storage_bytes(*tensor_sets: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages among tensors (tied weights count once)."""
     seen: dict[tuple[str, int], int] = {}
     for tensors in tensor_sets:
@@ -350,7 +357,7 @@ def free_grads(model: torch.nn.Module) -> None:
         p.grad = None
 
 
-def _loss_of(out: Any) -> torch.Tensor:
+def _loss_of(out: ModelOutput | torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
     if loss is None and isinstance(out, (tuple, list)) and out:
         loss = out[0]
@@ -473,8 +480,8 @@ class Stepper:
         free_grads(self.model)
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: Any, scaler: Any,
-                   max_grad_norm: float) -> bool:
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   scaler: torch.amp.GradScaler | None, max_grad_norm: float) -> bool:
     """The Trainer's optimizer step after the accumulated backwards: unscale (fp16), clip
     the gradients to ``max_grad_norm``, step (through the scaler, which skips a step with
     inf/nan gradients), zero the gradients; whether the optimizer stepped."""
