@@ -12,7 +12,7 @@ from typing import Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError
-from autofit.knobs import KNOBS, owned_fields
+from autofit.knobs import KNOBS, emit_fields, owned_fields
 from autofit.knobs.trl_loss import SFT_CONFIG
 
 __all__ = [
@@ -49,8 +49,7 @@ def training_arguments_dict(
     out["gradient_accumulation_steps"] = config.grad_accum_steps
     if use_cpu:
         out["use_cpu"] = True  # before the knobs: what a knob writes may depend on it
-    for k in KNOBS:
-        k.emit(config, out)
+    emit_fields(config, out)
     # TrainingArguments.to_dict() carries enum values and internal fields: keep plain data
     return {k: (v.value if hasattr(v, "value") else v) for k, v in out.items()}
 

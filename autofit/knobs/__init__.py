@@ -24,11 +24,15 @@ from autofit.knobs.registry import (
     choice_of,
     conflict,
     describe_choice,
+    emit_fields,
     knob,
     knob_names,
+    notes,
     owned_fields,
+    reason_lines,
 )
 
 __all__ = ["CHECKPOINTING", "CHUNKED_LOSS", "KNOBS", "OFFLOADING", "OPTIMIZER", "PRECISION",
-           "TORCH_COMPILE", "Knob", "choice_of", "conflict", "describe_choice", "installed",
-           "knob", "knob_names", "owned_fields", "restrict", "training_arguments_fields"]
+           "TORCH_COMPILE", "Knob", "choice_of", "conflict", "describe_choice", "emit_fields",
+           "installed", "knob", "knob_names", "notes", "owned_fields", "reason_lines",
+           "restrict", "training_arguments_fields"]

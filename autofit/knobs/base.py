@@ -28,10 +28,17 @@ A knob declares
 * ``conflict(choice)`` (optional): why a combination of knob values cannot be trained
   (None when it can); the search leaves such combinations out;
 * ``calibrates_apart``: the estimate's error depends on the value (trials measured
-  with one value do not calibrate the estimate of another).
+  with one value do not calibrate the estimate of another);
+* ``reason(config, costs)`` (optional): the reason line of the chosen configuration's
+  value (what it saves, what it costs), asked of the estimators through ``Costs``;
+  ``trainer_note(value, trainer)`` (optional): ``note`` for a given trainer.
 
-The memory rule of a knob lives with the estimators (``autofit.memory``): a knob
-only says what it is and how it is written.
+The registry (``autofit.knobs.registry``) asks every registered knob for these: the
+pipeline never names a knob to write its fields, its notes or its reason lines.
+
+The memory rule of a knob lives with the estimators (``autofit.memory``, a layer above
+this one): a knob says what it is, how it is written and what its reason line asks of
+them (``Costs``).
 """
 
 from __future__ import annotations
@@ -46,11 +53,32 @@ if TYPE_CHECKING:
     from autofit.config import TrainConfig
     from autofit.probe.device import DeviceInfo
 
-__all__ = ["Knob", "KnobValue", "OnOffKnob", "installed", "training_arguments_fields",
+__all__ = ["Costs", "Knob", "KnobValue", "OnOffKnob", "installed", "training_arguments_fields",
            "restrict"]
 
 # A knob's value: on/off levers a bool, the others a name (``"bf16-mixed"``, ``"zero2"``).
 KnobValue: TypeAlias = bool | str
+
+
+class Costs(Protocol):
+    """What a knob's reason line may ask the estimators about a configuration (the knobs sit
+    below ``autofit.memory`` and ``autofit.search``: the caller hands them in)."""
+
+    def device_bytes(self, config: TrainConfig) -> int:
+        """The closed form's device peak of ``config``, bytes."""
+        ...
+
+    def host_bytes(self, config: TrainConfig) -> int:
+        """The host memory ``config`` needs besides the device's (offloading), bytes."""
+        ...
+
+    def tokens_per_s(self, config: TrainConfig) -> float:
+        """The speed model's tokens per second of ``config``."""
+        ...
+
+    def compile_saving_bytes(self, config: TrainConfig) -> int:
+        """Activation bytes torch.compile's rule takes off the eager step (< 0: adds)."""
+        ...
 
 
 class Knob(Protocol):

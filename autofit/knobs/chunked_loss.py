@@ -23,6 +23,7 @@ from autofit.knobs.base import OnOffKnob, installed, training_arguments_fields
 
 if TYPE_CHECKING:
     from autofit.config import TrainConfig
+    from autofit.knobs.base import Costs
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["CHUNKED_LOSS", "ChunkedLossKnob", "TRAINER_NAME", "liger_offered"]
@@ -85,6 +86,28 @@ class ChunkedLossKnob(OnOffKnob):
         return (f"chunked loss: train with {TRAINER_NAME} (a transformers.Trainer whose "
                 "compute_loss runs autofit.causal_lm_chunked_loss); TrainingArguments has no "
                 "field for it")
+
+    def trainer_note(self, value: bool, trainer: str) -> str | None:
+        """``note``; for a trainer that does not run autofit's chunked loss the chunked loss
+        is carried by ``use_liger_kernel`` (the only way the search chose it then)."""
+        from autofit.knobs.trainer import runs_chunked_loss
+
+        if value and not runs_chunked_loss(trainer):
+            return ("chunked loss: use_liger_kernel is set (liger-kernel's fused linear cross "
+                    "entropy, which the Trainer applies from that field)")
+        return self.note(value)
+
+    def reason(self, config: TrainConfig, costs: Costs) -> str | None:
+        """What a chosen chunked loss saves, by the closed form."""
+        if not config.chunked_loss:
+            return None
+        from autofit.probe.device import format_bytes as _gib
+
+        on = costs.device_bytes(config)
+        off = costs.device_bytes(config.replace(chunked_loss=False))
+        return (f"chunked loss: saves ~{_gib(off - on)} at micro batch "
+                f"{config.micro_batch_size} (estimated {_gib(off)} -> {_gib(on)}: no (B, T, V) "
+                "logits, their fp32 log-softmax or their gradients)")
 
     def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         if getattr(config, "chunked_loss", False) and liger_offered(args):

@@ -86,6 +86,7 @@ from autofit.knobs.base import OnOffKnob, installed
 
 if TYPE_CHECKING:
     from autofit.config import TrainConfig
+    from autofit.knobs.base import Costs
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["TORCH_COMPILE", "TorchCompileKnob", "FIELD"]
@@ -154,6 +155,18 @@ class TorchCompileKnob(OnOffKnob):
 
     def flag(self, value: bool) -> str:
         return f"--{self.option}" if value else f"--no-{self.option}"
+
+    def reason(self, config: TrainConfig, costs: Costs) -> str | None:
+        """What a chosen torch.compile's rule takes off the eager step."""
+        if not config.torch_compile:
+            return None
+        from autofit.probe.device import format_bytes as _gib
+
+        n = costs.compile_saving_bytes(config)
+        what = f"~{_gib(n)} fewer" if n >= 0 else f"~{_gib(-n)} more"
+        return (f"torch.compile: {what} activations than eager at micro batch "
+                f"{config.micro_batch_size}, estimated (fused pointwise chains: "
+                "autofit.knobs.compile)")
 
     def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         if getattr(config, self.name, False):

@@ -49,7 +49,7 @@ from autofit.knobs.checkpointing import field_name
 
 if TYPE_CHECKING:
     from autofit.config import TrainConfig
-    from autofit.knobs.base import KnobValue
+    from autofit.knobs.base import Costs, KnobValue
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["OFFLOADING", "OffloadingKnob", "transformers_offloads"]
@@ -135,6 +135,22 @@ class OffloadingKnob(OnOffKnob):
             return None
         return ("activation offloading: the checkpointed activations live in pinned host "
                 "memory (the estimate's host_bytes); each step copies them to the host and back")
+
+    def reason(self, config: TrainConfig, costs: Costs) -> str | None:
+        """What chosen activation offloading saves on the device, the host memory it needs
+        and the time its copies take, by the closed form and the speed model."""
+        if not config.activation_offloading:
+            return None
+        from autofit.probe.device import format_bytes as _gib
+
+        on = costs.device_bytes(config)
+        off_cfg = config.replace(activation_offloading=False)
+        off = costs.device_bytes(off_cfg)
+        slower = 1 - costs.tokens_per_s(config) / max(costs.tokens_per_s(off_cfg), 1e-9)
+        return (f"activation offloading: saves ~{_gib(off - on)} of device memory "
+                f"at micro batch {config.micro_batch_size} (estimated {_gib(off)} -> "
+                f"{_gib(on)}), needs ~{_gib(costs.host_bytes(config))} of pinned host memory, "
+                f"~{100 * slower:.0f}% slower (host copies)")
 
     def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         # after the checkpointing knob (registry order), which writes the kwargs afresh

@@ -9,6 +9,11 @@ its ``TrainConfig`` field, its memory rule in ``autofit/memory`` and its tests.
 A knob may also define ``conflict(choice) -> str | None``: why a combination of values
 cannot be trained (activation offloading without checkpointing); ``conflict`` asks every
 knob, and the search space leaves such combinations out.
+
+What a knob writes and says goes through here, as torch's flop_counter goes through its
+table of per-op formulas: ``emit_fields`` (its TrainingArguments fields), ``notes``
+(what the user must do besides them) and ``reason_lines`` (what the chosen value saves or
+costs) ask every registered knob in order; no caller names a knob.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ from autofit.knobs.strategy import OFFLOAD, STRATEGY
 
 if TYPE_CHECKING:
     from autofit.config import TrainConfig
-    from autofit.knobs.base import KnobValue
+    from autofit.knobs.base import Costs, KnobValue
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
-           "conflict"]
+           "conflict", "emit_fields", "notes", "reason_lines"]
 
 # the order the files are written in too: offloading adds its key to the kwargs that
 # checkpointing writes afresh
@@ -75,3 +80,34 @@ def conflict(choice: dict[str, KnobValue]) -> str | None:
         if check is not None and (why := check(choice)) is not None:
             return why
     return None
+
+
+def emit_fields(config: TrainConfig, args: dict[str, object]) -> None:
+    """Every knob writes its TrainingArguments fields of ``config`` into ``args`` (in
+    registry order: a later knob may add to what an earlier one wrote)."""
+    for k in KNOBS:
+        k.emit(config, args)
+
+
+def notes(config: TrainConfig, trainer: str) -> list[str]:
+    """What the user must do besides the fields, per knob, for ``config`` trained by
+    ``trainer`` (a knob's ``trainer_note`` when it has one, else its ``note``)."""
+    out = []
+    for k in KNOBS:
+        value = getattr(config, k.name)
+        for_trainer = getattr(k, "trainer_note", None)
+        line = for_trainer(value, trainer) if for_trainer is not None else k.note(value)
+        if line:
+            out.append(line)
+    return out
+
+
+def reason_lines(config: TrainConfig, costs: Costs) -> list[str]:
+    """Each knob's reason line for the chosen ``config`` (what its value saves or costs, by
+    ``costs``: the estimators), in registry order; knobs without one say nothing."""
+    out = []
+    for k in KNOBS:
+        reason = getattr(k, "reason", None)
+        if reason is not None and (line := reason(config, costs)) is not None:
+            out.append(line)
+    return out

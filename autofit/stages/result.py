@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
-from autofit.knobs import KNOBS
-from autofit.knobs.trainer import runs_chunked_loss
+from autofit.knobs import KNOBS, notes, reason_lines
 from autofit.knobs.trl_loss import SFT_CONFIG, is_sft_config
 from autofit.stages.probed import Probed
 from autofit.stages.run import WholeRun, eval_from_trial, whole_run
 
 if TYPE_CHECKING:
+    from autofit.memory.breakdown import MemoryEstimate
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import ModelInfo
     from autofit.result import FitResult
@@ -55,15 +55,10 @@ def fit_result(probed: Probed, space: SearchSpace, engine: Engine, outcome: Sear
         est = estimate_analytic(info, config, seq, dev, options.layout_fields)
     confirmed = outcome.confirmed and not simulated
     reasons = outcome.reasons + reasons
-    reasons += [n for k in KNOBS if (n := _note(k, config, trainer))]
+    reasons += notes(config, trainer)
     if confirmed and config.world_size > 1:
         reasons += _ranks_line(outcome, config)
-    if config.chunked_loss:
-        reasons.append(_chunked_loss_saving(info, config, seq, dev))
-    if config.activation_offloading:
-        reasons.append(_offloading_saving(info, config, seq, dev))
-    if config.torch_compile:
-        reasons.append(_compile_saving(info, config, seq))
+    reasons += reason_lines(config, ClosedForm(info, seq, dev))
     kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
     _recipe_fields(kwargs, options.recipe, config, base_args)
     eval_micro = whole.eval_batch(config, margin, reasons)
@@ -119,45 +114,40 @@ def fit_result(probed: Probed, space: SearchSpace, engine: Engine, outcome: Sear
     return result
 
 
-def _chunked_loss_saving(info: ModelInfo, config: TrainConfig, seq: int, dev: DeviceInfo) -> str:
-    """The reason line of a chosen chunked loss: what it saves, by the closed form."""
-    from autofit.memory.ranked import estimate_analytic
-    from autofit.probe.device import format_bytes as _gib
+class ClosedForm:
+    """The estimators a knob's reason line asks (``autofit.knobs.base.Costs``): the closed
+    form's peaks and the speed model, for one model, sequence length and device (each
+    configuration estimated once)."""
 
-    on = estimate_analytic(info, config, seq, dev).device_total_bytes
-    off = estimate_analytic(info, config.replace(chunked_loss=False), seq, dev).device_total_bytes
-    return (f"chunked loss: saves ~{_gib(off - on)} at micro batch {config.micro_batch_size} "
-            f"(estimated {_gib(off)} -> {_gib(on)}: no (B, T, V) logits, their fp32 "
-            "log-softmax or their gradients)")
+    def __init__(self, info: ModelInfo, seq: int, dev: DeviceInfo) -> None:
+        self.info, self.seq, self.dev = info, seq, dev
+        self._estimates: list[tuple[TrainConfig, MemoryEstimate]] = []  # a few, by equality
 
+    def _estimate(self, config: TrainConfig) -> MemoryEstimate:
+        for seen, est in self._estimates:
+            if seen == config:
+                return est
+        from autofit.memory.ranked import estimate_analytic
 
-def _offloading_saving(info: ModelInfo, config: TrainConfig, seq: int, dev: DeviceInfo) -> str:
-    """The reason line of chosen activation offloading: what it saves on the device, the host
-    memory it needs and the time its copies take, by the closed form and the speed model."""
-    from autofit.memory.ranked import estimate_analytic
-    from autofit.probe.device import format_bytes as _gib
-    from autofit.search.speed import predict_speed
+        est = estimate_analytic(self.info, config, self.seq, self.dev)
+        self._estimates.append((config, est))
+        return est
 
-    on = estimate_analytic(info, config, seq, dev)
-    off_cfg = config.replace(activation_offloading=False)
-    off = estimate_analytic(info, off_cfg, seq, dev).device_total_bytes
-    slower = 1 - predict_speed(info, config, seq, dev).tokens_per_s / max(
-        predict_speed(info, off_cfg, seq, dev).tokens_per_s, 1e-9)
-    return (f"activation offloading: saves ~{_gib(off - on.device_total_bytes)} of device memory "
-            f"at micro batch {config.micro_batch_size} (estimated {_gib(off)} -> "
-            f"{_gib(on.device_total_bytes)}), needs ~{_gib(on.host_bytes)} of pinned host memory, "
-            f"~{100 * slower:.0f}% slower (host copies)")
+    def device_bytes(self, config: TrainConfig) -> int:
+        return self._estimate(config).device_total_bytes
 
+    def host_bytes(self, config: TrainConfig) -> int:
+        return self._estimate(config).host_bytes
 
-def _compile_saving(info: ModelInfo, config: TrainConfig, seq: int) -> str:
-    """The reason line of a chosen torch.compile: what its rule takes off the eager step."""
-    from autofit.memory.analytic import compile_saving_bytes
-    from autofit.probe.device import format_bytes as _gib
+    def tokens_per_s(self, config: TrainConfig) -> float:
+        from autofit.search.speed import predict_speed
 
-    n = compile_saving_bytes(info, config, seq)
-    what = f"~{_gib(n)} fewer" if n >= 0 else f"~{_gib(-n)} more"
-    return (f"torch.compile: {what} activations than eager at micro batch "
-            f"{config.micro_batch_size}, estimated (fused pointwise chains: autofit.knobs.compile)")
+        return predict_speed(self.info, config, self.seq, self.dev).tokens_per_s
+
+    def compile_saving_bytes(self, config: TrainConfig) -> int:
+        from autofit.memory.analytic import compile_saving_bytes
+
+        return compile_saving_bytes(self.info, config, self.seq)
 
 
 def _recipe_fields(kwargs: dict[str, object], recipe: Any, config: TrainConfig,
@@ -175,16 +165,6 @@ def _recipe_fields(kwargs: dict[str, object], recipe: Any, config: TrainConfig,
         kwargs["fsdp"] = base_args["fsdp"]
         if base_args.get("fsdp_config"):
             kwargs["fsdp_config"] = base_args["fsdp_config"]
-
-
-def _note(k: object, config: TrainConfig, trainer: str) -> str | None:
-    """What the user must do besides the fields for knob ``k``'s chosen value; the chunked loss
-    for a trainer that does not run it is carried by ``use_liger_kernel`` (the only way the
-    search chose it then)."""
-    if k.name == "chunked_loss" and config.chunked_loss and not runs_chunked_loss(trainer):
-        return ("chunked loss: use_liger_kernel is set (liger-kernel's fused linear cross "
-                "entropy, which the Trainer applies from that field)")
-    return k.note(getattr(config, k.name))
 
 
 def _ranks_line(outcome: SearchOutcome, config: TrainConfig) -> list[str]:

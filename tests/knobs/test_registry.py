@@ -1,0 +1,103 @@
+"""The registry is the one place a knob is named: a knob registered there (a throwaway one,
+in this test only) has its fields written and its reason line and note shown, with no
+other file touched."""
+
+from __future__ import annotations
+
+import pytest
+
+from autofit.config import TrainConfig
+from autofit.emit.training_args import training_arguments_dict
+from autofit.knobs import registry
+from autofit.knobs.base import Costs, OnOffKnob
+
+
+class _PinMemory(OnOffKnob):
+    """A throwaway lever: no pinned memory for the data loader at large micro batches."""
+
+    name = "pin_memory_off"
+    title = "pin"
+    fields = ("dataloader_pin_memory",)
+    calibrates_apart = False
+    option = "pin-memory-off"
+
+    def describe(self, value: bool) -> str:
+        return "unpinned loader" if value else "pinned loader"
+
+    def short(self, value: bool) -> str:
+        return "yes" if value else "no"
+
+    def _on(self, config: TrainConfig) -> bool:
+        return config.micro_batch_size >= 4
+
+    def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
+        if self._on(config):
+            args["dataloader_pin_memory"] = False
+
+    def read(self, args: dict[str, object]) -> bool:
+        return args.get("dataloader_pin_memory") is False
+
+    def trainer_note(self, value: bool, trainer: str) -> str | None:
+        return None
+
+    def reason(self, config: TrainConfig, costs: Costs) -> str | None:
+        if not self._on(config):
+            return None
+        return f"loader unpinned: {costs.device_bytes(config)} bytes on the device either way"
+
+
+class _Costs:
+    def device_bytes(self, config: TrainConfig) -> int:
+        return 1000 * config.micro_batch_size
+
+    def host_bytes(self, config: TrainConfig) -> int:
+        return 0
+
+    def tokens_per_s(self, config: TrainConfig) -> float:
+        return 1.0
+
+    def compile_saving_bytes(self, config: TrainConfig) -> int:
+        return 0
+
+
+@pytest.fixture()
+def registered(monkeypatch):
+    monkeypatch.setattr(registry, "KNOBS", (*registry.KNOBS, _PinMemory()))
+
+
+def test_a_registered_knob_writes_its_fields(registered):
+    assert training_arguments_dict(TrainConfig(micro_batch_size=4))[
+        "dataloader_pin_memory"] is False
+    assert "dataloader_pin_memory" not in training_arguments_dict(TrainConfig(micro_batch_size=2))
+
+
+def test_a_registered_knob_says_its_reason(registered):
+    lines = registry.reason_lines(TrainConfig(micro_batch_size=4), _Costs())
+    assert lines == ["loader unpinned: 4000 bytes on the device either way"]
+    assert registry.reason_lines(TrainConfig(micro_batch_size=2), _Costs()) == []
+
+
+def test_without_it_nothing_is_written_or_said():
+    assert "dataloader_pin_memory" not in training_arguments_dict(TrainConfig(micro_batch_size=4))
+    assert registry.reason_lines(TrainConfig(micro_batch_size=4), _Costs()) == []
+
+
+@pytest.mark.parametrize("name, config, start", [
+    ("chunked_loss", TrainConfig(chunked_loss=True), "chunked loss: saves ~"),
+    ("activation_offloading", TrainConfig(gradient_checkpointing=True,
+                                          activation_offloading=True),
+     "activation offloading: saves ~"),
+    ("torch_compile", TrainConfig(torch_compile=True), "torch.compile: ~"),
+])
+def test_each_knob_owns_its_reason_line(name, config, start):
+    """The lines the pipeline shows come from the knob that owns them (its ``reason``)."""
+    line = registry.knob(name).reason(config, _Costs())
+    assert line.startswith(start), line
+    assert registry.knob(name).reason(TrainConfig(), _Costs()) is None
+
+
+def test_the_chunked_loss_note_names_liger_for_a_trainer_without_it():
+    notes = registry.notes(TrainConfig(chunked_loss=True), "plain")
+    assert any("use_liger_kernel is set" in n for n in notes)
+    assert any("ChunkedLossTrainer" in n for n in registry.notes(TrainConfig(chunked_loss=True),
+                                                                  "autofit"))
