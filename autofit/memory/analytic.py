@@ -845,6 +845,11 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     W = weights_bytes(info, config)
     G = gradients_bytes(info, config)
     S = optimizer_state_bytes(info, config)
+    dead = c.get("no_grad_numel", 0)  # derived: trainable elements the loss never reaches
+    if dead and info.trainable_params:
+        # no gradient, so no optimizer state (DeepSeek sparse attention's indexer: 55% over)
+        live = max(0.0, 1.0 - dead / info.trainable_params)
+        G, S = int(G * live), int(S * live)
     lm = info.task != "seq-cls" and info.vocab_size is not None
     V = info.vocab_size if lm else 0
     h = info.hidden_size or 0

@@ -118,14 +118,15 @@ def _stacks(base: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
 
 
 def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
-                   device: DeviceInfo) -> list[tuple[list[float], int, tuple[int, float]]]:
+                   device: DeviceInfo) -> tuple[list[tuple[list[float], int, tuple[int, float]]], int]:
     """(bytes alive at the loss per block of each stack -- an encoder-decoder's encoder,
     then its decoder; in all; the forward's transient) at each of ``SHAPES``, weights
     excluded, on one fake clone that keeps one block of each kind per stack.
 
     The transient is what the forward holds at its highest beyond what it keeps for
     backward by then, with the share of all it keeps that it keeps by then
-    (``_forward_transient``)."""
+    (``_forward_transient``); and the trainable elements no gradient reaches
+    (``_unreached_numel``)."""
     import contextlib
     import warnings
 
@@ -146,6 +147,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
     target = "cuda" if device.allocator == "cuda" else "cpu"
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     out: list[tuple[list[float], int, tuple[int, float]]] = []
+    dead = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with fake_mode:
@@ -192,6 +194,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                 ]
                 total = sum(r.size for r in rec.live_records() if id(r) in alive)
                 transient = _forward_transient(log, alive)
+                if not out:  # (the graph is the same at every shape)
+                    dead = _unreached_numel(loss, model, stacks)
                 del loss, data, kwargs
             for h in handles:
                 h.remove()
@@ -204,7 +208,35 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                 per_block.append(stack / n)  # the kept blocks stand for all of their kind
                 blocks += stack
             out.append((per_block, int(total - sum(per_kind) + blocks), transient))
-    return out
+    return out, dead
+
+
+def _unreached_numel(loss: Any, model: torch.nn.Module, stacks: list[tuple]) -> int:
+    """Trainable elements the loss's graph does not reach: they get no gradient, so the
+    optimizer keeps no state for them (DeepSeek sparse attention's indexer, which picks
+    the keys by ``topk``: 57% of GLM-MoE-DSA's small model; its analytic estimate was
+    55% over). The kept blocks stand for all blocks of their kind."""
+    import torch
+
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    todo = [getattr(loss, "grad_fn", None)]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf's gradient
+        if isinstance(var, torch.Tensor):
+            reached.add(id(var))
+        todo.extend(f for f, _ in fn.next_functions)
+    times = {}
+    for kept, kinds, _ in stacks:
+        for blk, (_, count) in zip(kept, kinds, strict=True):
+            for p in blk.parameters():
+                times[id(p)] = count
+    return sum(p.numel() * times.get(id(p), 1) for p in model.parameters()
+               if p.requires_grad and id(p) not in reached)
 
 
 def _forward_transient(log: list[tuple[str, Any, str]], alive: set[int]) -> tuple[int, float]:
@@ -268,7 +300,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     if 0 in counts:
         raise BadInputError(f"{info.name}: no transformer blocks found; use " + _simulate())
     try:
-        at = _forward_saved(module, config, info.task, device)
+        at, dead = _forward_saved(module, config, info.task, device)
     except ValueDependentShapeError as e:  # (the table's coefficients were 33% under: LED)
         raise ValueDependentShapeError(
             f"{info.name}: its step makes tensors whose shapes depend on values ({e.op}), "
@@ -310,6 +342,8 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
                     "share": min(max(fwd["share"], 0.0), 1.0)},
         "derived": True,
     }
+    if dead:  # trainable elements without a gradient (no state either)
+        coef["no_grad_numel"] = int(dead)
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
         coef["layer_decoder"] = layer(lays[1])
     _CACHE[key] = coef
