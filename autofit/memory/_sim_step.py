@@ -272,7 +272,7 @@ def host_peak_bytes(log: list[tuple[str, Any, str]], host: list[Any]) -> tuple[i
     """The most pinned host memory the offloaded tensors of ``log`` held at once, each
     rounded up to a power of two as torch's host caching allocator does, and how many
     tensors held it."""
-    from autofit.memory._common import pinned_bytes
+    from autofit.memory.allocator._common import pinned_bytes
 
     ids = {r.id for r in host}
     live = count = peak = at_peak = 0

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autofit.config import TrainConfig
-from autofit.memory._common import pinned_bytes
+from autofit.memory.allocator._common import pinned_bytes
 from autofit.memory.sharding import (
     Layout,
     activation_config,

@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, NoTrainableParametersError, fix
 from autofit.knobs.trl_loss import trl_loss_bytes
-from autofit.memory._common import pinned_bytes
+from autofit.memory.allocator._common import pinned_bytes
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import sm_version
 

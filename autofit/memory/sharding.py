@@ -126,7 +126,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
-from autofit.memory._common import pinned_bytes
+from autofit.memory.allocator._common import pinned_bytes
 from autofit.memory.breakdown import MemoryEstimate
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -18,12 +18,17 @@ import time
 import pytest
 
 from autofit.errors import BadInputError
-from autofit.memory import _common, _cpu_model, _cuda_model, _sorted_ints, allocator
+from autofit.memory import allocator
 from autofit.memory.allocator import (
     AllocEvent,
     CpuAllocatorModel,
     CudaCachingAllocatorModel,
     SimulatedOutOfMemoryError,
+    _common,
+    _cpu_model,
+    _cuda_model,
+    _replay,
+    _sorted_ints,
     cpu_block_bytes,
     get_allocation_size,
     replay,
@@ -48,7 +53,7 @@ def layout(model: CudaCachingAllocatorModel) -> list[list[tuple[float, bool]]]:
 
 
 @pytest.mark.parametrize(
-    "module", [allocator, _common, _cuda_model, _cpu_model, _sorted_ints], ids=lambda m: m.__name__
+    "module", [allocator, _replay, _common, _cuda_model, _cpu_model, _sorted_ints], ids=lambda m: m.__name__
 )
 def test_docstring_examples(module: object) -> None:
     failures, tests = doctest.testmod(module)  # type: ignore[arg-type]

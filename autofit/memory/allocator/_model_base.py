@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from autofit.errors import BadInputError
-from autofit.memory._common import AllocEvent, ReplayResult, SimulatedOutOfMemoryError
+from autofit.memory.allocator._common import AllocEvent, ReplayResult, SimulatedOutOfMemoryError
 
 
 class _Block:

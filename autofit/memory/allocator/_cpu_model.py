@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from autofit.memory._common import CPU_MMAP_THRESHOLD, SimulatedOutOfMemoryError, cpu_block_bytes
-from autofit.memory._model_base import _Block, _ModelBase
+from autofit.memory.allocator._common import (
+    CPU_MMAP_THRESHOLD,
+    SimulatedOutOfMemoryError,
+    cpu_block_bytes,
+)
+from autofit.memory.allocator._model_base import _Block, _ModelBase
 
 
 class CpuAllocatorModel(_ModelBase):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autofit.memory._common import (
+from autofit.memory.allocator._common import (
     _ADDR_BITS,
     _FIRST_ADDRESS,
     _UNLIMITED_ADDRESS_SPACE,
@@ -16,8 +16,8 @@ from autofit.memory._common import (
     get_allocation_size,
     round_size,
 )
-from autofit.memory._model_base import _Block, _ExpandableSegment, _ModelBase
-from autofit.memory._sorted_ints import _SortedInts
+from autofit.memory.allocator._model_base import _Block, _ExpandableSegment, _ModelBase
+from autofit.memory.allocator._sorted_ints import _SortedInts
 
 
 class _Pool:
