@@ -298,8 +298,8 @@ def _step_estimate(info: ModelInfo, config: TrainConfig, seq: int, dev: DeviceIn
     from autofit.memory.ranked import estimate_analytic
 
     if layout is not None:  # several ranks launched otherwise than the Trainer does
-        from autofit.memory._sim_ranks import simulate_ranks
         from autofit.memory.sharding import estimate_ranks_analytic
+        from autofit.memory.simulate import simulate_ranks
 
         return (simulate_ranks(sim, config, seq, layout).estimate if method == "simulate"
                 else estimate_ranks_analytic(info, config, seq, dev, layout))

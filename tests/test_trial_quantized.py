@@ -16,7 +16,7 @@ import torch
 
 from autofit import TrainConfig, estimate
 from autofit.errors import BadInputError
-from autofit.memory._sim_recorder import StorageRecorder
+from autofit.memory.simulate._recorder import StorageRecorder
 from autofit.probe.quant import resolve
 from autofit.trial import measure
 from autofit.trial.model import ModelRef, is_quantized_model, materialize

@@ -56,7 +56,7 @@ beside it, the user's config with only its numeric batch fields set to the tuned
 Known limitations:
     * NB: ``allgather_bucket_size``, ``stage3_prefetch_bucket_size``,
       ``stage3_max_live_parameters`` and ``contiguous_gradients: false`` are read and
-      named but not estimated (``autofit.memory._sim_zero``: no tensor of the step, or
+      named but not estimated (``autofit.memory.simulate._zero``: no tensor of the step, or
       kept anyway after the first step).
     * NB: an ``nvme`` offload is estimated as host memory (what leaves the device).
 """
@@ -428,7 +428,7 @@ def _ds_overrides(zero: dict[str, object], stage: int, name: str, details: list[
             unmodelled.append(key)
     if unmodelled:
         notes.append(f"{', '.join(unmodelled)}: read, not estimated (no tensor of the step "
-                     "they size; autofit.memory._sim_zero)")
+                     "they size; autofit.memory.simulate._zero)")
     for key in _ZERO_FLAGS:
         if key in zero:
             v = _flag(zero[key], key, name)

@@ -364,7 +364,7 @@ def _cuda_sdpa_is_math(info: ModelInfo, config: TrainConfig, device: DeviceInfo)
     the memory-efficient kernel does not take it, so it runs in flash attention
     (16-bit inputs on sm80+, head dim <= 256 and a multiple of 8) or in the math
     kernel, which materializes the (T, T) scores (the rules of sdp_utils.cpp, as
-    ``memory/_sim_cuda.py`` applies them).
+    ``memory/simulate/_cuda.py`` applies them).
     """
     if device.allocator != "cuda" or not info.blocks:
         return False

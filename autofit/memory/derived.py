@@ -4,7 +4,7 @@
 (llama-like, GPT-2, BERT, T5), precision, attention and LoRA regime. A model or a
 PEFT method outside it — IA3, prefix tuning, DoRA, an OPT or GPT-NeoX block — gets
 coefficients of the same form derived from its own forward: the model is cloned on
-fake tensors (``_sim_model``) and run forward only, at four small shapes
+fake tensors (``simulate._model``) and run forward only, at four small shapes
 (micro batch 1 at ``T1 < T2 < T3`` tokens, and 2 at ``T1``), with each block's
 allocations told apart by forward hooks. The clone keeps one block of each kind
 (blocks alike in modules, parameters and buffers; adaption prompt's adapted top
@@ -133,15 +133,15 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autofit.memory._sim_bnb import bnb_target
-    from autofit.memory._sim_model import (
+    from autofit.memory.simulate._bnb import bnb_target
+    from autofit.memory.simulate._model import (
         fake_clone,
         prepare_for_training,
         unwrap,
         weight_tensors,
     )
-    from autofit.memory._sim_recorder import StorageRecorder
-    from autofit.memory._sim_step import chunked_loss_kernels, forward_loss
+    from autofit.memory.simulate._recorder import StorageRecorder
+    from autofit.memory.simulate._step import chunked_loss_kernels, forward_loss
 
     spec = config.precision_spec
     target = "cuda" if device.allocator == "cuda" else "cpu"
@@ -177,7 +177,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                         1, len(rec._log))))
             ctx: Any = contextlib.nullcontext()
             if device.allocator == "cuda":
-                from autofit.memory._sim_cuda import CudaSemantics
+                from autofit.memory.simulate._cuda import CudaSemantics
 
                 ctx = CudaSemantics(device)
             if config.chunked_loss:

@@ -5,7 +5,7 @@ buffers its strategy allocates. This module states those shares, where each numb
 comes from (torch 2.13, DeepSpeed 0.19.8, transformers 5.x, accelerate 1.15 source), and
 builds the analytic per-rank estimate from the single-rank closed form
 (``autofit.memory.analytic.analytic_phases``). The simulate method traces FSDP2 and DDP
-themselves (``_sim_dist``) and transforms the single-rank step for ZeRO (``_sim_zero``);
+themselves (``simulate._dist``) and transforms the single-rank step for ZeRO (``simulate._zero``);
 both use the sizes below.
 
     >>> from autofit.config import TrainConfig
@@ -710,7 +710,7 @@ def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
 
 def _zero_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
                device: DeviceInfo, rank: int) -> _Rank:
-    """DeepSpeed ZeRO-1/2/3 on rank ``rank`` (see the module docstring and ``_sim_zero``):
+    """DeepSpeed ZeRO-1/2/3 on rank ``rank`` (see the module docstring and ``simulate._zero``):
 
     * state: the flat bit16 groups (ZeRO-1/2) or partitions + persistent parameters
       (ZeRO-3), the fp32 partition (a clone), the optimizer's states over it, ZeRO-3's IPG

@@ -127,10 +127,10 @@ def test_estimate_drops_about_the_logits():
 def test_simulate_matches_a_real_step_with_the_chunked_loss():
     """The simulated step runs the same loss function as the real one: the recorder on
     real tensors and on fake ones sees the same peak (within 2%)."""
-    from autofit.memory._sim_model import fake_clone, prepare_for_training, weight_tensors
-    from autofit.memory._sim_recorder import StorageRecorder
-    from autofit.memory._sim_step import StepTarget, build_optimizer, run_steps
-    from autofit.memory.simulate import _fake_mode
+    from autofit.memory.simulate._model import fake_clone, prepare_for_training, weight_tensors
+    from autofit.memory.simulate._recorder import StorageRecorder
+    from autofit.memory.simulate._simulator import _fake_mode
+    from autofit.memory.simulate._step import StepTarget, build_optimizer, run_steps
 
     model = _llama(**BIG_VOCAB)
     config = TrainConfig(micro_batch_size=2, chunked_loss=True)

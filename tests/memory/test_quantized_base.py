@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from autofit import TrainConfig, estimate
-from autofit.memory._sim_bnb import bnb_target
-from autofit.memory._sim_model import prepare_for_training, weight_tensors
-from autofit.memory._sim_recorder import StorageRecorder
-from autofit.memory._sim_step import StepTarget, build_optimizer, run_steps
 from autofit.memory.analytic import (
     cpu_library_cache_bytes,
     int8_kept_bytes,
     quantized_weight_bytes,
     weights_bytes,
 )
+from autofit.memory.simulate._bnb import bnb_target
+from autofit.memory.simulate._model import prepare_for_training, weight_tensors
+from autofit.memory.simulate._recorder import StorageRecorder
+from autofit.memory.simulate._step import StepTarget, build_optimizer, run_steps
 from autofit.probe.device import resolve_device
 from autofit.probe.model import probe_model
 from autofit.probe.quant import resolve

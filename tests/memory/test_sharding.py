@@ -26,8 +26,8 @@ from autofit.probe.model import build_model, describe
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from autofit.memory._sim_ranks import simulate_ranks  # noqa: E402
 from autofit.memory.simulate import Simulator  # noqa: E402
+from autofit.memory.simulate._ranks import simulate_ranks  # noqa: E402
 
 CPU = resolve_device("cpu")
 H100 = resolve_device("H100-80GB")

@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autofit.errors import ValueDependentShapeError
-from autofit.memory._sim_recorder import StorageRecorder
+from autofit.memory.simulate._recorder import StorageRecorder
 
 
 @pytest.fixture

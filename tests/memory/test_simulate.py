@@ -127,7 +127,7 @@ def test_recorder_sees_frees() -> None:
     """A loop that allocates and frees must not grow."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autofit.memory._sim_recorder import StorageRecorder
+    from autofit.memory.simulate._recorder import StorageRecorder
 
     rec = StorageRecorder()
     with FakeTensorMode(allow_non_fake_inputs=True), rec:
@@ -328,11 +328,11 @@ def _tensor_peak(model, config: TrainConfig, *, fake: bool, seq_len: int = 64) -
     import contextlib
     import copy
 
-    from autofit.memory._sim_bnb import gemm_4bit_workspace
-    from autofit.memory._sim_model import fake_clone, prepare_for_training, weight_tensors
-    from autofit.memory._sim_recorder import StorageRecorder
-    from autofit.memory._sim_step import StepTarget, build_optimizer, run_steps
-    from autofit.memory.simulate import _fake_mode
+    from autofit.memory.simulate._bnb import gemm_4bit_workspace
+    from autofit.memory.simulate._model import fake_clone, prepare_for_training, weight_tensors
+    from autofit.memory.simulate._recorder import StorageRecorder
+    from autofit.memory.simulate._simulator import _fake_mode
+    from autofit.memory.simulate._step import StepTarget, build_optimizer, run_steps
 
     mode = _fake_mode() if fake else contextlib.nullcontext()
     with mode:

@@ -1,10 +1,10 @@
 """The simulate method for several ranks: every rank's estimate, and the one that peaks.
 
-FSDP2, HSDP and DDP are traced (``_sim_dist``: the real wrapper on fake tensors under a
+FSDP2, HSDP and DDP are traced (``simulate._dist``: the real wrapper on fake tensors under a
 fake process group, one trace per class of ranks that hold the same shards); DeepSpeed
 ZeRO, FSDP2 with CPU offload (fake CPU tensors cannot tell the host from the device) and
 any strategy in a process that already has a process group are simulated by
-transforming the single-rank step (``_sim_zero``).
+transforming the single-rank step (``simulate._zero``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,14 @@ def simulate_ranks(sim: Simulator, config: TrainConfig, seq_len: int,
     """Simulate every rank of ``config`` (``world_size > 1``) with ``sim``'s model and
     target; the result's estimate has ``per_rank`` and the peaking rank's figures, its
     events and replay are the peaking rank's."""
-    from autofit.memory._sim_dist import ProcessGroupExists, RankTrace, fake_world, rank_classes
-    from autofit.memory._sim_step import optimizer_cls_and_kwargs
-    from autofit.memory._sim_zero import simulate_transformed
+    from autofit.memory.simulate._dist import (
+        ProcessGroupExists,
+        RankTrace,
+        fake_world,
+        rank_classes,
+    )
+    from autofit.memory.simulate._step import optimizer_cls_and_kwargs
+    from autofit.memory.simulate._zero import simulate_transformed
 
     layout = layout or Layout.of(config)
     if layout.family == "zero" or (layout.family == "fsdp" and layout.offload != "none"):

@@ -41,7 +41,7 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """Parameters, buffers and quantization states (4-bit QuantState, 8-bit row scales),
     each storage once."""
-    from autofit.memory._sim_bnb import quant_tensors
+    from autofit.memory.simulate._bnb import quant_tensors
 
     seen: set[int] = set()
     out = []
@@ -67,7 +67,7 @@ def fake_clone(module: torch.nn.Module, *, float_dtype: torch.dtype | None) -> t
             bitsandbytes-quantized model is never cast (transformers refuses it): it
             keeps the dtypes it was loaded (or built) in.
     """
-    from autofit.memory._sim_bnb import (
+    from autofit.memory.simulate._bnb import (
         fake_int8_params,
         fake_int8_state,
         fake_params4bit,
@@ -141,7 +141,7 @@ def prepare_for_training(
             simulation's torch-function mode is not active inside ``backward()``.
         activation_offloading: checkpointing with ``offload=True``, as the Trainer enables
             ``activation_checkpointing_kwargs={"offload": True}`` (the step runs it under
-            ``_sim_step.offloaded_to_host``, which gives torch's ``save_on_cpu`` its
+            ``simulate._step.offloaded_to_host``, which gives torch's ``save_on_cpu`` its
             device semantics on fake CPU tensors).
     """
     base = unwrap(model)

@@ -43,8 +43,8 @@ import torch
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, MissingDependencyError
-from autofit.memory._sim_model import make_batch, unpacked_batches, unwrap
-from autofit.memory._sim_recorder import StorageRecorder
+from autofit.memory.simulate._model import make_batch, unpacked_batches, unwrap
+from autofit.memory.simulate._recorder import StorageRecorder
 
 __all__ = [
     "StepTarget",
@@ -317,7 +317,7 @@ class _FakeGradScaler:
 
 def _autocast(config: TrainConfig) -> Any:
     """CPU autocast on the fake CPU tensors (a CUDA target adds CUDA's extra casts in
-    ``_sim_cuda.CudaSemantics``)."""
+    ``simulate._cuda.CudaSemantics``)."""
     spec = config.precision_spec
     if not spec.autocast:
         return contextlib.nullcontext()

@@ -24,24 +24,24 @@ device's allocator (`autofit.memory.allocator`). The user's module is never touc
 How it works:
 
 - The model is cloned with ``copy.deepcopy`` and a memo that maps each parameter,
-  buffer and tensor attribute to a FakeTensor (``_sim_model``). Precision follows
+  buffer and tensor attribute to a FakeTensor (``simulate._model``). Precision follows
   Lightning's names: ``32-true``; ``bf16-mixed`` / ``16-mixed`` keep fp32 weights and
   run forward + loss under autocast (``16-mixed`` with GradScaler semantics);
   ``bf16-true`` / ``16-true`` cast the weights (``model.to(dtype)``).
 - Gradient checkpointing is enabled on the clone exactly as the Trainer does
   (``activation_checkpointing_enable``, non-reentrant, ``use_cache=False``); with
   activation offloading (a CUDA target) with ``offload=True``, torch's ``save_on_cpu``
-  given its device semantics (``_sim_step.offloaded_to_host``): what it packs is host
+  given its device semantics (``simulate._step.offloaded_to_host``): what it packs is host
   memory (``host_bytes``, power-of-two pinned blocks), what it unpacks a device copy.
 - The optimizer is the class and kwargs ``Trainer.get_optimizer_cls_and_kwargs``
   gives for the ``optim`` name, over the Trainer's two parameter groups, with the
   target's ``foreach`` default. bitsandbytes optimizers run as they are (their ops
   have fake implementations); on a CPU target their CPU update kernels run as torch
   ops so that their temporaries are seen.
-- Frees are seen through weak references to storages (``_sim_recorder``); a storage
+- Frees are seen through weak references to storages (``simulate._recorder``); a storage
   is categorised after the step (weights, gradients, optimizer_states, activations,
   temporaries).
-- For a CUDA target, ``_sim_cuda`` follows CUDA's semantics where the CPU kernels
+- For a CUDA target, ``simulate._cuda`` follows CUDA's semantics where the CPU kernels
   that actually run on fake CPU tensors differ: CUDA's autocast op lists, CUDA's SDPA
   backend choice (flash / memory-efficient / math, with their saved logsumexp and
   backward workspaces), fused dropout masks (bool instead of a float noise tensor),
@@ -103,7 +103,7 @@ Known limitations:
   ``autofit.knobs.compile`` applied to its replay (activations the compiled step
   recomputes are taken off every forward and backward event); the compiled graph is
   not traced.
-- NB: quantized bases run bitsandbytes' own layers (``autofit.memory._sim_bnb``). 4-bit
+- NB: quantized bases run bitsandbytes' own layers (``autofit.memory.simulate._bnb``). 4-bit
   (QLoRA) bases with bitsandbytes' ops as they run on CUDA and on the CPU's default
   kernel (``gemm_4bit`` dequantizes the weight to a temporary); an optimized CPU kernel
   (kernels-community) would not. 8-bit (LLM.int8) bases through ``MatMul8bitFp`` on a
@@ -254,8 +254,8 @@ class Simulator:
         if hit is not None:
             return hit
         if config.world_size > 1:
-            from autofit.memory._sim_ranks import simulate_ranks
             from autofit.memory.sharding import Layout
+            from autofit.memory.simulate._ranks import simulate_ranks
 
             layout = Layout.of(config, **self.sharding) if self.sharding else None
             result = simulate_ranks(self, config, s, layout)
@@ -273,14 +273,14 @@ class Simulator:
         return list(self.run(config, seq_len=seq_len).events)
 
     def _run(self, config: TrainConfig, seq_len: int, trace: Any = None) -> SimulationResult:
-        """One simulation; ``trace`` (``_sim_dist.RankTrace``): one rank of several, its
+        """One simulation; ``trace`` (``simulate._dist.RankTrace``): one rank of several, its
         wrapper applied to the clone and its step config run."""
         import torch
 
-        from autofit.memory._sim_bnb import bnb_target
-        from autofit.memory._sim_model import fake_clone, prepare_for_training, weight_tensors
-        from autofit.memory._sim_recorder import StorageRecorder
-        from autofit.memory._sim_step import (
+        from autofit.memory.simulate._bnb import bnb_target
+        from autofit.memory.simulate._model import fake_clone, prepare_for_training, weight_tensors
+        from autofit.memory.simulate._recorder import StorageRecorder
+        from autofit.memory.simulate._step import (
             StepTarget,
             build_optimizer,
             host_peak_bytes,
@@ -298,7 +298,7 @@ class Simulator:
             warnings.simplefilter("ignore")
             recompute = None
             if target.kind == "cuda":
-                from autofit.memory._sim_cuda import CudaSemantics
+                from autofit.memory.simulate._cuda import CudaSemantics
 
                 def recompute() -> CudaSemantics:
                     return CudaSemantics(self.device)

@@ -11,7 +11,7 @@ through the target's allocator model like any other step (``simulate``).
 The process group exists only while one rank is traced and is destroyed afterwards
 (``fake_world``); a process that already has one (``torch.distributed.is_initialized``)
 is left alone: its ranks are then simulated by the single-rank step with the rules of
-``autofit.memory.sharding`` applied to it (``_sim_zero.transform``, which ZeRO always
+``autofit.memory.sharding`` applied to it (``simulate._zero.transform``, which ZeRO always
 uses, as DeepSpeed cannot run on fake tensors).
 
 Only ranks that hold different shards are traced: FSDP2's ranks differ only by the
@@ -95,7 +95,7 @@ def _sharding_propagation_unrecorded(rec: Any) -> Iterator[None]:
 def _no_split_classes(model: torch.nn.Module) -> tuple[type, ...]:
     """The block classes accelerate's transformer auto-wrap policy wraps: the model's
     ``_no_split_modules`` names, found among its modules."""
-    from autofit.memory._sim_model import unwrap
+    from autofit.memory.simulate._model import unwrap
 
     names = set(getattr(unwrap(model), "_no_split_modules", None) or ())
     return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
@@ -103,7 +103,7 @@ def _no_split_classes(model: torch.nn.Module) -> tuple[type, ...]:
 
 def _final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
     """accelerate's ``_find_final_norm``: the last ``*Norm*`` child of the base model."""
-    from autofit.memory._sim_model import unwrap
+    from autofit.memory.simulate._model import unwrap
 
     base_model = unwrap(model)
     prefix = getattr(base_model, "base_model_prefix", "")
