@@ -8,7 +8,7 @@ CPU tensors), for several dimension variants, and fits
     per-layer bytes/token = c_h*h + c_kv*kv_dim + c_i*i + c_H*heads + c_HT*heads*T + c_0
     outside-the-blocks bytes/token = b_h*h + b_V*V + b_0
 
-by least squares. It writes ``autofit/memory/coefficients.json``. The accuracy
+by least squares. It writes ``autofit/memory/analytic/coefficients.json``. The accuracy
 benchmark (benchmarks/accuracy.py) checks the resulting estimates against
 peak-RSS measurements of real training steps, which share no code with this.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-OUT = Path(__file__).resolve().parent.parent / "autofit" / "memory" / "coefficients.json"
+OUT = Path(__file__).resolve().parent.parent / "autofit" / "memory" / "analytic" / "coefficients.json"
 B = 3
 # (hidden, heads, kv_heads, intermediate, vocab, seq)
 VARIANTS = [

@@ -51,14 +51,10 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, DoesNotFitError
-from autofit.memory.analytic import (
-    _CUDA_FRAGMENTATION,
-    _bytes,
-    _dequantized_bytes,
-    _linear_weight_numel,
-    optimizer_state_bytes,
-)
-from autofit.memory.analytic import weights_bytes as _train_weights_bytes
+from autofit.memory.analytic._activations import _dequantized_bytes
+from autofit.memory.analytic._closed_form import _CUDA_FRAGMENTATION
+from autofit.memory.analytic._states import _bytes, _linear_weight_numel, optimizer_state_bytes
+from autofit.memory.analytic._states import weights_bytes as _train_weights_bytes
 from autofit.memory.breakdown import MemoryEstimate
 
 if TYPE_CHECKING:  # pragma: no cover

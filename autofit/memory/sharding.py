@@ -508,7 +508,7 @@ def estimate_ranks_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
         >>> len(two.per_rank), two.peak_allocated_bytes < one.peak_allocated_bytes
         (2, True)
     """
-    from autofit.memory.analytic import analytic_phases
+    from autofit.memory.analytic._closed_form import analytic_phases
 
     layout = layout or Layout.of(config)
     act_config = activation_config(config, layout)
@@ -530,7 +530,8 @@ def estimate_ranks_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
 def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo,
                    rank: _Rank, terms: Any) -> MemoryEstimate:
     """One rank's MemoryEstimate from its phases (as ``estimate_analytic`` builds one)."""
-    from autofit.memory.analytic import cpu_library_cache_bytes, cuda_reserved_bytes
+    from autofit.memory.analytic._closed_form import cuda_reserved_bytes
+    from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes
 
     phase, (peak, parts) = max(rank.phases.items(), key=lambda kv: kv[1][0])
     parts = {k: int(v) for k, v in parts.items()}
@@ -556,7 +557,7 @@ def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: D
 def _ddp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any) -> _Rank:
     """DDP: every phase + the buckets (the gradients' bytes); with gradient_as_bucket_view
     the gradients are the buckets (counted once, alive from the start)."""
-    from autofit.memory.analytic import gradients_bytes
+    from autofit.memory.analytic._states import gradients_bytes
 
     B = gradients_bytes(info, single_rank_config(config))
     out = {}
@@ -593,7 +594,7 @@ def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
     * ``optimizer``: sharded parameters, gradients and states + the step's temporaries
       over the rank's local chunks.
     """
-    from autofit.memory.analytic import _optimizer_step_temporaries, optimizer_state_bytes
+    from autofit.memory.analytic._states import _optimizer_step_temporaries, optimizer_state_bytes
 
     n = layout.shard_ranks
     r = rank % n  # the rank within its shard group
@@ -724,7 +725,7 @@ def _zero_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
     * ``optimizer``: the partition flattened again and cast to fp32, the optimizer's
       temporaries over the flat partition.
     """
-    from autofit.memory.analytic import _optimizer_step_temporaries, optimizer_state_bytes
+    from autofit.memory.analytic._states import _optimizer_step_temporaries, optimizer_state_bytes
     from autofit.probe.model import ParamGroup
 
     n = layout.shard_ranks

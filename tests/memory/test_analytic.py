@@ -14,13 +14,13 @@ import pytest
 from autofit import TrainConfig
 from autofit.errors import BadInputError, NoTrainableParametersError
 from autofit.memory.analytic import (
-    _coefficients,
     cpu_library_cache_bytes,
     estimate_analytic,
     gradients_bytes,
     optimizer_state_bytes,
     weights_bytes,
 )
+from autofit.memory.analytic._activations import _coefficients
 from autofit.probe.device import resolve_device
 from autofit.probe.model import describe, probe_model
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from autofit import TrainConfig
-from autofit.memory import derived
+from autofit.memory.analytic import derived
 from autofit.probe.device import resolve_device
 from autofit.probe.model import build_model, describe
 

@@ -353,7 +353,7 @@ class Simulator:
             used = ", ".join(f"{k} x{v}" for k, v in sorted(cuda.backends.items()))
             notes.append(f"CUDA SDPA backends (forward calls): {used}")
         if host_bytes:
-            from autofit.memory.analytic import offload_note
+            from autofit.memory.analytic._levers import offload_note
 
             notes.append(offload_note(host_bytes, host_tensors))
         est = self._estimate(config, seq_len, replay, num_params, trainable, notes)
@@ -414,7 +414,7 @@ class Simulator:
         """``cpu_library_cache_bytes`` of this model (0 on a CUDA target or a non-transformer)."""
         if self.device.allocator == "cuda":
             return 0
-        from autofit.memory.analytic import cpu_library_cache_bytes
+        from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes
         from autofit.probe.model import describe
 
         info = describe(self.module, task=self.task, name=self.model_name)
@@ -426,7 +426,7 @@ class Simulator:
         activations the compiled step does not keep (``compile_saving_bytes``) are taken off
         the live bytes of every forward and backward event, and the step's peak is the
         highest of that curve and the untouched optimizer step's."""
-        from autofit.memory.analytic import compile_saving_bytes
+        from autofit.memory.analytic._levers import compile_saving_bytes
         from autofit.probe.model import describe
 
         info = describe(self.module, task=self.task, name=self.model_name)

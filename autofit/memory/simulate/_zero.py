@@ -206,7 +206,7 @@ class ZeroPlan:
 def zero_plan(sim: Simulator, config: TrainConfig, layout: Layout,
               marks: ModuleMarks | None, rank: int = 0) -> ZeroPlan:
     """``layout``'s ZeRO state on rank ``rank`` of ``sim``'s model."""
-    from autofit.memory.analytic import _optimizer_step_temporaries, optimizer_state_bytes
+    from autofit.memory.analytic._states import _optimizer_step_temporaries, optimizer_state_bytes
     from autofit.memory.sharding import _local_info, _zero_groups
     from autofit.probe.model import ParamGroup, describe
 

@@ -364,11 +364,11 @@ def _code_hash() -> str:
     the simulator or the model description makes stored coefficients stale by itself."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # autofit/
     h = hashlib.sha256()
-    for pkg in ("memory", "probe"):
-        for f in sorted((root / pkg).glob("*.py")):
-            h.update(f.name.encode())
+    for pkg in ("memory", "probe"):  # their subpackages too
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
