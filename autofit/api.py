@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
     from autofit.config import Collator, ModelSource
     from autofit.knobs.recipe import Recipe
-    from autofit.memory.sharding import Layout
+    from autofit.memory.ranks import Layout
     from autofit.memory.simulate import Simulator
     from autofit.probe.data import DataInfo
     from autofit.probe.model import ModelInfo
@@ -144,12 +144,12 @@ def estimate(
         nproc_per_node, nnodes, strategy, offload: several processes (override the
             config's fields): every rank is estimated (``per_rank``), the top-level figures
             are those of the rank that peaks, ``host_bytes`` is a node's host memory
-            (``autofit.memory.sharding``).
+            (``autofit.memory.ranks``).
         block_size: pack the dataset into blocks of this many tokens as the transformers
             examples' ``group_texts`` does (``autofit.probe.packing``): every sample
             ``block_size`` long.
         sharding: how the ranks run beyond the config: a dict of
-            ``autofit.memory.sharding.Layout`` fields, e.g. ``{"fsdp_recipe": "torch",
+            ``autofit.memory.ranks.Layout`` fields, e.g. ``{"fsdp_recipe": "torch",
             "zero_optimizer": "deepspeed"}`` (default: what the Trainer runs).
         deepspeed_config, accelerate_config: the user's launch recipe (a path, or a dict:
             ``ds_config.json``, an accelerate config YAML; ``autofit.knobs.recipe``): its
@@ -295,10 +295,10 @@ def _step_estimate(info: ModelInfo, config: TrainConfig, seq: int, dev: DeviceIn
                    layout: Layout | None, sim: Simulator | None) -> MemoryEstimate:
     """``estimate``'s step 6: one step's estimate, by the closed form or the simulator, for
     one process or every rank of ``layout``."""
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
 
     if layout is not None:  # several ranks launched otherwise than the Trainer does
-        from autofit.memory.sharding import estimate_ranks_analytic
+        from autofit.memory.ranks import estimate_ranks_analytic
         from autofit.memory.simulate import simulate_ranks
 
         return (simulate_ranks(sim, config, seq, layout).estimate if method == "simulate"
@@ -591,7 +591,7 @@ def _estimator(probed: Probed, options: TuneOptions, progress: Callable[[str], N
                reasons: list[str]) -> _Estimator:
     """Stage 3: the closed form, or on a present device with ``method='simulate'`` the
     simulated step's peak line per combination."""
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.search.speed import predict_speed
 
     info, dev, seq = probed.info, probed.device, probed.seq_len
@@ -844,7 +844,7 @@ def _layout(config: TrainConfig, sharding: Any) -> Layout | None:
     """The ``Layout`` of ``sharding`` (a dict of its fields or a Layout), or None."""
     if sharding is None:
         return None
-    from autofit.memory.sharding import Layout
+    from autofit.memory.ranks import Layout
 
     if isinstance(sharding, Layout):
         return dataclasses.replace(sharding, strategy=config.strategy, offload=config.offload,

@@ -275,7 +275,7 @@ def _row(base: ModelSpec, name: str, request: Any, config: TrainConfig, seq: int
          budget: int, method: str, limit: int) -> PeftRow:
     """``base`` with the PEFT method ``request`` put on it: its peak at the micro batch
     compared, the largest micro batch within ``budget`` and its predicted speed."""
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.probe.model import build_model, describe
     from autofit.search.speed import predict_speed
 

@@ -47,7 +47,7 @@ def test_matrix_has_the_required_coverage():
 
 def test_matrix_peaks_are_between_1_and_60_gib_on_the_h200():
     from autofit import TrainConfig
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.probe.device import resolve_device
     from autofit.probe.model import LoraSpec, build_model, describe
 
@@ -116,7 +116,7 @@ def test_time_guard_and_missing_packages_skip_with_a_note(tmp_path, monkeypatch)
 
 def test_soaks_are_one_epoch_of_max_steps_and_several_gib_on_the_h200():
     from autofit import TrainConfig
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.probe.device import resolve_device
     from autofit.probe.model import build_model, describe
     from autofit.probe.run import run_order

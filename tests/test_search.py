@@ -337,7 +337,7 @@ def test_nothing_fits_quotes_the_measured_peak_and_calibrated_suggestions():
     # (not the uncalibrated estimate) and suggest a sequence length whose calibrated
     # estimate fits the budget.
     from autofit.config import TrainConfig
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.probe.model import probe_model
     from autofit.search.suggest import nothing_fits
 
@@ -400,7 +400,7 @@ def test_nothing_fits_never_suggests_a_length_past_the_model_positions():
     import re
 
     from autofit.config import TrainConfig
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.probe.model import probe_model
     from autofit.search.suggest import nothing_fits
 
@@ -460,7 +460,7 @@ def test_a_suggested_max_seq_len_is_a_real_cut():
     import re
 
     from autofit.config import TrainConfig
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.probe.model import probe_model
     from autofit.search.suggest import _shorter_length, nothing_fits
 
@@ -515,7 +515,7 @@ def test_nothing_fits_quotes_calibrated_numbers_everywhere():
     # estimate; the same search with an exact estimate on a device 1.3x smaller offers the
     # same alternatives at the uncalibrated numbers.
     from autofit.config import TrainConfig
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.probe.device import format_bytes
     from autofit.probe.model import probe_model
     from autofit.search.suggest import nothing_fits
@@ -560,7 +560,7 @@ def test_nothing_fits_says_what_its_numbers_come_from():
     # trial ran: the message quotes the engine's number, and no "as trials measured"
     # (nothing was measured). Simulated trials are called simulated, not measured.
     from autofit.config import TrainConfig
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.probe.device import format_bytes
     from autofit.probe.model import probe_model
     from autofit.search.suggest import nothing_fits

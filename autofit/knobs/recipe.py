@@ -5,7 +5,7 @@ fields of its TrainingArguments, an accelerate config YAML — and that recipe, 
 autofit's default one, is what is estimated, tried and checked. ``read_recipe`` reads
 them into one ``Recipe``: the strategy and offload it fixes, the precision and the
 optimizer it fixes (DeepSpeed's own ``optimizer`` block), its batch numbers, its ranks,
-and the ``autofit.memory.sharding.Layout`` fields of its sizes (``reduce_bucket_size``,
+and the ``autofit.memory.ranks.Layout`` fields of its sizes (``reduce_bucket_size``,
 ``stage3_param_persistence_threshold``, ``stage3_max_reuse_distance``, ...).
 
     >>> r = read_recipe(deepspeed={"zero_optimization": {"stage": 3,
@@ -79,7 +79,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Recipe", "read_recipe", "recipe_of_fields", "DS_OPTIMIZERS", "BATCH_KEYS"]
 
-# DeepSpeed's zero_optimization key -> autofit.memory.sharding.ZeroSizes field (modelled)
+# DeepSpeed's zero_optimization key -> autofit.memory.ranks.ZeroSizes field (modelled)
 _ZERO_SIZES = {"reduce_bucket_size": "reduce_bucket_size",
                "stage3_param_persistence_threshold": "param_persistence_threshold",
                "stage3_max_reuse_distance": "max_reuse_distance",

@@ -49,7 +49,7 @@ class MemoryEstimate:
             to a power of two by torch's host caching allocator, which keeps them for the
             next step); 0 when nothing is offloaded. Not part of ``device_total_bytes``.
             With several processes: the host memory of a node (its ranks' offloaded
-            shares together, ``autofit.memory.sharding``).
+            shares together, ``autofit.memory.ranks``).
         per_rank: with several processes, one dict per rank (``rank``,
             ``peak_allocated_bytes``, ``peak_reserved_bytes``, ``device_total_bytes``,
             ``host_bytes`` (the rank's share), ``breakdown``); the top-level figures are

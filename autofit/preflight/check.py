@@ -248,7 +248,7 @@ class _Checker:
         return _Assessment(config, est, trial, from_cache, static, eval_est, notes)
 
     def _estimate(self, config: TrainConfig) -> MemoryEstimate | None:
-        from autofit.memory.ranked import estimate_analytic
+        from autofit.memory.ranks import estimate_analytic
 
         try:
             return estimate_analytic(self.info, config, self.seq_len, self.dev,

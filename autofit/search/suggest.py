@@ -129,7 +129,7 @@ def nothing_fits(info: ModelInfo, space: Any, engine: Any, seq_len: int, dev: De
     engine estimator's own difference from the closed form (the simulated step).
     Simulated trials (``engine.trial_word``) are called simulated, not measured.
     """
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
 
     b0 = space.micro_batches[0]
     need_of = {c.key: c.measured.get(b0) or engine.estimated(c, b0) for c in engine._candidates}

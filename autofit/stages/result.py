@@ -34,7 +34,7 @@ def fit_result(probed: Probed, space: SearchSpace, engine: Engine, outcome: Sear
     """Stage 7: the ``FitResult`` (estimate, reasons, TrainingArguments, eval batch, the
     candidates), stored in the cache when confirmed; or "nothing fits" with suggestions."""
     from autofit.emit import training_arguments_dict
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.preflight.cache import model_identity
     from autofit.probe.versions import library_versions
     from autofit.result import FitResult
@@ -127,7 +127,7 @@ class ClosedForm:
         for seen, est in self._estimates:
             if seen == config:
                 return est
-        from autofit.memory.ranked import estimate_analytic
+        from autofit.memory.ranks import estimate_analytic
 
         est = estimate_analytic(self.info, config, self.seq, self.dev)
         self._estimates.append((config, est))
@@ -204,7 +204,7 @@ def result_from_cache(cached: dict, recorder: TrialRecorder | None, probed: Prob
                       base_args: dict[str, object] | None, trainer: str = "plain"):
     """The ``FitResult`` of the same question answered before (no trial)."""
     from autofit.emit import training_arguments_dict
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.result import FitResult
 
     dev = probed.device

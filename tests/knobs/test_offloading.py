@@ -154,7 +154,7 @@ def test_host_bytes_are_pinned_blocks_rounded_to_a_power_of_two():
 def test_a_cpu_target_has_nothing_to_offload(tiny_llama):
     """``autofit check`` estimates a file on the device it is given; on a CPU it reports the
     refusal and counts no offloading (the activations are in host memory already)."""
-    from autofit.memory.ranked import estimate_analytic
+    from autofit.memory.ranks import estimate_analytic
     from autofit.memory.simulate import simulate
     from autofit.probe.model import describe
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from autofit import TrainConfig, estimate
-from autofit.memory.sharding import (
+from autofit.memory.ranks import (
     Layout,
     ddp_bucket_sizes,
     estimate_ranks_analytic,
@@ -230,7 +230,7 @@ def test_zero3_keeps_gathered_only_within_the_reuse_distance(llama, sim, monkeyp
     checkpointing, 8 x A800, 20.4 GB per GPU; keeping every parameter would need 36 GB)."""
     import dataclasses
 
-    from autofit.memory.sharding import Layout
+    from autofit.memory.ranks import Layout
 
     big = TrainConfig(micro_batch_size=1, precision="bf16-mixed", gradient_checkpointing=True,
                       nproc_per_node=8)

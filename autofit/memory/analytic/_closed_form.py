@@ -177,7 +177,7 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
                     device: DeviceInfo) -> AnalyticTerms:
     """The candidate peaks of one rank holding the whole model (``estimate_analytic``'s
     closed form before it picks the largest; the several-rank rules of
-    ``autofit.memory.sharding`` rework them)."""
+    ``autofit.memory.ranks`` rework them)."""
     B, T = config.micro_batch_size, seq_len
     N = B * T  # tokens in the micro batch
     spec = config.precision_spec
@@ -353,7 +353,7 @@ def estimate_analytic(
         )
     if config.world_size > 1:  # the ranks' estimate builds on this one, not the reverse
         raise ValueError("estimate_analytic of autofit.memory.analytic is one rank's; "
-                         "use autofit.memory.ranked.estimate_analytic for several")
+                         "use autofit.memory.ranks.estimate_analytic for several")
     terms = analytic_phases(info, config, seq_len, device)
     phases, host = terms.phases, terms.host
     T = seq_len

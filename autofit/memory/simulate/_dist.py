@@ -11,7 +11,7 @@ through the target's allocator model like any other step (``simulate``).
 The process group exists only while one rank is traced and is destroyed afterwards
 (``fake_world``); a process that already has one (``torch.distributed.is_initialized``)
 is left alone: its ranks are then simulated by the single-rank step with the rules of
-``autofit.memory.sharding`` applied to it (``simulate._zero.transform``, which ZeRO always
+``autofit.memory.ranks`` applied to it (``simulate._zero.transform``, which ZeRO always
 uses, as DeepSpeed cannot run on fake tensors).
 
 Only ranks that hold different shards are traced: FSDP2's ranks differ only by the
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from autofit.config import TrainConfig
-from autofit.memory.sharding import Layout, activation_config, fsdp_local_numel
+from autofit.memory.ranks._layout import Layout, activation_config, fsdp_local_numel
 
 __all__ = ["ProcessGroupExists", "RankTrace", "fake_world", "rank_classes", "wrap_fsdp",
            "wrap_ddp", "device_mesh"]

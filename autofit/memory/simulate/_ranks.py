@@ -13,7 +13,8 @@ import time
 from typing import Any
 
 from autofit.config import TrainConfig
-from autofit.memory.sharding import FSDP_MIXED_NOTE, Layout, combine_ranks
+from autofit.memory.ranks._layout import Layout
+from autofit.memory.ranks._per_rank import FSDP_MIXED_NOTE, combine_ranks
 
 # ``Simulator`` and ``SimulationResult`` (autofit.memory.simulate, which calls this module)
 # are written ``Any`` here: importing them, even for types, would make an import cycle.

@@ -202,7 +202,7 @@ class Simulator:
         task: ``"causal-lm"``, ``"masked-lm"``, ``"seq2seq"`` or ``"seq-cls"``.
         device: the target device: a DeviceInfo or a name (``"cpu"``, ``"H100-80GB"``).
         model_name: shown in the estimates.
-        sharding: how several ranks run beyond a config (``sharding.Layout`` fields, a
+        sharding: how several ranks run beyond a config (``ranks.Layout`` fields, a
             user's recipe: ``autofit.knobs.recipe``); None: what the Trainer runs.
 
     Example:
@@ -254,7 +254,7 @@ class Simulator:
         if hit is not None:
             return hit
         if config.world_size > 1:
-            from autofit.memory.sharding import Layout
+            from autofit.memory.ranks._layout import Layout
             from autofit.memory.simulate._ranks import simulate_ranks
 
             layout = Layout.of(config, **self.sharding) if self.sharding else None

@@ -2,7 +2,7 @@
 
 DeepSpeed cannot run on fake tensors (its buffers are made and filled through real
 data, its collectives need a real backend), so ZeRO is simulated from the single-rank
-step each rank runs (``sharding.activation_config``: DeepSpeed's bf16 casts the module,
+step each rank runs (``ranks.activation_config``: DeepSpeed's bf16 casts the module,
 no autocast): its forward and backward allocations (activations, temporaries) are kept
 as recorded; the model state is replaced by the rank's ZeRO state and DeepSpeed's
 buffers are inserted where DeepSpeed allocates them (``stage_1_and_2.py``,
@@ -59,14 +59,14 @@ import torch
 
 from autofit.config import TrainConfig
 from autofit.memory.allocator._common import pinned_bytes
-from autofit.memory.sharding import (
+from autofit.memory.ranks._layout import (
     Layout,
     activation_config,
-    combine_ranks,
     single_rank_config,
     zero3_partition_numel,
     zero_flat_numel,
 )
+from autofit.memory.ranks._per_rank import combine_ranks
 
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.memory.allocator import AllocEvent
@@ -159,7 +159,7 @@ def _kept_modules(plan: ZeroPlan, at: dict[int, list[str]]) -> set[int]:
     (``partitioned_param_coordinator.__params_to_release``): those used again within
     ``max_reuse_distance`` elements of the modules traced after them — with ``x`` elements
     of the forward after a module, its backward comes after ``~2x``
-    (``sharding.zero3_kept_numel`` states the same rule in closed form)."""
+    (``ranks.zero3_kept_numel`` states the same rule in closed form)."""
     order: list[int] = []
     for k in sorted(at):
         for label in at[k]:
@@ -207,7 +207,7 @@ def zero_plan(sim: Simulator, config: TrainConfig, layout: Layout,
               marks: ModuleMarks | None, rank: int = 0) -> ZeroPlan:
     """``layout``'s ZeRO state on rank ``rank`` of ``sim``'s model."""
     from autofit.memory.analytic._states import _optimizer_step_temporaries, optimizer_state_bytes
-    from autofit.memory.sharding import _local_info, _zero_groups
+    from autofit.memory.ranks._per_rank import _local_info, _zero_groups
     from autofit.probe.model import ParamGroup, describe
 
     info = describe(sim.module, task=sim.task, name=sim.model_name)
@@ -545,12 +545,12 @@ def simulate_transformed(sim: Simulator, config: TrainConfig, seq_len: int, layo
 def _not_traced(sim: Simulator, config: TrainConfig, seq_len: int, layout: Layout,
                 why: str) -> SimulationResult:
     """DDP / FSDP2 that cannot be traced here: the analytic per-rank estimate (said so)."""
-    from autofit.memory.sharding import estimate_ranks_analytic
+    from autofit.memory.ranks._per_rank import estimate_ranks_analytic
     from autofit.probe.model import describe
 
     info = describe(sim.module, task=sim.task, name=sim.model_name)
     est = estimate_ranks_analytic(info, config, seq_len, sim.device, layout)
     est = dataclasses.replace(est, notes=(*est.notes, f"not traced ({why}): the analytic "
-                                          "per-rank rules of autofit.memory.sharding"))
+                                          "per-rank rules of autofit.memory.ranks"))
     base = sim.run(single_rank_config(config), seq_len=seq_len)
     return dataclasses.replace(base, estimate=est)

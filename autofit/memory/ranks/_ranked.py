@@ -1,7 +1,7 @@
 """The analytic estimate of a configuration, one rank or several.
 
 ``autofit.memory.analytic`` holds one rank's closed form (a full replica of the model);
-``autofit.memory.sharding`` builds every rank's estimate of a several-process strategy on
+``autofit.memory.ranks._per_rank`` builds every rank's estimate of a several-process strategy on
 its terms. This is the one entry point callers use, so that neither knows the other's
 caller.
 
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from autofit.memory import analytic, sharding
+from autofit.memory.analytic._closed_form import estimate_analytic as _one_rank
+from autofit.memory.ranks._layout import Layout
+from autofit.memory.ranks._per_rank import estimate_ranks_analytic
 
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.config import TrainConfig
@@ -36,8 +38,8 @@ def estimate_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
                       ) -> MemoryEstimate:
     """One training step's memory in closed form: the rank that peaks (with ``per_rank``)
     when ``config`` has several processes, else the one device's. ``layout_fields``: how
-    the ranks run beyond the config (``sharding.Layout`` fields: a user's recipe)."""
+    the ranks run beyond the config (``Layout`` fields: a user's recipe)."""
     if config.world_size > 1:
-        layout = sharding.Layout.of(config, **layout_fields) if layout_fields else None
-        return sharding.estimate_ranks_analytic(info, config, seq_len, device, layout)
-    return analytic.estimate_analytic(info, config, seq_len, device)
+        layout = Layout.of(config, **layout_fields) if layout_fields else None
+        return estimate_ranks_analytic(info, config, seq_len, device, layout)
+    return _one_rank(info, config, seq_len, device)
