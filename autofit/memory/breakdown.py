@@ -10,18 +10,38 @@ up to ``device_total_bytes``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
-__all__ = ["COMPONENTS", "MemoryEstimate"]
+__all__ = ["COMPONENTS", "Component", "MemoryEstimate"]
 
-COMPONENTS: tuple[str, ...] = (
-    "weights",
-    "gradients",
-    "optimizer_states",
-    "activations",
-    "temporaries",
-    "overhead",
-)
+
+class Component(StrEnum):
+    """What a byte of a training step's device memory is for (torch's mem_tracker
+    ``_MemRefType``): the keys of ``MemoryEstimate.breakdown`` and the category of each
+    recorded storage. A ``StrEnum``: a member is its value (``Component.WEIGHTS ==
+    "weights"``), so the JSON and the breakdown dicts users read keep plain names.
+
+    - ``WEIGHTS``: the parameters (quantized ones too) and autocast's 16-bit copies, the
+      model's buffers;
+    - ``GRADIENTS``: ``.grad`` of the trainable parameters (a strategy's gradient buckets);
+    - ``OPTIMIZER_STATES``: the optimizer's state after its first step;
+    - ``ACTIVATIONS``: what the forward saves for backward (the batch on the device);
+    - ``TEMPORARIES``: what an op or a phase holds for a moment (loss gradients, a block's
+      backward, the optimizer step's scratch, the CPU math libraries' caches);
+    - ``OVERHEAD``: the device total above the live tensors (allocator cache, runtime
+      context, cuBLAS workspace); never a recorded storage's category.
+    """
+
+    WEIGHTS = "weights"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATES = "optimizer_states"
+    ACTIVATIONS = "activations"
+    TEMPORARIES = "temporaries"
+    OVERHEAD = "overhead"
+
+
+COMPONENTS: tuple[str, ...] = tuple(c.value for c in Component)
 
 
 @dataclass(frozen=True)
@@ -77,6 +97,12 @@ class MemoryEstimate:
     host_bytes: int = 0
     per_rank: tuple[dict[str, Any], ...] = ()
     peak_rank: int = 0
+
+    def __post_init__(self) -> None:
+        # plain str keys (a ``Component`` is one, but yaml's safe dumper and repr tell them
+        # apart): what users and the golden files read stays byte-identical
+        if any(type(k) is not str for k in self.breakdown):
+            object.__setattr__(self, "breakdown", {str(k): v for k, v in self.breakdown.items()})
 
     @property
     def needed_bytes(self) -> int:

@@ -55,7 +55,7 @@ from autofit.memory.analytic._activations import _dequantized_bytes
 from autofit.memory.analytic._closed_form import _CUDA_FRAGMENTATION
 from autofit.memory.analytic._states import _bytes, _linear_weight_numel, optimizer_state_bytes
 from autofit.memory.analytic._states import weights_bytes as _train_weights_bytes
-from autofit.memory.breakdown import MemoryEstimate
+from autofit.memory.breakdown import Component, MemoryEstimate
 
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.device import DeviceInfo
@@ -254,12 +254,12 @@ def estimate_eval(
         capacity_bytes=device.capacity_bytes,
         fits=total <= device.capacity_bytes,
         breakdown={
-            "weights": int(W),
-            "gradients": 0,
-            "optimizer_states": int(S),
-            "activations": int(act_part),
-            "temporaries": int(temp_part),
-            "overhead": total - peak_alloc,
+            Component.WEIGHTS: int(W),
+            Component.GRADIENTS: 0,
+            Component.OPTIMIZER_STATES: int(S),
+            Component.ACTIVATIONS: int(act_part),
+            Component.TEMPORARIES: int(temp_part),
+            Component.OVERHEAD: total - peak_alloc,
         },
         method="analytic-eval",
         device=device.name,

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError
+from autofit.memory.breakdown import Component
 
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.memory.allocator import AllocEvent
@@ -330,8 +331,8 @@ def eval_working_set(eval_estimate: Any, training_weights_bytes: int) -> int:
     activations, logits and loss, and the 16-bit weight copies autocast caches.
     """
     b = eval_estimate.breakdown
-    return int(max(0, b["weights"] - training_weights_bytes) + b["activations"]
-               + b["temporaries"])
+    return int(max(0, b[Component.WEIGHTS] - training_weights_bytes) + b[Component.ACTIVATIONS]
+               + b[Component.TEMPORARIES])
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ from autofit.memory.analytic._states import (
     optimizer_state_bytes,
     weights_bytes,
 )
-from autofit.memory.breakdown import MemoryEstimate
+from autofit.memory.breakdown import Component, MemoryEstimate
 
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.device import DeviceInfo
@@ -286,17 +286,17 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
         # (without a (B, T, V) loss, e.g. sequence classification, the first block's
         # backward temporaries are the larger: all activations are still alive then)
         "backward": (W + copies + S + A + G_held + max(loss_temp, block_bwd_temp),
-                     {"weights": W + copies, "optimizer_states": S, "activations": A,
-                      "gradients": G_held, "temporaries": max(loss_temp, block_bwd_temp)}),
+                     {Component.WEIGHTS: W + copies, Component.OPTIMIZER_STATES: S, Component.ACTIVATIONS: A,
+                      Component.GRADIENTS: G_held, Component.TEMPORARIES: max(loss_temp, block_bwd_temp)}),
         # gradients complete, the embedding side's activations and one block's temporaries
         # (an 8-bit base's layers still hold their inputs: the graph is freed after backward)
         "backward-end": (W + S + G + A_base // 2 + kept8 + block_bwd_temp + A_transient,
-                         {"weights": W, "optimizer_states": S, "gradients": G,
-                          "activations": A_base // 2 + kept8 + A_transient,
-                          "temporaries": block_bwd_temp}),
+                         {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S, Component.GRADIENTS: G,
+                          Component.ACTIVATIONS: A_base // 2 + kept8 + A_transient,
+                          Component.TEMPORARIES: block_bwd_temp}),
         "optimizer": (W + S + G + opt_temp,
-                      {"weights": W, "optimizer_states": S, "gradients": G, "activations": 0,
-                       "temporaries": opt_temp}),
+                      {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S, Component.GRADIENTS: G, Component.ACTIVATIONS: 0,
+                       Component.TEMPORARIES: opt_temp}),
     }
     fwd_c = c.get("forward")  # derived: the forward's transient above what it keeps
     if fwd_c is not None:
@@ -308,9 +308,9 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
         fwd_temp = max(N * (fwd_c["c0"] + fwd_c["T"] * T) + B * fwd_c["s"], 0.0) + fwd_c["F"]
         share = 1.0 if config.gradient_checkpointing else fwd_c.get("share", 1.0)
         phases["forward"] = (W + copies + S + G_held + share * A + fwd_temp,
-                             {"weights": W + copies, "optimizer_states": S,
-                              "gradients": G_held, "activations": share * A,
-                              "temporaries": fwd_temp})
+                             {Component.WEIGHTS: W + copies, Component.OPTIMIZER_STATES: S,
+                              Component.GRADIENTS: G_held, Component.ACTIVATIONS: share * A,
+                              Component.TEMPORARIES: fwd_temp})
     if config.gradient_checkpointing:
         # after the loss and head backward, each block is recomputed in turn: its full
         # activations and autocast copies exist again while the gradients accumulate
@@ -318,8 +318,8 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
         copies_layer = copies - copies_head
         phases["recompute"] = (
             W + copies_layer + S + G + A_kept + A_transient + block_bwd_temp,
-            {"weights": W + copies_layer, "optimizer_states": S, "gradients": G,
-             "activations": A_kept + A_transient, "temporaries": block_bwd_temp})
+            {Component.WEIGHTS: W + copies_layer, Component.OPTIMIZER_STATES: S, Component.GRADIENTS: G,
+             Component.ACTIVATIONS: A_kept + A_transient, Component.TEMPORARIES: block_bwd_temp})
     return AnalyticTerms(phases=phases, host=int(host), W=W, copies=copies,
                          copies_head=copies_head, G=G, S=S, G_held=G_held, opt_temp=opt_temp,
                          A=A, A_base=A_base, A_transient=A_transient, loss_temp=loss_temp,
@@ -360,7 +360,7 @@ def estimate_analytic(
     phase, (peak_alloc, parts) = max(phases.items(), key=lambda kv: kv[1][0])
     parts = {k: int(v) for k, v in parts.items()}
     lib_cache = cpu_library_cache_bytes(info, config, seq_len, device)  # the whole step
-    parts["temporaries"] += lib_cache
+    parts[Component.TEMPORARIES] += lib_cache
     peak_alloc = int(peak_alloc) + lib_cache
 
     if device.allocator == "cuda":
@@ -369,12 +369,12 @@ def estimate_analytic(
         peak_reserved = peak_alloc
     total = peak_reserved + device.overhead_bytes
     breakdown = {
-        "weights": parts["weights"],
-        "gradients": parts["gradients"],
-        "optimizer_states": parts["optimizer_states"],
-        "activations": parts["activations"],
-        "temporaries": parts["temporaries"],
-        "overhead": total - peak_alloc,
+        Component.WEIGHTS: parts[Component.WEIGHTS],
+        Component.GRADIENTS: parts[Component.GRADIENTS],
+        Component.OPTIMIZER_STATES: parts[Component.OPTIMIZER_STATES],
+        Component.ACTIVATIONS: parts[Component.ACTIVATIONS],
+        Component.TEMPORARIES: parts[Component.TEMPORARIES],
+        Component.OVERHEAD: total - peak_alloc,
     }
     notes = []
     if info.is_encoder_decoder and info.model_type != "t5" and not terms.derived:

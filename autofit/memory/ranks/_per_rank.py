@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.memory.allocator._common import pinned_bytes
-from autofit.memory.breakdown import MemoryEstimate
+from autofit.memory.breakdown import Component, MemoryEstimate
 from autofit.memory.ranks._layout import (
     _BYTES,
     Layout,
@@ -144,13 +144,13 @@ def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: D
     # the CPU math libraries' caches (0 on CUDA), as a single process's estimate adds them:
     # without them the fsdp2-bf16 row on an AVX512 host was 4.8% under
     lib_cache = cpu_library_cache_bytes(info, config, seq_len, device)
-    parts["temporaries"] = parts.get("temporaries", 0) + lib_cache
+    parts[Component.TEMPORARIES] = parts.get(Component.TEMPORARIES, 0) + lib_cache
     peak = int(peak) + lib_cache
     reserved = cuda_reserved_bytes(rank.phases, config) if device.allocator == "cuda" else peak
     total = reserved + device.overhead_bytes
-    breakdown = {k: parts.get(k, 0) for k in ("weights", "gradients", "optimizer_states",
-                                              "activations", "temporaries")}
-    breakdown["overhead"] = total - peak
+    breakdown = {k: parts.get(k, 0) for k in (Component.WEIGHTS, Component.GRADIENTS, Component.OPTIMIZER_STATES,
+                                              Component.ACTIVATIONS, Component.TEMPORARIES)}
+    breakdown[Component.OVERHEAD] = total - peak
     return MemoryEstimate(
         peak_allocated_bytes=peak, peak_reserved_bytes=reserved, device_total_bytes=total,
         capacity_bytes=device.capacity_bytes, fits=total <= device.capacity_bytes,
@@ -169,12 +169,12 @@ def _ddp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any) -> _
     out = {}
     for name, (total, parts) in t.phases.items():
         parts = dict(parts)
-        grads = parts.get("gradients", 0)
+        grads = parts.get(Component.GRADIENTS, 0)
         if layout.gradient_as_bucket_view:
-            parts["gradients"] = B  # the .grad views live in the buckets
+            parts[Component.GRADIENTS] = B  # the .grad views live in the buckets
             total = total - grads + B
         else:
-            parts["temporaries"] = parts.get("temporaries", 0) + B  # the buckets
+            parts[Component.TEMPORARIES] = parts.get(Component.TEMPORARIES, 0) + B  # the buckets
             total = total + B
         out[name] = (total, parts)
     return _Rank(out, 0, (f"DDP buckets: {B / 2**20:.1f} MiB ("
@@ -276,36 +276,36 @@ def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
               rs_in(first) + Gf + g_last)
     phases = {
         "gather": (base + A + kept + 2 * regather,
-                   {"weights": W + kept + regather, "optimizer_states": S, "activations": A,
-                    "gradients": G_held, "temporaries": regather}),
+                   {Component.WEIGHTS: W + kept + regather, Component.OPTIMIZER_STATES: S, Component.ACTIVATIONS: A,
+                    Component.GRADIENTS: G_held, Component.TEMPORARIES: regather}),
         "backward": (base + A + kept + regather + prefetch + t.loss_temp,
-                     {"weights": W + kept + regather + prefetch, "optimizer_states": S,
-                      "activations": A, "gradients": G_held, "temporaries": t.loss_temp}),
+                     {Component.WEIGHTS: W + kept + regather + prefetch, Component.OPTIMIZER_STATES: S,
+                      Component.ACTIVATIONS: A, Component.GRADIENTS: G_held, Component.TEMPORARIES: t.loss_temp}),
         "block": (base + A_blk + kept + root_kept + blk + prefetch + held + ugrads(cur)
                   + rs_in(cur) + bbt,
-                  {"weights": W + kept + root_kept + blk + prefetch, "optimizer_states": S,
-                   "activations": A_blk, "gradients": G_held + held + ugrads(cur),
-                   "temporaries": rs_in(cur) + bbt}),
+                  {Component.WEIGHTS: W + kept + root_kept + blk + prefetch, Component.OPTIMIZER_STATES: S,
+                   Component.ACTIVATIONS: A_blk, Component.GRADIENTS: G_held + held + ugrads(cur),
+                   Component.TEMPORARIES: rs_in(cur) + bbt}),
         "backward-end": (W + S + G - Gf + A_base // 2 + A_tr + bbt + end,
-                         {"weights": W, "optimizer_states": S, "gradients": G - Gf + ugrads(first),
-                          "activations": A_base // 2 + A_tr,
-                          "temporaries": bbt + end - ugrads(first)}),
+                         {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S, Component.GRADIENTS: G - Gf + ugrads(first),
+                          Component.ACTIVATIONS: A_base // 2 + A_tr,
+                          Component.TEMPORARIES: bbt + end - ugrads(first)}),
         "optimizer": (W + S + G + opt_temp,
-                      {"weights": W, "optimizer_states": S, "gradients": G,
-                       "activations": 0, "temporaries": opt_temp}),
+                      {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S, Component.GRADIENTS: G,
+                       Component.ACTIVATIONS: 0, Component.TEMPORARIES: opt_temp}),
     }
     if config.gradient_checkpointing and "recompute" in t.phases:
         # the last block recomputed for its backward: it and the next gathered, one
         # checkpointed input left, its unsharded gradients and reduce-scatter input; the
         # first unit's sharded gradients not made yet
-        a_kept = t.phases["recompute"][1]["activations"]
+        a_kept = t.phases["recompute"][1][Component.ACTIVATIONS]
         a_last = A_tr + (a_kept - A_tr) / max(info.num_layers or 1, 1)
         extra = kept + root_kept + held + ugrads(cur) + rs_in(cur)
         phases["recompute"] = (
             W + S + G - Gf + a_last + bbt + 2 * blk + extra,
-            {"weights": W + kept + root_kept + 2 * blk, "optimizer_states": S,
-             "gradients": G - Gf + held + ugrads(cur), "activations": a_last,
-             "temporaries": bbt + rs_in(cur)})
+            {Component.WEIGHTS: W + kept + root_kept + 2 * blk, Component.OPTIMIZER_STATES: S,
+             Component.GRADIENTS: G - Gf + held + ugrads(cur), Component.ACTIVATIONS: a_last,
+             Component.TEMPORARIES: bbt + rs_in(cur)})
     notes = [f"FSDP2 over {n} ranks: sharded parameters {W / 2**20:.1f} MiB per rank, "
              f"{len(big)} units"]
     if config.precision_spec.autocast:
@@ -402,26 +402,26 @@ def _zero_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
     start_ipg = ipg_start if stage < 3 else 0
     phases = {
         "backward": (state + A + G_held + t.loss_temp + gathered + start_ipg + large,
-                     {"weights": W + master + gathered, "optimizer_states": S,
-                      "activations": A, "gradients": kept_grads + G_held + large + start_ipg,
-                      "temporaries": t.loss_temp + (ipg if stage == 3 else 0)}),
+                     {Component.WEIGHTS: W + master + gathered, Component.OPTIMIZER_STATES: S,
+                      Component.ACTIVATIONS: A, Component.GRADIENTS: kept_grads + G_held + large + start_ipg,
+                      Component.TEMPORARIES: t.loss_temp + (ipg if stage == 3 else 0)}),
         "backward-end": (state + A_base // 2 + A_tr + bbt + bw_ipg + gip + averaged,
-                         {"weights": W + master, "optimizer_states": S,
-                          "gradients": kept_grads + gip + averaged + bw_ipg,
-                          "activations": A_base // 2 + A_tr,
-                          "temporaries": bbt + (ipg if stage == 3 else 0)}),
+                         {Component.WEIGHTS: W + master, Component.OPTIMIZER_STATES: S,
+                          Component.GRADIENTS: kept_grads + gip + averaged + bw_ipg,
+                          Component.ACTIVATIONS: A_base // 2 + A_tr,
+                          Component.TEMPORARIES: bbt + (ipg if stage == 3 else 0)}),
         "optimizer": (state + step_grad,
-                      {"weights": W + master, "optimizer_states": S, "gradients": kept_grads,
-                       "activations": 0,
-                       "temporaries": step_grad + (ipg if stage == 3 else 0)}),
+                      {Component.WEIGHTS: W + master, Component.OPTIMIZER_STATES: S, Component.GRADIENTS: kept_grads,
+                       Component.ACTIVATIONS: 0,
+                       Component.TEMPORARIES: step_grad + (ipg if stage == 3 else 0)}),
     }
     if config.gradient_checkpointing and "recompute" in t.phases:
-        a_kept = t.phases["recompute"][1]["activations"]
+        a_kept = t.phases["recompute"][1][Component.ACTIVATIONS]
         total = state + a_kept + bbt + gathered + bw_ipg + large
-        phases["recompute"] = (total, {"weights": W + master + gathered, "optimizer_states": S,
-                                       "gradients": kept_grads + bw_ipg + large,
-                                       "activations": a_kept,
-                                       "temporaries": bbt + (ipg if stage == 3 else 0)})
+        phases["recompute"] = (total, {Component.WEIGHTS: W + master + gathered, Component.OPTIMIZER_STATES: S,
+                                       Component.GRADIENTS: kept_grads + bw_ipg + large,
+                                       Component.ACTIVATIONS: a_kept,
+                                       Component.TEMPORARIES: bbt + (ipg if stage == 3 else 0)})
     notes = [f"ZeRO-{stage} over {n} ranks: partition {p:,} elements; reduce bucket "
              f"{sizes.reduce_bucket_size:,} elements"]
     if host:
@@ -471,7 +471,7 @@ def _host_on_device(e: MemoryEstimate) -> MemoryEstimate:
         return e
     h = e.host_bytes
     b = dict(e.breakdown)
-    b["optimizer_states"] = b.get("optimizer_states", 0) + h
+    b[Component.OPTIMIZER_STATES] = b.get(Component.OPTIMIZER_STATES, 0) + h
     total = e.device_total_bytes + h
     return dataclasses.replace(
         e, peak_allocated_bytes=e.peak_allocated_bytes + h,

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from autofit.config import TrainConfig
+from autofit.memory.breakdown import Component
 from autofit.memory.ranks._layout import Layout, activation_config, fsdp_local_numel
 
 __all__ = ["ProcessGroupExists", "RankTrace", "fake_world", "rank_classes", "wrap_fsdp",
@@ -258,7 +259,7 @@ class RankTrace:
             rec.phase = ""
             with fake_mode, rec:
                 wrapped = wrap_ddp(model, self.layout, self.layout.world_size)
-            rec.mark_live("gradients", phase="")  # the buckets
+            rec.mark_live(Component.GRADIENTS, phase="")  # the buckets
             return wrapped
         mesh = device_mesh(self.layout)
         with fake_mode, rec:

@@ -35,6 +35,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autofit.memory.breakdown import Component
+
 __all__ = ["StorageRecorder", "Record"]
 
 
@@ -86,7 +88,7 @@ class StorageRecorder(TorchDispatchMode):
         # (label, index into the log): where each micro step and optimizer step begins
         self.marks: list[tuple[str, int]] = []
         # category of a storage grown back by resize_ (FSDP2's unsharded parameters)
-        self.resize_category: str | None = "weights"
+        self.resize_category: str | None = Component.WEIGHTS
         self._orig_resize: Any = None
         self._depth = 0
         # > 0 while ops run that allocate nothing on the target (DTensor's sharding
@@ -195,7 +197,7 @@ class StorageRecorder(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def _workspace(self, size: int) -> Record:
-        rec = Record(self._next, size, self.phase, self.micro, "temporaries")
+        rec = Record(self._next, size, self.phase, self.micro, Component.TEMPORARIES)
         self._next += 1
         self._log.append(("alloc", rec, self.phase))
         return rec

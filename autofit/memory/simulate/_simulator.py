@@ -122,7 +122,7 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError
-from autofit.memory.breakdown import COMPONENTS, MemoryEstimate
+from autofit.memory.breakdown import COMPONENTS, Component, MemoryEstimate
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -315,7 +315,7 @@ class Simulator:
             if trace is not None:
                 model = trace.wrap(model, rec, fake_mode)
             for t in weight_tensors(model):  # no reference kept: FSDP2 may replace them
-                rec.track(t, "weights")
+                rec.track(t, Component.WEIGHTS)
             num_params, trainable = _count_params(model)
             optimizer = build_optimizer(model, config, target)
             ctx: Any = contextlib.nullcontext()
@@ -385,11 +385,11 @@ class Simulator:
         breakdown = {c: int(r.peak_by_category.get(c, 0)) for c in _CATEGORIES}
         # the CPU math libraries' caches: not tensors, so not in the stream (analytic's rule)
         lib_cache = self._library_cache(config, seq_len)
-        breakdown["temporaries"] = breakdown.get("temporaries", 0) + lib_cache
+        breakdown[Component.TEMPORARIES] = breakdown.get(Component.TEMPORARIES, 0) + lib_cache
         allocated = int(r.peak_allocated_bytes) + lib_cache
         reserved = int(r.peak_reserved_bytes) + lib_cache
         total = reserved + int(self.device.overhead_bytes)
-        breakdown["overhead"] = total - allocated
+        breakdown[Component.OVERHEAD] = total - allocated
         if r.oom:
             notes.append("the allocator model ran out of the device's capacity")
         return MemoryEstimate(
@@ -438,7 +438,7 @@ class Simulator:
 
         breakdown = dict(est.breakdown)
         left = delta
-        for cat in ("activations", "temporaries"):  # what the saving comes out of
+        for cat in (Component.ACTIVATIONS, Component.TEMPORARIES):  # what the saving comes out of
             take = min(left, breakdown.get(cat, 0)) if left > 0 else left
             breakdown[cat] = breakdown.get(cat, 0) - take
             left -= take
@@ -585,7 +585,7 @@ def _to_events(log: list[tuple[str, Any, str]], marks: list[tuple[str, int]] = (
         at[i] = len(out)
         if rec.host:
             continue
-        cat = rec.category or "temporaries"
+        cat = rec.category or Component.TEMPORARIES
         if kind == "alloc":
             out.append(AllocEvent("alloc", rec.id, rec.size, rec.phase or phase, cat))
         else:

@@ -43,6 +43,7 @@ import torch
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, MissingDependencyError
+from autofit.memory.breakdown import Component
 from autofit.memory.simulate._model import make_batch, unpacked_batches, unwrap
 from autofit.memory.simulate._recorder import StorageRecorder
 
@@ -347,7 +348,7 @@ def forward_loss(model: torch.nn.Module, config: TrainConfig, task: str, batch_s
     batch = make_batch(unwrap(model), task, batch_size, seq_len)
     for v in batch.values():
         if isinstance(v, torch.Tensor):
-            rec.track(v, "activations")  # the batch on the device
+            rec.track(v, Component.ACTIVATIONS)  # the batch on the device
     kwargs = {k: batch[k] for k in batch["_model_kwargs"]}
     with _autocast(config), unpacked_batches():
         if config.loss_impl == "trl":  # TRL's fused LM head, on this fake clone only
@@ -423,7 +424,7 @@ def _run_steps(model: torch.nn.Module, optimizer: Any, config: TrainConfig, *, t
             del batch, kwargs
             if config.grad_accum_steps > 1:
                 loss = loss / config.grad_accum_steps
-            rec.mark_live("activations", phase="forward", micro=rec.micro)
+            rec.mark_live(Component.ACTIVATIONS, phase="forward", micro=rec.micro)
             rec.phase = "backward"
             if scaler is not None:
                 scaler.scale_loss(loss).backward()
@@ -434,7 +435,7 @@ def _run_steps(model: torch.nn.Module, optimizer: Any, config: TrainConfig, *, t
                 if p.grad is not None:
                     r = rec.record_of(p.grad)
                     if r is not None:
-                        r.category = "gradients"
+                        r.category = Component.GRADIENTS
                         r.param = j
         rec.mark(f"step{step}/optimizer")
         rec.phase = "optimizer"
@@ -449,7 +450,7 @@ def _run_steps(model: torch.nn.Module, optimizer: Any, config: TrainConfig, *, t
             scaler.update(found_inf)
             del found_inf
         optimizer.zero_grad(set_to_none=True)
-        rec.mark_live("optimizer_states", phase="optimizer")
+        rec.mark_live(Component.OPTIMIZER_STATES, phase="optimizer")
         if target.kind == "cuda":
             _mark_host_steps(optimizer, rec)
     rec.mark("end")

@@ -59,6 +59,7 @@ import torch
 
 from autofit.config import TrainConfig
 from autofit.memory.allocator._common import pinned_bytes
+from autofit.memory.breakdown import Component
 from autofit.memory.ranks._layout import (
     Layout,
     activation_config,
@@ -329,21 +330,21 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
         at.setdefault(i, []).append(label)
     # ---- deepspeed.initialize
     for b in (() if plan.offload_par else plan.flat_bytes):  # offload_param: on the host
-        st.alloc(b, "", "weights")
+        st.alloc(b, "", Component.WEIGHTS)
     st.alloc(plan.frozen_bytes + plan.persistent_bytes
-             + max(weights_bytes - param_bytes, 0), "", "weights")
+             + max(weights_bytes - param_bytes, 0), "", Component.WEIGHTS)
     if not plan.offload_opt:
         for b in plan.master_bytes:
-            st.alloc(b, "", "weights")
+            st.alloc(b, "", Component.WEIGHTS)
         for b in plan.state_bytes:
-            st.alloc(b, "", "optimizer_states")
+            st.alloc(b, "", Component.OPTIMIZER_STATES)
     if plan.stage == 3:
         if not plan.touched:  # a CPU counts the bucket's pages as gradients are written
-            st.alloc(plan.bucket * plan.mb, "", "gradients")  # IPG bucket
+            st.alloc(plan.bucket * plan.mb, "", Component.GRADIENTS)  # IPG bucket
         if not plan.offload_opt:
-            st.alloc(plan.partition * plan.mb, "", "gradients")  # grad_partitions_flat_buffer
+            st.alloc(plan.partition * plan.mb, "", Component.GRADIENTS)  # grad_partitions_flat_buffer
     elif plan.offload_opt:
-        st.alloc(plan.largest * plan.mb, "", "gradients")  # temp_grad_buffer_for_gpu_offload
+        st.alloc(plan.largest * plan.mb, "", Component.GRADIENTS)  # temp_grad_buffer_for_gpu_offload
     # ---- the step
     step = -1
     ipg: list[int] = []
@@ -363,7 +364,7 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
     def reduce(phase: str) -> None:
         nonlocal fill
         for g in large:
-            st.free(g, phase, "gradients")
+            st.free(g, phase, Component.GRADIENTS)
         large.clear()
         for j in pending:  # the reduced partition's gradients: into grads_in_partition
             copy_in(j, phase)
@@ -378,21 +379,21 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
         if plan.stage == 3 or plan.offload_opt or not k:
             return
         if plan.touched:
-            in_part_pieces.append(st.alloc(k * plan.mb, phase, "gradients"))
+            in_part_pieces.append(st.alloc(k * plan.mb, phase, Component.GRADIENTS))
         elif in_part is None:
-            in_part = st.alloc(plan.partition * plan.mb, phase, "gradients")
+            in_part = st.alloc(plan.partition * plan.mb, phase, Component.GRADIENTS)
 
     def touch(upto: int, phase: str) -> None:
         """A CPU: the current bucket's pages written up to ``upto`` elements."""
         if upto > touched[index]:
-            ipg.append(st.alloc((upto - touched[index]) * plan.mb, phase, "gradients"))
+            ipg.append(st.alloc((upto - touched[index]) * plan.mb, phase, Component.GRADIENTS))
             touched[index] = upto
 
     def take_grad(gid: int, size: int, phase: str) -> None:
         nonlocal fill, index
         numel = size // plan.mb
         if plan.stage < 3 and not ipg and not plan.touched:
-            ipg.extend(st.alloc(plan.bucket * plan.mb, phase, "gradients")
+            ipg.extend(st.alloc(plan.bucket * plan.mb, phase, Component.GRADIENTS)
                        for _ in range(plan.n_buckets))
         if fill + numel > plan.bucket and fill > 0:
             reduce(phase)
@@ -403,7 +404,7 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
         else:
             if plan.touched:
                 touch(fill + numel, phase)
-            st.free(gid, phase, "gradients")  # copied into the bucket: .grad is a view now
+            st.free(gid, phase, Component.GRADIENTS)  # copied into the bucket: .grad is a view now
         fill += numel
 
     def epilogue(phase: str) -> None:
@@ -413,46 +414,46 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
         waiting.clear()
         reduce(phase)
         if plan.stage < 3 and not plan.offload_opt and averaged is None:
-            averaged = st.alloc(plan.partition * plan.mb, phase, "gradients")
+            averaged = st.alloc(plan.partition * plan.mb, phase, Component.GRADIENTS)
         if plan.stage < 3:  # the buckets are released (ZeRO-3 keeps its one)
             for b in ipg:
-                st.free(b, phase, "gradients")
+                st.free(b, phase, Component.GRADIENTS)
             ipg.clear()
             touched[:] = [0] * plan.n_buckets
         if in_part is not None:
-            st.free(in_part, phase, "gradients")
+            st.free(in_part, phase, Component.GRADIENTS)
             in_part = None
         for b in in_part_pieces:
-            st.free(b, phase, "gradients")
+            st.free(b, phase, Component.GRADIENTS)
         in_part_pieces.clear()
 
     def optimizer_step(phase: str) -> None:
         nonlocal averaged
         if plan.offload_opt:
             return  # the step runs on the host
-        flat = st.alloc(plan.partition * plan.mb, phase, "temporaries")  # flatten
+        flat = st.alloc(plan.partition * plan.mb, phase, Component.TEMPORARIES)  # flatten
         if averaged is not None:
-            st.free(averaged, phase, "gradients")
+            st.free(averaged, phase, Component.GRADIENTS)
             averaged = None
         fp32 = flat
         if plan.mb != 4:
-            fp32 = st.alloc(plan.partition * 4, phase, "temporaries")  # .to(fp32)
-            st.free(flat, phase, "temporaries")
+            fp32 = st.alloc(plan.partition * 4, phase, Component.TEMPORARIES)  # .to(fp32)
+            st.free(flat, phase, Component.TEMPORARIES)
         if plan.opt_temp:
-            t = st.alloc(plan.opt_temp, phase, "temporaries")
-            st.free(t, phase, "temporaries")
-        st.free(fp32, phase, "temporaries")
+            t = st.alloc(plan.opt_temp, phase, Component.TEMPORARIES)
+            st.free(t, phase, Component.TEMPORARIES)
+        st.free(fp32, phase, Component.TEMPORARIES)
 
     def gather(module: int, phase: str) -> None:
         for idx, numel in plan.gathered.get(module, ()):
             if idx not in gathered and numel > plan.persist_threshold:
-                gathered[idx] = st.alloc(numel * plan.mb, phase, "weights")
+                gathered[idx] = st.alloc(numel * plan.mb, phase, Component.WEIGHTS)
 
     def release(module: int, phase: str) -> None:
         for idx, _ in plan.gathered.get(module, ()):
             g = gathered.pop(idx, None)
             if g is not None:
-                st.free(g, phase, "weights")
+                st.free(g, phase, Component.WEIGHTS)
 
     in_backward = False
     for k, e in enumerate(events):
@@ -461,7 +462,7 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
                 if in_backward:
                     epilogue(phase)
                     for g in list(gathered):  # what no backward hook released (a module
-                        st.free(gathered.pop(g), phase, "weights")  # without input grads)
+                        st.free(gathered.pop(g), phase, Component.WEIGHTS)  # without input grads)
                     in_backward = False
                 if label.endswith("optimizer"):
                     optimizer_step("optimizer")
@@ -485,11 +486,11 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
             if e.id not in dropped:
                 st.out.append(e)
             continue
-        if e.category in ("weights", "optimizer_states") or e.phase == "optimizer":
+        if e.category in (Component.WEIGHTS, Component.OPTIMIZER_STATES) or e.phase == "optimizer":
             dropped.add(e.id)  # replaced by the rank's ZeRO state and step
             continue
         st.out.append(e)
-        if e.category == "gradients":
+        if e.category == Component.GRADIENTS:
             dropped.add(e.id)  # its recorded free (zero_grad) is replaced
             if plan.hooks:
                 take_grad(e.id, e.size, e.phase)
@@ -510,7 +511,7 @@ def simulate_transformed(sim: Simulator, config: TrainConfig, seq_len: int, layo
         return _not_traced(sim, config, seq_len, layout, why or "FSDP2 CPU offload")
     marks = ModuleMarks(act) if layout.zero_stage == 3 else None
     base = sim._run(act, seq_len, trace=marks) if marks is not None else sim.run(act, seq_len=seq_len)
-    weights = sum(e.size for e in base.events if e.kind == "alloc" and e.category == "weights"
+    weights = sum(e.size for e in base.events if e.kind == "alloc" and e.category == Component.WEIGHTS
                   and e.phase == "")
     mb = 2 if config.precision_spec.half else 4
     params = sum(p.numel() for p in sim.module.parameters()) * mb
