@@ -5,7 +5,8 @@
 PEFT method outside it — IA3, prefix tuning, DoRA, an OPT or GPT-NeoX block — gets
 coefficients of the same form derived from its own forward: the model is cloned on
 fake tensors (``simulate._model``) and run forward only, at four small shapes
-(micro batch 1 at ``T1 < T2 < T3`` tokens, and 2 at ``T1``), with each block's
+(micro batch 2 at ``T1 < T2 < T3`` tokens, and 4 at ``T1``; not 1: some steps take
+another path for one sample, AXK2's indexer among them), with each block's
 allocations told apart by forward hooks. The clone keeps one block of each kind
 (blocks alike in modules, parameters and buffers; adaption prompt's adapted top
 layers are a second kind), which stands for all blocks of its kind; an encoder-decoder's
@@ -59,8 +60,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["derived_coefficients", "SHAPES"]
 
 # (micro batch, tokens) of the four forwards: three lengths fix a quadratic per sample,
-# the second batch size separates what every micro batch shares.
-SHAPES = ((1, 32), (1, 64), (1, 128), (2, 32))
+# the second batch size separates what every micro batch shares. Not a micro batch of 1:
+# AXK2's sparse-attention indexer peaks elsewhere for one sample (its classifier's
+# forward transient fitted from 1 and 2 was 10 MiB at 4 x 128 tokens, 51 MiB simulated).
+SHAPES = ((2, 32), (2, 64), (2, 128), (4, 32))
 
 _CACHE: dict[str, dict[str, Any]] = {}
 
@@ -262,11 +265,11 @@ def _forward_transient(log: list[tuple[str, Any, str]], alive: set[int]) -> tupl
 
 def _solve(values: list[float]) -> dict[str, float]:
     """``F, s, a, b`` of ``F + B*(s + a*T + b*T^2)`` from the values at ``SHAPES``."""
-    (_, t1), (_, t2), (_, t3), _ = SHAPES
+    (b1, t1), (_, t2), (_, t3), (b2, _) = SHAPES
     v11, v12, v13, v21 = values
-    p1 = v21 - v11  # one sample at T1
-    fixed = v11 - p1
-    p2, p3 = v12 - fixed, v13 - fixed
+    p1 = (v21 - v11) / (b2 - b1)  # one sample at T1
+    fixed = v11 - b1 * p1
+    p2, p3 = (v12 - fixed) / b1, (v13 - fixed) / b1
     # p(T) = s + a*T + b*T^2 through (t1, p1), (t2, p2), (t3, p3)
     d12 = (p2 - p1) / (t2 - t1)
     d23 = (p3 - p2) / (t3 - t2)
