@@ -219,9 +219,9 @@ def _in_rewrite(rel: str) -> str | None:
 
 
 ANY_TARGET = 0.05  # of annotated parameters (optuna 2%, Lightning 4.5%)
-ANY_ALLOWED = {"memory": 66, "probe/model.py": 30}  # parameters annotated with Any
+ANY_ALLOWED = {"memory": 42, "probe/model.py": 30}  # parameters annotated with Any
 LONG_FUNCTIONS_ALLOWED = {  # (place, function): lines today
-    ("memory", "zero_events"): 179, ("memory", "analytic_phases"): 143,
+    ("memory", "zero_events"): 179,
     ("memory", "estimate_eval"): 131, ("memory", "_fsdp_rank"): 115,
     ("probe/model.py", "_describe"): 132,
 }

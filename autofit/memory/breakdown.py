@@ -10,8 +10,16 @@ up to ``device_total_bytes``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Any
+
+try:
+    from enum import StrEnum
+except ImportError:  # Python 3.10: what 3.11's StrEnum is
+    from enum import Enum
+
+    class StrEnum(str, Enum):  # type: ignore[no-redef]
+        __str__ = str.__str__
+        __format__ = str.__format__
 
 __all__ = ["COMPONENTS", "Component", "MemoryEstimate"]
 

@@ -47,7 +47,7 @@ Known limitations:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, DoesNotFitError
@@ -58,6 +58,7 @@ from autofit.memory.analytic._states import weights_bytes as _train_weights_byte
 from autofit.memory.breakdown import Component, MemoryEstimate
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autofit.config import ModelSource
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import BlockSpec, ModelInfo
 
@@ -274,9 +275,9 @@ def estimate_eval(
 
 
 def tune_eval_batch(
-    model: Any,
+    model: ModelSource,
     seq_len: int,
-    device: Any = "auto",
+    device: str | DeviceInfo = "auto",
     margin: float = 0.10,
     *,
     precision: str = "32-true",

@@ -65,6 +65,7 @@ from autofit.memory.breakdown import Component
 
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.memory.allocator import AllocEvent
+    from autofit.memory.breakdown import MemoryEstimate
     from autofit.memory.simulate import SimulationResult, Simulator
     from autofit.probe.run import RunOrder
 
@@ -322,7 +323,7 @@ def _between_steps(n_steps: int, eval_steps: int | None, eval_bytes: int,
     return out
 
 
-def eval_working_set(eval_estimate: Any, training_weights_bytes: int) -> int:
+def eval_working_set(eval_estimate: MemoryEstimate, training_weights_bytes: int) -> int:
     """An evaluation's bytes above what the training run keeps between its steps.
 
     ``eval_estimate``: ``estimate_eval(..., training=config)`` of the eval batch;

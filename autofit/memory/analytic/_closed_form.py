@@ -173,22 +173,56 @@ class AnalyticTerms:
     derived: bool = False  # coefficients derived from the model, not the fitted table
 
 
+@dataclass(frozen=True)
+class _Saved:
+    """What the forward leaves for backward (``analytic_phases``' second step), bytes."""
+
+    A: float  # activations at the start of backward (blocks + outside them)
+    A_base: float  # outside the blocks (embeddings, head, loss)
+    A_transient: float  # the block recomputed at a time (checkpointing)
+    A_kept: float  # checkpointing: the inputs on the device while backward recomputes
+    copies: int  # autocast's 16-bit weight copies alive at the backward start
+    copies_head: int  # ... of the output head
+    host: int  # pinned host bytes (activation offloading)
+
+
 def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
                     device: DeviceInfo) -> AnalyticTerms:
     """The candidate peaks of one rank holding the whole model (``estimate_analytic``'s
     closed form before it picks the largest; the several-rank rules of
-    ``autofit.memory.ranks`` rework them)."""
-    B, T = config.micro_batch_size, seq_len
-    N = B * T  # tokens in the micro batch
+    ``autofit.memory.ranks`` rework them): the model state, the activations saved, the
+    step's temporaries, then the phases they add up to."""
+    N = config.micro_batch_size * seq_len  # tokens in the micro batch
     spec = config.precision_spec
     # residual-stream element size (a quantized base is never cast: its own dtype)
     act = _bytes(info.dtype) if info.quant is not None else _bytes(spec.param_dtype)
     # what 8-bit layers hold past checkpointing
     kept8 = int8_kept_bytes(info, N, act, _bytes(spec.compute_dtype) if spec.autocast else act)
     c = _coef(info, config, device)
-    layer_c, base_c = c["layer"], c["base"]
-    decoder_c = c.get("layer_decoder")  # derived for an encoder-decoder: its decoder's
+    W, G, S = _model_state(info, config, c)
+    saved = _saved_activations(info, config, seq_len, device, c, act, kept8)
+    G_held, loss_temp, block_bwd_temp, opt_temp = _temporaries(info, config, seq_len, device,
+                                                               act, G)
+    phases = _phases(info, config, seq_len, c, saved, kept8, W=W, G=G, S=S, G_held=G_held,
+                     loss_temp=loss_temp, block_bwd_temp=block_bwd_temp, opt_temp=opt_temp)
+    return AnalyticTerms(phases=phases, host=int(saved.host), W=W, copies=saved.copies,
+                         copies_head=saved.copies_head, G=G, S=S, G_held=G_held,
+                         opt_temp=opt_temp, A=saved.A, A_base=saved.A_base,
+                         A_transient=saved.A_transient, loss_temp=loss_temp,
+                         block_bwd_temp=block_bwd_temp, derived=bool(c.get("derived")))
 
+
+def _lm(info: ModelInfo, config: TrainConfig) -> tuple[int, bool, bool]:
+    """(V: the logits' width, 0 without a (B, T, V) loss; TRL's fused LM head; a chunked
+    loss, which keeps no logits)."""
+    lm = info.task != "seq-cls" and info.vocab_size is not None
+    trl = config.loss_impl == "trl" and lm  # TRL's fused LM head (SFTTrainer)
+    chunked = (config.chunked_loss or trl) and lm
+    return (info.vocab_size if lm else 0), trl, chunked
+
+
+def _model_state(info: ModelInfo, config: TrainConfig, c: dict) -> tuple[int, int, int]:
+    """Step 1: weights, gradients and optimizer states (W, G, S), bytes."""
     W = weights_bytes(info, config)
     G = gradients_bytes(info, config)
     S = optimizer_state_bytes(info, config)
@@ -197,11 +231,20 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
         # no gradient, so no optimizer state (DeepSeek sparse attention's indexer: 55% over)
         live = max(0.0, 1.0 - dead / info.trainable_params)
         G, S = int(G * live), int(S * live)
-    lm = info.task != "seq-cls" and info.vocab_size is not None
-    V = info.vocab_size if lm else 0
-    h = info.hidden_size or 0
+    return W, G, S
 
-    # -- activations saved by the forward ------------------------------------
+
+def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: DeviceInfo,
+                       c: dict, act: int, kept8: int) -> _Saved:
+    """Step 2: the activations the forward saves, autocast's weight copies, and what
+    checkpointing, offloading and ``torch_compile`` change of them."""
+    B = config.micro_batch_size
+    N = B * T
+    spec = config.precision_spec
+    layer_c, base_c = c["layer"], c["base"]
+    decoder_c = c.get("layer_decoder")  # derived for an encoder-decoder: its decoder's
+    V, trl, chunked = _lm(info, config)
+    h = info.hidden_size or 0
     layer_costs = []  # (bytes per layer, count)
     for b in info.blocks:
         if info.is_encoder_decoder and b.role != "encoder":
@@ -212,8 +255,6 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     A_layers_full = sum(x * n for x, n in layer_costs)
     A_layer_max = max((x for x, _ in layer_costs), default=0)
     num_layers = sum(n for _, n in layer_costs)
-    trl = config.loss_impl == "trl" and lm  # TRL's fused LM head (SFTTrainer)
-    chunked = (config.chunked_loss or trl) and lm
     # the V term is the logits the loss keeps for backward; a chunked loss keeps none
     A_base = N * max(base_c["h"] * h + (0 if chunked else base_c["V"] * V) + base_c["c0"]
                      + base_c.get("T", 0.0) * T, 0.0)
@@ -231,6 +272,7 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
         copies_head = 0
 
     host = 0  # pinned host bytes (activation offloading)
+    A_kept = 0
     if config.gradient_checkpointing:
         # each checkpointed block keeps its input (and an 8-bit base's layers their inputs);
         # backward recomputes one block at a time
@@ -256,12 +298,22 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     else:
         A_layers = max(A_layers - fused, 0)
     A_base -= fused_base  # masks (the causal one: more) and the loss's buffers
-    A = A_layers + A_base
+    return _Saved(A=A_layers + A_base, A_base=A_base, A_transient=A_transient, A_kept=A_kept,
+                  copies=copies, copies_head=copies_head, host=host)
 
-    # -- temporaries ---------------------------------------------------------
+
+def _temporaries(info: ModelInfo, config: TrainConfig, T: int, device: DeviceInfo, act: int,
+                 G: int) -> tuple[int, float, float, int]:
+    """Step 3: (G_held, loss_temp, block_bwd_temp, opt_temp): the earlier micro batches'
+    gradients held, the loss's backward, one block's backward, the optimizer step's."""
+    B = config.micro_batch_size
+    N = B * T
+    spec = config.precision_spec
+    V, trl, chunked = _lm(info, config)
+    h = info.hidden_size or 0
     NL = B * (T + info.virtual_tokens)  # the logits' rows: prompt tuning's tokens too
     loss_grads = 2 * NL * V * 4  # fp32 d log_softmax and d logits at the loss backward
-    head_grad = V * h * act if lm else 0
+    head_grad = V * h * act if V else 0
     head_grad_in_G = min(head_grad, G)
     # one block's backward: grads of its widest activations (e.g. MLP: 2 x (N, i))
     inter = max((b.intermediate_size for b in info.blocks), default=0)
@@ -281,21 +333,34 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
         head_trainable = any(g.trainable and tuple(g.shape) == (V, h) for g in info.params)
         loss_temp = chunked_loss_bytes(NL, V, h, act, device, accumulating=bool(G_held),
                                        head_trainable=head_trainable)
+    return G_held, loss_temp, block_bwd_temp, opt_temp
+
+
+def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved, kept8: int,
+            *, W: int, G: int, S: int, G_held: int, loss_temp: float, block_bwd_temp: float,
+            opt_temp: int) -> dict[str, tuple[float, dict[str, float]]]:
+    """Step 4: the candidate peaks, phase -> (bytes, component -> bytes)."""
+    N = config.micro_batch_size * T
+    A, A_base, A_transient = saved.A, saved.A_base, saved.A_transient
+    copies, copies_head = saved.copies, saved.copies_head
     phases = {
         # all activations alive; the loss backward's fp32 (N, V) gradients
         # (without a (B, T, V) loss, e.g. sequence classification, the first block's
         # backward temporaries are the larger: all activations are still alive then)
         "backward": (W + copies + S + A + G_held + max(loss_temp, block_bwd_temp),
-                     {Component.WEIGHTS: W + copies, Component.OPTIMIZER_STATES: S, Component.ACTIVATIONS: A,
-                      Component.GRADIENTS: G_held, Component.TEMPORARIES: max(loss_temp, block_bwd_temp)}),
+                     {Component.WEIGHTS: W + copies, Component.OPTIMIZER_STATES: S,
+                      Component.ACTIVATIONS: A, Component.GRADIENTS: G_held,
+                      Component.TEMPORARIES: max(loss_temp, block_bwd_temp)}),
         # gradients complete, the embedding side's activations and one block's temporaries
         # (an 8-bit base's layers still hold their inputs: the graph is freed after backward)
         "backward-end": (W + S + G + A_base // 2 + kept8 + block_bwd_temp + A_transient,
-                         {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S, Component.GRADIENTS: G,
+                         {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S,
+                          Component.GRADIENTS: G,
                           Component.ACTIVATIONS: A_base // 2 + kept8 + A_transient,
                           Component.TEMPORARIES: block_bwd_temp}),
         "optimizer": (W + S + G + opt_temp,
-                      {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S, Component.GRADIENTS: G, Component.ACTIVATIONS: 0,
+                      {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S,
+                       Component.GRADIENTS: G, Component.ACTIVATIONS: 0,
                        Component.TEMPORARIES: opt_temp}),
     }
     fwd_c = c.get("forward")  # derived: the forward's transient above what it keeps
@@ -303,9 +368,10 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
         # the forward's highest point: an op's or a block's scratch (AXK2's indexer scores
         # on a sequence classifier: 9.3% under without it) above the activations made by
         # then (all of them, or an encoder-decoder's encoder's share: see
-        # ``autofit.memory.analytic.derived``; all with checkpointing, whose forward keeps other
-        # tensors than derived)
-        fwd_temp = max(N * (fwd_c["c0"] + fwd_c["T"] * T) + B * fwd_c["s"], 0.0) + fwd_c["F"]
+        # ``autofit.memory.analytic.derived``; all with checkpointing, whose forward keeps
+        # other tensors than derived)
+        fwd_temp = (max(N * (fwd_c["c0"] + fwd_c["T"] * T) + config.micro_batch_size
+                        * fwd_c["s"], 0.0) + fwd_c["F"])
         share = 1.0 if config.gradient_checkpointing else fwd_c.get("share", 1.0)
         phases["forward"] = (W + copies + S + G_held + share * A + fwd_temp,
                              {Component.WEIGHTS: W + copies, Component.OPTIMIZER_STATES: S,
@@ -317,13 +383,11 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
         # (at the last block recomputed, about all of them)
         copies_layer = copies - copies_head
         phases["recompute"] = (
-            W + copies_layer + S + G + A_kept + A_transient + block_bwd_temp,
-            {Component.WEIGHTS: W + copies_layer, Component.OPTIMIZER_STATES: S, Component.GRADIENTS: G,
-             Component.ACTIVATIONS: A_kept + A_transient, Component.TEMPORARIES: block_bwd_temp})
-    return AnalyticTerms(phases=phases, host=int(host), W=W, copies=copies,
-                         copies_head=copies_head, G=G, S=S, G_held=G_held, opt_temp=opt_temp,
-                         A=A, A_base=A_base, A_transient=A_transient, loss_temp=loss_temp,
-                         block_bwd_temp=block_bwd_temp, derived=bool(c.get("derived")))
+            W + copies_layer + S + G + saved.A_kept + A_transient + block_bwd_temp,
+            {Component.WEIGHTS: W + copies_layer, Component.OPTIMIZER_STATES: S,
+             Component.GRADIENTS: G, Component.ACTIVATIONS: saved.A_kept + A_transient,
+             Component.TEMPORARIES: block_bwd_temp})
+    return phases
 
 
 def estimate_analytic(

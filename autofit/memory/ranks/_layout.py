@@ -196,7 +196,7 @@ class Layout:
     zero_overrides: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
-    def of(cls, config: TrainConfig, **overrides: Any) -> Layout:
+    def of(cls, config: TrainConfig, **overrides: object) -> Layout:
         """The layout of ``config`` (``overrides``: the launch details it does not hold)."""
         return cls(strategy=config.strategy, offload=config.offload,
                    nproc_per_node=config.nproc_per_node, nnodes=config.nnodes, **overrides)

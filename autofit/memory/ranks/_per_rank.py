@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autofit.config import TrainConfig
 from autofit.memory.allocator._common import pinned_bytes
@@ -28,6 +28,9 @@ from autofit.memory.ranks._layout import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Iterable
+
+    from autofit.memory.analytic._closed_form import AnalyticTerms
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import ModelInfo, ParamGroup
 
@@ -134,7 +137,7 @@ def estimate_ranks_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
 
 
 def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo,
-                   rank: _Rank, terms: Any) -> MemoryEstimate:
+                   rank: _Rank, terms: AnalyticTerms) -> MemoryEstimate:
     """One rank's MemoryEstimate from its phases (as ``estimate_analytic`` builds one)."""
     from autofit.memory.analytic._closed_form import cuda_reserved_bytes
     from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes
@@ -160,7 +163,7 @@ def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: D
         config=config.to_dict(), notes=rank.notes, host_bytes=int(rank.host))
 
 
-def _ddp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any) -> _Rank:
+def _ddp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: AnalyticTerms) -> _Rank:
     """DDP: every phase + the buckets (the gradients' bytes); with gradient_as_bucket_view
     the gradients are the buckets (counted once, alive from the start)."""
     from autofit.memory.analytic._states import gradients_bytes
@@ -182,7 +185,7 @@ def _ddp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any) -> _
                              else "a second copy of the gradients") + ")",))
 
 
-def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
+def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: AnalyticTerms,
                device: DeviceInfo, rank: int) -> _Rank:
     """FSDP2 / HSDP on rank ``rank``: the single-rank step's candidate peaks with sharded
     state, and the units gathered at each, found by tracing ``fully_shard``:
@@ -224,7 +227,7 @@ def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
         return 0 if u is None else sum(n * fsdp_shard_numel(s, n) * c * _bytes(red)
                                        for s, c, tr, _ in u.params if tr)
 
-    def sharded(tensors: Any, only_trainable: bool = False) -> int:
+    def sharded(tensors: Iterable[tuple[tuple[int, ...], int, bool, str]], only_trainable: bool = False) -> int:
         return sum(fsdp_shard_numel(s, n) * c * _bytes(_sharded_dtype(d, tr, config))
                    for s, c, tr, d in tensors if tr or not only_trainable)
 
@@ -315,7 +318,7 @@ def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
     return _Rank(phases, host, tuple(notes))
 
 
-def _zero_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Any,
+def _zero_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: AnalyticTerms,
                device: DeviceInfo, rank: int) -> _Rank:
     """DeepSpeed ZeRO-1/2/3 on rank ``rank`` (see the module docstring and ``simulate._zero``):
 

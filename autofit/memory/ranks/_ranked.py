@@ -18,7 +18,7 @@ caller.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autofit.memory.analytic._closed_form import estimate_analytic as _one_rank
 from autofit.memory.ranks._layout import Layout
@@ -34,7 +34,7 @@ __all__ = ["estimate_analytic"]
 
 
 def estimate_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
-                      device: DeviceInfo, layout_fields: dict[str, Any] | None = None
+                      device: DeviceInfo, layout_fields: dict[str, object] | None = None
                       ) -> MemoryEstimate:
     """One training step's memory in closed form: the rank that peaks (with ``per_rank``)
     when ``config`` has several processes, else the one device's. ``layout_fields``: how

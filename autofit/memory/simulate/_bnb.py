@@ -42,9 +42,12 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autofit.memory.simulate._recorder import StorageRecorder
 
 __all__ = ["fake_params4bit", "fake_int8_params", "fake_int8_state", "is_fake_4bit",
            "is_quantized", "has_quantized", "quant_tensors", "gemm_4bit_workspace",
@@ -267,7 +270,7 @@ def cuda_int8_matmul() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def bnb_target(model: torch.nn.Module, rec: Any, target: str) -> Iterator[None]:
+def bnb_target(model: torch.nn.Module, rec: StorageRecorder, target: str) -> Iterator[None]:
     """What a step of ``model``'s quantized layers needs while recorded for ``target``
     (``"cpu"`` | ``"cuda"``): ``gemm_4bit``'s workspace; on CUDA, the int8 path. A model
     without quantized layers gets nothing."""

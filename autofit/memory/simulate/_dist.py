@@ -35,13 +35,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autofit.config import TrainConfig
 from autofit.memory.breakdown import Component
 from autofit.memory.ranks._layout import Layout, activation_config, fsdp_local_numel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autofit.memory.simulate._recorder import StorageRecorder
 
 __all__ = ["ProcessGroupExists", "RankTrace", "fake_world", "rank_classes", "wrap_fsdp",
            "wrap_ddp", "device_mesh"]
@@ -71,7 +76,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sharding_propagation_unrecorded(rec: Any) -> Iterator[None]:
+def _sharding_propagation_unrecorded(rec: StorageRecorder) -> Iterator[None]:
     """DTensor computes an op's output metadata on fake tensors of the *global* shape
     (``ShardingPropagator._propagate_tensor_meta_non_cached``); nothing of it exists on
     the device, so the recorder pauses while it runs."""
@@ -252,7 +257,7 @@ class RankTrace:
         """The config ``run_steps`` runs: autocast as the recipe runs it."""
         return activation_config(self.config, self.layout)
 
-    def wrap(self, model: torch.nn.Module, rec: Any, fake_mode: Any) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, rec: StorageRecorder, fake_mode: FakeTensorMode) -> torch.nn.Module:
         """The wrapped clone; the wrapper's allocations recorded (DDP's buckets as
         gradients)."""
         if self.layout.family == "ddp":
@@ -266,7 +271,7 @@ class RankTrace:
             return wrap_fsdp(model, self.layout, self.config, mesh)
 
     @contextlib.contextmanager
-    def running(self, rec: Any) -> Iterator[None]:
+    def running(self, rec: StorageRecorder) -> Iterator[None]:
         """While the step runs: DTensor's metadata propagation unrecorded."""
         if self.layout.family != "fsdp":
             yield

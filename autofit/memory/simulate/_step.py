@@ -325,7 +325,7 @@ def _autocast(config: TrainConfig) -> Any:
     return torch.autocast("cpu", dtype=getattr(torch, spec.compute_dtype))
 
 
-def _mark_host_steps(optimizer: Any, rec: StorageRecorder) -> None:
+def _mark_host_steps(optimizer: torch.optim.Optimizer, rec: StorageRecorder) -> None:
     """torch's non-fused, non-capturable optimizers keep ``state["step"]`` on the host."""
     defaults = getattr(optimizer, "defaults", {})
     if defaults.get("fused") or defaults.get("capturable"):
@@ -370,7 +370,7 @@ def forward_loss(model: torch.nn.Module, config: TrainConfig, task: str, batch_s
 
 def run_steps(
     model: torch.nn.Module,
-    optimizer: Any,
+    optimizer: torch.optim.Optimizer,
     config: TrainConfig,
     *,
     task: str,
@@ -391,7 +391,7 @@ def run_steps(
                    target=target, steps=steps)
 
 
-def _run_steps(model: torch.nn.Module, optimizer: Any, config: TrainConfig, *, task: str,
+def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, *, task: str,
                seq_len: int, rec: StorageRecorder, target: StepTarget, steps: int) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     _, _, _, max_grad_norm = optimizer_cls_and_kwargs(config.optimizer, config.optim_args)

@@ -70,7 +70,11 @@ from autofit.memory.ranks._layout import (
 from autofit.memory.ranks._per_rank import combine_ranks
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.autograd.function import FunctionCtx
+
     from autofit.memory.allocator import AllocEvent
+    from autofit.memory.simulate._recorder import StorageRecorder
 
 # ``Simulator`` and ``SimulationResult`` (autofit.memory.simulate, which calls this module)
 # are written ``Any`` here: importing them, even for types, would make an import cycle.
@@ -84,17 +88,17 @@ class _Mark(torch.autograd.Function):
     ``PreBackwardFunctionForModule`` / ``PostBackwardFunctionModule`` in miniature."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rec: Any, label: str) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, rec: StorageRecorder, label: str) -> torch.Tensor:
         ctx.rec, ctx.label = rec, label
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> Any:
         ctx.rec.mark(ctx.label)
         return grad, None, None
 
 
-def _marked(value: Any, rec: Any, label: str) -> Any:
+def _marked(value: Any, rec: StorageRecorder, label: str) -> Any:
     """``value`` with its grad-requiring tensors passed through ``_Mark`` (top level of a
     tensor, tuple, list or ModelOutput)."""
     if isinstance(value, torch.Tensor):
@@ -126,7 +130,7 @@ class ModuleMarks:
     def step_config(self) -> TrainConfig:
         return self.config
 
-    def wrap(self, model: torch.nn.Module, rec: Any, fake_mode: Any) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, rec: StorageRecorder, fake_mode: FakeTensorMode) -> torch.nn.Module:
         index: dict[int, int] = {}
         for p in model.parameters():
             index.setdefault(id(p), len(index))
@@ -151,7 +155,7 @@ class ModuleMarks:
         return model
 
     @contextlib.contextmanager
-    def running(self, rec: Any) -> Iterator[None]:
+    def running(self, rec: StorageRecorder) -> Iterator[None]:
         yield
 
 
