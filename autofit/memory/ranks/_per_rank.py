@@ -203,8 +203,6 @@ def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Analytic
     * ``optimizer``: sharded parameters, gradients and states + the step's temporaries
       over the rank's local chunks.
     """
-    from autofit.memory.analytic._states import _optimizer_step_temporaries, optimizer_state_bytes
-
     n = layout.shard_ranks
     r = rank % n  # the rank within its shard group
     units = fsdp_units_of_info(info, layout)
@@ -227,24 +225,7 @@ def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Analytic
         return 0 if u is None else sum(n * fsdp_shard_numel(s, n) * c * _bytes(red)
                                        for s, c, tr, _ in u.params if tr)
 
-    def sharded(tensors: Iterable[tuple[tuple[int, ...], int, bool, str]], only_trainable: bool = False) -> int:
-        return sum(fsdp_shard_numel(s, n) * c * _bytes(_sharded_dtype(d, tr, config))
-                   for s, c, tr, d in tensors if tr or not only_trainable)
-
-    every = [p for u in units for p in u.params]
-    W, G = sharded(every), sharded(every, only_trainable=True)
-    local = _local_info(info, _fsdp_local_groups(info, n, r))
-    one = single_rank_config(config)
-    S = optimizer_state_bytes(local, one)
-    opt_temp = _optimizer_step_temporaries(local, one, device)
-    host = 0
-    if layout.offload != "none":
-        # CPUOffloadPolicy: sharded parameters and gradients (pinned on a GPU host) and the
-        # optimizer's states and step on the host; the device gathers from host copies
-        pin = pinned_bytes if device.allocator == "cuda" else (lambda b: b)
-        host = (sum(pin(fsdp_shard_numel(s, n) * _bytes(_sharded_dtype(d, tr, config)))
-                    * c * (2 if tr else 1) for s, c, tr, d in every) + S + opt_temp)
-        W = G = S = opt_temp = 0
+    W, G, S, opt_temp, host = _fsdp_state(info, config, layout, device, units, r)
     big = [u for u in units if u.params]
     blocks = [u for u in big if u.name.startswith("block")]
     head = next((u for u in reversed(big) if u.name in ("tail", "root")), None)
@@ -271,7 +252,8 @@ def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Analytic
     # the first unit's end of backward: gathered + unsharded gradients; resharded, the
     # gradients copied into the reduce-scatter input (the copies freed, but the one the
     # autograd engine still holds: the embedding's, produced last); its sharded gradients
-    Gf = 0 if layout.offload != "none" or first is None else sharded(first.params, True)
+    Gf = (0 if layout.offload != "none" or first is None
+          else _sharded_bytes(first.params, n, config, only_trainable=True))
     g_last = 0 if first is None else max(
         (n * fsdp_shard_numel(s, n) * _bytes(gdt(d, tr)) for s, _, tr, d in first.params if tr),
         default=0)
@@ -309,13 +291,52 @@ def _fsdp_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: Analytic
             {Component.WEIGHTS: W + kept + root_kept + 2 * blk, Component.OPTIMIZER_STATES: S,
              Component.GRADIENTS: G - Gf + held + ugrads(cur), Component.ACTIVATIONS: a_last,
              Component.TEMPORARIES: bbt + rs_in(cur)})
-    notes = [f"FSDP2 over {n} ranks: sharded parameters {W / 2**20:.1f} MiB per rank, "
-             f"{len(big)} units"]
+    return _Rank(phases, host, _fsdp_notes(config, layout, W, host, len(big)))
+
+
+def _sharded_bytes(tensors: Iterable[tuple[tuple[int, ...], int, bool, str]], n: int,
+                   config: TrainConfig, only_trainable: bool = False) -> int:
+    """Bytes of ``tensors`` (shape, count, trainable, dtype) as FSDP2 shards them over ``n``
+    ranks (each a padded chunk, in the dtype it stores them in)."""
+    return sum(fsdp_shard_numel(s, n) * c * _bytes(_sharded_dtype(d, tr, config))
+               for s, c, tr, d in tensors if tr or not only_trainable)
+
+
+def _fsdp_state(info: ModelInfo, config: TrainConfig, layout: Layout, device: DeviceInfo,
+                units: list[Unit], r: int) -> tuple[int, int, int, int, int]:
+    """(W, G, S, optimizer step temporaries, host bytes) of a rank ``r`` within its shard
+    group: sharded parameters and gradients, the optimizer over its local chunks; with CPU
+    offload all of it on the host (the device's figures 0)."""
+    from autofit.memory.analytic._states import _optimizer_step_temporaries, optimizer_state_bytes
+
+    n = layout.shard_ranks
+    every = [p for u in units for p in u.params]
+    W, G = _sharded_bytes(every, n, config), _sharded_bytes(every, n, config, only_trainable=True)
+    local = _local_info(info, _fsdp_local_groups(info, n, r))
+    one = single_rank_config(config)
+    S = optimizer_state_bytes(local, one)
+    opt_temp = _optimizer_step_temporaries(local, one, device)
+    host = 0
+    if layout.offload != "none":
+        # CPUOffloadPolicy: sharded parameters and gradients (pinned on a GPU host) and the
+        # optimizer's states and step on the host; the device gathers from host copies
+        pin = pinned_bytes if device.allocator == "cuda" else (lambda b: b)
+        host = (sum(pin(fsdp_shard_numel(s, n) * _bytes(_sharded_dtype(d, tr, config)))
+                    * c * (2 if tr else 1) for s, c, tr, d in every) + S + opt_temp)
+        W = G = S = opt_temp = 0
+    return W, G, S, opt_temp, host
+
+
+def _fsdp_notes(config: TrainConfig, layout: Layout, W: int, host: int,
+                units: int) -> tuple[str, ...]:
+    """The notes of an FSDP2 rank's estimate."""
+    notes = [f"FSDP2 over {layout.shard_ranks} ranks: sharded parameters {W / 2**20:.1f} MiB "
+             f"per rank, {units} units"]
     if config.precision_spec.autocast:
         notes.append(FSDP_MIXED_NOTE)
     if layout.offload != "none":
         notes.append(f"CPU offload: {host / 2**20:.1f} MiB of host memory per rank")
-    return _Rank(phases, host, tuple(notes))
+    return tuple(notes)
 
 
 def _zero_rank(info: ModelInfo, config: TrainConfig, layout: Layout, t: AnalyticTerms,
