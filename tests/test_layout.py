@@ -219,7 +219,7 @@ def _in_rewrite(rel: str) -> str | None:
 
 
 ANY_TARGET = 0.05  # of annotated parameters (optuna 2%, Lightning 4.5%)
-ANY_ALLOWED = {"memory": 42, "probe/model.py": 30}  # parameters annotated with Any
+ANY_ALLOWED = {"memory": 37, "probe/model.py": 30}  # parameters annotated with Any
 LONG_FUNCTIONS_ALLOWED = {  # (place, function): lines today
     ("memory", "zero_events"): 179,
     ("memory", "estimate_eval"): 131,
@@ -227,8 +227,6 @@ LONG_FUNCTIONS_ALLOWED = {  # (place, function): lines today
 }
 LONG_FILES_ALLOWED = {("probe/model.py", "model.py"): 947}
 STATE_ALLOWED = {  # (place, function, name written): why it is still there
-    ("memory", "derived_coefficients", "_CACHE"): "a process cache of derived coefficients",
-    ("memory", "_store", "_WARNED"): "warn once per process",
     ("probe/model.py", "describe", "_MODULES"): "a cache of described modules",
 }
 MAX_FUNCTION_LINES = 100
