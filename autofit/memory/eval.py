@@ -154,22 +154,7 @@ def estimate_eval(
         BadInputError: bad sizes, an unknown precision, generation on a model that
             does not generate, or a model whose blocks autofit does not recognise.
     """
-    for name, v in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len),
-                    ("num_beams", num_beams)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise BadInputError(f"{name} must be a positive integer, got {v!r}")
-    if generate_max_new_tokens is not None and (
-        isinstance(generate_max_new_tokens, bool) or not isinstance(generate_max_new_tokens, int)
-        or generate_max_new_tokens <= 0
-    ):
-        raise BadInputError(
-            f"generate_max_new_tokens must be a positive integer, got {generate_max_new_tokens!r}"
-        )
-    if generate_max_new_tokens and info.task not in _GEN_TASKS:
-        raise BadInputError(f"generation needs a causal-lm or seq2seq model; {info.name} is "
-                            f"{info.task}")
-    if not info.is_transformer:
-        raise BadInputError(f"{info.name} is not a transformer autofit recognises")
+    _check_eval_args(info, micro_batch_size, seq_len, num_beams, generate_max_new_tokens)
     if training is not None:
         precision = training.precision
     config = TrainConfig(micro_batch_size=micro_batch_size, precision=precision, seq_len=seq_len)
@@ -206,24 +191,8 @@ def estimate_eval(
 
     # -- generation: the KV cache at the last token, and the prefill --------------------
     if generate_max_new_tokens:
-        S = B * num_beams
-        M = generate_max_new_tokens
-        if info.is_encoder_decoder:
-            cache = kv_cache_bytes(info, S, T + M, cb)  # cross (prompt) + self (new tokens)
-            enc = S * T * h * act
-            prefill_ws = max(_block_working_set(b, S * T, T, S, act, cb, eager)
-                             for b in info.blocks)
-            prefill = enc + prefill_ws + kv_cache_bytes(info, S, T, cb)
-        else:
-            cache = kv_cache_bytes(info, S, T + M, cb)
-            enc = 0
-            prefill_ws = max(_block_working_set(b, S * T, T, S, act, cb, eager)
-                             for b in _decoder_blocks(info))
-            prefill = prefill_ws + kv_cache_bytes(info, S, T, cb)
-        layers = sum(b.count for b in _decoder_blocks(info))
-        concat = cache // max(layers, 1)  # DynamicCache: torch.cat makes a new layer tensor
-        decode_logits = S * V * (logit_bytes + _DECODE_LOGIT_COPIES * 4)
-        gen_total = max(prefill, enc + cache + concat + decode_logits)
+        gen_total = _generation_bytes(info, B * num_beams, T, generate_max_new_tokens, act, cb,
+                                      eager, V * (logit_bytes + _DECODE_LOGIT_COPIES * 4))
         phases["generate"] = (gen_total, kept)
 
     phase, (A, temps) = max(phases.items(), key=lambda kv: kv[1][0] + kv[1][1])
@@ -272,6 +241,52 @@ def estimate_eval(
         config=config.to_dict(),
         notes=tuple(notes),
     )
+
+
+def _check_eval_args(info: ModelInfo, micro_batch_size: int, seq_len: int, num_beams: int,
+                     generate_max_new_tokens: int | None) -> None:
+    """``estimate_eval``'s first step: positive sizes, a model that generates when asked
+    to, blocks autofit recognises (else ``BadInputError``)."""
+    for name, v in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len),
+                    ("num_beams", num_beams)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise BadInputError(f"{name} must be a positive integer, got {v!r}")
+    if generate_max_new_tokens is not None and (
+        isinstance(generate_max_new_tokens, bool) or not isinstance(generate_max_new_tokens, int)
+        or generate_max_new_tokens <= 0
+    ):
+        raise BadInputError(
+            f"generate_max_new_tokens must be a positive integer, got {generate_max_new_tokens!r}"
+        )
+    if generate_max_new_tokens and info.task not in _GEN_TASKS:
+        raise BadInputError(f"generation needs a causal-lm or seq2seq model; {info.name} is "
+                            f"{info.task}")
+    if not info.is_transformer:
+        raise BadInputError(f"{info.name} is not a transformer autofit recognises")
+
+
+def _generation_bytes(info: ModelInfo, S: int, T: int, M: int, act: int, cb: int, eager: bool,
+                      logit_row: int) -> int:
+    """The generation phase's activations: the larger of the prefill and the last token's
+    step (the KV cache of ``T + M`` tokens, one layer's ``torch.cat`` copy and the decode
+    logits, ``logit_row`` bytes a sequence) over ``S`` sequences (batch x beams)."""
+    h = info.hidden_size or 0
+    if info.is_encoder_decoder:
+        cache = kv_cache_bytes(info, S, T + M, cb)  # cross (prompt) + self (new tokens)
+        enc = S * T * h * act
+        prefill_ws = max(_block_working_set(b, S * T, T, S, act, cb, eager)
+                         for b in info.blocks)
+        prefill = enc + prefill_ws + kv_cache_bytes(info, S, T, cb)
+    else:
+        cache = kv_cache_bytes(info, S, T + M, cb)
+        enc = 0
+        prefill_ws = max(_block_working_set(b, S * T, T, S, act, cb, eager)
+                         for b in _decoder_blocks(info))
+        prefill = prefill_ws + kv_cache_bytes(info, S, T, cb)
+    layers = sum(b.count for b in _decoder_blocks(info))
+    concat = cache // max(layers, 1)  # DynamicCache: torch.cat makes a new layer tensor
+    decode_logits = S * logit_row
+    return max(prefill, enc + cache + concat + decode_logits)
 
 
 def tune_eval_batch(

@@ -24,8 +24,7 @@ def ia3():
 def fresh(monkeypatch, tmp_path):
     """An empty disk cache in tmp_path and an empty in-memory cache (a new process)."""
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(derived, "_CACHE", {})
-    monkeypatch.setattr(derived, "_WARNED", set())
+    derived._memory.cache_clear()
     return tmp_path
 
 
@@ -49,7 +48,7 @@ def test_a_new_process_reads_them_from_disk(ia3, fresh, monkeypatch):
     assert len(calls) == 1
     (stored,) = (fresh / "derived").glob("*.json")
     assert json.loads(stored.read_text()) == first
-    monkeypatch.setattr(derived, "_CACHE", {})  # a new process: memory empty, disk kept
+    derived._memory().coefficients.clear()  # a new process: memory empty, disk kept
     assert derived.derived_coefficients(module, info, TrainConfig(), CPU) == first
     assert len(calls) == 1  # no forward ran
     # another precision is another entry
@@ -60,7 +59,7 @@ def test_a_new_process_reads_them_from_disk(ia3, fresh, monkeypatch):
 def test_changed_code_does_not_reuse_them(ia3, fresh, monkeypatch):
     module, info = ia3
     derived.derived_coefficients(module, info, TrainConfig(), CPU)
-    monkeypatch.setattr(derived, "_CACHE", {})
+    derived._memory().coefficients.clear()
     monkeypatch.setattr(derived, "_code_hash", lambda: "another simulator")
     calls = _forwards(monkeypatch)
     derived.derived_coefficients(module, info, TrainConfig(), CPU)
@@ -75,7 +74,7 @@ def test_a_damaged_file_is_derived_again_and_replaced(ia3, fresh, monkeypatch, d
     good = derived.derived_coefficients(module, info, TrainConfig(), CPU)
     (stored,) = (fresh / "derived").glob("*.json")
     stored.write_text(damage)
-    monkeypatch.setattr(derived, "_CACHE", {})
+    derived._memory().coefficients.clear()
     calls = _forwards(monkeypatch)
     assert derived.derived_coefficients(module, info, TrainConfig(), CPU) == good
     assert len(calls) == 1 and json.loads(stored.read_text()) == good
@@ -86,7 +85,7 @@ def test_an_unwritable_folder_is_one_warning(ia3, fresh, monkeypatch, caplog):
     (fresh / "derived").write_text("a file where the folder should be")
     with caplog.at_level(logging.WARNING, logger="autofit"):
         a = derived.derived_coefficients(module, info, TrainConfig(), CPU)
-        monkeypatch.setattr(derived, "_CACHE", {})
+        derived._memory().coefficients.clear()
         b = derived.derived_coefficients(module, info, TrainConfig(), CPU)
     assert a == b and a["derived"] is True
     warnings = [r for r in caplog.records if "derived coefficients" in r.getMessage()]

@@ -50,12 +50,14 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, ValueDependentShapeError, fix
+from autofit.memory.breakdown import Component
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from autofit.memory.simulate._recorder import Record
     from autofit.probe.device import DeviceInfo
-    from autofit.probe.model import ModelInfo
+    from autofit.probe.model import BlockSpec, ModelInfo
 
 __all__ = ["derived_coefficients", "SHAPES"]
 
@@ -65,13 +67,25 @@ __all__ = ["derived_coefficients", "SHAPES"]
 # forward transient fitted from 1 and 2 was 10 MiB at 4 x 128 tokens, 51 MiB simulated).
 SHAPES = ((2, 32), (2, 64), (2, 128), (4, 32))
 
-_CACHE: dict[str, dict[str, Any]] = {}
+
+class _Memory:
+    """What a process keeps: the coefficients derived or read (by key) and the folders it
+    warned about (once each)."""
+
+    def __init__(self) -> None:
+        self.coefficients: dict[str, dict[str, Any]] = {}
+        self.warned: set[str] = set()
+
+
+@functools.lru_cache(maxsize=1)
+def _memory() -> _Memory:
+    """This process's one ``_Memory``."""
+    return _Memory()
 
 
 def _simulate() -> str:
     """How the caller asks for the simulation (the flag on the command line)."""
     return fix("--method simulate", "method='simulate'")
-_WARNED: set[str] = set()
 _log = logging.getLogger("autofit")
 
 
@@ -83,7 +97,7 @@ def _key(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> str:
                       sort_keys=True, default=str)
 
 
-def _kinds(blocks: list[Any]) -> list[tuple[int, int]]:
+def _kinds(blocks: list[torch.nn.Module]) -> list[tuple[int, int]]:
     """The blocks to keep, as (index, how many blocks it stands for), in order: per kind
     of block (alike in modules, parameters — shape, dtype, trainable — and buffers; most
     models have one kind, adaption prompt's adapted top layers are a second) its first
@@ -168,7 +182,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
         for batch, seq_len in SHAPES:
             rec = StorageRecorder()
             for t in weight_tensors(model):
-                rec.track(t, "weights")
+                rec.track(t, Component.WEIGHTS)
             spans: list[list[int]] = [[0, 0] for _ in all_kept]
             handles = []
             for i, blk in enumerate(all_kept):
@@ -189,7 +203,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                 rec.phase = "forward"
                 loss, data, kwargs = forward_loss(model, config, task, batch, seq_len, rec,
                                                    "cuda" if device.allocator == "cuda" else "cpu")
-                alive = {id(r) for r in rec.live_records() if r.category != "weights"}
+                alive = {id(r) for r in rec.live_records() if r.category != Component.WEIGHTS}
                 log = rec.events()
                 per_kind = [
                     sum(r.size for kind, r, _ in log[a:b] if kind == "alloc" and id(r) in alive)
@@ -214,7 +228,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
     return out, dead
 
 
-def _unreached_numel(loss: Any, model: torch.nn.Module, stacks: list[tuple]) -> int:
+def _unreached_numel(loss: torch.Tensor, model: torch.nn.Module, stacks: list[tuple]) -> int:
     """Trainable elements the loss's graph does not reach: they get no gradient, so the
     optimizer keeps no state for them (DeepSeek sparse attention's indexer, which picks
     the keys by ``topk``: 57% of GLM-MoE-DSA's small model; its analytic estimate was
@@ -242,7 +256,7 @@ def _unreached_numel(loss: Any, model: torch.nn.Module, stacks: list[tuple]) -> 
                if p.requires_grad and id(p) not in reached)
 
 
-def _forward_transient(log: list[tuple[str, Any, str]], alive: set[int]) -> tuple[int, float]:
+def _forward_transient(log: list[tuple[str, Record, str]], alive: set[int]) -> tuple[int, float]:
     """At the forward's highest point (weights apart), the bytes alive then that backward
     does not keep: an op's scratch, a block's intermediate results (an indexer's (T, T)
     scores over every head of AXK2's sparse attention, freed within the block). A model
@@ -251,15 +265,15 @@ def _forward_transient(log: list[tuple[str, Any, str]], alive: set[int]) -> tupl
     is made by then."""
     live = peak = peak_at = 0
     for i, (kind, r, _) in enumerate(log):
-        if r.category == "weights":
+        if r.category == Component.WEIGHTS:
             continue
         live += r.size if kind == "alloc" else -r.size
         if live > peak:
             peak, peak_at = live, i
     kept = sum(r.size for kind, r, _ in log[:peak_at + 1]
-               if kind == "alloc" and id(r) in alive and r.category != "weights")
+               if kind == "alloc" and id(r) in alive and r.category != Component.WEIGHTS)
     everything = sum(r.size for kind, r, _ in log
-                     if kind == "alloc" and id(r) in alive and r.category != "weights")
+                     if kind == "alloc" and id(r) in alive and r.category != Component.WEIGHTS)
     return max(peak - kept, 0), (kept / everything if everything else 1.0)
 
 
@@ -285,11 +299,12 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     entry (``layer``: per block, ``base``: outside the blocks), derived from ``module``'s
     own forward (see the module docstring)."""
     key = _key(info, config, device)
-    hit = _CACHE.get(key)
+    memory = _memory().coefficients
+    hit = memory.get(key)
     if hit is None:
         hit = _load(key)
         if hit is not None:
-            _CACHE[key] = hit
+            memory[key] = hit
     if hit is not None:
         return hit
     limit = info.max_position_embeddings
@@ -349,7 +364,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         coef["no_grad_numel"] = int(dead)
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
         coef["layer_decoder"] = layer(lays[1])
-    _CACHE[key] = coef
+    memory[key] = coef
     _store(key, coef)
     return coef
 
@@ -376,7 +391,7 @@ def _code_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def _valid(coef: Any) -> bool:
+def _valid(coef: object) -> bool:
     """Whether ``coef`` reads as derived coefficients (finite numbers where they belong)."""
     if not isinstance(coef, dict) or coef.get("derived") is not True:
         return False
@@ -417,8 +432,9 @@ def _store(key: str, coef: dict[str, Any]) -> None:
             raise
     except OSError as e:
         folder = str(path.parent)
-        if folder not in _WARNED:
-            _WARNED.add(folder)
+        warned = _memory().warned
+        if folder not in warned:
+            warned.add(folder)
             _log.warning("autofit: cannot keep derived coefficients in %s (%s); they are "
                          "derived again in the next process (set AUTOFIT_CACHE_DIR to a "
                          "writable folder)", folder, e.strerror or e)
@@ -430,7 +446,7 @@ def _suppress():
     return contextlib.suppress(OSError)
 
 
-def _in_role(block: Any, role: str | None) -> bool:
+def _in_role(block: BlockSpec, role: str | None) -> bool:
     """Whether ``block`` belongs to the stack ``role`` names (None: the only one)."""
     return role is None or (block.role == "encoder") == (role == "encoder")
 

@@ -316,7 +316,9 @@ class _Stream:
 def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ...],
                 plan: ZeroPlan, *, weights_bytes: int, param_bytes: int,
                 grad_params: dict[int, int]) -> list[AllocEvent]:
-    """The single-rank ``events`` transformed into one ZeRO rank's (module docstring).
+    """The single-rank ``events`` transformed into one ZeRO rank's (module docstring):
+    ``deepspeed.initialize``'s buffers, then the step replayed with the rank's gradient
+    buckets, partitions, gathered parameters (ZeRO-3) and optimizer step.
 
     Args:
         events, marks: the single-rank simulation's stream and its marks.
@@ -325,120 +327,195 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
             among them (the rest are buffers, kept).
         grad_params: a gradient's event id -> its parameter (``SimulationResult``).
     """
-    st = _Stream(max((e.id for e in events), default=0) + 1)
-    grad_params = dict(grad_params)
-    dropped: set[int] = set()
-    sizes = {e.id: e.size for e in events if e.kind == "alloc"}
+    rank = _ZeroRank(plan, events, grad_params)
+    rank.initialize(weights_bytes, param_bytes)
     at: dict[int, list[str]] = {}
     for label, i in marks:
         at.setdefault(i, []).append(label)
-    # ---- deepspeed.initialize
-    for b in (() if plan.offload_par else plan.flat_bytes):  # offload_param: on the host
-        st.alloc(b, "", Component.WEIGHTS)
-    st.alloc(plan.frozen_bytes + plan.persistent_bytes
-             + max(weights_bytes - param_bytes, 0), "", Component.WEIGHTS)
-    if not plan.offload_opt:
-        for b in plan.master_bytes:
+    rank.step(events, at)
+    return rank.st.out
+
+
+class _ZeroRank:
+    """One ZeRO rank's allocations as its step runs: the stream being written (``st``) and
+    the gradient buckets, partitions and gathered parameters alive in it."""
+
+    def __init__(self, plan: ZeroPlan, events: tuple[AllocEvent, ...],
+                 grad_params: dict[int, int]) -> None:
+        self.plan = plan
+        self.st = _Stream(max((e.id for e in events), default=0) + 1)
+        self.grad_params = dict(grad_params)
+        self.sizes = {e.id: e.size for e in events if e.kind == "alloc"}
+        self.ipg: list[int] = []
+        self.in_part: int | None = None
+        self.averaged: int | None = None
+        self.fill = 0  # elements in the open bucket
+        self.waiting: list[int] = []  # gradients not yet in a bucket (ZeRO-1 without hooks)
+        self.large: list[int] = []  # gradients larger than the bucket, awaiting their reduction
+        self.pending: list[int] = []  # parameters whose gradients sit in the open bucket
+        self.touched = [0] * plan.n_buckets  # elements of each bucket written (a CPU target)
+        self.index = 0  # the bucket being filled
+        self.in_part_pieces: list[int] = []
+        self.gathered: dict[int, int] = {}  # parameter index -> alloc id (ZeRO-3)
+
+    def initialize(self, weights_bytes: int, param_bytes: int) -> None:
+        """``deepspeed.initialize``: the flat partitions, the fp32 copy, the states and the
+        gradient buffers it allocates before the first step."""
+        st, plan = self.st, self.plan
+        for b in (() if plan.offload_par else plan.flat_bytes):  # offload_param: on the host
             st.alloc(b, "", Component.WEIGHTS)
-        for b in plan.state_bytes:
-            st.alloc(b, "", Component.OPTIMIZER_STATES)
-    if plan.stage == 3:
-        if not plan.touched:  # a CPU counts the bucket's pages as gradients are written
-            st.alloc(plan.bucket * plan.mb, "", Component.GRADIENTS)  # IPG bucket
+        st.alloc(plan.frozen_bytes + plan.persistent_bytes
+                 + max(weights_bytes - param_bytes, 0), "", Component.WEIGHTS)
         if not plan.offload_opt:
-            st.alloc(plan.partition * plan.mb, "", Component.GRADIENTS)  # grad_partitions_flat_buffer
-    elif plan.offload_opt:
-        st.alloc(plan.largest * plan.mb, "", Component.GRADIENTS)  # temp_grad_buffer_for_gpu_offload
-    # ---- the step
-    step = -1
-    ipg: list[int] = []
-    in_part: int | None = None
-    averaged: int | None = None
-    fill = 0  # elements in the open bucket
-    waiting: list[int] = []  # gradients not yet copied into a bucket (ZeRO-1 without hooks)
-    large: list[int] = []  # gradients larger than the bucket, waiting for their reduction
-    pending: list[int] = []  # parameters whose gradients sit in the open bucket
-    touched = [0] * plan.n_buckets  # elements of each bucket written (a CPU target)
-    index = 0  # the bucket being filled
-    in_part_pieces: list[int] = []
-    gathered: dict[int, int] = {}  # parameter index -> alloc id (ZeRO-3)
-    phase = ""
-    keep = _kept_modules(plan, at)
+            for b in plan.master_bytes:
+                st.alloc(b, "", Component.WEIGHTS)
+            for b in plan.state_bytes:
+                st.alloc(b, "", Component.OPTIMIZER_STATES)
+        if plan.stage == 3:
+            if not plan.touched:  # a CPU counts the bucket's pages as gradients are written
+                st.alloc(plan.bucket * plan.mb, "", Component.GRADIENTS)  # IPG bucket
+            if not plan.offload_opt:  # grad_partitions_flat_buffer
+                st.alloc(plan.partition * plan.mb, "", Component.GRADIENTS)
+        elif plan.offload_opt:  # temp_grad_buffer_for_gpu_offload
+            st.alloc(plan.largest * plan.mb, "", Component.GRADIENTS)
 
-    def reduce(phase: str) -> None:
-        nonlocal fill
-        for g in large:
-            st.free(g, phase, Component.GRADIENTS)
-        large.clear()
-        for j in pending:  # the reduced partition's gradients: into grads_in_partition
-            copy_in(j, phase)
-        pending.clear()
-        fill = 0
+    def step(self, events: tuple[AllocEvent, ...], at: dict[int, list[str]]) -> None:
+        """The recorded step replayed: the rank's weights, states and optimizer step replace
+        the recorded ones, gradients go through the buckets, marks (``at``: event index ->
+        labels) open and close the phases and, at ZeRO-3, the modules' gathers."""
+        st, plan = self.st, self.plan
+        dropped: set[int] = set()
+        step = -1
+        phase = ""
+        keep = _kept_modules(plan, at)
+        in_backward = False
+        for k, e in enumerate(events):
+            for label in at.get(k, ()):
+                if label.startswith(("step", "end")):
+                    if in_backward:
+                        self.epilogue(phase)
+                        for g in list(self.gathered):  # what no backward hook released (a
+                            # module without input grads)
+                            st.free(self.gathered.pop(g), phase, Component.WEIGHTS)
+                        in_backward = False
+                    if label.endswith("optimizer"):
+                        self.optimizer_step("optimizer")
+                    if "/micro" in label:
+                        step = int(label[4:label.index("/")])
+                elif plan.stage == 3 and ":" in label:
+                    kind, m = label.split(":")
+                    mod = int(m)
+                    if kind in ("fwd-pre", "bwd-pre"):
+                        self.gather(mod, e.phase)
+                    elif kind == "fwd-post" and (step == 0 or mod not in keep):
+                        # the first step: no trace to keep them by; later, what is not used
+                        # again within max_reuse_distance elements of traced modules
+                        self.release(mod, e.phase)
+                    elif kind == "bwd-post":
+                        self.release(mod, e.phase)
+            phase = e.phase
+            if e.phase == "backward":
+                in_backward = True
+            if e.kind == "free":
+                if e.id not in dropped:
+                    st.out.append(e)
+                continue
+            if (e.category in (Component.WEIGHTS, Component.OPTIMIZER_STATES)
+                    or e.phase == "optimizer"):
+                dropped.add(e.id)  # replaced by the rank's ZeRO state and step
+                continue
+            st.out.append(e)
+            if e.category == Component.GRADIENTS:
+                dropped.add(e.id)  # its recorded free (zero_grad) is replaced
+                if plan.hooks:
+                    self.take_grad(e.id, e.size, e.phase)
+                else:
+                    self.waiting.append(e.id)
 
-    def copy_in(j: int, phase: str) -> None:
+    def reduce(self, phase: str) -> None:
+        """The open bucket reduced: its large gradients freed, its partition's gradients
+        copied into ``grads_in_partition``."""
+        for g in self.large:
+            self.st.free(g, phase, Component.GRADIENTS)
+        self.large.clear()
+        for j in self.pending:  # the reduced partition's gradients: into grads_in_partition
+            self.copy_in(j, phase)
+        self.pending.clear()
+        self.fill = 0
+
+    def copy_in(self, j: int, phase: str) -> None:
         """``copy_grads_in_partition``: one buffer at the first (a CPU counts its pages as
         they are written: a piece per parameter)."""
-        nonlocal in_part
+        plan = self.plan
         k = plan.in_partition.get(j, 0)
         if plan.stage == 3 or plan.offload_opt or not k:
             return
         if plan.touched:
-            in_part_pieces.append(st.alloc(k * plan.mb, phase, Component.GRADIENTS))
-        elif in_part is None:
-            in_part = st.alloc(plan.partition * plan.mb, phase, Component.GRADIENTS)
+            self.in_part_pieces.append(self.st.alloc(k * plan.mb, phase, Component.GRADIENTS))
+        elif self.in_part is None:
+            self.in_part = self.st.alloc(plan.partition * plan.mb, phase, Component.GRADIENTS)
 
-    def touch(upto: int, phase: str) -> None:
+    def touch(self, upto: int, phase: str) -> None:
         """A CPU: the current bucket's pages written up to ``upto`` elements."""
-        if upto > touched[index]:
-            ipg.append(st.alloc((upto - touched[index]) * plan.mb, phase, Component.GRADIENTS))
-            touched[index] = upto
+        if upto > self.touched[self.index]:
+            self.ipg.append(self.st.alloc((upto - self.touched[self.index]) * self.plan.mb,
+                                          phase, Component.GRADIENTS))
+            self.touched[self.index] = upto
 
-    def take_grad(gid: int, size: int, phase: str) -> None:
-        nonlocal fill, index
+    def take_grad(self, gid: int, size: int, phase: str) -> None:
+        """A gradient made by autograd: into the open bucket (reduced first when full), or
+        kept on its own until its reduction when larger than a bucket."""
+        plan = self.plan
         numel = size // plan.mb
-        if plan.stage < 3 and not ipg and not plan.touched:
-            ipg.extend(st.alloc(plan.bucket * plan.mb, phase, Component.GRADIENTS)
-                       for _ in range(plan.n_buckets))
-        if fill + numel > plan.bucket and fill > 0:
-            reduce(phase)
-            index = (index + 1) % plan.n_buckets  # overlap_comm: the other buffer
-        pending.append(grad_params.get(gid, -1))
+        if plan.stage < 3 and not self.ipg and not plan.touched:
+            self.ipg.extend(self.st.alloc(plan.bucket * plan.mb, phase, Component.GRADIENTS)
+                            for _ in range(plan.n_buckets))
+        if self.fill + numel > plan.bucket and self.fill > 0:
+            self.reduce(phase)
+            self.index = (self.index + 1) % plan.n_buckets  # overlap_comm: the other buffer
+        self.pending.append(self.grad_params.get(gid, -1))
         if numel > plan.bucket:
-            large.append(gid)  # reduced on its own, kept until then
+            self.large.append(gid)  # reduced on its own, kept until then
         else:
             if plan.touched:
-                touch(fill + numel, phase)
-            st.free(gid, phase, Component.GRADIENTS)  # copied into the bucket: .grad is a view now
-        fill += numel
+                self.touch(self.fill + numel, phase)
+            # copied into the bucket: .grad is a view now
+            self.st.free(gid, phase, Component.GRADIENTS)
+        self.fill += numel
 
-    def epilogue(phase: str) -> None:
-        nonlocal in_part, averaged
-        for g in waiting:
-            take_grad(g, sizes[g], phase)
-        waiting.clear()
-        reduce(phase)
-        if plan.stage < 3 and not plan.offload_opt and averaged is None:
-            averaged = st.alloc(plan.partition * plan.mb, phase, Component.GRADIENTS)
+    def epilogue(self, phase: str) -> None:
+        """The end of backward: the waiting gradients bucketed and reduced, the partition
+        flattened (``averaged_gradients``), the buckets and ``grads_in_partition``
+        released."""
+        plan, st = self.plan, self.st
+        for g in self.waiting:
+            self.take_grad(g, self.sizes[g], phase)
+        self.waiting.clear()
+        self.reduce(phase)
+        if plan.stage < 3 and not plan.offload_opt and self.averaged is None:
+            self.averaged = st.alloc(plan.partition * plan.mb, phase, Component.GRADIENTS)
         if plan.stage < 3:  # the buckets are released (ZeRO-3 keeps its one)
-            for b in ipg:
+            for b in self.ipg:
                 st.free(b, phase, Component.GRADIENTS)
-            ipg.clear()
-            touched[:] = [0] * plan.n_buckets
-        if in_part is not None:
-            st.free(in_part, phase, Component.GRADIENTS)
-            in_part = None
-        for b in in_part_pieces:
+            self.ipg.clear()
+            self.touched[:] = [0] * plan.n_buckets
+        if self.in_part is not None:
+            st.free(self.in_part, phase, Component.GRADIENTS)
+            self.in_part = None
+        for b in self.in_part_pieces:
             st.free(b, phase, Component.GRADIENTS)
-        in_part_pieces.clear()
+        self.in_part_pieces.clear()
 
-    def optimizer_step(phase: str) -> None:
-        nonlocal averaged
+    def optimizer_step(self, phase: str) -> None:
+        """The step over the flat partition: flattened, upcast to fp32, the optimizer's
+        temporaries (none here with the optimizer offloaded: it runs on the host)."""
+        plan, st = self.plan, self.st
         if plan.offload_opt:
             return  # the step runs on the host
         flat = st.alloc(plan.partition * plan.mb, phase, Component.TEMPORARIES)  # flatten
-        if averaged is not None:
-            st.free(averaged, phase, Component.GRADIENTS)
-            averaged = None
+        if self.averaged is not None:
+            st.free(self.averaged, phase, Component.GRADIENTS)
+            self.averaged = None
         fp32 = flat
         if plan.mb != 4:
             fp32 = st.alloc(plan.partition * 4, phase, Component.TEMPORARIES)  # .to(fp32)
@@ -448,59 +525,20 @@ def zero_events(events: tuple[AllocEvent, ...], marks: tuple[tuple[str, int], ..
             st.free(t, phase, Component.TEMPORARIES)
         st.free(fp32, phase, Component.TEMPORARIES)
 
-    def gather(module: int, phase: str) -> None:
-        for idx, numel in plan.gathered.get(module, ()):
-            if idx not in gathered and numel > plan.persist_threshold:
-                gathered[idx] = st.alloc(numel * plan.mb, phase, Component.WEIGHTS)
+    def gather(self, module: int, phase: str) -> None:
+        """ZeRO-3: a module's parameters all-gathered (those above the persistence
+        threshold and not gathered yet)."""
+        for idx, numel in self.plan.gathered.get(module, ()):
+            if idx not in self.gathered and numel > self.plan.persist_threshold:
+                self.gathered[idx] = self.st.alloc(numel * self.plan.mb, phase,
+                                                   Component.WEIGHTS)
 
-    def release(module: int, phase: str) -> None:
-        for idx, _ in plan.gathered.get(module, ()):
-            g = gathered.pop(idx, None)
+    def release(self, module: int, phase: str) -> None:
+        """ZeRO-3: a module's gathered parameters released."""
+        for idx, _ in self.plan.gathered.get(module, ()):
+            g = self.gathered.pop(idx, None)
             if g is not None:
-                st.free(g, phase, Component.WEIGHTS)
-
-    in_backward = False
-    for k, e in enumerate(events):
-        for label in at.get(k, ()):
-            if label.startswith(("step", "end")):
-                if in_backward:
-                    epilogue(phase)
-                    for g in list(gathered):  # what no backward hook released (a module
-                        st.free(gathered.pop(g), phase, Component.WEIGHTS)  # without input grads)
-                    in_backward = False
-                if label.endswith("optimizer"):
-                    optimizer_step("optimizer")
-                if "/micro" in label:
-                    step = int(label[4:label.index("/")])
-            elif plan.stage == 3 and ":" in label:
-                kind, m = label.split(":")
-                mod = int(m)
-                if kind in ("fwd-pre", "bwd-pre"):
-                    gather(mod, e.phase)
-                elif kind == "fwd-post" and (step == 0 or mod not in keep):
-                    # the first step: no trace to keep them by; later, what is not used again
-                    # within max_reuse_distance elements of traced modules
-                    release(mod, e.phase)
-                elif kind == "bwd-post":
-                    release(mod, e.phase)
-        phase = e.phase
-        if e.phase == "backward":
-            in_backward = True
-        if e.kind == "free":
-            if e.id not in dropped:
-                st.out.append(e)
-            continue
-        if e.category in (Component.WEIGHTS, Component.OPTIMIZER_STATES) or e.phase == "optimizer":
-            dropped.add(e.id)  # replaced by the rank's ZeRO state and step
-            continue
-        st.out.append(e)
-        if e.category == Component.GRADIENTS:
-            dropped.add(e.id)  # its recorded free (zero_grad) is replaced
-            if plan.hooks:
-                take_grad(e.id, e.size, e.phase)
-            else:
-                waiting.append(e.id)
-    return st.out
+                self.st.free(g, phase, Component.WEIGHTS)
 
 
 def simulate_transformed(sim: Simulator, config: TrainConfig, seq_len: int, layout: Layout,
