@@ -219,14 +219,12 @@ def _in_rewrite(rel: str) -> str | None:
 
 
 ANY_TARGET = 0.05  # of annotated parameters (optuna 2%, Lightning 4.5%)
-ANY_ALLOWED = {"memory": 37, "probe/model.py": 30}  # parameters annotated with Any
+ANY_ALLOWED = {"memory": 37, "probe/model.py": 28}  # parameters annotated with Any
 LONG_FUNCTIONS_ALLOWED = {  # (place, function): lines today
     ("probe/model.py", "_describe"): 132,
 }
-LONG_FILES_ALLOWED = {("probe/model.py", "model.py"): 947}
-STATE_ALLOWED = {  # (place, function, name written): why it is still there
-    ("probe/model.py", "describe", "_MODULES"): "a cache of described modules",
-}
+LONG_FILES_ALLOWED: dict[tuple[str, str], int] = {}
+STATE_ALLOWED: dict[tuple[str, str, str], str] = {}  # (place, function, name written): why
 MAX_FUNCTION_LINES = 100
 MAX_FILE_LINES = 900
 

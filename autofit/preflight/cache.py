@@ -68,7 +68,7 @@ def model_identity(model: ModelSource | ModelSpec, adapter: dict[str, object] | 
         blob = json.dumps([model_identity(model), adapter], sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
     if isinstance(model, (str, os.PathLike)):
-        from autofit.probe.model import _bundled_path
+        from autofit.probe.loading import _bundled_path
 
         ref = os.fspath(model)
         p = Path(ref).expanduser()

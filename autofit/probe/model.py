@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autofit.errors import (
@@ -29,6 +29,14 @@ from autofit.errors import (
     UnknownModelError,
     UnknownTaskError,
     fix,
+)
+from autofit.probe.loading import (
+    TASKS,
+    _check_task,
+    _one_line,
+    bundled_models,
+    default_task,
+    load_config,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,15 +60,6 @@ __all__ = [
     "token_limits",
 ]
 
-# Task name -> transformers Auto class.
-TASKS: dict[str, str] = {
-    "causal-lm": "AutoModelForCausalLM",
-    "masked-lm": "AutoModelForMaskedLM",
-    "seq2seq": "AutoModelForSeq2SeqLM",
-    "seq-cls": "AutoModelForSequenceClassification",
-}
-
-_BUNDLED_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
 
 # Linear-like output projections: they never share their input with a sibling.
 OUTPUT_PROJECTIONS = _OUTPUT_PROJECTIONS = {"o_proj", "o", "out_proj", "c_proj", "down_proj", "wo", "fc2", "dense_4h_to_h"}
@@ -183,201 +182,6 @@ class ModelInfo:
     def is_transformer(self) -> bool:
         """True when the blocks were recognised (the analytic method needs them)."""
         return bool(self.blocks) and self.hidden_size is not None
-
-
-def bundled_models() -> list[str]:
-    """Names of the model configs that ship with autofit (usable offline)."""
-    if not _BUNDLED_DIR.is_dir():
-        return []
-    names = []
-    for p in sorted(_BUNDLED_DIR.glob("*.json")):
-        with open(p) as f:
-            names.append(json.load(f).get("_autofit_name", p.stem))
-    return names
-
-
-def _bundled_path(name: str) -> Path | None:
-    if not _BUNDLED_DIR.is_dir():
-        return None
-    for p in _BUNDLED_DIR.glob("*.json"):
-        with open(p) as f:
-            if json.load(f).get("_autofit_name", p.stem).lower() == name.lower():
-                return p
-    return None
-
-
-# Sizes a config gives as positive integers (a negative or zero one fails deep inside
-# the model's constructor: "Trying to create tensor with negative dimension").
-_DIMENSIONS = (
-    "vocab_size", "hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer",
-    "num_layers", "num_attention_heads", "n_head", "num_heads", "num_key_value_heads",
-    "intermediate_size", "n_inner", "d_ff", "ffn_dim", "head_dim", "d_kv",
-    "max_position_embeddings", "n_positions",
-)
-
-
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    """An exception's message as one short line (transformers' are often several)."""
-    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-    text = text.rstrip(".") or type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _unknown_model_type(where: str, model_type: str) -> UnknownModelError:
-    import difflib
-
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
-    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close else
-            "list the known ones with python -c \"from transformers import CONFIG_MAPPING; "
-            "print(sorted(CONFIG_MAPPING))\", or upgrade transformers")
-    return UnknownModelError(f"{where}: model_type {model_type!r} is not known to transformers "
-                             f"{transformers.__version__}; {hint}")
-
-
-def _check_dimensions(config: Any, where: str) -> None:
-    """Every size the config gives (a config object or its dict) is a positive integer;
-    all problems in one line."""
-    problems = []
-    for name in _DIMENSIONS:
-        v = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-        if isinstance(v, str) or (isinstance(v, int) and (isinstance(v, bool) or v <= 0)):
-            problems.append(f"{name} must be a positive integer, got {v!r}")
-    if problems:
-        raise BadInputError(f"{where}: {'; '.join(problems)}; fix the config")
-
-
-def _config_from_json(path: Path) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UnknownModelError(f"{path}: not a readable JSON config ({_one_line(e)}); give a "
-                                "transformers config.json") from None
-    if not isinstance(d, dict):
-        raise UnknownModelError(f"{path}: a config.json holds a JSON object, got "
-                                f"{type(d).__name__}; give a transformers config.json")
-    d = {k: v for k, v in d.items() if not k.startswith("_autofit")}
-    model_type = d.pop("model_type", None)
-    if model_type is None:
-        raise UnknownModelError(f"{path} has no 'model_type'; is it a transformers config.json?")
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        raise _unknown_model_type(str(path), model_type)
-    _check_dimensions(d, str(path))  # before the config class divides by them
-    try:
-        config = AutoConfig.for_model(model_type, **d)
-    except Exception as e:  # noqa: BLE001 - config classes validate with many error types
-        raise BadInputError(f"{path}: {_one_line(e)}; fix the config") from None
-    _check_dimensions(config, str(path))
-    return config
-
-
-def _hub_offline() -> str | None:
-    """Why the hub cannot be reached (a reason to print), or None when it may be.
-
-    HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE say so; otherwise one TCP connection to the
-    endpoint with a 3 s timeout (huggingface_hub itself retries for ~30 s).
-    """
-    import socket
-    from urllib.parse import urlparse
-
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(var, "").strip().lower() in {"1", "true", "yes", "on"}:
-            return f"{var} is set"
-    from huggingface_hub import constants
-
-    if getattr(constants, "HF_HUB_OFFLINE", False):
-        return "HF_HUB_OFFLINE is set"
-    url = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname or "huggingface.co",
-                                  url.port or (443 if url.scheme == "https" else 80)),
-                                 timeout=3).close()
-    except OSError:
-        return f"{url.hostname} cannot be reached"
-    return None
-
-
-def _config_from_hub(ref: str) -> Any:
-    """A hub id's config: from the local cache, else (when the hub can be reached) the hub."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-    from transformers import AutoConfig
-
-    try:
-        validate_repo_id(ref)
-    except HFValidationError:
-        raise UnknownModelError(
-            f"cannot load model {ref!r}: not a local file or directory, not a bundled config "
-            f"({', '.join(bundled_models())}), and not a hub id (namespace/name)") from None
-    try:
-        config = AutoConfig.from_pretrained(ref, local_files_only=True)
-    except OSError:  # not in the local cache
-        config = None
-    except Exception as e:  # noqa: BLE001 - cached, but transformers cannot read it
-        raise UnknownModelError(f"cannot load model {ref!r}: {_one_line(e)}") from None
-    if config is None:
-        offline = _hub_offline()
-        if offline is not None:
-            raise UnknownModelError(
-                f"cannot load model {ref!r}: not found locally and no network ({offline}); give a local "
-                f"directory or config.json, a bundled name ({', '.join(bundled_models())}), "
-                "or download it first (huggingface-cli download)")
-        try:
-            config = AutoConfig.from_pretrained(ref)
-        except Exception as e:  # noqa: BLE001 - hub errors come in many types
-            raise UnknownModelError(
-                f"cannot load model {ref!r}: not a local path, not a bundled config, and the "
-                f"hub said: {_one_line(e)}") from None
-    _check_dimensions(config, ref)
-    return config
-
-
-def load_config(ref: str | os.PathLike) -> Any:
-    """Load a ``PretrainedConfig`` from a bundled name, a config.json, a directory or a hub id."""
-    ref_s = os.fspath(ref)
-    path = Path(ref_s).expanduser()
-    if path.is_file():
-        return _config_from_json(path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UnknownModelError(f"{ref_s} is a directory without a config.json")
-        return _config_from_json(path / "config.json")
-    bundled = _bundled_path(ref_s)
-    if bundled is not None:
-        return _config_from_json(bundled)
-    if ref_s.endswith(".json"):
-        raise UnknownModelError(f"{ref_s}: no such file")
-    return _config_from_hub(ref_s)
-
-
-def default_task(config: Any) -> str:
-    """The task a config is usually trained for."""
-    if getattr(config, "is_encoder_decoder", False):
-        return "seq2seq"
-    archs = getattr(config, "architectures", None) or []
-    for a in archs:
-        if a.endswith("ForSequenceClassification"):
-            return "seq-cls"
-        if a.endswith("ForMaskedLM") or a.endswith("ForPreTraining"):
-            return "masked-lm"
-        if a.endswith("ForCausalLM") or a.endswith("LMHeadModel"):
-            return "causal-lm"
-    if getattr(config, "model_type", "") in {"bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "xlm-roberta", "modernbert"}:
-        return "masked-lm"
-    return "causal-lm"
-
-
-def _check_task(task: str) -> str:
-    t = task.strip().lower().replace("_", "-")
-    if t not in TASKS:
-        raise UnknownTaskError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    return t
 
 
 def adapter_request(lora: Any, peft_config: Any) -> Any:
@@ -723,20 +527,23 @@ def probe_model(
     return describe(module, task=t, name=str(model) if not hasattr(model, "parameters") else None)
 
 
-_MODULES: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+@functools.lru_cache(maxsize=1)
+def _described() -> weakref.WeakValueDictionary[str, torch.nn.Module]:
+    """The modules described in this process, by fingerprint, while they are alive."""
+    return weakref.WeakValueDictionary()
 
 
 def module_of(info: ModelInfo) -> Any:
     """The module ``info`` was described from, while it is alive (else None): the
     analytic model derives coefficients from it for what its table lacks."""
-    return _MODULES.get(json.dumps(fingerprint(info), sort_keys=True, default=str))
+    return _described().get(json.dumps(fingerprint(info), sort_keys=True, default=str))
 
 
 def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
     """ModelInfo of an already built module (meta or real); reads, never modifies."""
     info = _describe(module, task=task, name=name)
     with contextlib.suppress(TypeError):  # not weak-referenceable: nothing to derive from
-        _MODULES[json.dumps(fingerprint(info), sort_keys=True, default=str)] = module
+        _described()[json.dumps(fingerprint(info), sort_keys=True, default=str)] = module
     return info
 
 

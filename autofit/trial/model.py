@@ -206,7 +206,7 @@ def _load_quantized(ref: ModelRef, device: torch.device) -> torch.nn.Module | No
     hand (the base is then built from its config)."""
     import transformers
 
-    from autofit.probe.model import TASKS, _bundled_path, load_config
+    from autofit.probe.loading import TASKS, _bundled_path, load_config
     from autofit.probe.model import default_task as task_of
 
     path = Path(ref.ref).expanduser()

@@ -245,10 +245,10 @@ def test_uncached_hub_id_offline_fails_fast_with_one_line(monkeypatch):
     assert "not found locally and no network (HF_HUB_OFFLINE is set)" in str(e.value)
     assert "\n" not in str(e.value) and calls == [True]  # never asked the hub
     # no offline variable, but the endpoint cannot be reached: the same, without retries
-    from autofit.probe import model as model_mod
+    from autofit.probe import loading
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(model_mod, "_hub_offline", lambda: "huggingface.co cannot be reached")
+    monkeypatch.setattr(loading, "_hub_offline", lambda: "huggingface.co cannot be reached")
     calls.clear()
     with pytest.raises(UnknownModelError, match="not found locally and no network"):
         probe_model("nobody/does-not-exist-xyz")
