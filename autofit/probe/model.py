@@ -41,6 +41,7 @@ from autofit.probe.loading import (
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from transformers import PretrainedConfig
 
 __all__ = [
     "fingerprint",
@@ -548,28 +549,7 @@ def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
 
 
 def _describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
-    base = module
-    peft_kind = None
-    lora_r = None
-    lora_targets: tuple[str, ...] = ()
-    peft_key = ""
-    adapter_buffers = virtual = 0
-    peft_config = getattr(module, "peft_config", None)
-    if peft_config:
-        from autofit.probe.peft import config_key, method_name
-
-        cfg = next(iter(peft_config.values()))
-        peft_kind = method_name(cfg)
-        peft_key = config_key(cfg)
-        r = getattr(cfg, "r", None)
-        lora_r = r if isinstance(r, int) else None
-        tm = getattr(cfg, "target_modules", None) or ()
-        lora_targets = tuple(sorted(tm)) if not isinstance(tm, str) else (tm,)
-        base = module.get_base_model()
-        adapter_buffers = _adapter_buffer_bytes(module, set(peft_config))
-        from autofit.probe.peft import virtual_tokens
-
-        virtual = virtual_tokens(cfg)
+    base, peft_kind, lora_r, lora_targets, peft_key, adapter_buffers, virtual = _peft_of(module)
     config = getattr(base, "config", None)
 
     params = _param_groups(module)
@@ -593,41 +573,7 @@ def _describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
 
     float_buffers, int_buffers = _own_buffer_bytes(module, adapter_buffers)
 
-    blocks: list[BlockSpec] = []
-    fields: dict[str, Any] = {}
-    if config is not None:
-        hidden = _first(config, "hidden_size", "n_embd", "d_model")
-        heads = _first(config, "num_attention_heads", "n_head", "num_heads")
-        if hidden is not None and heads is not None:
-            head_dim = _first(config, "head_dim", "d_kv", default=None) or hidden // heads
-            inter = _first(config, "intermediate_size", "n_inner", "d_ff", "ffn_dim") or 4 * hidden
-            fields = dict(
-                hidden_size=int(hidden),
-                num_heads=int(heads),
-                num_kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
-                head_dim=int(head_dim),
-                intermediate_size=int(inter),
-                dropout=float(
-                    _first(config, "hidden_dropout_prob", "resid_pdrop", "dropout_rate", "hidden_dropout", "dropout", default=0.0)
-                    or 0.0
-                ),
-                attention_dropout=float(
-                    _first(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", "dropout_rate", default=0.0)
-                    or 0.0
-                ),
-            )
-            for list_name, layers in _layer_lists(base):
-                role = "encoder" if "encoder" in list_name else "decoder"
-                if task == "masked-lm" or task == "seq-cls":
-                    role = "encoder" if not getattr(config, "is_decoder", False) else role
-                blocks.append(_block_spec(role, len(layers), layers[0], config, fields))
-            if _first(config, "intermediate_size", "n_inner", "d_ff", "ffn_dim") is None:
-                # no field names it (DistilBERT's ``hidden_dim``): the widest linear says it
-                blocks = [dataclasses.replace(b, intermediate_size=max(
-                    [o for _, i, o, _ in b.linears if i == b.hidden_size and o != b.hidden_size]
-                    or [b.intermediate_size])) for b in blocks]
-                if blocks:
-                    fields["intermediate_size"] = max(b.intermediate_size for b in blocks)
+    blocks, fields = _blocks_of(base, config, task) if config is not None else ([], {})
     vocab = _first(config, "vocab_size") if config is not None else None
     tie = bool(getattr(config, "tie_word_embeddings", False)) if config is not None else False
     if tie:
@@ -679,6 +625,75 @@ def _describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
         virtual_tokens=virtual,
         supports_gradient_checkpointing=bool(getattr(base, "supports_gradient_checkpointing", False)),
     )
+
+
+def _peft_of(module: torch.nn.Module) -> tuple[torch.nn.Module, str | None, int | None, tuple[str, ...], str, int, int]:
+    """``_describe``'s first step: (the base model, the PEFT method, LoRA's rank and
+    targets, the adapter config's key, the adapter's buffer bytes, its virtual tokens) of
+    a ``PeftModel``; the module itself and no method otherwise."""
+    base = module
+    peft_kind = None
+    lora_r = None
+    lora_targets: tuple[str, ...] = ()
+    peft_key = ""
+    adapter_buffers = virtual = 0
+    peft_config = getattr(module, "peft_config", None)
+    if peft_config:
+        from autofit.probe.peft import config_key, method_name
+
+        cfg = next(iter(peft_config.values()))
+        peft_kind = method_name(cfg)
+        peft_key = config_key(cfg)
+        r = getattr(cfg, "r", None)
+        lora_r = r if isinstance(r, int) else None
+        tm = getattr(cfg, "target_modules", None) or ()
+        lora_targets = tuple(sorted(tm)) if not isinstance(tm, str) else (tm,)
+        base = module.get_base_model()
+        adapter_buffers = _adapter_buffer_bytes(module, set(peft_config))
+        from autofit.probe.peft import virtual_tokens
+
+        virtual = virtual_tokens(cfg)
+    return base, peft_kind, lora_r, lora_targets, peft_key, adapter_buffers, virtual
+
+
+def _blocks_of(base: torch.nn.Module, config: PretrainedConfig, task: str) -> tuple[list[BlockSpec], dict[str, Any]]:
+    """``_describe``'s blocks step: the recognised blocks of ``base`` and the widths its
+    ``config`` gives (none when it names no hidden size or heads)."""
+    blocks: list[BlockSpec] = []
+    fields: dict[str, Any] = {}
+    hidden = _first(config, "hidden_size", "n_embd", "d_model")
+    heads = _first(config, "num_attention_heads", "n_head", "num_heads")
+    if hidden is not None and heads is not None:
+        head_dim = _first(config, "head_dim", "d_kv", default=None) or hidden // heads
+        inter = _first(config, "intermediate_size", "n_inner", "d_ff", "ffn_dim") or 4 * hidden
+        fields = dict(
+            hidden_size=int(hidden),
+            num_heads=int(heads),
+            num_kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
+            head_dim=int(head_dim),
+            intermediate_size=int(inter),
+            dropout=float(
+                _first(config, "hidden_dropout_prob", "resid_pdrop", "dropout_rate", "hidden_dropout", "dropout", default=0.0)
+                or 0.0
+            ),
+            attention_dropout=float(
+                _first(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", "dropout_rate", default=0.0)
+                or 0.0
+            ),
+        )
+        for list_name, layers in _layer_lists(base):
+            role = "encoder" if "encoder" in list_name else "decoder"
+            if task == "masked-lm" or task == "seq-cls":
+                role = "encoder" if not getattr(config, "is_decoder", False) else role
+            blocks.append(_block_spec(role, len(layers), layers[0], config, fields))
+        if _first(config, "intermediate_size", "n_inner", "d_ff", "ffn_dim") is None:
+            # no field names it (DistilBERT's ``hidden_dim``): the widest linear says it
+            blocks = [dataclasses.replace(b, intermediate_size=max(
+                [o for _, i, o, _ in b.linears if i == b.hidden_size and o != b.hidden_size]
+                or [b.intermediate_size])) for b in blocks]
+            if blocks:
+                fields["intermediate_size"] = max(b.intermediate_size for b in blocks)
+    return blocks, fields
 
 
 def _own_buffer_bytes(module: Any, adapter_bytes: int) -> tuple[int, int]:
