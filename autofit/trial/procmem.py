@@ -85,6 +85,19 @@ def rss_bytes() -> int | None:
     return s[1] if s else None
 
 
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``RssAnon``), in bytes; None when
+    it cannot be read or is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def anon_rss_bytes() -> int | None:
     """Anonymous resident memory now (RssAnon), bytes; VmRSS where the kernel lacks it.
 
@@ -92,26 +105,13 @@ def anon_rss_bytes() -> int | None:
     file-backed part of VmRSS grows when a kernel's code pages are first touched
     (tens of MiB the first time a worker runs a new op) and is not a leak.
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError):
-        return None
-    return rss_bytes()
+    anon = _status_bytes("RssAnon")
+    return anon if anon is not None else rss_bytes()
 
 
 def peak_rss_bytes() -> int | None:
     """High-water mark of resident memory (VmHWM) since start or ``reset_peak_rss``."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError):
-        return None
-    return None
+    return _status_bytes("VmHWM")
 
 
 def reset_peak_rss() -> bool:
