@@ -180,6 +180,24 @@ class ModelInfo:
         return sum(b.count * sum(i * o for _, i, o, _ in b.linears) for b in self.blocks)
 
     @property
+    def head_numel(self) -> int:
+        """Elements of the LM head's weight (0 for a classifier or without a vocabulary):
+        the largest 2-D parameter with a row per token of the vocabulary, else hidden x
+        vocabulary; + a 2-D parameter with a column per token (MobileBERT's head multiplies
+        by its 128-wide tied embedding and a (hidden - 128, vocabulary) weight stacked).
+        ConvBERT's, RemBERT's and DeBERTa's heads project from an embedding width other than
+        the hidden size (768 x vocabulary beside a 256 hidden size), ALBERT's and ELECTRA's
+        generator from a narrower one."""
+        vocab = self.vocab_size
+        if not vocab or self.task == "seq-cls":
+            return 0
+        two_d = [g for g in self.params if len(g.shape) == 2 and g.quantized is None]
+        rows = [g.shape[0] * g.shape[1] for g in two_d if g.shape[0] == vocab]
+        cols = [g.shape[0] * g.shape[1] for g in two_d
+                if g.shape[1] == vocab and g.shape[0] != vocab]
+        return max(rows, default=(self.hidden_size or 0) * vocab) + sum(cols)
+
+    @property
     def is_transformer(self) -> bool:
         """True when the blocks were recognised (the analytic method needs them)."""
         return bool(self.blocks) and self.hidden_size is not None
@@ -681,9 +699,12 @@ def _blocks_of(base: torch.nn.Module, config: PretrainedConfig, task: str) -> tu
                 or 0.0
             ),
         )
-        for list_name, layers in _layer_lists(base):
+        lists = _layer_lists(base)
+        for list_name, layers in lists:
             role = "encoder" if "encoder" in list_name else "decoder"
-            if task == "masked-lm" or task == "seq-cls":
+            # one stack read both ways for a masked LM or a classifier; an encoder-decoder's
+            # (BART as a masked LM) keeps its decoder
+            if len(lists) == 1 and task in ("masked-lm", "seq-cls"):
                 role = "encoder" if not getattr(config, "is_decoder", False) else role
             blocks.append(_block_spec(role, len(layers), layers[0], config, fields))
         if _first(config, "intermediate_size", "n_inner", "d_ff", "ffn_dim") is None:

@@ -101,8 +101,7 @@ def _matmul_params(info: ModelInfo) -> tuple[int, int]:
     n = 0
     for b in info.blocks:
         n += b.count * sum(i * o for _, i, o, _ in b.linears)
-    if info.vocab_size and info.hidden_size and info.task != "seq-cls":
-        n += info.vocab_size * info.hidden_size
+    n += info.head_numel
     if info.peft is not None or info.quantization is not None:
         return 0, n  # the base is frozen; adapters are negligible in FLOPs
     if n == 0:  # unknown structure: every parameter is a matmul weight

@@ -92,6 +92,8 @@ def _real_step(model: torch.nn.Module, config: TrainConfig, seq_len: int,
     live = peak = 0
     forward_end = None
     for kind, r, phase in rec.events():
+        if not r.storage:  # the autograd graph's host bytes, a kernel's workspace: no tensor
+            continue
         if phase == "backward" and forward_end is None:
             forward_end = live - weights
         live += r.size if kind == "alloc" else -r.size

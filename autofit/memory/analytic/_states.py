@@ -197,7 +197,4 @@ def _optimizer_step_temporaries(info: ModelInfo, config: TrainConfig, device: De
 
 def _linear_weight_numel(info: ModelInfo) -> int:
     """Elements of the matmul weights autocast copies (blocks + output head)."""
-    n = info.block_matmul_numel
-    if info.vocab_size and info.hidden_size and info.task != "seq-cls":
-        n += info.vocab_size * info.hidden_size
-    return n
+    return info.block_matmul_numel + info.head_numel

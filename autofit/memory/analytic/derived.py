@@ -345,7 +345,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         for lay, role, count in zip(lays, roles, counts, strict=True):
             lay["F"] -= 2 * _matmul_numel(info, role) / count
         if not config.chunked_loss and (info.quant is None or info.dtype == "float32"):
-            bas["F"] -= _head_numel(info) * 2  # (a 16-bit head is used as it is)
+            bas["F"] -= info.head_numel * 2  # (a 16-bit head is used as it is)
 
     def layer(lay: dict[str, float]) -> dict[str, float]:
         return {"h": 0.0, "kv": 0.0, "i": 0.0, "H": 0.0, "HT": 0.0, "c0": lay["a"],
@@ -462,9 +462,3 @@ def _matmul_numel(info: ModelInfo, role: str | None) -> int:
         return info.block_matmul_numel
     return sum(b.count * sum(i * o for _, i, o, _ in b.linears) for b in info.blocks
                if _in_role(b, role))
-
-
-def _head_numel(info: ModelInfo) -> int:
-    if info.vocab_size and info.hidden_size and info.task != "seq-cls":
-        return info.vocab_size * info.hidden_size
-    return 0

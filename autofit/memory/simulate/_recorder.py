@@ -44,7 +44,7 @@ class Record:
     """One storage: its allocation, size, phase and (once known) category."""
 
     __slots__ = ("id", "size", "phase", "micro", "category", "alive", "host", "param",
-                 "__weakref__")
+                 "storage", "__weakref__")
 
     def __init__(self, rid: int, size: int, phase: str, micro: int, category: str | None) -> None:
         self.id = rid
@@ -55,6 +55,7 @@ class Record:
         self.alive = True
         self.host = False  # lives in host memory on the target (e.g. optimizer step counters)
         self.param = -1  # a gradient's parameter (index among the trainable ones)
+        self.storage = True  # False: bytes no tensor holds (``StorageRecorder.hold``)
 
 
 class StorageRecorder(TorchDispatchMode):
@@ -195,12 +196,23 @@ class StorageRecorder(TorchDispatchMode):
         """The log so far: (``"alloc"`` | ``"free"``, record, phase at the event)."""
         return list(self._log)
 
-    # ------------------------------------------------------------------ dispatch
-    def _workspace(self, size: int) -> Record:
-        rec = Record(self._next, size, self.phase, self.micro, Component.TEMPORARIES)
+    def hold(self, size: int, category: str) -> Record:
+        """Record ``size`` bytes that are not a storage as allocated now (the autograd
+        graph's host memory); ``release`` frees them."""
+        rec = Record(self._next, size, self.phase, self.micro, category)
+        rec.storage = False
         self._next += 1
         self._log.append(("alloc", rec, self.phase))
         return rec
+
+    def release(self, rec: Record) -> None:
+        """Free what ``hold`` recorded."""
+        rec.alive = False
+        self._log.append(("free", rec, self.phase))
+
+    # ------------------------------------------------------------------ dispatch
+    def _workspace(self, size: int) -> Record:
+        return self.hold(size, Component.TEMPORARIES)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -254,8 +266,7 @@ class StorageRecorder(TorchDispatchMode):
         # In-place ops and out= variants return their (possibly resized) argument,
         # which the branches above re-check through `track`.
         if ws is not None:  # the kernel's internal workspace dies with the op
-            ws.alive = False
-            self._log.append(("free", ws, self.phase))
+            self.release(ws)
         return out
 
 

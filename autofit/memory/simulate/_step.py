@@ -391,6 +391,55 @@ def run_steps(
                    target=target, steps=steps)
 
 
+# CPU: the autograd graph's own host memory, beside the tensors it saves -- per node
+# (``MulBackward0``: its inputs' metadata, edges) and per saved tensor (the tensor and
+# storage objects of a ``SavedVariable``); measured on torch 2.13 / glibc by
+# ``benchmarks/autograd_host.py`` (637 B a node, 474 B more with a saved output, of which
+# 80 B the data). Negligible for a transformer's few hundred nodes; RWKV's CPU recurrence
+# runs a dozen ops per token and layer (7,300 nodes, 5,700 saved tensors at 4 x 128
+# tokens: 6.6 MiB, the zoo's rows 3.7-5.5% under without it). On CUDA it is host memory.
+_NODE_HOST_BYTES = 640
+_SAVED_HOST_BYTES = 400
+
+
+class _SavedCounter:
+    """Counts the tensors autograd saves while active (``saved_tensors_hooks``; a
+    checkpointed block's are not saved, its own hooks take them)."""
+
+    def __init__(self) -> None:
+        self.saved = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.saved += 1
+        return t
+
+    def __enter__(self) -> _SavedCounter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def graph_host_bytes(loss: torch.Tensor, saved: int) -> int:
+    """Host bytes of ``loss``'s autograd graph: its nodes and ``saved`` saved tensors
+    (the constants above)."""
+    seen: set[Any] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    return _NODE_HOST_BYTES * len(seen) + _SAVED_HOST_BYTES * saved
+
+
 def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, *, task: str,
                seq_len: int, rec: StorageRecorder, target: StepTarget, steps: int) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
@@ -413,8 +462,11 @@ def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
             rec.mark(f"step{step}/micro{micro}")
             rec.micro += 1
             rec.phase = "forward"
-            loss, batch, kwargs = forward_loss(model, config, task, config.micro_batch_size,
-                                               seq_len, rec, target.kind)
+            counter = _SavedCounter() if target.kind == "cpu" else None
+            with counter or contextlib.nullcontext():
+                loss, batch, kwargs = forward_loss(model, config, task,
+                                                   config.micro_batch_size, seq_len, rec,
+                                                   target.kind)
             if not isinstance(loss, torch.Tensor):
                 raise BadInputError(
                     f"{type(model).__name__}(input_ids=..., labels=...) returned no loss; "
@@ -425,12 +477,16 @@ def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
             if config.grad_accum_steps > 1:
                 loss = loss / config.grad_accum_steps
             rec.mark_live(Component.ACTIVATIONS, phase="forward", micro=rec.micro)
+            graph = (rec.hold(graph_host_bytes(loss, counter.saved), Component.ACTIVATIONS)
+                     if counter is not None else None)
             rec.phase = "backward"
             if scaler is not None:
                 scaler.scale_loss(loss).backward()
             else:
                 loss.backward()
             del loss
+            if graph is not None:
+                rec.release(graph)
             for j, p in enumerate(params):
                 if p.grad is not None:
                     r = rec.record_of(p.grad)
