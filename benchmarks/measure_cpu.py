@@ -432,6 +432,11 @@ def _make_batch(spec: dict[str, Any], config, batch: int, seq: int) -> dict[str,
         out["labels"] = torch.randint(0, vocab, (batch, seq), generator=g)  # (B, T) targets
     elif task == "seq-cls":
         out["labels"] = torch.randint(0, 2, (batch,), generator=g)  # (B,)
+        eos = getattr(config, "eos_token_id", None)
+        if isinstance(eos, int) and config.is_encoder_decoder:
+            # a tokenizer ends each sample with </s>: BART's classifier reads its state there
+            input_ids[:, -1] = eos
+            input_ids[:, :-1][input_ids[:, :-1] == eos] = (eos + 1) % vocab
     return out
 
 

@@ -101,6 +101,29 @@ def families(tasks: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
+              "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
+
+
+def _settable(cfg: Any, name: str) -> bool:
+    """Whether ``name`` is a field of ``cfg``, not a read-only property (Mamba's and
+    Jamba's ``layer_types``, Falcon's ``head_dim`` are computed)."""
+    prop = getattr(type(cfg), name, None)
+    return not (isinstance(prop, property) and prop.fset is None)
+
+
+def _fewer(types: list[Any], layers: int) -> list[Any]:
+    """``layers`` of the layer kinds ``types``, every kind kept (a hybrid's attention layer
+    too: Qwen3.5's first two layers are linear attention, with no cache of their own)."""
+    kinds = list(dict.fromkeys(types))
+    out = kinds[:layers]
+    for t in types:
+        if len(out) >= layers:
+            break
+        out.append(t)
+    return out
+
+
 def shrink(config: Any, size: str) -> dict[str, Any]:
     """The ``AutoConfig.for_model`` keyword arguments that make ``config`` small: each field
     the config has, in ``text_config`` too."""
@@ -128,9 +151,19 @@ def shrink(config: Any, size: str) -> dict[str, Any]:
             kw["num_experts"] = 4
         if isinstance(getattr(cfg, "num_experts_per_tok", None), int):
             kw["num_experts_per_tok"] = min(cfg.num_experts_per_tok, 2)
-        if isinstance(getattr(cfg, "layer_types", None), list):
-            kw["layer_types"] = list(cfg.layer_types[:layers])
-        return kw
+        if isinstance(getattr(cfg, "layer_types", None), list) and _settable(cfg, "layer_types"):
+            kw["layer_types"] = _fewer(cfg.layer_types, layers)
+        if isinstance(getattr(cfg, "attention_types", None), list):  # GPT-Neo: [[kinds, n]]
+            kinds = cfg.attention_types[0][0]
+            kw["attention_types"] = [[kinds, max(layers // len(kinds), 1)]]
+        for i, name in enumerate(_TOKEN_IDS):  # a special token past the smaller vocabulary
+            tid = getattr(cfg, name, None)
+            if isinstance(tid, int) and tid >= vocab:
+                kw[name] = vocab - 1 - i
+        if cfg.is_encoder_decoder and getattr(cfg, "decoder_start_token_id", None) is None:
+            kw["decoder_start_token_id"] = kw.get("pad_token_id", getattr(cfg, "pad_token_id",
+                                                                          None)) or 0
+        return {k: v for k, v in kw.items() if _settable(cfg, k)}
 
     kw = fields(config)
     text = getattr(config, "text_config", None)
