@@ -25,7 +25,7 @@ from autofit.knobs.base import installed
 from autofit.trial import TrialResult, measure, trial_from_dict
 from autofit.trial import ranks as trial_ranks
 from autofit.trial.distributed import RankSpec
-from autofit.trial.rank import peer_gone
+from autofit.trial.rank_process import peer_gone
 
 MiB = 1 << 20
 TINY_GPT2 = dict(n_embd=64, n_layer=2, n_head=2, vocab_size=2048, n_positions=128)
@@ -45,14 +45,14 @@ def _param_bytes(model) -> int:
 
 
 def _rank_processes() -> list[int]:
-    return [pid for pid, _, cmd in processes() if b"autofit.trial.rank" in cmd]
+    return [pid for pid, _, cmd in processes() if b"autofit.trial.rank_process" in cmd]
 
 
 # ---------------------------------------------------------------- the ranks' files
 
 
 def _write_rank(work: Path, rank: int, **fields) -> None:
-    from autofit.trial.rank import result_path
+    from autofit.trial.rank_process import result_path
 
     base = {"oom": False, "error": None, "timed_out": False, "peak_allocated_bytes": None,
             "peak_reserved_bytes": None, "device_total_bytes": None, "step_times_s": [],
@@ -62,7 +62,7 @@ def _write_rank(work: Path, rank: int, **fields) -> None:
 
 
 def _status(work: Path, rank: int, phase: str, n: int) -> dict:
-    from autofit.trial.rank import status_path
+    from autofit.trial.rank_process import status_path
 
     s = {"phase": phase, "n": n, "t": time.time()}
     status_path(work, rank).write_text(json.dumps(s))
@@ -110,7 +110,7 @@ def test_a_rank_stopped_by_a_peer_is_not_the_failure(tmp_path):
 
 
 def test_a_hung_rank_is_named_with_its_phase_and_last_output(tmp_path):
-    from autofit.trial.rank import log_path
+    from autofit.trial.rank_process import log_path
 
     statuses = [_status(tmp_path, 0, "warm-up step 1/1: backward", 14),
                 _status(tmp_path, 1, "warm-up step 1/1: forward", 12)]
@@ -125,7 +125,7 @@ def test_a_hung_rank_is_named_with_its_phase_and_last_output(tmp_path):
 
 
 def test_a_rank_that_died_names_its_signal(tmp_path):
-    from autofit.trial.rank import log_path
+    from autofit.trial.rank_process import log_path
 
     _write_rank(tmp_path, 0, error="warm-up step: stopped: another rank stopped (x)",
                 stopped_by="another rank stopped")
@@ -160,7 +160,8 @@ def test_torchrun_keeps_its_logs_in_the_work_dir(tmp_path):
     args = trial_ranks._torchrun_args(tmp_path, 4)
     assert args[args.index("--nproc-per-node") + 1] == "4"
     assert args[args.index("--log-dir") + 1] == str(tmp_path / "torchrun")  # removed with it
-    assert args[args.index("-m") + 1:args.index("-m") + 3] == ["autofit.trial.rank", "worker"]
+    module = args[args.index("-m") + 1:args.index("-m") + 3]
+    assert module == ["autofit.trial.rank_process", "worker"]
 
 
 def test_peer_gone_is_a_closed_connection():

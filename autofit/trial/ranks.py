@@ -14,11 +14,11 @@ How: the model, the batch, the step's plan and a ``RankSpec`` (strategy, offload
 rank's cap, the DeepSpeed config with its ``"auto"`` values filled as transformers fills
 them) go to a work dir as for a subprocess trial (``payload.pt``: the user's model is
 pickled, each rank loads its own copy; a model given by name is rebuilt by each rank).
-``python -m autofit.trial.rank launch`` runs ``torchrun`` (``torch.distributed.run``,
+``python -m autofit.trial.rank_process launch`` runs ``torchrun`` (``torch.distributed.run``,
 standalone rendezvous, no restart) over ``nproc_per_node * nnodes`` rank processes on
 this machine: gloo on the CPU, NCCL on CUDA (rank ``r`` on ``cuda:<local rank>``); each
 rank of a capped CPU (``cpu:2GiB``) is capped on its own. What one rank runs and
-measures: ``autofit.trial.rank``; how it wraps the model: ``autofit.trial.distributed``.
+measures: ``autofit.trial.rank_process``; how it wraps the model: ``autofit.trial.distributed``.
 
 While the ranks run, ``progress`` (a callable taking a line) hears what each rank does.
 
@@ -88,7 +88,7 @@ EXIT_GRACE_S = 10.0  # after every rank wrote its result, how long the launcher 
 
 
 class RankStatus(TypedDict):
-    """A rank's ``rank-<r>.status`` file (``autofit.trial.rank``): what it does now, how
+    """A rank's ``rank-<r>.status`` file (``autofit.trial.rank_process``): what it does now, how
     many phases it went through, when (``time.time()``)."""
 
     phase: str
@@ -268,7 +268,7 @@ def _torchrun_args(work: Path, world_size: int) -> list[str]:
     return ["--nnodes", "1", "--nproc-per-node", str(world_size), "--standalone",
             "--max-restarts", "0", "--monitor-interval", "0.2",
             "--log-dir", str(work / "torchrun"),  # not a torchelastic_* dir in the temp dir
-            "-m", "autofit.trial.rank", "worker", str(work), str(os.getpid())]
+            "-m", "autofit.trial.rank_process", "worker", str(work), str(os.getpid())]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -279,7 +279,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _statuses(work: Path, world: int) -> list[RankStatus | None]:
-    from autofit.trial.rank import status_path
+    from autofit.trial.rank_process import status_path
 
     return [_read_json(status_path(work, r)) for r in range(world)]
 
@@ -310,7 +310,7 @@ _CHATTER = ("warnings.warn", "[W", "W1", "[transformers]", "[rank", "[20", "Fail
 
 
 def _kill_ranks(work: Path, world: int) -> None:
-    from autofit.trial.rank import pid_path
+    from autofit.trial.rank_process import pid_path
 
     for r in range(world):
         try:
@@ -341,7 +341,7 @@ def run_ranks(model: ModelSource | ModelSpec, batch: Batch, plan: StepPlan, spec
     import torch
 
     from autofit.trial import process
-    from autofit.trial.rank import LAUNCH_FILE, result_path
+    from autofit.trial.rank_process import LAUNCH_FILE, result_path
 
     world = spec.world_size
     deadline = None if timeout_s is None else time.time() + float(timeout_s)
@@ -356,7 +356,7 @@ def run_ranks(model: ModelSource | ModelSpec, batch: Batch, plan: StepPlan, spec
         proc = None
         last = None
         try:
-            proc = process.start([sys.executable, "-m", "autofit.trial.rank", "launch",
+            proc = process.start([sys.executable, "-m", "autofit.trial.rank_process", "launch",
                                   str(work), str(os.getpid())], env=_env(tdev.type), log=log)
             grace = 0.5 + 0.1 * float(timeout_s) if timeout_s else 0.0
             all_done_at = None
@@ -391,7 +391,7 @@ def _collect(work: Path, spec: RankSpec, statuses: list[RankStatus | None], *, t
     from autofit.trial.loop import RawTrial
     from autofit.trial.oom import is_oom
     from autofit.trial.process import describe_signal
-    from autofit.trial.rank import log_path, result_path
+    from autofit.trial.rank_process import log_path, result_path
 
     world = spec.world_size
     codes = _exit_codes(work / "launch.log")

@@ -1,11 +1,11 @@
 """The processes of a trial on several ranks: the launcher and each rank.
 
-``python -m autofit.trial.rank launch WORKDIR PARENT_PID`` is started by
+``python -m autofit.trial.rank_process launch WORKDIR PARENT_PID`` is started by
 ``autofit.trial.ranks`` in a session of its own. It ties its life to the parent's
 (``autofit.trial.process.guard_parent``) and runs ``torchrun`` in itself
 (``torch.distributed.run.main``: the elastic agent, ``--standalone`` rendezvous, no
 restarts) with the arguments in ``WORKDIR/launch.json``; torchrun starts one
-``python -m autofit.trial.rank worker WORKDIR OWNER_PID`` per rank.
+``python -m autofit.trial.rank_process worker WORKDIR OWNER_PID`` per rank.
 
 Each rank writes, in ``WORKDIR``:
 
@@ -473,7 +473,8 @@ class _RankSteps:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] not in ("launch", "worker"):
-        print("usage: python -m autofit.trial.rank launch|worker WORKDIR PID", file=sys.stderr)
+        print("usage: python -m autofit.trial.rank_process launch|worker WORKDIR PID",
+              file=sys.stderr)
         return 2
     work = Path(argv[2])
     pid = int(argv[3]) if len(argv) > 3 else os.getppid()
