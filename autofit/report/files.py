@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from autofit.knobs import KNOBS
-from autofit.memory.breakdown import COMPONENTS, MemoryEstimate
+from autofit.memory.breakdown import COMPONENTS, Component, MemoryEstimate
 from autofit.probe.device import format_bytes
 from autofit.report.terminal import calibration_text
 
@@ -33,12 +33,12 @@ __all__ = ["ReportData", "report_data_from_result", "report_data_from_file", "wr
            "trial_summary"]
 
 _COLORS = {  # the terminal box's colours, as matplotlib names
-    "weights": "tab:blue",
-    "gradients": "tab:pink",
-    "optimizer_states": "gold",
-    "activations": "tab:green",
-    "temporaries": "tab:cyan",
-    "overhead": "tab:gray",
+    Component.WEIGHTS: "tab:blue",
+    Component.GRADIENTS: "tab:pink",
+    Component.OPTIMIZER_STATES: "gold",
+    Component.ACTIVATIONS: "tab:green",
+    Component.TEMPORARIES: "tab:cyan",
+    Component.OVERHEAD: "tab:gray",
 }
 _GiB = float(1 << 30)
 

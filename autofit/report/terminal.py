@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.knobs import KNOBS, choice_of, describe_choice
-from autofit.memory.breakdown import COMPONENTS
+from autofit.memory.breakdown import COMPONENTS, Component
 from autofit.probe.device import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,12 +23,12 @@ __all__ = ["estimate_renderable", "render_estimate", "print_estimate", "candidat
            "calibration_text", "print_fit", "TrialProgress"]
 
 _COLORS = {
-    "weights": "blue",
-    "gradients": "magenta",
-    "optimizer_states": "yellow",
-    "activations": "green",
-    "temporaries": "cyan",
-    "overhead": "bright_black",
+    Component.WEIGHTS: "blue",
+    Component.GRADIENTS: "magenta",
+    Component.OPTIMIZER_STATES: "yellow",
+    Component.ACTIVATIONS: "green",
+    Component.TEMPORARIES: "cyan",
+    Component.OVERHEAD: "bright_black",
 }
 _BAR = 32
 
