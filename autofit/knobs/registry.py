@@ -1,7 +1,8 @@
 """The registered knobs, in the order the search, the table and the files show them.
 
 Adding a lever is one new module in ``autofit/knobs/`` (a ``Knob``), its entry here,
-its ``TrainConfig`` field, its memory rule in ``autofit/memory`` and its tests.
+its ``TrainConfig`` field, its memory rule in ``autofit/memory``, its step-time term
+(``autofit.search.speed.step_cost``, registered by the knob's name) and its tests.
 
     >>> [k.name for k in KNOBS]
     ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss', 'activation_offloading', 'torch_compile', 'strategy', 'offload']

@@ -54,15 +54,16 @@ Known limitations:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.config import TrainConfig
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import ModelInfo
 
-__all__ = ["SpeedEstimate", "predict_speed", "flops_per_token"]
+__all__ = ["SpeedEstimate", "predict_speed", "flops_per_token", "step_cost", "step_cost_knobs"]
 
 _MFU_MAX = 0.55  # well-tuned dense training reaches ~40-60% of peak
 _HALF_TOKENS = 1024  # tokens per micro batch at which utilisation is half its maximum
@@ -135,26 +136,64 @@ def _opt_kind(config: TrainConfig, device: DeviceInfo) -> str:
     return "foreach" if device.allocator == "cuda" else "loop"
 
 
-def _chunked_loss_traffic(info: ModelInfo, config: TrainConfig, tokens: int,
-                          device: DeviceInfo) -> float:
-    """Bytes the chunked loss's loop moves per micro batch (0 without it)."""
+class _Rates(NamedTuple):
+    """What a micro batch runs at: FLOP/s achieved, memory and host-link bytes/s."""
+
+    flops: float
+    bandwidth: float
+    host_link: float
+
+
+# knob name -> the seconds its value adds to one micro batch beyond the FLOPs of
+# ``flops_per_token`` (0 when the value adds nothing): each lever registers its own, as
+# torch's flop_counter registers a formula per op; ``predict_speed`` sums what the
+# configuration turns on and names no knob
+StepCost = Callable[["ModelInfo", "TrainConfig", int, "DeviceInfo", _Rates], float]
+_STEP_COSTS: dict[str, StepCost] = {}
+
+
+def step_cost(knob: str) -> Callable[[StepCost], StepCost]:
+    """Register ``knob``'s step-time term (a function of the model, the configuration, the
+    sequence length, the device and the ``_Rates``)."""
+    def register(fn: StepCost) -> StepCost:
+        _STEP_COSTS[knob] = fn
+        return fn
+    return register
+
+
+def step_cost_knobs() -> tuple[str, ...]:
+    """The knobs with a step-time term registered."""
+    return tuple(_STEP_COSTS)
+
+
+@step_cost("chunked_loss")
+def _chunked_loss_s(info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo,
+                    rates: _Rates) -> float:
+    """The chunked loss's loop: on a CUDA card the bytes it moves per micro batch (each
+    chunk reads the head's weight twice, reads and writes its fp32 weight gradient); on a
+    CPU its measured cost, ``_CPU_CHUNKED_LOSS`` x the head's training FLOPs."""
     if not config.chunked_loss or not info.vocab_size or not info.hidden_size:
         return 0.0
+    V, h = info.vocab_size, info.hidden_size
+    tokens = config.micro_batch_size * seq_len
+    if device.kind == "cpu":
+        return _CPU_CHUNKED_LOSS * 6.0 * V * h * tokens / rates.flops
     from autofit.memory.analytic import loss_chunk_rows
 
-    V, h = info.vocab_size, info.hidden_size
     e = 2 if config.precision.endswith("-true") and config.precision != "32-true" else 4
     rows = loss_chunk_rows(tokens, V, h, halved=device.allocator == "cuda" or e == 4)
     chunks = -(-tokens // rows)
-    return chunks * V * h * (2 * e + 2 * 4)
+    return chunks * V * h * (2 * e + 2 * 4) / rates.bandwidth
 
 
-def _cpu_chunked_loss_flops(info: ModelInfo, config: TrainConfig, tokens: int) -> float:
-    """What the chunked loss costs on a CPU, as FLOPs: ``_CPU_CHUNKED_LOSS`` x the head's
-    training FLOPs (0 without it)."""
-    if not config.chunked_loss or not info.vocab_size or not info.hidden_size:
-        return 0.0
-    return _CPU_CHUNKED_LOSS * 6.0 * info.vocab_size * info.hidden_size * tokens
+@step_cost("activation_offloading")
+def _offloading_s(info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo,
+                  rates: _Rates) -> float:
+    """Each checkpointed block's input to pinned host memory and back, on the compute
+    stream (0 without offloading: ``offloaded_bytes`` is 0)."""
+    from autofit.memory.analytic import offloaded_bytes
+
+    return 2 * offloaded_bytes(info, config, seq_len) / rates.host_link
 
 
 def predict_speed(
@@ -163,7 +202,6 @@ def predict_speed(
     """Predicted throughput of ``config`` (see the module docstring)."""
     from autofit.memory.analytic import (
         gradients_bytes,
-        offloaded_bytes,
         optimizer_state_bytes,
         weights_bytes,
     )
@@ -180,12 +218,8 @@ def predict_speed(
     rate = peak * 1e12 * util
     step = tokens * fpt / rate
     bw = (device.bandwidth_gbs or _CPU_BANDWIDTH_GBS) * 1e9
-    if cpu:
-        step += _cpu_chunked_loss_flops(info, config, tokens) / rate
-    else:
-        step += _chunked_loss_traffic(info, config, tokens, device) / bw
-    step += 2 * offloaded_bytes(info, config, seq_len) / ((device.host_link_gbs or _HOST_LINK_GBS)
-                                                          * 1e9)
+    rates = _Rates(rate, bw, (device.host_link_gbs or _HOST_LINK_GBS) * 1e9)
+    step += sum(cost(info, config, seq_len, device, rates) for cost in _STEP_COSTS.values())
     moved = 2 * (weights_bytes(info, config) + gradients_bytes(info, config)) + 2 * optimizer_state_bytes(
         info, config
     )

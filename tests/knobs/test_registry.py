@@ -101,3 +101,30 @@ def test_the_chunked_loss_note_names_liger_for_a_trainer_without_it():
     assert any("use_liger_kernel is set" in n for n in notes)
     assert any("ChunkedLossTrainer" in n for n in registry.notes(TrainConfig(chunked_loss=True),
                                                                   "autofit"))
+
+
+def test_each_step_time_term_is_a_knobs_and_counts_only_when_on(monkeypatch):
+    """The speed model's per-lever terms are registered by knob name (``step_cost``), and
+    ``predict_speed`` adds the term of a lever without naming it: a term registered for
+    torch.compile slows only the configurations that compile."""
+    from autofit.probe.device import resolve_device
+    from autofit.probe.model import probe_model
+    from autofit.search import speed
+
+    assert set(speed.step_cost_knobs()) <= set(registry.knob_names())
+    assert {"chunked_loss", "activation_offloading"} <= set(speed.step_cost_knobs())
+    info, t4 = probe_model("tiny-llama"), resolve_device("T4")
+    eager, compiled = TrainConfig(micro_batch_size=4), TrainConfig(micro_batch_size=4,
+                                                                    torch_compile=True)
+    before = speed.predict_speed(info, compiled, 256, t4)
+    monkeypatch.setitem(speed._STEP_COSTS, "torch_compile",
+                        lambda info, config, seq, device, rates: 0.5 * config.torch_compile)
+    after = speed.predict_speed(info, compiled, 256, t4)
+    assert after.step_time_s == pytest.approx(before.step_time_s + 0.5)
+    assert speed.predict_speed(info, eager, 256, t4) == speed.predict_speed(
+        info, eager.replace(torch_compile=False), 256, t4)
+    # the chunked loss's own term: its loop's traffic on a card, its measured cost on a CPU
+    for device in (t4, resolve_device("cpu")):
+        off = speed.predict_speed(info, eager, 256, device).step_time_s
+        on = speed.predict_speed(info, eager.replace(chunked_loss=True), 256, device).step_time_s
+        assert on > off

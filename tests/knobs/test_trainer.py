@@ -52,7 +52,7 @@ def test_plain_never_picks_the_chunked_loss_autofit_does(tmp_path, monkeypatch):
     import autofit.search.speed as speed
     from autofit import autofit
 
-    monkeypatch.setattr(speed, "_chunked_loss_traffic", lambda *a: 0)
+    monkeypatch.setitem(speed._STEP_COSTS, "chunked_loss", lambda *a: 0.0)
     model = _wide_llama(tmp_path)
     data = [{"input_ids": list(range(1, 513))}] * 256
     fixed = dict(device="T4", cache=False, margin=0.1, precision="32-true", gradient_checkpointing=False,
