@@ -417,6 +417,8 @@ def _make_batch(spec: dict[str, Any], config, batch: int, seq: int) -> dict[str,
     import torch
 
     g = torch.Generator().manual_seed(SEED_BATCH)
+    if getattr(config, "vocab_size", None) is None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()  # a multimodal model's text side (Mllama, Qwen3.5)
     vocab = config.vocab_size
     input_ids = torch.randint(0, vocab, (batch, seq), generator=g)  # (B, T) int64
     out = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}

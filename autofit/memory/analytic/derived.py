@@ -4,7 +4,7 @@
 (llama-like, GPT-2, BERT, T5), precision, attention and LoRA regime. A model or a
 PEFT method outside it — IA3, prefix tuning, DoRA, an OPT or GPT-NeoX block — gets
 coefficients of the same form derived from its own forward: the model is cloned on
-fake tensors (``simulate._model``) and run forward only, at four small shapes
+fake tensors (``simulate._model``) and run, forward and backward, at four small shapes
 (micro batch 2 at ``T1 < T2 < T3`` tokens, and 4 at ``T1``; not 1: some steps take
 another path for one sample, AXK2's indexer among them), with each block's
 allocations told apart by forward hooks. The clone keeps one block of each kind
@@ -20,7 +20,10 @@ and dropout copies, virtual tokens, merged delta weights); it splits exactly int
 
 (``F``: the same for every micro batch, e.g. DoRA's weight norms; autocast's weight
 copies are taken out, the analytic model counts them apart), which the four shapes
-determine. Results are cached per (model, precision, attention, chunked loss, target):
+determine. Two more terms of that form: the forward's transient above what it keeps
+(``forward``), and a block's backward scratch above what is alive when it starts, per
+stack (``block_backward``, ``block_backward_decoder``: a linear-attention block's chunked
+recurrence makes more of it than a standard block's rule says). Results are cached per (model, precision, attention, chunked loss, target):
 in memory, and on disk beside the trial cache (``$AUTOFIT_CACHE_DIR/derived/``, one JSON
 file per key, library versions and a hash of the code that derives them), so a new process — every ``autofit estimate`` —
 pays the four forwards once per model. A cache folder that cannot be written is one
@@ -134,8 +137,8 @@ def _stacks(base: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
     return lists
 
 
-def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
-                   device: DeviceInfo) -> tuple[list[tuple[list[float], int, tuple[int, float]]], int]:
+def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, device: DeviceInfo
+                   ) -> tuple[list[tuple[list[float], int, tuple[int, float], list[int]]], int]:
     """(bytes alive at the loss per block of each stack -- an encoder-decoder's encoder,
     then its decoder; in all; the forward's transient) at each of ``SHAPES``, weights
     excluded, on one fake clone that keeps one block of each kind per stack.
@@ -158,12 +161,16 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
         weight_tensors,
     )
     from autofit.memory.simulate._recorder import StorageRecorder
-    from autofit.memory.simulate._step import chunked_loss_kernels, forward_loss
+    from autofit.memory.simulate._step import (
+        chunked_loss_kernels,
+        forward_loss,
+        graph_host_bytes,
+    )
 
     spec = config.precision_spec
     target = "cuda" if device.allocator == "cuda" else "cpu"
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    out: list[tuple[list[float], int, tuple[int, float]]] = []
+    out: list[tuple[list[float], int, tuple[int, float], list[int]]] = []
     dead = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -184,6 +191,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
             for t in weight_tensors(model):
                 rec.track(t, Component.WEIGHTS)
             spans: list[list[int]] = [[0, 0] for _ in all_kept]
+            back: list[int] = [-1 for _ in all_kept]  # where each block's backward starts
             handles = []
             for i, blk in enumerate(all_kept):
                 handles.append(blk.register_forward_pre_hook(
@@ -192,6 +200,9 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                 handles.append(blk.register_forward_hook(
                     lambda _m, _a, _o, i=i, rec=rec, spans=spans: spans[i].__setitem__(
                         1, len(rec._log))))
+                handles.append(blk.register_full_backward_pre_hook(
+                    lambda _m, _g, i=i, rec=rec, back=back: back.__setitem__(
+                        i, len(rec._log))))
             ctx: Any = contextlib.nullcontext()
             if device.allocator == "cuda":
                 from autofit.memory.simulate._cuda import CudaSemantics
@@ -210,10 +221,20 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                     for a, b in spans
                 ]
                 total = sum(r.size for r in rec.live_records() if id(r) in alive)
+                if device.allocator != "cuda":  # the graph's own host memory, as simulated
+                    total += graph_host_bytes(loss)
                 transient = _forward_transient(log, alive)
                 if not out:  # (the graph is the same at every shape)
                     dead = _unreached_numel(loss, model, stacks)
-                del loss, data, kwargs
+                del data, kwargs
+                rec.phase = "backward"
+                if loss.requires_grad:
+                    loss.backward()
+                del loss
+                grads = {id(r) for p in model.parameters() if p.grad is not None
+                         and (r := rec.record_of(p.grad)) is not None}
+                block_bwd = _block_backward(rec.events(), back, grads, stacks)
+                model.zero_grad(set_to_none=True)
             for h in handles:
                 h.remove()
             per_block, at = [], 0
@@ -224,8 +245,36 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str,
                 stack = sum(b * c for b, (_, c) in zip(mine, kinds, strict=True))
                 per_block.append(stack / n)  # the kept blocks stand for all of their kind
                 blocks += stack
-            out.append((per_block, int(total - sum(per_kind) + blocks), transient))
+            out.append((per_block, int(total - sum(per_kind) + blocks), transient, block_bwd))
     return out, dead
+
+
+def _block_backward(log: list[tuple[str, Record, str]], back: list[int], grads: set[int],
+                    stacks: list[tuple]) -> list[int]:
+    """Per stack, the most bytes one of its blocks' backward adds above what is alive when
+    it starts, weights and the parameters' gradients apart (those are counted as the model
+    state): the block's scratch and its input's gradient. ``back``: per kept block, the
+    log's index where its backward starts; a block's backward runs to the next block's
+    start (they go in reverse), the first block's to the end (its full backward hook, an
+    end, fires at once when its input needs no gradient). Kimi-Linear's chunked delta rule
+    makes 1.5 GiB of it at 4 x 128 tokens where a standard block's rule says 0.3 GiB."""
+    live, series = 0, []
+    for kind, r, _ in log:
+        if r.category != Component.WEIGHTS and id(r) not in grads:
+            live += r.size if kind == "alloc" else -r.size
+        series.append(live)
+    order = sorted((a, i) for i, a in enumerate(back) if a > 0)
+    ends = {i: e for (_, i), (e, _) in zip(order, order[1:] + [(len(series), -1)], strict=True)}
+    out, at = [], 0
+    for kept, _, _ in stacks:
+        most = 0
+        for i in range(at, at + len(kept)):
+            a = back[i]
+            if a > 0:
+                most = max(most, max(series[a:ends[i]], default=series[a - 1]) - series[a - 1])
+        out.append(most)
+        at += len(kept)
+    return out
 
 
 def _unreached_numel(loss: torch.Tensor, model: torch.nn.Module, stacks: list[tuple]) -> int:
@@ -324,20 +373,22 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
             f"{info.name}: its step makes tensors whose shapes depend on values ({e.op}), "
             "which neither estimate can follow; measure it ("
             + fix("autofit measure", "autofit.measure") + ")", e.op) from None
-    if any(len(per_block) != len(roles) for per_block, _, _ in at):
+    if any(len(per_block) != len(roles) for per_block, _, _, _ in at):
         raise BadInputError(f"{info.name}: its stacks of blocks are not the ones it "
                             "describes; use " + _simulate())
-    lays = [_solve([per_block[k] for per_block, _, _ in at]) for k in range(len(roles))]
+    lays = [_solve([per_block[k] for per_block, _, _, _ in at]) for k in range(len(roles))]
     base_vals = [total - sum(p * c for p, c in zip(per_block, counts, strict=True))
-                 for per_block, total, _ in at]
+                 for per_block, total, _, _ in at]
     bas = _solve(base_vals)
-    fwd = _solve([float(transient) for _, _, (transient, _) in at])
+    fwd = _solve([float(transient) for _, _, (transient, _), _ in at])
+    bwds = [_solve([float(block_bwd[k]) for _, _, _, block_bwd in at])
+            for k in range(len(roles))]
     # the share of the activations made by the forward's peak: an encoder-decoder's
     # peak in its encoder comes before any decoder activation (Pegasus-X's padded blocks:
     # 23% over with all of them); the largest over the four shapes. Elsewhere all of them:
     # where a one-stack model's peak falls moves with the shape (CTRL's classifier: its
     # share at the four shapes made it 9.2% under)
-    fwd["share"] = (max(share for _, _, (_, share) in at) if info.is_encoder_decoder
+    fwd["share"] = (max(share for _, _, (_, share), _ in at) if info.is_encoder_decoder
                     else 1.0)
     if config.precision_spec.autocast:
         # autocast's 16-bit weight copies, alive at the loss, are counted apart (per block
@@ -358,15 +409,23 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         # the forward's transient above what it keeps (``_forward_transient``)
         "forward": {"c0": fwd["a"], "T": fwd["b"], "s": fwd["s"], "F": max(fwd["F"], 0.0),
                     "share": min(max(fwd["share"], 0.0), 1.0)},
+        # a block backward's own scratch (``_block_backward``)
+        "block_backward": _form(bwds[0]),
         "derived": True,
     }
     if dead:  # trainable elements without a gradient (no state either)
         coef["no_grad_numel"] = int(dead)
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
         coef["layer_decoder"] = layer(lays[1])
+        coef["block_backward_decoder"] = _form(bwds[1])
     memory[key] = coef
     _store(key, coef)
     return coef
+
+
+def _form(fit: dict[str, float]) -> dict[str, float]:
+    """A fitted ``F + B*(s + a*T + b*T^2)`` in the coefficients' names (F never below 0)."""
+    return {"c0": fit["a"], "T": fit["b"], "s": fit["s"], "F": max(fit["F"], 0.0)}
 
 
 def _disk_path(key: str):
@@ -395,7 +454,8 @@ def _valid(coef: object) -> bool:
     """Whether ``coef`` reads as derived coefficients (finite numbers where they belong)."""
     if not isinstance(coef, dict) or coef.get("derived") is not True:
         return False
-    parts = ["layer", "base"] + (["layer_decoder"] if "layer_decoder" in coef else [])
+    parts = ["layer", "base"] + [p for p in ("layer_decoder", "forward", "block_backward",
+                                             "block_backward_decoder") if p in coef]
     for part in parts:
         names = ("c0", "T", "s", "F")
         d = coef.get(part)
