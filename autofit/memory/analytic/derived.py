@@ -23,7 +23,8 @@ copies are taken out, the analytic model counts them apart), which the four shap
 determine. Two more terms of that form: the forward's transient above what it keeps
 (``forward``), and a block's backward scratch above what is alive when it starts, per
 stack (``block_backward``, ``block_backward_decoder``: a linear-attention block's chunked
-recurrence makes more of it than a standard block's rule says). Results are cached per (model, precision, attention, chunked loss, target):
+recurrence makes more of it than a standard block's rule says). Results are cached per
+(model, precision, attention, chunked loss, target):
 in memory, and on disk beside the trial cache (``$AUTOFIT_CACHE_DIR/derived/``, one JSON
 file per key, library versions and a hash of the code that derives them), so a new process — every ``autofit estimate`` —
 pays the four forwards once per model. A cache folder that cannot be written is one
@@ -284,18 +285,10 @@ def _unreached_numel(loss: torch.Tensor, model: torch.nn.Module, stacks: list[tu
     55% over). The kept blocks stand for all blocks of their kind."""
     import torch
 
-    reached: set[int] = set()
-    seen: set[Any] = set()
-    todo = [getattr(loss, "grad_fn", None)]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf's gradient
-        if isinstance(var, torch.Tensor):
-            reached.add(id(var))
-        todo.extend(f for f, _ in fn.next_functions)
+    from autofit.memory.simulate._step import graph_nodes
+
+    reached = {id(var) for fn in graph_nodes(loss)  # AccumulateGrad nodes: leaves' gradients
+               if isinstance(var := getattr(fn, "variable", None), torch.Tensor)}
     times = {}
     for kept, kinds, _ in stacks:
         for blk, (_, count) in zip(kept, kinds, strict=True):
@@ -407,8 +400,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         "base": {"h": 0.0, "V": 0.0, "c0": bas["a"], "T": bas["b"], "s": bas["s"],
                  "F": max(bas["F"], 0.0)},
         # the forward's transient above what it keeps (``_forward_transient``)
-        "forward": {"c0": fwd["a"], "T": fwd["b"], "s": fwd["s"], "F": max(fwd["F"], 0.0),
-                    "share": min(max(fwd["share"], 0.0), 1.0)},
+        "forward": {**_form(fwd), "share": min(max(fwd["share"], 0.0), 1.0)},
         # a block backward's own scratch (``_block_backward``)
         "block_backward": _form(bwds[0]),
         "derived": True,

@@ -402,25 +402,37 @@ _NODE_HOST_BYTES = 640
 _SAVED_HOST_BYTES = 400
 
 
+def graph_nodes(loss: torch.Tensor) -> list[Any]:
+    """Every node of ``loss``'s autograd graph, each once (none without a graph)."""
+    seen: dict[Any, None] = {}
+    todo = [getattr(loss, "grad_fn", None)]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen[fn] = None
+        todo.extend(f for f, _ in fn.next_functions)
+    return list(seen)
+
+
+@functools.cache
+def _saved_attributes(node_type: type) -> tuple[str, ...]:
+    """The ``_raw_saved_*`` attributes of an autograd node type (its saved variables)."""
+    return tuple(n for n in dir(node_type) if n.startswith("_raw_saved_"))
+
+
 def graph_host_bytes(loss: torch.Tensor) -> int:
     """Host bytes of ``loss``'s autograd graph: its nodes and the tensors they save (the
     constants above). The saved tensors are counted on the nodes (their ``_raw_saved_*``
     attributes), not by ``saved_tensors_hooks``: a hook changes what is kept (Pegasus-X's
     simulated step: 12 MiB more activations under one)."""
-    seen: set[Any] = set()
+    nodes = graph_nodes(loss)
     saved = 0
-    todo = [loss.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        for name in dir(fn):
-            if name.startswith("_raw_saved_"):
-                value = getattr(fn, name, None)
-                saved += len(value) if isinstance(value, list | tuple) else value is not None
-        todo.extend(f for f, _ in fn.next_functions)
-    return _NODE_HOST_BYTES * len(seen) + _SAVED_HOST_BYTES * saved
+    for fn in nodes:
+        for name in _saved_attributes(type(fn)):
+            value = getattr(fn, name, None)
+            saved += len(value) if isinstance(value, list | tuple) else value is not None
+    return _NODE_HOST_BYTES * len(nodes) + _SAVED_HOST_BYTES * saved
 
 
 def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, *, task: str,
