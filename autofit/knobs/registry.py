@@ -2,7 +2,7 @@
 
 Adding a lever is one new module in ``autofit/knobs/`` (a ``Knob``), its entry here,
 its ``TrainConfig`` field, its memory rule in ``autofit/memory``, its step-time term
-(``autofit.search.speed.step_cost``, registered by the knob's name) and its tests.
+(an entry under the knob's name in ``autofit.search.speed._STEP_COSTS``) and its tests.
 
     >>> [k.name for k in KNOBS]
     ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss', 'activation_offloading', 'torch_compile', 'strategy', 'offload']

@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import ModelInfo
 
-__all__ = ["SpeedEstimate", "predict_speed", "flops_per_token", "step_cost", "step_cost_knobs"]
+__all__ = ["SpeedEstimate", "predict_speed", "flops_per_token", "step_cost_knobs"]
 
 _MFU_MAX = 0.55  # well-tuned dense training reaches ~40-60% of peak
 _HALF_TOKENS = 1024  # tokens per micro batch at which utilisation is half its maximum
@@ -144,29 +144,9 @@ class _Rates(NamedTuple):
     host_link: float
 
 
-# knob name -> the seconds its value adds to one micro batch beyond the FLOPs of
-# ``flops_per_token`` (0 when the value adds nothing): each lever registers its own, as
-# torch's flop_counter registers a formula per op; ``predict_speed`` sums what the
-# configuration turns on and names no knob
 StepCost = Callable[["ModelInfo", "TrainConfig", int, "DeviceInfo", _Rates], float]
-_STEP_COSTS: dict[str, StepCost] = {}
 
 
-def step_cost(knob: str) -> Callable[[StepCost], StepCost]:
-    """Register ``knob``'s step-time term (a function of the model, the configuration, the
-    sequence length, the device and the ``_Rates``)."""
-    def register(fn: StepCost) -> StepCost:
-        _STEP_COSTS[knob] = fn
-        return fn
-    return register
-
-
-def step_cost_knobs() -> tuple[str, ...]:
-    """The knobs with a step-time term registered."""
-    return tuple(_STEP_COSTS)
-
-
-@step_cost("chunked_loss")
 def _chunked_loss_s(info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo,
                     rates: _Rates) -> float:
     """The chunked loss's loop: on a CUDA card the bytes it moves per micro batch (each
@@ -186,7 +166,6 @@ def _chunked_loss_s(info: ModelInfo, config: TrainConfig, seq_len: int, device: 
     return chunks * V * h * (2 * e + 2 * 4) / rates.bandwidth
 
 
-@step_cost("activation_offloading")
 def _offloading_s(info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo,
                   rates: _Rates) -> float:
     """Each checkpointed block's input to pinned host memory and back, on the compute
@@ -194,6 +173,21 @@ def _offloading_s(info: ModelInfo, config: TrainConfig, seq_len: int, device: De
     from autofit.memory.analytic import offloaded_bytes
 
     return 2 * offloaded_bytes(info, config, seq_len) / rates.host_link
+
+
+# knob name -> the seconds its value adds to one micro batch beyond the FLOPs of
+# ``flops_per_token`` (0 when the value adds nothing): a table of per-lever terms, as torch's
+# flop_counter keeps a formula per op; ``predict_speed`` sums them and names no knob (a new
+# lever adds its term here)
+_STEP_COSTS: dict[str, StepCost] = {
+    "chunked_loss": _chunked_loss_s,
+    "activation_offloading": _offloading_s,
+}
+
+
+def step_cost_knobs() -> tuple[str, ...]:
+    """The knobs with a step-time term."""
+    return tuple(_STEP_COSTS)
 
 
 def predict_speed(

@@ -104,7 +104,7 @@ def test_the_chunked_loss_note_names_liger_for_a_trainer_without_it():
 
 
 def test_each_step_time_term_is_a_knobs_and_counts_only_when_on(monkeypatch):
-    """The speed model's per-lever terms are registered by knob name (``step_cost``), and
+    """The speed model's per-lever terms are keyed by knob name (``_STEP_COSTS``), and
     ``predict_speed`` adds the term of a lever without naming it: a term registered for
     torch.compile slows only the configurations that compile."""
     from autofit.probe.device import resolve_device

@@ -59,7 +59,7 @@ from autofit.memory.breakdown import Component
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from autofit.memory.simulate._recorder import Record
+    from autofit.memory.simulate._recorder import Record, StorageRecorder
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import BlockSpec, ModelInfo
 
@@ -193,17 +193,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 rec.track(t, Component.WEIGHTS)
             spans: list[list[int]] = [[0, 0] for _ in all_kept]
             back: list[int] = [-1 for _ in all_kept]  # where each block's backward starts
-            handles = []
-            for i, blk in enumerate(all_kept):
-                handles.append(blk.register_forward_pre_hook(
-                    lambda _m, _a, i=i, rec=rec, spans=spans: spans[i].__setitem__(
-                        0, len(rec._log))))
-                handles.append(blk.register_forward_hook(
-                    lambda _m, _a, _o, i=i, rec=rec, spans=spans: spans[i].__setitem__(
-                        1, len(rec._log))))
-                handles.append(blk.register_full_backward_pre_hook(
-                    lambda _m, _g, i=i, rec=rec, back=back: back.__setitem__(
-                        i, len(rec._log))))
+            handles = _mark_blocks(all_kept, rec, spans, back)
             ctx: Any = contextlib.nullcontext()
             if device.allocator == "cuda":
                 from autofit.memory.simulate._cuda import CudaSemantics
@@ -248,6 +238,21 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 blocks += stack
             out.append((per_block, int(total - sum(per_kind) + blocks), transient, block_bwd))
     return out, dead
+
+
+def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
+                 spans: list[list[int]], back: list[int]) -> list[Any]:
+    """Hooks that note, in ``spans``, where each block's forward starts and ends in
+    ``rec``'s log and, in ``back``, where its backward starts; their handles."""
+    handles = []
+    for i, blk in enumerate(blocks):
+        handles.append(blk.register_forward_pre_hook(
+            lambda _m, _a, i=i: spans[i].__setitem__(0, len(rec._log))))
+        handles.append(blk.register_forward_hook(
+            lambda _m, _a, _o, i=i: spans[i].__setitem__(1, len(rec._log))))
+        handles.append(blk.register_full_backward_pre_hook(
+            lambda _m, _g, i=i: back.__setitem__(i, len(rec._log))))
+    return handles
 
 
 def _block_backward(log: list[tuple[str, Record, str]], back: list[int], grads: set[int],
