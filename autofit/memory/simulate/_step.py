@@ -422,9 +422,11 @@ def _saved_attributes(node_type: type) -> tuple[str, ...]:
 
 
 def graph_host_bytes(loss: torch.Tensor) -> int:
-    """Host bytes of ``loss``'s autograd graph: its nodes and the tensors they save (the
-    constants above). The saved tensors are counted on the nodes (their ``_raw_saved_*``
-    attributes), not by ``saved_tensors_hooks``: a hook changes what is kept (Pegasus-X's
+    """Host bytes of ``loss``'s autograd graph: its nodes and their saved-variable slots
+    (the constants above, calibrated per op, slots used or not: a ``mul`` by a constant
+    has two). The slots are counted on the nodes (their ``_raw_saved_*`` attributes;
+    reading ``_saved_*`` would unpack them, and recompute a checkpointed block), not by
+    ``saved_tensors_hooks``: a hook changes what is kept (Pegasus-X's
     simulated step: 12 MiB more activations under one)."""
     nodes = graph_nodes(loss)
     saved = 0
