@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="probe what builds; measure nothing")
     ap.add_argument("--report", action="store_true", help="only rewrite zoo.md / zoo.png")
     ap.add_argument("--reestimate", action="store_true",
-                    help="estimate the measured rows again (of --families and --tasks), each "
+                    help="estimate the measured rows again (of --families, --tasks and "
+                         "--setups), each "
                          "with its instruction set's rule; measure nothing")
     ap.add_argument("--out", default=str(RESULTS / "zoo"))
     args = ap.parse_args(argv)
@@ -333,10 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.reestimate:
         fams = set(args.families.split(",")) if args.families else None
         tasks = set(args.tasks.split(","))
+        setups = set(args.setups.split(","))
         done: dict[str, Any] = {}
         todo = [(name, row) for name, row in sorted(data["rows"].items())
                 if "measured" in row and (fams is None or row["spec"]["model_type"] in fams)
-                and row["spec"]["task"] in tasks]
+                and row["spec"]["task"] in tasks and row.get("setup") in setups]
         for n, (name, row) in enumerate(todo, 1):
             done[name] = reestimate(row, args.methods.split(","))
             print(f"[{n}/{len(todo)}]", name,

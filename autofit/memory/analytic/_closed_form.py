@@ -279,7 +279,11 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
             continue  # T5's fitted coefficients are per encoder+decoder pair (calibration)
         layer_costs.append((_layer_bytes(layer_c, b, B, T), b.count))
     A_layers_full = sum(x * n for x, n in layer_costs)
-    A_layer_max = max((x for x, _ in layer_costs), default=0)
+    # the largest block: derived per kind of block where a stack mixes kinds (a hybrid's
+    # linear-attention block keeps ten times its full-attention block: Qwen3-Next)
+    A_layer_max = max([x for x, _ in layer_costs]
+                      + [_fitted(c[k], B, T) for k in ("layer_largest", "layer_largest_decoder")
+                         if k in c], default=0)
     num_layers = sum(n for _, n in layer_costs)
     # the V term is the logits the loss keeps for backward; a chunked loss keeps none
     A_base = N * max(base_c["h"] * h + (0 if chunked else base_c["V"] * V) + base_c["c0"]
@@ -406,11 +410,17 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
         # activations and autocast copies exist again while the gradients accumulate
         # (at the last block recomputed, about all of them)
         copies_layer = copies - copies_head
+        # derived: the recompute reaches a block forward's highest point again, what the
+        # block keeps and its scratch together (Qwen3-Next's chunked delta rule: 21% above
+        # what it keeps)
+        high = max((_fitted(c[k], config.micro_batch_size, T)
+                    for k in ("block_forward", "block_forward_decoder") if k in c), default=0.0)
+        temp = max(block_bwd_temp, high - A_transient)
         phases["recompute"] = (
-            W + copies_layer + S + G + saved.A_kept + A_transient + block_bwd_temp,
+            W + copies_layer + S + G + saved.A_kept + A_transient + temp,
             {Component.WEIGHTS: W + copies_layer, Component.OPTIMIZER_STATES: S,
              Component.GRADIENTS: G, Component.ACTIVATIONS: saved.A_kept + A_transient,
-             Component.TEMPORARIES: block_bwd_temp})
+             Component.TEMPORARIES: temp})
     return phases
 
 

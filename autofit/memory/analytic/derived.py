@@ -20,10 +20,13 @@ and dropout copies, virtual tokens, merged delta weights); it splits exactly int
 
 (``F``: the same for every micro batch, e.g. DoRA's weight norms; autocast's weight
 copies are taken out, the analytic model counts them apart), which the four shapes
-determine. Two more terms of that form: the forward's transient above what it keeps
-(``forward``), and a block's backward scratch above what is alive when it starts, per
-stack (``block_backward``, ``block_backward_decoder``: a linear-attention block's chunked
-recurrence makes more of it than a standard block's rule says). Results are cached per
+determine. More terms of that form: the forward's transient above what it keeps
+(``forward``); per stack, a block's backward scratch above what is alive when it starts
+(``block_backward``, ``block_backward_decoder``: a linear-attention block's chunked
+recurrence makes more of it than a standard block's rule says), and for what
+checkpointing recomputes one block at a time, the largest kind of block's saved bytes
+(``layer_largest``: a hybrid's linear-attention block keeps ten times its full-attention
+block) and a block forward's highest point (``block_forward``). Results are cached per
 (model, precision, attention, chunked loss, target):
 in memory, and on disk beside the trial cache (``$AUTOFIT_CACHE_DIR/derived/``, one JSON
 file per key, library versions and a hash of the code that derives them), so a new process — every ``autofit estimate`` —
@@ -50,7 +53,7 @@ import logging
 import math
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, ValueDependentShapeError, fix
@@ -138,16 +141,29 @@ def _stacks(base: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
     return lists
 
 
+class _AtShape(NamedTuple):
+    """What one forward and backward at one of ``SHAPES`` leaves and makes, bytes, weights
+    excluded; per stack: an encoder-decoder's encoder, then its decoder."""
+
+    per_block: list[float]  # alive at the loss, per block of each stack (its kinds' mean)
+    largest: list[float]  # ... the largest kind's, per stack (checkpointing recomputes it)
+    block_forward: list[float]  # per stack, a block forward's highest point above its start
+    total: int  # alive at the loss in all
+    transient: tuple[int, float]  # the forward's transient and its share (_forward_transient)
+    block_backward: list[int]  # per stack, a block backward's scratch (_block_backward)
+
+
 def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, device: DeviceInfo
-                   ) -> tuple[list[tuple[list[float], int, tuple[int, float], list[int]]], int]:
-    """(bytes alive at the loss per block of each stack -- an encoder-decoder's encoder,
-    then its decoder; in all; the forward's transient) at each of ``SHAPES``, weights
-    excluded, on one fake clone that keeps one block of each kind per stack.
+                   ) -> tuple[list[_AtShape], int]:
+    """What the forward keeps and makes (``_AtShape``) at each of ``SHAPES``, on one fake
+    clone that keeps one block of each kind per stack; and the trainable elements no
+    gradient reaches (``_unreached_numel``).
 
     The transient is what the forward holds at its highest beyond what it keeps for
     backward by then, with the share of all it keeps that it keeps by then
-    (``_forward_transient``); and the trainable elements no gradient reaches
-    (``_unreached_numel``)."""
+    (``_forward_transient``). The largest kind matters where kinds differ: a hybrid's
+    linear-attention block keeps ten times its full-attention block (Qwen3-Next), and
+    checkpointing recomputes one block at a time (27% under with their mean)."""
     import contextlib
     import warnings
 
@@ -171,7 +187,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
     spec = config.precision_spec
     target = "cuda" if device.allocator == "cuda" else "cpu"
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    out: list[tuple[list[float], int, tuple[int, float], list[int]]] = []
+    out: list[_AtShape] = []
     dead = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -215,6 +231,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 if device.allocator != "cuda":  # the graph's own host memory, as simulated
                     total += graph_host_bytes(loss)
                 transient = _forward_transient(log, alive)
+                heights = _block_heights(log, spans)
                 if not out:  # (the graph is the same at every shape)
                     dead = _unreached_numel(loss, model, stacks)
                 del data, kwargs
@@ -228,15 +245,18 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 model.zero_grad(set_to_none=True)
             for h in handles:
                 h.remove()
-            per_block, at = [], 0
+            per_block, largest, highest, at = [], [], [], 0
             blocks = 0.0
             for kept, kinds, n in stacks:
                 mine = per_kind[at:at + len(kept)]
+                highest.append(float(max(heights[at:at + len(kept)])))
                 at += len(kept)
                 stack = sum(b * c for b, (_, c) in zip(mine, kinds, strict=True))
                 per_block.append(stack / n)  # the kept blocks stand for all of their kind
+                largest.append(float(max(mine)))
                 blocks += stack
-            out.append((per_block, int(total - sum(per_kind) + blocks), transient, block_bwd))
+            out.append(_AtShape(per_block, largest, highest,
+                                int(total - sum(per_kind) + blocks), transient, block_bwd))
     return out, dead
 
 
@@ -253,6 +273,23 @@ def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
         handles.append(blk.register_full_backward_pre_hook(
             lambda _m, _g, i=i: back.__setitem__(i, len(rec._log))))
     return handles
+
+
+def _block_heights(log: list[tuple[str, Record, str]], spans: list[list[int]]) -> list[int]:
+    """Per kept block, the most bytes (weights apart) alive during its forward above what
+    was alive when it started: what it keeps and its scratch at their highest together.
+    Checkpointing's recompute reaches it again in backward: Qwen3-Next's chunked delta
+    rule is 21% above what its block keeps."""
+    live, series = 0, []
+    for kind, r, _ in log:
+        if r.category != Component.WEIGHTS:
+            live += r.size if kind == "alloc" else -r.size
+        series.append(live)
+    out = []
+    for a, b in spans:
+        start = series[a - 1] if a > 0 else 0
+        out.append(max(series[a:b], default=start) - start)
+    return out
 
 
 def _block_backward(log: list[tuple[str, Record, str]], back: list[int], grads: set[int],
@@ -371,28 +408,29 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
             f"{info.name}: its step makes tensors whose shapes depend on values ({e.op}), "
             "which neither estimate can follow; measure it ("
             + fix("autofit measure", "autofit.measure") + ")", e.op) from None
-    if any(len(per_block) != len(roles) for per_block, _, _, _ in at):
+    if any(len(a.per_block) != len(roles) for a in at):
         raise BadInputError(f"{info.name}: its stacks of blocks are not the ones it "
                             "describes; use " + _simulate())
-    lays = [_solve([per_block[k] for per_block, _, _, _ in at]) for k in range(len(roles))]
-    base_vals = [total - sum(p * c for p, c in zip(per_block, counts, strict=True))
-                 for per_block, total, _, _ in at]
+    lays = [_solve([a.per_block[k] for a in at]) for k in range(len(roles))]
+    largest = [_solve([a.largest[k] for a in at]) for k in range(len(roles))]
+    highest = [_solve([a.block_forward[k] for a in at]) for k in range(len(roles))]
+    base_vals = [a.total - sum(p * c for p, c in zip(a.per_block, counts, strict=True))
+                 for a in at]
     bas = _solve(base_vals)
-    fwd = _solve([float(transient) for _, _, (transient, _), _ in at])
-    bwds = [_solve([float(block_bwd[k]) for _, _, _, block_bwd in at])
-            for k in range(len(roles))]
+    fwd = _solve([float(a.transient[0]) for a in at])
+    bwds = [_solve([float(a.block_backward[k]) for a in at]) for k in range(len(roles))]
     # the share of the activations made by the forward's peak: an encoder-decoder's
     # peak in its encoder comes before any decoder activation (Pegasus-X's padded blocks:
     # 23% over with all of them); the largest over the four shapes. Elsewhere all of them:
     # where a one-stack model's peak falls moves with the shape (CTRL's classifier: its
     # share at the four shapes made it 9.2% under)
-    fwd["share"] = (max(share for _, _, (_, share), _ in at) if info.is_encoder_decoder
-                    else 1.0)
+    fwd["share"] = (max(a.transient[1] for a in at) if info.is_encoder_decoder else 1.0)
     if config.precision_spec.autocast:
         # autocast's 16-bit weight copies, alive at the loss, are counted apart (per block
         # of a stack: its share of the blocks' matmul weights)
-        for lay, role, count in zip(lays, roles, counts, strict=True):
-            lay["F"] -= 2 * _matmul_numel(info, role) / count
+        for role, count, *fits in zip(roles, counts, lays, largest, highest, strict=True):
+            for fit in fits:
+                fit["F"] -= 2 * _matmul_numel(info, role) / count
         if not config.chunked_loss and (info.quant is None or info.dtype == "float32"):
             bas["F"] -= info.head_numel * 2  # (a 16-bit head is used as it is)
 
@@ -402,6 +440,10 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
 
     coef: dict[str, Any] = {
         "layer": layer(lays[0]),
+        # the largest kind of block (a hybrid's): what checkpointing recomputes at a time
+        "layer_largest": _form(largest[0]),
+        # ... and a block forward's highest point (what the recompute reaches again)
+        "block_forward": _form(highest[0]),
         "base": {"h": 0.0, "V": 0.0, "c0": bas["a"], "T": bas["b"], "s": bas["s"],
                  "F": max(bas["F"], 0.0)},
         # the forward's transient above what it keeps (``_forward_transient``)
@@ -415,6 +457,8 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
         coef["layer_decoder"] = layer(lays[1])
         coef["block_backward_decoder"] = _form(bwds[1])
+        coef["layer_largest_decoder"] = _form(largest[1])
+        coef["block_forward_decoder"] = _form(highest[1])
     memory[key] = coef
     _store(key, coef)
     return coef
@@ -452,7 +496,9 @@ def _valid(coef: object) -> bool:
     if not isinstance(coef, dict) or coef.get("derived") is not True:
         return False
     parts = ["layer", "base"] + [p for p in ("layer_decoder", "forward", "block_backward",
-                                             "block_backward_decoder") if p in coef]
+                                             "block_backward_decoder", "layer_largest",
+                                             "layer_largest_decoder", "block_forward",
+                                             "block_forward_decoder") if p in coef]
     for part in parts:
         names = ("c0", "T", "s", "F")
         d = coef.get(part)
