@@ -423,8 +423,8 @@ def autofit(
     seen = script_data(dataset, max_seq_len, options, reasons)
     probed = probe(spec, seen, device, options, reasons, warm_trials=True)
     scope = _space(probed, target_batch_size, options, reasons)
-    estimator = _estimator(probed, options, progress, reasons)
     whole = WholeRun(probed, scope.base_args, options)
+    estimator = _estimator(probed, options, progress, reasons, whole)
     kept = _margin(probed, scope.space, estimator, margin, whole, progress)
     runner = _trial_runner(probed, options, estimator, reasons, kept, whole)
     recorder, key = _study(probed, scope.space, kept.fraction, objective, runner, options)
@@ -588,9 +588,10 @@ class _Estimator:
 
 
 def _estimator(probed: Probed, options: TuneOptions, progress: Callable[[str], None] | None,
-               reasons: list[str]) -> _Estimator:
+               reasons: list[str], whole: WholeRun) -> _Estimator:
     """Stage 3: the closed form, or on a present device with ``method='simulate'`` the
-    simulated step's peak line per combination."""
+    simulated step's peak line per combination; on a CPU, + what the run's other lengths
+    leave of oneDNN's 16-bit kernels (``WholeRun.half_growth``)."""
     from autofit.memory.ranks import estimate_analytic
     from autofit.search.speed import predict_speed
 
@@ -609,9 +610,9 @@ def _estimator(probed: Probed, options: TuneOptions, progress: Callable[[str], N
 
         reasons.append("estimates: the simulated step (a line through micro batches 1, 2 and "
                        "4 per combination), confirmed by trials")
-        return _Estimator(simulated_estimate(probed.module, probed.task, info, dev, seq,
-                                             progress, layout), speed)
-    return _Estimator(analytic, speed)
+        return _Estimator(whole.counted(simulated_estimate(
+            probed.module, probed.task, info, dev, seq, progress, layout)), speed)
+    return _Estimator(whole.counted(analytic), speed)
 
 
 def _margin(probed: Probed, space: SearchSpace, estimator: _Estimator, margin: float | None,
@@ -706,16 +707,18 @@ def _device_trials(probed: Probed, options: TuneOptions, kept: RunMargin | None 
                 batches[b] = {k: v[:b].clone() for k, v in longest.items()}
             else:
                 batches[b] = rows(b, options.collator)
-        return measure(probed.model, config, batches[b], device=probed.device, task=probed.task,
-                       isolation=options.isolation, timeout_s=options.trial_timeout_s,
-                       attn_implementation=spec.attn_implementation, lora=spec.lora,
-                       quantization_config=spec.quant,
-                       run=trial_run(probed, config, kept, None, options, whole,
-                                     outpaced_below=outpaced_below),
-                       progress=rank_progress,
-                       **({"deepspeed_config": recipe.deepspeed_for(
-                           b, config.grad_accum_steps, config.world_size)} if recipe_ds else {}),
-                       **({} if timed_steps is None else {"measure_steps": timed_steps}))
+        result = measure(probed.model, config, batches[b], device=probed.device,
+                         task=probed.task, isolation=options.isolation,
+                         timeout_s=options.trial_timeout_s,
+                         attn_implementation=spec.attn_implementation, lora=spec.lora,
+                         quantization_config=spec.quant,
+                         run=trial_run(probed, config, kept, None, options, whole,
+                                       outpaced_below=outpaced_below),
+                         progress=rank_progress,
+                         **({"deepspeed_config": recipe.deepspeed_for(b, config.grad_accum_steps,
+                             config.world_size)} if recipe_ds else {}),
+                         **({} if timed_steps is None else {"measure_steps": timed_steps}))
+        return whole.with_growth(result, config)
 
     def digest(largest: int) -> str:
         """The content of every batch a trial can be fed: the ``largest`` longest rows (each

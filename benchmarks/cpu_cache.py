@@ -2,6 +2,8 @@
 
     python benchmarks/cpu_cache.py                 # the default shapes, fp32 and bf16
     python benchmarks/cpu_cache.py 512x256x3072x8192 2048x1024x4096x0
+    python benchmarks/cpu_cache.py --half          # 16-bit: what each matmul shape keeps
+    python benchmarks/cpu_cache.py --growth        # ... over a run of new lengths (tiny-gpt2)
 
 Each shape ``NxHxIxV`` (tokens, hidden, feed-forward, vocabulary; 0: no LM head) runs in
 a fresh child under the measuring environment of ``benchmarks/measure_cpu.py`` (glibc's
@@ -13,6 +15,12 @@ keep (MKL's packing buffers for fp32, oneDNN's primitive cache and scratch for 1
 The rule is ``autofit.memory.analytic.cpu_library_cache_bytes`` for a model of those
 sizes on this CPU's instruction set: a row where the rule is below the residue is an
 underestimate.
+
+``--half`` measures the 16-bit side per matmul shape: ``n`` linears of distinct widths
+(256 -> 8, 16, ...) at 512 rows, and one 256 -> 256 linear at ``n`` row counts (a run's
+sequence lengths), each forward and backward in bf16 (three matmuls per linear). oneDNN
+keeps a primitive and its JIT-compiled kernels per shape, so the residue grows with the
+shapes, not with their sizes; the rule is given the shapes (``half_matmuls``).
 
 NB: the libraries keep buffers per thread; autofit's trials and this harness run one.
 """
@@ -58,6 +66,112 @@ print(json.dumps(rss() - base))
 """
 
 
+_HALF_CHILD = r"""
+import gc, json, sys, torch
+torch.set_num_threads(1)
+def rss():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * 4096
+def linear(m, k, n):
+    x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, k, dtype=torch.bfloat16, requires_grad=True)
+    torch.nn.functional.linear(x, w).float().sum().backward()
+    del x, w
+    gc.collect()
+linear(1, 8, 8)
+base = rss()
+for m, k, n in json.loads(sys.argv[1]):
+    linear(m, k, n)
+print(json.dumps(rss() - base))
+"""
+
+_GROWTH_CHILD = r"""
+import gc, json, sys, torch
+sys.path.insert(0, sys.argv[3])
+from transformers import AutoModelForCausalLM
+from autofit.probe.model import load_config
+torch.set_num_threads(1)
+def rss():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * 4096
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(load_config("tiny-gpt2"))
+opt = torch.optim.AdamW(model.parameters())
+half, lengths = sys.argv[1] == "bf16", json.loads(sys.argv[2])
+def step(t):
+    x = torch.randint(0, model.config.vocab_size, (2, t))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+        loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    del loss
+    gc.collect()
+step(lengths[0])
+step(lengths[0])
+base = rss()
+for t in lengths[1:]:
+    step(t)
+print(json.dumps(rss() - base))
+"""
+
+GROWTH_LENGTHS = list(range(64, 64 + 21))  # the first twice, then 20 new lengths
+
+
+def growth() -> None:
+    """tiny-gpt2 trained at micro batch 2 over 20 new lengths, bf16-mixed and 32-true: what
+    the run kept above its first length, beside ``cpu_half_run_bytes``."""
+    from measure_cpu import CHILD_ENV
+
+    from autofit.config import TrainConfig
+    from autofit.memory.analytic import cpu_half_run_bytes
+    from autofit.probe.device import resolve_device
+    from autofit.probe.model import probe_model
+
+    info = probe_model("tiny-gpt2")
+    new = len(GROWTH_LENGTHS) - 1
+    print(f"| tiny-gpt2, micro batch 2, {new} new lengths | kept MiB | rule MiB |")
+    print("|---|---|---|")
+    for dtype, precision in (("bf16", "bf16-mixed"), ("fp32", "32-true")):
+        out = subprocess.run([sys.executable, "-c", _GROWTH_CHILD, dtype,
+                              json.dumps(GROWTH_LENGTHS), str(HERE.parent)],
+                             capture_output=True, text=True, check=True,
+                             env={**os.environ, **CHILD_ENV})
+        kept = int(json.loads(out.stdout.strip().splitlines()[-1]))
+        rule = cpu_half_run_bytes(info, TrainConfig(micro_batch_size=2, precision=precision),
+                                  resolve_device("cpu"), new)
+        print(f"| {precision} | {kept / 2**20:.1f} | {rule / 2**20:.1f} |")
+
+
+# (what varies, how many): distinct widths at 512 rows, or one width at distinct rows
+HALF_CASES = [("widths", 1), ("widths", 10), ("widths", 40), ("rows", 10), ("rows", 100)]
+
+
+def half_residue(vary: str, n: int) -> tuple[int, int]:
+    """(residue bytes, matmul shapes) of ``n`` bf16 linears differing in ``vary``."""
+    from measure_cpu import CHILD_ENV
+
+    lins = ([(512, 256, 8 * (i + 1)) for i in range(n)] if vary == "widths"
+            else [(100 + 10 * i, 256, 256) for i in range(n)])
+    out = subprocess.run([sys.executable, "-c", _HALF_CHILD, json.dumps(lins)],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, **CHILD_ENV})
+    return int(json.loads(out.stdout.strip().splitlines()[-1])), 3 * len(lins)
+
+
+def half_rule(shapes: int) -> int:
+    from autofit.config import TrainConfig
+    from autofit.memory.analytic import cpu_library_cache_bytes
+    from autofit.probe.device import resolve_device
+    from autofit.probe.model import probe_model
+
+    info = probe_model("tiny-llama")  # one block of one 256 -> 256 linear, no LM head
+    block = dataclasses.replace(info.blocks[0], count=1, linears=(("l", 256, 256, False),))
+    info = dataclasses.replace(info, task="seq-cls", vocab_size=None, blocks=(block,))
+    return cpu_library_cache_bytes(info, TrainConfig(micro_batch_size=1, precision="bf16-true"),
+                                   1, resolve_device("cpu"), half_matmuls=shapes)
+
+
 def residue(shape: str, dtype: str) -> int:
     from measure_cpu import CHILD_ENV
 
@@ -74,19 +188,36 @@ def rule(shape: str, dtype: str) -> int:
 
     N, H, ffn, V = map(int, shape.split("x"))
     info = probe_model("tiny-llama")  # one block of these sizes and the head
-    block = dataclasses.replace(info.blocks[0], hidden_size=H, intermediate_size=ffn, count=1)
+    block = dataclasses.replace(info.blocks[0], hidden_size=H, intermediate_size=ffn, count=1,
+                                linears=(("attn", H, H, False), ("up", H, ffn, False),
+                                         ("down", ffn, H, False)))
     info = dataclasses.replace(info, task="causal-lm" if V else "seq-cls",
                                vocab_size=V or None, hidden_size=H, blocks=(block,))
     precision = "32-true" if dtype == "float32" else "bf16-true"
+    # the child's matmul shapes: per linear k -> n its forward, input and weight gradients
+    shapes = {s for k, n in ((H, H), (H, ffn), (ffn, H)) + (((H, V),) if V else ())
+              for s in (((N, k), (k, n)), ((N, n), (n, k)), ((n, N), (N, k)))}
     return cpu_library_cache_bytes(info, TrainConfig(micro_batch_size=N, precision=precision), 1,
-                                   resolve_device("cpu"))
+                                   resolve_device("cpu"), half_matmuls=len(shapes))
 
 
 def main() -> None:
     from autofit.probe.device import cpu_capability
 
-    shapes = sys.argv[1:] or SHAPES
     print(f"instruction set: {cpu_capability()}\n")
+    if sys.argv[1:] == ["--growth"]:
+        growth()
+        return
+    if sys.argv[1:] == ["--half"]:
+        print("| bf16 linears | matmul shapes | residue MiB | rule MiB | rule - residue |")
+        print("|---|---|---|---|---|")
+        for vary, n in HALF_CASES:
+            got, shapes = half_residue(vary, n)
+            want = half_rule(shapes)
+            print(f"| {n} of distinct {vary} | {shapes} | {got / 2**20:.2f} | "
+                  f"{want / 2**20:.2f} | {(want - got) / 2**20:+.2f} |")
+        return
+    shapes = sys.argv[1:] or SHAPES
     print("| tokens x hidden x feed-forward x vocabulary | dtype | residue MiB | rule MiB | rule - residue |")
     print("|---|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):

@@ -133,12 +133,17 @@ def test_resume_after_a_killed_run(tiny_llama, data, monkeypatch):
 
 
 def test_constraints_respected(tiny_llama, data):
-    r = autofit(tiny_llama, data, device=CAP, target_batch_size=8, precision=["bf16-mixed"],
-                optimizer=["sgd"], gradient_checkpointing=True, max_micro_batch=2, cache=False)
+    # (bf16 on a CPU: the run's ~20 other lengths each leave oneDNN's kernels of every
+    # matmul shape, ~10 MiB apiece here: it needs ~330 MiB where 32-true fits 160)
+    r = autofit(tiny_llama, data, device="cpu:512MiB", target_batch_size=8,
+                precision=["bf16-mixed"], optimizer=["sgd"], gradient_checkpointing=True,
+                max_micro_batch=2, cache=False)
     c = r.config
     assert (c.precision, c.optimizer, c.gradient_checkpointing) == ("bf16-mixed", "sgd", True)
     assert c.micro_batch_size <= 2 and c.effective_batch_size == 8
     assert all(t.config["precision"] == "bf16-mixed" for t in r.trials)
+    assert any("oneDNN's 16-bit kernels for the run's" in x for x in r.reasons), r.reasons
+    assert r.estimate.run_device_total_bytes > r.estimate.device_total_bytes + (50 << 20)
 
 
 def test_nothing_fits_says_what_would(data):

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -110,9 +111,62 @@ class WholeRun:
         self.plan = RunPlan.of(base_args)
         self._eval: dict[tuple[TrainConfig, float], tuple[int | None, list[str]]] = {}
         self._sim: Simulator | None = None
+        self._growth: dict[TrainConfig, tuple[int, int]] = {}
 
     def order(self, config: TrainConfig) -> Any:
         return self.plan.order(self.probed.data.lengths, config, None)
+
+    def half_growth(self, config: TrainConfig) -> tuple[int, int]:
+        """(bytes, shapes): what the run's other micro-batch shapes (samples x padded
+        length) add above its longest step on a CPU whose 16-bit matmuls run on oneDNN
+        (``memory.analytic.cpu_half_run_bytes``: kept for good, one set of kernels per
+        shape), with the evaluations' forwards when the run evaluates; (0, 0) elsewhere."""
+        from autofit.memory.analytic import cpu_half_run_bytes
+
+        p = self.probed
+        if p.device.allocator == "cuda" or len(set(p.data.lengths)) < 2:
+            return 0, 0
+        if config not in self._growth:
+            shapes = len(self.order(config).distinct()) - 1
+            extra = cpu_half_run_bytes(p.info, config, p.device, shapes)
+            if extra and self.plan.eval_steps is not None:
+                extra += cpu_half_run_bytes(p.info, config, p.device, shapes + 1,
+                                            forward_only=True)
+            self._growth[config] = (extra, shapes)
+        return self._growth[config]
+
+    def counted(self, step: Callable[[TrainConfig], int]) -> Callable[[TrainConfig], int]:
+        """``step`` (config -> the step's device total) + ``half_growth`` on a CPU."""
+        if self.probed.device.allocator == "cuda":
+            return step
+        return lambda config: step(config) + self.half_growth(config)[0]
+
+    def with_growth(self, result: Any, config: TrainConfig) -> Any:
+        """A trial's ``TrialResult`` with ``half_growth`` added to its device totals (step
+        and evaluation): the run's shapes the trial did not run itself (its replayed
+        lengths ran theirs), with a note saying so."""
+        import dataclasses
+
+        from autofit.memory.analytic import cpu_half_run_bytes
+        from autofit.probe.device import format_bytes
+
+        extra, shapes = self.half_growth(config)
+        if not extra or result.device_total_bytes is None:
+            return result
+        order = self.order(config)
+        ran = len(set(zip(order.sizes[:result.run_steps], order.lengths[:result.run_steps],
+                          strict=True)) - {order.distinct()[0]})
+        if ran:
+            p = self.probed
+            extra = max(0, extra - cpu_half_run_bytes(p.info, config, p.device, ran))
+        note = (f"+ {format_bytes(extra)} for the run's {shapes - ran} micro-batch shapes "
+                "the trial did not run: on this CPU oneDNN keeps its 16-bit kernels of every "
+                "matmul shape for good")
+        ev = result.eval_device_total_bytes
+        return dataclasses.replace(
+            result, device_total_bytes=result.device_total_bytes + extra,
+            eval_device_total_bytes=ev + extra if ev is not None else None,
+            notes=(*result.notes, note))
 
     def eval_batch(self, config: TrainConfig, margin: float,
                    reasons: list[str] | None = None) -> int | None:
@@ -231,18 +285,25 @@ def whole_run(probed: Probed, engine: Engine, outcome: SearchOutcome, est: Memor
     best = outcome.choice
     b = config.micro_batch_size
     measured = best.measured.get(b) if best is not None and outcome.confirmed else None
+    # on a CPU in 16-bit: the kernels the run's other lengths leave (in the engine's
+    # estimates and a trial's figures already: ``WholeRun.with_growth``)
+    growth, shapes = whole.half_growth(config)
     step = measured if measured is not None else (
-        engine.estimated(best, b) if best is not None else est.device_total_bytes)
+        engine.estimated(best, b) if best is not None else est.device_total_bytes + growth)
     evaluation = (estimate_eval(info, eval_micro, seq, dev, training=config,
                                 generate_max_new_tokens=whole.options.generate_max_new_tokens)
                   .device_total_bytes if eval_micro is not None else 0)
+    evaluation += growth if evaluation else 0
     predicted = max(step + extra, eval_need if eval_need is not None else evaluation)
-    total = max(est.device_total_bytes + extra, evaluation)
+    total = max(est.device_total_bytes + growth + extra, evaluation)
     est = dataclasses.replace(est, run_device_total_bytes=total,
                               run_peak_reserved_bytes=total - dev.overhead_bytes,
                               fits=total <= est.capacity_bytes)
     source = f"{'measured' if measured is not None else 'estimated'} step {format_bytes(step)}"
     parts = [source] + ([f"+ {format_bytes(extra)} over the run"] if extra else [])
+    if growth:
+        parts.append(f"with {format_bytes(growth)} of oneDNN's 16-bit kernels for the run's "
+                     f"{shapes} other micro-batch shapes, kept for good on this CPU")
     reasons.append(f"whole run: needs ~{format_bytes(predicted)} of "
                    f"{format_bytes(dev.capacity_bytes)} ({' '.join(parts)}"
                    + (f"; an evaluation at eval batch {eval_micro} "

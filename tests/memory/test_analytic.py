@@ -190,10 +190,19 @@ def test_cpu_library_cache_rules(info):
     assert cache("AVX512", batch=64, seq=32) == (2 << 20) + packed + 4 * 2048 * 64
     assert cache("AVX512", batch=1, seq=8) == (1 << 20) + 4 * (64 * 64 + 64 * 160) + (
         (2 << 20) * 8 // 384)  # 8 rows: the head's buffer at most 2 MiB x 8 / 384
-    # 16-bit: oneDNN's 10 MiB + the weights it reorders (one per size: the block's linear
-    # layers, grouped-query keys and values 64 x 32 among them)
-    assert cache("AVX512", precision="bf16-mixed") == (10 << 20) + 2 * 64 * (
-        64 + 32 + 160 + 512)
+    # 16-bit: oneDNN's 5.5 MiB + 0.75 MiB per matmul shape + a sixth of the largest weight.
+    # Each trained weight runs its forward, input gradient and weight gradient; shapes met
+    # twice count once: q/o 64 x 64 (forward = input gradient) 2, grouped-query k/v 32 x 64
+    # 3, gate/up 160 x 64 3, down 64 x 160 1 (its forward and input gradient are up's), head
+    # 512 x 64 3
+    MiB = 1 << 20
+    half = cache("AVX512", precision="bf16-mixed")
+    assert half == int(5.5 * MiB) + 12 * int(0.75 * MiB) + 2 * 64 * 512 // 6
+    # the simulation's count of the step's matmul shapes stands in for the weights' when given
+    assert cpu_library_cache_bytes(info, TrainConfig(precision="bf16-mixed"), 32, cpu,
+                                   capability="AVX512", half_matmuls=40) == (
+        half + 28 * int(0.75 * MiB))
+    assert cache("AVX512", precision="bf16-mixed", batch=64) == half  # not the rows
     # an instruction set never measured: the larger rule
     for kw in ({}, {"batch": 64, "seq": 1024}, {"precision": "bf16-mixed"}):
         assert cache("SVE256", **kw) == max(cache("AVX2", **kw), cache("AVX512", **kw))

@@ -18,7 +18,7 @@ from autofit.memory.analytic._closed_form import (
     cuda_reserved_bytes,
     estimate_analytic,
 )
-from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes
+from autofit.memory.analytic._cpu_cache import cpu_half_run_bytes, cpu_library_cache_bytes
 from autofit.memory.analytic._levers import (
     chunked_loss_bytes,
     compile_saving_bytes,
@@ -37,4 +37,5 @@ __all__ = ["estimate_analytic", "analytic_phases", "AnalyticTerms", "cuda_reserv
            "weights_bytes", "gradients_bytes", "optimizer_state_bytes",
            "quantized_weight_bytes", "int8_kept_bytes",
            "chunked_loss_bytes", "loss_chunk_rows", "pinned_bytes", "offload_note", "offloaded_bytes",
-           "compile_saving_bytes", "cpu_library_cache_bytes", "derived_coefficients"]
+           "compile_saving_bytes", "cpu_half_run_bytes", "cpu_library_cache_bytes",
+           "derived_coefficients"]

@@ -171,6 +171,10 @@ class AnalyticTerms:
     loss_temp: float
     block_bwd_temp: float
     derived: bool = False  # coefficients derived from the model, not the fitted table
+    # derived: the 16-bit matmuls of distinct shapes the model's step runs (its PEFT
+    # method's own among them: DoRA's norms, LoHa's and OFT's products); None: from the
+    # weights (``cpu_library_cache_bytes``)
+    half_matmuls: int | None = None
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,8 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
                          copies_head=saved.copies_head, G=G, S=S, G_held=G_held,
                          opt_temp=opt_temp, A=saved.A, A_base=saved.A_base,
                          A_transient=saved.A_transient, loss_temp=loss_temp,
-                         block_bwd_temp=block_bwd_temp, derived=bool(c.get("derived")))
+                         block_bwd_temp=block_bwd_temp, derived=bool(c.get("derived")),
+                         half_matmuls=c.get("half_matmuls"))
 
 
 def _derived_block_backward(info: ModelInfo, config: TrainConfig, T: int, c: dict) -> float:
@@ -457,7 +462,8 @@ def estimate_analytic(
     T = seq_len
     phase, (peak_alloc, parts) = max(phases.items(), key=lambda kv: kv[1][0])
     parts = {k: int(v) for k, v in parts.items()}
-    lib_cache = cpu_library_cache_bytes(info, config, seq_len, device)  # the whole step
+    lib_cache = cpu_library_cache_bytes(info, config, seq_len, device,  # the whole step
+                                        half_matmuls=terms.half_matmuls)
     parts[Component.TEMPORARIES] += lib_cache
     peak_alloc = int(peak_alloc) + lib_cache
 

@@ -24,8 +24,14 @@ if TYPE_CHECKING:  # pragma: no cover
 #   a 3 MiB feed-forward then an 8 MiB head leave 12.4 MiB), at 1024 rows and more one for
 #   the packed activations too; below ~400 rows at most 2 MiB x rows / 384 per such
 #   weight and half the floor (an 8-bit LoRA trial at 128 rows: within 0.6%). 16-bit
-#   matmuls go to oneDNN: ~10 MiB of primitive cache and scratch + the weights it
-#   reorders, at most 9 MiB of them (10.5-18.3 MiB measured on one block and a head).
+#   matmuls go to oneDNN, which keeps a primitive and its JIT-compiled kernels per
+#   matmul shape -- operands' shapes, the rows too (``benchmarks/cpu_cache.py --half``):
+#   5.5 MiB once, 0.6-0.75 MiB per shape, the more the wider (a linear's forward and
+#   backward are three; 40 linears 256 -> 8..320 left 76 MiB, one 256 -> 256 linear run
+#   at 100 lengths 216 MiB, tiny-gpt2's 15 shapes 11.2 MiB a new length: ``--growth``):
+#   0.75 is taken; and up to 5 MiB more for the largest weight it reorders (4096 x 4096:
+#   11.0 MiB in all). A hybrid's linear-attention block brings many shapes (OLMo-hybrid,
+#   Qwen3-Next: 4-7% under with a flat 10 MiB).
 # An unknown instruction set takes the larger of the two rules.
 _CPU_LIB_CACHE_MAX = 14 << 20  # bytes (AVX2)
 _CPU_LIB_CACHE_SHARE = 0.5  # of the widest matmul output (AVX2)
@@ -35,17 +41,22 @@ _AVX512_PACK_MAX = 15 << 20  # bytes of one packing buffer, at most
 _AVX512_SMALL_MAX = 2 << 20  # ... at 384 rows (less below: 128 rows kept 1.7 MiB in all)
 _AVX512_FLOOR = 2 << 20  # what any fp32 step leaves
 _AVX512_ACT_ROWS = 1024  # rows from which the activations are packed too
-_AVX512_HALF = 10 << 20  # oneDNN's primitive cache and scratch for 16-bit matmuls
-_AVX512_HALF_WEIGHTS = 9 << 20  # + the 16-bit weights it reorders, at most
+_AVX512_HALF = int(5.5 * (1 << 20))  # oneDNN's state for 16-bit matmuls, once
+_AVX512_HALF_SHAPE = int(0.75 * (1 << 20))  # + per matmul shape (a primitive, its kernels)
+_AVX512_HALF_REORDER = 6  # + the largest 16-bit weight's bytes / this ...
+_AVX512_HALF_REORDER_MAX = 5 << 20  # ... at most
 
 
 def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
-                            device: DeviceInfo, capability: str | None = None) -> int:
+                            device: DeviceInfo, capability: str | None = None,
+                            half_matmuls: int | None = None) -> int:
     """Bytes the CPU's math libraries keep cached through a training step (0 on CUDA), by
     this CPU's instruction set (``capability``: ``autofit.probe.device.cpu_capability()``
     when ``None``; the rules are in the comment above). Not a tensor, so neither the
     analytic closed form nor the simulated allocation stream sees it otherwise (up to 7%
-    of a small model's step: issue 25).
+    of a small model's step: issue 25). ``half_matmuls``: the 16-bit matmuls of distinct
+    shapes the step runs, as the simulation counts them (None: from the model's linear
+    layers, ``_half_matmul_shapes``).
 
         >>> from autofit.probe.model import probe_model
         >>> from autofit.probe.device import resolve_device
@@ -92,7 +103,11 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
     avx2 = int(min(_CPU_LIB_CACHE_MAX, _CPU_LIB_CACHE_SHARE * tokens * widest * elem)
                * min(1.0, tokens / _CPU_LIB_CACHE_FULL_TOKENS))
     if half:
-        avx512 = _AVX512_HALF + min(_AVX512_HALF_WEIGHTS, sum(2 * w for w in set(weights)))
+        if half_matmuls is None:
+            half_matmuls = _half_matmul_shapes(info, lm)
+        avx512 = (_AVX512_HALF + _AVX512_HALF_SHAPE * half_matmuls
+                  + min(_AVX512_HALF_REORDER_MAX, 2 * max(weights, default=0)
+                        // _AVX512_HALF_REORDER))
     else:
         if tokens >= _AVX512_PACK_ROWS:
             cap, avx512 = _AVX512_PACK_MAX, _AVX512_FLOOR
@@ -110,6 +125,56 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
     if capability.startswith("AVX512"):
         return avx512
     return max(avx2, avx512)
+
+
+def cpu_half_run_bytes(info: ModelInfo, config: TrainConfig, device: DeviceInfo, shapes: int,
+                       *, forward_only: bool = False, capability: str | None = None) -> int:
+    """What ``shapes`` more micro-batch shapes (samples x padded length) than a step's one
+    add over a run, on a CPU whose 16-bit matmuls run on oneDNN: its kernels for every
+    matmul shape of the step again (the rows are part of the shape), never given back.
+    Measured (``benchmarks/cpu_cache.py --half``): tiny-gpt2 in bf16-mixed at micro batch
+    2, 15 matmul shapes a step, +11.3 MiB for every new length, +680 MiB over 60 lengths
+    (32-true: +10 MiB in all); a user's script under glibc's default thresholds kept 3x
+    that. 0 on CUDA, in fp32, or on AVX2 (not measured there). ``forward_only``: an
+    evaluation's forwards (a shape per weight shape, not three)."""
+    if device.allocator == "cuda" or shapes <= 0:
+        return 0
+    spec = config.precision_spec
+    if not (spec.autocast or spec.param_dtype != "float32"):
+        return 0
+    if capability is None:
+        from autofit.probe.device import cpu_capability
+
+        capability = cpu_capability()
+    if capability == "AVX2":
+        return 0
+    lm = (info.task != "seq-cls" and info.vocab_size is not None and not config.chunked_loss
+          and config.loss_impl != "trl")
+    per_step = _half_matmul_shapes(info, lm, forward_only=forward_only)
+    return shapes * per_step * _AVX512_HALF_SHAPE
+
+
+def _half_matmul_shapes(info: ModelInfo, lm: bool, *, forward_only: bool = False) -> int:
+    """The matmuls of distinct shapes a step runs, from the model's 2-D weights (``M``: the
+    micro batch's rows): per weight ``out x in`` its forward ``(M, in) @ (in, out)``, its
+    input's gradient ``(M, out) @ (out, in)`` and, where it is trained, its own
+    ``(out, M) @ (M, in)``; the same shape twice is one (a square weight's forward and
+    input gradient; a LoRA A's and its B's): 14 for LoRA on a small llama's q and v, as
+    the simulation counts them. The LM head among them, tied or not; attention's own
+    matmuls are not counted (the simulation counts every one)."""
+    weights: dict[tuple[int, ...], bool] = {}
+    for g in info.params:
+        if len(g.shape) == 2 and (g.role in ("linear", "lora") or (
+                lm and g.role == "embedding" and g.shape[0] == info.vocab_size)):
+            weights[g.shape] = weights.get(g.shape, False) or g.trainable
+    shapes: set[tuple] = set()
+    for (out, inp), trained in weights.items():
+        shapes.add(("M", inp, out))
+        if not forward_only:
+            shapes.add(("M", out, inp))
+            if trained:
+                shapes.add((out, "M", inp))
+    return len(shapes)
 
 
 def _block_matmuls(b: BlockSpec) -> list[tuple[int, int]]:

@@ -151,6 +151,7 @@ class _AtShape(NamedTuple):
     total: int  # alive at the loss in all
     transient: tuple[int, float]  # the forward's transient and its share (_forward_transient)
     block_backward: list[int]  # per stack, a block backward's scratch (_block_backward)
+    half_matmuls: int  # the 16-bit matmuls of distinct shapes (StorageRecorder.half_matmuls)
 
 
 def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, device: DeviceInfo
@@ -256,7 +257,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 largest.append(float(max(mine)))
                 blocks += stack
             out.append(_AtShape(per_block, largest, highest,
-                                int(total - sum(per_kind) + blocks), transient, block_bwd))
+                                int(total - sum(per_kind) + blocks), transient, block_bwd,
+                                len(rec.half_matmuls)))
     return out, dead
 
 
@@ -451,6 +453,9 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         # a block backward's own scratch (``_block_backward``)
         "block_backward": _form(bwds[0]),
         "derived": True,
+        # the step's 16-bit matmuls of distinct shapes, at one shape (the CPU's oneDNN
+        # caches: ``cpu_library_cache_bytes``; blocks alike run the same ones)
+        "half_matmuls": max(a.half_matmuls for a in at),
     }
     if dead:  # trainable elements without a gradient (no state either)
         coef["no_grad_numel"] = int(dead)

@@ -146,7 +146,8 @@ def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: D
     parts = {k: int(v) for k, v in parts.items()}
     # the CPU math libraries' caches (0 on CUDA), as a single process's estimate adds them:
     # without them the fsdp2-bf16 row on an AVX512 host was 4.8% under
-    lib_cache = cpu_library_cache_bytes(info, config, seq_len, device)
+    lib_cache = cpu_library_cache_bytes(info, config, seq_len, device,
+                                        half_matmuls=terms.half_matmuls)
     parts[Component.TEMPORARIES] = parts.get(Component.TEMPORARIES, 0) + lib_cache
     peak = int(peak) + lib_cache
     reserved = cuda_reserved_bytes(rank.phases, config) if device.allocator == "cuda" else peak

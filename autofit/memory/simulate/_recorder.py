@@ -95,6 +95,9 @@ class StorageRecorder(TorchDispatchMode):
         # > 0 while ops run that allocate nothing on the target (DTensor's sharding
         # propagation computes output metadata on global-shape fake tensors)
         self.paused = 0
+        # the 16-bit matmuls of distinct shapes the step runs (op, operand shapes): on a CPU,
+        # oneDNN keeps a primitive and its JIT-compiled kernels for each (``_cpu_cache``)
+        self.half_matmuls: set[tuple[Any, ...]] = set()
 
     def __enter__(self) -> StorageRecorder:
         if self._depth == 0:
@@ -251,6 +254,11 @@ class StorageRecorder(TorchDispatchMode):
                 f"simulate cannot follow it: use {analytic} or measure it "
                 f"({fix('autofit measure', 'autofit.measure')})", op) from None
         self.num_ops += 1
+        if func in _MATMULS and out.dtype in _HALF and out.numel() * args[-1].shape[-2] > 4096:
+            # (a matmul of at most 16^3 multiply-adds takes torch's own kernel, not oneDNN:
+            # the size check of aten/native/mkldnn/Matmul.cpp)
+            self.half_matmuls.add((func, *(tuple(a.shape) for a in args
+                                           if isinstance(a, torch.Tensor))))
         if isinstance(out, torch.Tensor):
             self.track(out)
             if out.dtype == torch.bool:
@@ -284,6 +292,11 @@ def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | N
 
     return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
 
+
+# the matmuls oneDNN runs for 16-bit operands on a CPU (``half_matmuls``)
+_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                      torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default})
+_HALF = frozenset({torch.bfloat16, torch.float16})
 
 _GROUPED_MM = ({torch.ops.aten._grouped_mm.default: _grouped_mm}
                if hasattr(torch.ops.aten, "_grouped_mm") else {})

@@ -356,7 +356,8 @@ class Simulator:
             from autofit.memory.analytic._levers import offload_note
 
             notes.append(offload_note(host_bytes, host_tensors))
-        est = self._estimate(config, seq_len, replay, num_params, trainable, notes)
+        est = self._estimate(config, seq_len, replay, num_params, trainable, notes,
+                             half_matmuls=len(rec.half_matmuls))
         if host_bytes:
             import dataclasses
 
@@ -381,10 +382,12 @@ class Simulator:
         num_params: int,
         trainable: int,
         notes: list[str],
+        half_matmuls: int | None = None,
     ) -> MemoryEstimate:
         breakdown = {c: int(r.peak_by_category.get(c, 0)) for c in _CATEGORIES}
-        # the CPU math libraries' caches: not tensors, so not in the stream (analytic's rule)
-        lib_cache = self._library_cache(config, seq_len)
+        # the CPU math libraries' caches: not tensors, so not in the stream (analytic's rule,
+        # with the 16-bit matmuls of distinct shapes the step ran)
+        lib_cache = self._library_cache(config, seq_len, half_matmuls)
         breakdown[Component.TEMPORARIES] = breakdown.get(Component.TEMPORARIES, 0) + lib_cache
         allocated = int(r.peak_allocated_bytes) + lib_cache
         reserved = int(r.peak_reserved_bytes) + lib_cache
@@ -410,15 +413,18 @@ class Simulator:
             notes=tuple(notes),
         )
 
-    def _library_cache(self, config: TrainConfig, seq_len: int) -> int:
-        """``cpu_library_cache_bytes`` of this model (0 on a CUDA target or a non-transformer)."""
+    def _library_cache(self, config: TrainConfig, seq_len: int,
+                       half_matmuls: int | None = None) -> int:
+        """``cpu_library_cache_bytes`` of this model (0 on a CUDA target or a non-transformer);
+        ``half_matmuls``: the 16-bit matmuls of distinct shapes the simulated step ran."""
         if self.device.allocator == "cuda":
             return 0
         from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes
         from autofit.probe.model import describe
 
         info = describe(self.module, task=self.task, name=self.model_name)
-        return cpu_library_cache_bytes(info, config, seq_len, self.device)
+        return cpu_library_cache_bytes(info, config, seq_len, self.device,
+                                       half_matmuls=half_matmuls)
 
     def _compiled(self, est: MemoryEstimate, config: TrainConfig, seq_len: int,
                   events: tuple[AllocEvent, ...]) -> MemoryEstimate:
