@@ -221,6 +221,7 @@ def test_simulated_estimate_on_a_present_device(tiny_llama, data, count_trials):
     assert chosen and chosen[-1].fits and r.ooms <= 1 and len(count_trials) <= 3
 
 
+@pytest.mark.slow  # 31 s (the fast suite's ten minutes)
 def test_nothing_fits_for_a_lora_model_suggests_its_base_in_bf16_or_4_bits():
     # LoRA on an 8B model with its frozen base in fp32 (the Trainer's default) does not fit
     # a 40 GB card at 2048 tokens; a bf16 base or a 4-bit base would, and the error says so.

@@ -64,6 +64,7 @@ def test_matrix_peaks_are_between_1_and_60_gib_on_the_h200():
         assert 1 * GiB <= est.device_total_bytes <= 60 * GiB, (s.name, est.device_total_bytes)
 
 
+@pytest.mark.slow
 def test_dry_run_writes_every_result(tmp_path):
     names = f"{gpu_check.MATRIX[0].name},{gpu_check.MATRIX[3].name}"  # llama (1B -> micro), gpt2
     code = gpu_check.main(["--dry-run", "--names", names, "--no-oom-check", "--no-soak",

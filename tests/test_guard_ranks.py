@@ -102,6 +102,7 @@ def _launch(tmp_path, limit: int, timeout: float = 240.0) -> subprocess.Complete
         env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_spike_on_one_rank_splits_both_and_keeps_the_math(tmp_path):
     proc = _launch(tmp_path, limit=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,6 +119,7 @@ def test_a_spike_on_one_rank_splits_both_and_keeps_the_math(tmp_path):
     assert [json.loads(line)["batch_shape"] for line in lines] == [[8, 12]]
 
 
+@pytest.mark.slow
 def test_a_rank_that_cannot_go_on_stops_the_other(tmp_path):
     """Rank 0 cannot fit even one sample: both ranks stop (exit non-zero), none hangs."""
     proc = _launch(tmp_path, limit=0)

@@ -32,6 +32,7 @@ def test_a_given_margin_is_kept_as_given():
     assert m.fraction == 0.2 and "as given" in m.reason
 
 
+@pytest.mark.slow  # 20 s; test_a_plan_for_a_card_carries_the_runs_need_and_why stays fast
 def test_on_a_card_the_margin_is_what_the_replayed_run_adds():
     from autofit.memory.run import simulate_run
     from autofit.memory.simulate import Simulator

@@ -187,10 +187,11 @@ measure({model!r}, TrainConfig(micro_batch_size=1), seq_len=16, device="cpu:1GiB
 """
 
 
-# each signal a fresh script with a trial; SIGKILL (no handler runs) in the fast set
+# each signal a fresh script with a trial; all in the slow set (30 s each, load-sensitive:
+# the fast suite's ten minutes)
 @pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
                                  pytest.param(signal.SIGINT, marks=pytest.mark.slow),
-                                 signal.SIGKILL])
+                                 pytest.param(signal.SIGKILL, marks=pytest.mark.slow)])
 def test_a_script_killed_mid_trial_takes_its_child_and_payload_along(sig, tiny_path, own_tmp):
     parent = subprocess.Popen(
         [sys.executable, "-c", MEASURE_FOREVER.format(model=tiny_path)],
@@ -209,8 +210,8 @@ def test_a_script_killed_mid_trial_takes_its_child_and_payload_along(sig, tiny_p
         _kill(parent, child)
 
 
-# a whole `autofit tune` each; SIGTERM in the fast set, SIGINT (the same clean-up) slow
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143),
+# a whole `autofit tune` each; slow (30 s each: the fast suite's ten minutes)
+@pytest.mark.parametrize("sig, code", [pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow),
                                        pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_cli_tune_stopped_by_a_signal_cleans_up(sig, code, own_tmp):
     parent = subprocess.Popen(

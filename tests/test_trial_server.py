@@ -184,6 +184,7 @@ exec "{python}" "$@"
 """
 
 
+@pytest.mark.slow  # 20 s: it waits out the server's start-up timeout
 def test_a_server_that_cannot_start_is_given_up_with_one_warning(
     tiny_path, own_tmp, server_on, tmp_path, monkeypatch, caplog
 ):
@@ -267,8 +268,9 @@ measure({model!r}, TrainConfig(micro_batch_size=1), seq_len=16, device="cpu:1GiB
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
-                         ids=["SIGKILL", "SIGINT"])  # one signal in the fast set
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGKILL, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGKILL", "SIGINT"])  # slow: 24 s each, the fast suite's 10 min
 def test_a_parent_killed_mid_trial_takes_server_and_child_along(sig, tiny_path, own_tmp):
     parent = subprocess.Popen(
         [sys.executable, "-c", MEASURE_FOREVER.format(model=tiny_path)],
@@ -302,7 +304,8 @@ if sys.argv[1] == "stay":
 """
 
 
-@pytest.mark.parametrize("end", ["exit", pytest.param("SIGKILL", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("end", [pytest.param("exit", marks=pytest.mark.slow),
+                                 pytest.param("SIGKILL", marks=pytest.mark.slow)])
 def test_an_idle_server_ends_with_its_parent(end, tiny_path, own_tmp):
     parent = subprocess.Popen(
         [sys.executable, "-c", MEASURE_ONCE.format(model=tiny_path),

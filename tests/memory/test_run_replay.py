@@ -121,6 +121,7 @@ def test_bad_arguments(sims):
         simulate_run(sims["cpu"], cfg, run_order([8, 8], micro_batch_size=2), max_steps=0)
 
 
+@pytest.mark.slow
 def test_estimate_with_a_dataset_adds_the_run(capsys):
     # Python and the CLI: run_* fields/keys, and the breakdown's own line
     import json
