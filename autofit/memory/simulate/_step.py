@@ -46,6 +46,7 @@ from autofit.errors import BadInputError, MissingDependencyError
 from autofit.memory.breakdown import Component
 from autofit.memory.simulate._model import make_batch, unpacked_batches, unwrap
 from autofit.memory.simulate._recorder import StorageRecorder
+from autofit.probe.model import _layer_lists
 
 __all__ = [
     "StepTarget",
@@ -449,6 +450,10 @@ def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
             for op in (torch.ops.aten.add_.Tensor, torch.ops.aten.sub_.Tensor):
                 rec.workspaces.setdefault(op, mixed_inplace_workspace)
     micro_steps = min(config.grad_accum_steps, 2)
+    # checkpointing: backward rebuilds each block's graph while the step's is still held
+    # (its host bytes: the step's graph over its blocks; RWKV's 3,650-node blocks)
+    blocks = (sum(len(m) for _, m in _layer_lists(unwrap(model)))
+              if config.gradient_checkpointing and target.kind == "cpu" else 0)
     scaler = None
     if config.precision_spec.grad_scaler:
         rec.phase = "optimizer"  # created once, kept for the whole run
@@ -471,8 +476,10 @@ def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
             if config.grad_accum_steps > 1:
                 loss = loss / config.grad_accum_steps
             rec.mark_live(Component.ACTIVATIONS, phase="forward", micro=rec.micro)
-            graph = (rec.hold(graph_host_bytes(loss), Component.ACTIVATIONS)
-                     if target.kind == "cpu" else None)
+            graph = None
+            if target.kind == "cpu":
+                host = graph_host_bytes(loss)
+                graph = rec.hold(host + (host // blocks if blocks else 0), Component.ACTIVATIONS)
             rec.phase = "backward"
             if scaler is not None:
                 scaler.scale_loss(loss).backward()
