@@ -340,3 +340,29 @@ def test_fp32_multi_head_llama_on_cuda_uses_the_efficient_kernel(tmp_path, ckpt)
     a = estimate(str(tmp_path), c, seq_len=2048, device="H100-80GB")
     s = estimate(str(tmp_path), c, seq_len=2048, device="H100-80GB", method="simulate")
     assert a.peak_allocated_bytes == pytest.approx(s.peak_allocated_bytes, rel=0.03)
+
+
+def test_the_simulation_counts_the_16_bit_matmul_shapes_the_weights_give(monkeypatch):
+    # oneDNN keeps kernels per 16-bit matmul shape on a CPU: the simulated step counts the
+    # shapes it runs, the closed form counts them from the weights (forward, input gradient,
+    # a trained weight's gradient; a shape met twice once) -- 14 for LoRA on q and v
+    from autofit.memory.analytic._cpu_cache import _half_matmul_shapes
+    from autofit.memory.simulate import Simulator, _recorder
+    from autofit.probe.model import build_model, describe
+
+    seen = []
+    init = _recorder.StorageRecorder.__init__
+
+    def kept(self, *a, **k):
+        init(self, *a, **k)
+        seen.append(self)
+
+    monkeypatch.setattr(_recorder.StorageRecorder, "__init__", kept)
+    module, task = build_model("tiny-llama", lora={"r": 8, "target_modules": ["q_proj", "v_proj"]})
+    sim = Simulator(module, task=task, device=resolve_device("cpu"))
+    counts = {}
+    for precision in ("bf16-mixed", "32-true"):
+        sim.run(TrainConfig(micro_batch_size=3, precision=precision), seq_len=200)
+        counts[precision] = len(seen[-1].half_matmuls)
+    assert counts == {"bf16-mixed": 14, "32-true": 0}
+    assert _half_matmul_shapes(describe(module, task=task), True) == 14

@@ -72,8 +72,7 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
 
         capability = cpu_capability()
     tokens = config.micro_batch_size * seq_len
-    lm = (info.task != "seq-cls" and info.vocab_size is not None and not config.chunked_loss
-          and config.loss_impl != "trl")
+    lm = _lm_head_matmul(info, config)
     if info.is_transformer:
         # the matmul weights of a step in the order it first uses them: the blocks'
         # linear layers, head (a quantized base's layers run bitsandbytes'
@@ -148,10 +147,16 @@ def cpu_half_run_bytes(info: ModelInfo, config: TrainConfig, device: DeviceInfo,
         capability = cpu_capability()
     if capability == "AVX2":
         return 0
-    lm = (info.task != "seq-cls" and info.vocab_size is not None and not config.chunked_loss
-          and config.loss_impl != "trl")
-    per_step = _half_matmul_shapes(info, lm, forward_only=forward_only)
+    per_step = _half_matmul_shapes(info, _lm_head_matmul(info, config),
+                                   forward_only=forward_only)
     return shapes * per_step * _AVX512_HALF_SHAPE
+
+
+def _lm_head_matmul(info: ModelInfo, config: TrainConfig) -> bool:
+    """Whether the step multiplies by the LM head in full (not a classifier's, not a chunked
+    or TRL loss's own kernel)."""
+    return (info.task != "seq-cls" and info.vocab_size is not None and not config.chunked_loss
+            and config.loss_impl != "trl")
 
 
 def _half_matmul_shapes(info: ModelInfo, lm: bool, *, forward_only: bool = False) -> int:
