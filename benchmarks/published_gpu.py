@@ -28,12 +28,14 @@ Writes ``benchmarks/results/published_gpu.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +80,11 @@ def estimate_row(row: dict[str, Any], method: str, tmp: Path) -> tuple[float | N
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(limit)
     try:
-        est = estimate(str(path), config, seq_len=row["seq_len"], device=row["autofit_device"],
-                       method=method, task=row["task"],
-                       attn_implementation=row.get("attn_implementation"), lora=lora,
-                       quantization_config=row.get("quantization_config"))
+        with _stack(row.get("stack", {})):
+            est = estimate(str(path), config, seq_len=row["seq_len"], device=row["autofit_device"],
+                           method=method, task=row["task"],
+                           attn_implementation=row.get("attn_implementation"), lora=lora,
+                           quantization_config=row.get("quantization_config"))
     except _Timeout:
         return None, f"skipped: over {SIMULATE_LIMIT_S} s", time.perf_counter() - t
     except Exception as e:  # a refusal (AutofitError) or a crash: shown, not raised
@@ -92,6 +95,21 @@ def estimate_row(row: dict[str, Any], method: str, tmp: Path) -> tuple[float | N
         signal.signal(signal.SIGALRM, old)
     value = getattr(est, FIELDS[row["compare_to"]]) / UNITS[row["reported_unit"]]
     return value, est.peak_phase, time.perf_counter() - t
+
+
+@contextlib.contextmanager
+def _stack(versions: dict[str, str]) -> Iterator[None]:
+    """While inside, autofit sees the row's stated library versions as installed (a
+    library's memory rule that depends on its version: bitsandbytes' 4-bit layers kept
+    their inputs up to 0.43.1)."""
+    from unittest import mock
+
+    from autofit.probe import versions as installed
+
+    real = installed.installed_version
+    with mock.patch.object(installed, "installed_version",
+                           lambda pkg: versions.get(pkg) or real(pkg)):
+        yield
 
 
 def setup_of(row: dict[str, Any]) -> str:

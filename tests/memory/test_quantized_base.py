@@ -19,7 +19,7 @@ import torch
 
 from autofit import TrainConfig, estimate
 from autofit.memory.analytic import (
-    int8_kept_bytes,
+    kept_input_bytes,
     quantized_weight_bytes,
     weights_bytes,
 )
@@ -132,7 +132,7 @@ def test_estimates_match_a_real_quantized_step(saved, q, config, monkeypatch) ->
 def test_int8_layers_keep_their_inputs_past_checkpointing(saved) -> None:
     """LLM.int8's autograd node holds its input (``ctx.A``), which checkpointing's hooks do
     not see: with checkpointing, a real 8-bit step holds at the end of its forward what the
-    same 4-bit step (same dtypes) holds plus exactly what ``int8_kept_bytes`` states."""
+    same 4-bit step (same dtypes) holds plus exactly what ``kept_input_bytes`` states."""
     seq = 128
     config = TrainConfig(micro_batch_size=2, gradient_checkpointing=True)
     kept8 = _real_step(_loaded(saved, INT8), config, seq, steps=1)[2]
@@ -140,11 +140,44 @@ def test_int8_layers_keep_their_inputs_past_checkpointing(saved) -> None:
     info = probe_model("tiny-llama", lora=LORA, load_in_8bit=True)
     tokens, h, i = 2 * seq, info.hidden_size, info.intermediate_size
     # per llama block: the inputs of q (shared by k, v), o, gate (shared by up) and down
-    rule = int8_kept_bytes(info, tokens, 4)
+    rule = kept_input_bytes(info, tokens, 4)
     assert rule == info.num_layers * tokens * (3 * h + i) * 4
     assert kept8 - kept4 == rule
-    assert int8_kept_bytes(probe_model("tiny-llama", lora=LORA, load_in_4bit=True),
+    assert kept_input_bytes(probe_model("tiny-llama", lora=LORA, load_in_4bit=True),
                            tokens, 4) == 0
+
+
+def _old_bitsandbytes(monkeypatch) -> None:
+    """The step as bitsandbytes 0.42 ran it (autofit.probe.versions answers 0.42.0)."""
+    from autofit.probe import versions
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version",
+                        lambda p: "0.42.0" if p == "bitsandbytes" else real(p))
+
+
+def test_old_4bit_layers_keep_their_inputs(saved, monkeypatch) -> None:
+    """Up to bitsandbytes 0.43.1 a 4-bit layer kept its input in its autograd node too
+    (``MatMul4Bit``: ``ctx.tensors = (A, B)``; QLoRA's "memory bug", PR #1270): the step of
+    such a bitsandbytes, with checkpointing, holds at the end of its forward exactly what
+    ``kept_input_bytes`` states more than today's, and both estimators add it."""
+    seq = 128
+    config = TrainConfig(micro_batch_size=2, gradient_checkpointing=True)
+    model = _loaded(saved, NF4_DQ)
+    kw = dict(seq_len=seq, device="cpu", lora=LORA, quantization_config=NF4_DQ)
+    new = _real_step(model, config, seq, steps=1)[2]
+    new_est = {m: estimate("tiny-llama", config, method=m, **kw).peak_allocated_bytes
+               for m in ("analytic", "simulate")}
+    _old_bitsandbytes(monkeypatch)
+    old = _real_step(model, config, seq, steps=1)[2]
+    info = probe_model("tiny-llama", lora=LORA, quantization_config=NF4_DQ)
+    tokens, h, i = 2 * seq, info.hidden_size, info.intermediate_size
+    rule = kept_input_bytes(info, tokens, 4)
+    assert rule == info.num_layers * tokens * (3 * h + i) * 4
+    assert old - new == rule
+    for m in ("analytic", "simulate"):
+        grown = estimate("tiny-llama", config, method=m, **kw).peak_allocated_bytes - new_est[m]
+        assert abs(grown - rule) <= 0.02 * rule, (m, grown, rule)
 
 
 def test_quantized_weight_rules() -> None:

@@ -11,7 +11,7 @@ libraries' caches (``_cpu_cache``).
 """
 
 from autofit.memory.allocator._common import pinned_bytes
-from autofit.memory.analytic._activations import int8_kept_bytes, offloaded_bytes
+from autofit.memory.analytic._activations import kept_input_bytes, offloaded_bytes
 from autofit.memory.analytic._closed_form import (
     AnalyticTerms,
     analytic_phases,
@@ -35,7 +35,7 @@ from autofit.memory.analytic.derived import derived_coefficients
 
 __all__ = ["estimate_analytic", "analytic_phases", "AnalyticTerms", "cuda_reserved_bytes",
            "weights_bytes", "gradients_bytes", "optimizer_state_bytes",
-           "quantized_weight_bytes", "int8_kept_bytes",
+           "quantized_weight_bytes", "kept_input_bytes",
            "chunked_loss_bytes", "loss_chunk_rows", "pinned_bytes", "offload_note", "offloaded_bytes",
            "compile_saving_bytes", "cpu_half_run_bytes", "cpu_library_cache_bytes",
            "derived_coefficients"]

@@ -220,20 +220,24 @@ def _quantized_linears(info: ModelInfo, b: BlockSpec) -> list[tuple[str, int, in
             and lin[0] not in skip]
 
 
-def int8_kept_bytes(info: ModelInfo, tokens: int, act: int, inner: int | None = None) -> int:
-    """Bytes an 8-bit (LLM.int8) base's layers hold for backward per micro batch, outside
-    what checkpointing can drop: every ``Linear8bitLt`` keeps its input ``A`` in its
+def kept_input_bytes(info: ModelInfo, tokens: int, act: int, inner: int | None = None) -> int:
+    """Bytes a quantized base's layers hold for backward per micro batch, outside what
+    checkpointing can drop: every ``Linear8bitLt`` (LLM.int8) keeps its input ``A`` in its
     autograd node (``ctx.A`` on the CPU's ``MatMul8bitFp``, ``ctx.tensors`` on CUDA's
-    ``MatMul8bitLt``, bitsandbytes 0.50), not through ``save_for_backward``, so it stays
-    from the forward until the graph is freed after ``backward()`` — with gradient
-    checkpointing too, and even where a frozen ``nn.Linear`` would keep nothing. Linears
+    ``MatMul8bitLt``, bitsandbytes 0.50), and so did every ``Linear4bit`` up to
+    bitsandbytes 0.43.1 (``MatMul4Bit``'s ``ctx.tensors = (A, B)``;
+    ``autofit.probe.versions.bnb_4bit_keeps_input``). Not through ``save_for_backward``,
+    so it stays from the forward until the graph is freed after ``backward()`` — with
+    gradient checkpointing too, and even where a frozen ``nn.Linear`` would keep nothing. Linears
     that read the same tensor (q/k/v, gate/up) hold it once: per block ``tokens`` x the
     in-features of each linear that does not share its input. Input projections read a
     norm's output, in the activations' dtype (``act`` bytes); output projections (o_proj,
     down_proj, c_proj, ...) read what attention and the MLP computed, in ``inner`` bytes
     (under autocast its dtype; default ``act``). 0 for any other base. Measured: real and
     simulated steps keep the same storages (``tests/memory/test_quantized_base.py``)."""
-    if info.quant is None or info.quant.bits != 8:
+    from autofit.probe.versions import bnb_4bit_keeps_input
+
+    if info.quant is None or (info.quant.bits == 4 and not bnb_4bit_keeps_input()):
         return 0
     from autofit.probe.model import OUTPUT_PROJECTIONS
 

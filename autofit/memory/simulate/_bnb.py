@@ -51,7 +51,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["fake_params4bit", "fake_int8_params", "fake_int8_state", "is_fake_4bit",
            "is_quantized", "has_quantized", "quant_tensors", "gemm_4bit_workspace",
-           "int8_cuda_kernels", "cuda_int8_matmul", "bnb_target", "dora_dequantizes_fake_4bit"]
+           "int8_cuda_kernels", "cuda_int8_matmul", "bnb_target", "dora_dequantizes_fake_4bit",
+           "matmul_4bit_keeps_input"]
 
 _QUANTIZED = frozenset({"Params4bit", "Int8Params"})
 
@@ -272,8 +273,11 @@ def cuda_int8_matmul() -> Iterator[None]:
 @contextlib.contextmanager
 def bnb_target(model: torch.nn.Module, rec: StorageRecorder, target: str) -> Iterator[None]:
     """What a step of ``model``'s quantized layers needs while recorded for ``target``
-    (``"cpu"`` | ``"cuda"``): ``gemm_4bit``'s workspace; on CUDA, the int8 path. A model
-    without quantized layers gets nothing."""
+    (``"cpu"`` | ``"cuda"``): ``gemm_4bit``'s workspace; on CUDA, the int8 path; with a
+    bitsandbytes before 0.43.2, 4-bit layers that keep their inputs (a real model's too).
+    A model without quantized layers gets nothing."""
+    from autofit.probe.versions import bnb_4bit_keeps_input
+
     kinds = {getattr(p, "_autofit_quant", None) for p in model.parameters()}
     with contextlib.ExitStack() as stack:
         if "4bit" in kinds:
@@ -281,10 +285,37 @@ def bnb_target(model: torch.nn.Module, rec: StorageRecorder, target: str) -> Ite
 
             rec.workspaces[torch.ops.bitsandbytes.gemm_4bit.default] = gemm_4bit_workspace
             stack.enter_context(dora_dequantizes_fake_4bit())
+        if bnb_4bit_keeps_input() and ("4bit" in kinds or any(
+                type(p).__name__ == "Params4bit" for p in model.parameters())):
+            stack.enter_context(matmul_4bit_keeps_input())  # (a real model's layers too)
         if "8bit" in kinds and target == "cuda":
             rec.decompositions.update(int8_cuda_kernels())
             stack.enter_context(cuda_int8_matmul())
         yield
+
+
+@contextlib.contextmanager
+def matmul_4bit_keeps_input() -> Iterator[None]:
+    """While inside, ``MatMul4Bit`` keeps its input for backward as bitsandbytes did up to
+    0.43.1 (``ctx.tensors = (A, B)`` whenever ``A`` needs a gradient; PR #1270 keeps
+    ``(None, B)``): the step of an installed bitsandbytes that old (the fake ops autofit
+    runs are today's) holds every 4-bit layer's input until the graph is freed."""
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    original = MatMul4Bit.__dict__["forward"]
+
+    def forward(ctx: Any, A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, quant_state: Any = None) -> torch.Tensor:
+        y = original.__func__(ctx, A, B, out, bias, quant_state)
+        if not ctx.is_empty and any(ctx.needs_input_grad[:2]):
+            ctx.tensors = (A, ctx.tensors[1])
+        return y
+
+    MatMul4Bit.forward = staticmethod(forward)
+    try:
+        yield
+    finally:
+        MatMul4Bit.forward = original
 
 
 def dora_dequantizes_fake_4bit() -> contextlib.AbstractContextManager[None]:
