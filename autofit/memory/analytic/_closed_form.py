@@ -39,7 +39,7 @@ A quantized base (bitsandbytes; ``ModelInfo.quant``) keeps its weights as
 compute dtype, never cast); its activations come from coefficients derived from its
 own forward (``autofit.memory.analytic.derived``: bitsandbytes' layers keep other tensors than
 ``nn.Linear``), an 8-bit base's layers hold their inputs past checkpointing and until
-the end of backward (``int8_kept_bytes``), and a layer's backward dequantizes its
+the end of backward (``kept_input_bytes``), and a layer's backward dequantizes its
 weight (the largest, in the base's dtype, is a temporary). Measured on nine quantized
 configurations by ``benchmarks/measure_cpu.py`` (within 2.4%).
 
@@ -91,7 +91,7 @@ from autofit.memory.analytic._activations import (
     _first_input_stays,
     _layer_bytes,
     _packed,
-    int8_kept_bytes,
+    kept_input_bytes,
 )
 from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes
 from autofit.memory.analytic._levers import _compile_parts, chunked_loss_bytes, offload_note
@@ -201,7 +201,7 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     # residual-stream element size (a quantized base is never cast: its own dtype)
     act = _bytes(info.dtype) if info.quant is not None else _bytes(spec.param_dtype)
     # what 8-bit layers hold past checkpointing
-    kept8 = int8_kept_bytes(info, N, act, _bytes(spec.compute_dtype) if spec.autocast else act)
+    kept8 = kept_input_bytes(info, N, act, _bytes(spec.compute_dtype) if spec.autocast else act)
     c = _coef(info, config, device)
     W, G, S = _model_state(info, config, c)
     saved = _saved_activations(info, config, seq_len, device, c, act, kept8)
@@ -416,9 +416,12 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
         # on a sequence classifier: 9.3% under without it) above the activations made by
         # then (all of them, or an encoder-decoder's encoder's share: see
         # ``autofit.memory.analytic.derived``; all with checkpointing, whose forward keeps
-        # other tensors than derived)
-        fwd_temp = _fitted(fwd_c, config.micro_batch_size, T)
-        share = 1.0 if config.gradient_checkpointing else fwd_c.get("share", 1.0)
+        # other tensors than derived); the highest of the forward's moments at this shape
+        # where they were told apart (``forward_moments``)
+        moments = [(_fitted(f, config.micro_batch_size, T),
+                    1.0 if config.gradient_checkpointing else f.get("share", 1.0))
+                   for f in c.get("forward_moments") or [fwd_c]]
+        fwd_temp, share = max(moments, key=lambda m: m[0] + m[1] * A)
         phases["forward"] = (W + copies + S + G_held + share * A + fwd_temp,
                              {Component.WEIGHTS: W + copies, Component.OPTIMIZER_STATES: S,
                               Component.GRADIENTS: G_held, Component.ACTIVATIONS: share * A,
