@@ -219,7 +219,7 @@ def _in_rewrite(rel: str) -> str | None:
 
 
 ANY_TARGET = 0.05  # of annotated parameters (optuna 2%, Lightning 4.5%)
-ANY_ALLOWED = {"memory": 37, "probe/model.py": 28}  # parameters annotated with Any
+ANY_ALLOWED = {"memory": 37}  # parameters annotated with Any
 LONG_FUNCTIONS_ALLOWED: dict[tuple[str, str], int] = {}  # (place, function): lines today
 LONG_FILES_ALLOWED: dict[tuple[str, str], int] = {}
 STATE_ALLOWED: dict[tuple[str, str, str], str] = {}  # (place, function, name written): why

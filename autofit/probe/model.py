@@ -43,6 +43,11 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PretrainedConfig
 
+    from autofit.probe.quant import QuantSpec
+
+    # what names a model: a module, or a hub id / local directory / config.json / bundled name
+    ModelReference = str | os.PathLike[str] | torch.nn.Module
+
 __all__ = [
     "fingerprint",
     "TASKS",
@@ -203,7 +208,7 @@ class ModelInfo:
         return bool(self.blocks) and self.hidden_size is not None
 
 
-def adapter_request(lora: Any, peft_config: Any) -> Any:
+def adapter_request(lora: object, peft_config: object) -> object:
     """One adapter request from the LoRA shorthand (``lora=``) or a PEFT config
     (``peft_config=``): what ``build_model(lora=...)`` and a trial's ``ModelRef`` carry."""
     if lora is not None and peft_config is not None:
@@ -213,7 +218,7 @@ def adapter_request(lora: Any, peft_config: Any) -> Any:
     return peft_config if peft_config is not None else lora
 
 
-def _peft_config(request: Any, task: str) -> Any:
+def _peft_config(request: object, task: str) -> Any:
     """The PeftConfig of an adapter request: a ``LoraSpec`` or a dict of its fields (the
     LoRA shorthand), or anything ``autofit.probe.peft.peft_config`` reads."""
     from autofit.probe.peft import peft_config as read_peft_config
@@ -228,7 +233,7 @@ def _peft_config(request: Any, task: str) -> Any:
     return read_peft_config(request, task)
 
 
-def _quantize_on_meta(model: torch.nn.Module, spec: Any) -> None:
+def _quantize_on_meta(model: torch.nn.Module, spec: QuantSpec) -> None:
     """Replace the base model's Linear / Conv1D layers by bitsandbytes' quantized layers
     (meta), leaving out what transformers leaves out when it loads the model quantized
     (the output head and tied modules, ``_keep_in_fp32_modules``, ``spec.skip_modules``).
@@ -261,15 +266,15 @@ def _quantize_on_meta(model: torch.nn.Module, spec: Any) -> None:
 
 
 def build_model(
-    model: Any,
+    model: ModelReference,
     *,
     task: str | None = None,
     attn_implementation: str | None = None,
-    lora: LoraSpec | dict | Any | None = None,
+    lora: LoraSpec | dict[str, object] | object | None = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
-    peft_config: Any = None,
-    quantization_config: Any = None,
+    peft_config: object = None,
+    quantization_config: object = None,
 ) -> tuple[torch.nn.Module, str]:
     """Return (module, task). A model given by reference is built on the meta device.
 
@@ -342,11 +347,11 @@ def build_model(
     return module, t
 
 
-def _dtype_name(dtype: Any) -> str:
+def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _quant_kind(p: Any) -> str | None:
+def _quant_kind(p: torch.Tensor) -> str | None:
     cls = type(p).__name__
     if cls == "Params4bit":
         return "4bit"
@@ -355,7 +360,7 @@ def _quant_kind(p: Any) -> str | None:
     return None
 
 
-def _param_groups(module: Any) -> tuple[ParamGroup, ...]:
+def _param_groups(module: torch.nn.Module) -> tuple[ParamGroup, ...]:
     import torch
 
     groups: dict[tuple, int] = {}
@@ -390,7 +395,7 @@ def _param_groups(module: Any) -> tuple[ParamGroup, ...]:
     )
 
 
-def _owner(module: Any, param_name: str) -> Any:
+def _owner(module: torch.nn.Module, param_name: str) -> Any:
     path = param_name.rsplit(".", 1)[0] if "." in param_name else ""
     try:
         return module.get_submodule(path)
@@ -398,7 +403,7 @@ def _owner(module: Any, param_name: str) -> Any:
         return None
 
 
-def _first(config: Any, *names: str, default: Any = None) -> Any:
+def _first(config: object, *names: str, default: object = None) -> Any:
     for n in names:
         v = getattr(config, n, None)
         if v is not None:
@@ -406,7 +411,7 @@ def _first(config: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def _layer_lists(module: Any) -> list[tuple[str, Any]]:
+def _layer_lists(module: torch.nn.Module) -> list[tuple[str, Any]]:
     """The ModuleLists of transformer blocks (the largest ones; two for encoder-decoders)."""
     import torch
 
@@ -424,7 +429,7 @@ def _layer_lists(module: Any) -> list[tuple[str, Any]]:
     return top
 
 
-def _linear_dims(m: Any) -> tuple[int, int] | None:
+def _linear_dims(m: torch.nn.Module) -> tuple[int, int] | None:
     cls = type(m).__name__
     if getattr(m, "in_features", None) is not None and getattr(m, "out_features", None) is not None:
         return int(m.in_features), int(m.out_features)
@@ -434,7 +439,8 @@ def _linear_dims(m: Any) -> tuple[int, int] | None:
     return None
 
 
-def _block_spec(role: str, count: int, block: Any, config: Any, info: dict[str, Any]) -> BlockSpec:
+def _block_spec(role: str, count: int, block: torch.nn.Module, config: PretrainedConfig,
+                info: dict[str, object]) -> BlockSpec:
     import torch
 
     linears: list[tuple[str, int, int, bool]] = []
@@ -517,15 +523,15 @@ def _block_spec(role: str, count: int, block: Any, config: Any, info: dict[str, 
 
 
 def probe_model(
-    model: Any,
+    model: ModelReference,
     *,
     task: str | None = None,
     attn_implementation: str | None = None,
-    lora: LoraSpec | dict | Any | None = None,
+    lora: LoraSpec | dict[str, object] | object | None = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
-    peft_config: Any = None,
-    quantization_config: Any = None,
+    peft_config: object = None,
+    quantization_config: object = None,
 ) -> ModelInfo:
     """Describe ``model`` (see the module docstring for the accepted forms).
 
@@ -558,7 +564,7 @@ def module_of(info: ModelInfo) -> Any:
     return _described().get(json.dumps(fingerprint(info), sort_keys=True, default=str))
 
 
-def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
+def describe(module: torch.nn.Module, *, task: str, name: str | None = None) -> ModelInfo:
     """ModelInfo of an already built module (meta or real); reads, never modifies."""
     info = _describe(module, task=task, name=name)
     with contextlib.suppress(TypeError):  # not weak-referenceable: nothing to derive from
@@ -566,7 +572,7 @@ def describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
     return info
 
 
-def _describe(module: Any, *, task: str, name: str | None = None) -> ModelInfo:
+def _describe(module: torch.nn.Module, *, task: str, name: str | None = None) -> ModelInfo:
     base, peft_kind, lora_r, lora_targets, peft_key, adapter_buffers, virtual = _peft_of(module)
     config = getattr(base, "config", None)
 
@@ -717,7 +723,7 @@ def _blocks_of(base: torch.nn.Module, config: PretrainedConfig, task: str) -> tu
     return blocks, fields
 
 
-def _own_buffer_bytes(module: Any, adapter_bytes: int) -> tuple[int, int]:
+def _own_buffer_bytes(module: torch.nn.Module, adapter_bytes: int) -> tuple[int, int]:
     """(floating-point, other) bytes of the model's buffers, each storage once, less the
     PEFT method's (``_adapter_buffer_bytes``, counted apart; all floating-point)."""
     seen: dict[int, tuple[int, bool]] = {}
@@ -727,7 +733,7 @@ def _own_buffer_bytes(module: Any, adapter_bytes: int) -> tuple[int, int]:
     return max(floats - adapter_bytes, 0), sum(n for n, f in seen.values() if not f)
 
 
-def _adapter_buffer_bytes(module: Any, adapters: set[str]) -> int:
+def _adapter_buffer_bytes(module: torch.nn.Module, adapters: set[str]) -> int:
     """Bytes of the buffers a PEFT method adds: those in its adapter dicts (VeRA's shared
     projections) and those of its layers outside their ``base_layer`` (BOFT's
     permutations), each storage once."""
@@ -743,7 +749,7 @@ def _adapter_buffer_bytes(module: Any, adapters: set[str]) -> int:
     return sum(seen.values())
 
 
-def token_limits(module: Any) -> tuple[int | None, int | None]:
+def token_limits(module: torch.nn.Module) -> tuple[int | None, int | None]:
     """(vocabulary size, learned positions) of a built model: a token id must stay below
     the first, a sample's length at or below the second; None where there is no such limit.
 

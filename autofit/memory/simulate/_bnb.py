@@ -304,8 +304,9 @@ def matmul_4bit_keeps_input() -> Iterator[None]:
 
     original = MatMul4Bit.__dict__["forward"]
 
-    def forward(ctx: Any, A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None, quant_state: Any = None) -> torch.Tensor:
+    def forward(ctx: torch.autograd.function.FunctionCtx, A: torch.Tensor, B: torch.Tensor,
+                out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                quant_state: object = None) -> torch.Tensor:
         y = original.__func__(ctx, A, B, out, bias, quant_state)
         if not ctx.is_empty and any(ctx.needs_input_grad[:2]):
             ctx.tensors = (A, ctx.tensors[1])
