@@ -44,6 +44,13 @@ _FAMILY_OF = {
 }
 
 
+# the activations each family's table was fitted with: a one-op activation keeps one
+# tensor (silu, gelu, gelu_pytorch_tanh: its input), GPT-2's gelu_new is written out in
+# Python ops, each keeping its own (3 more intermediate-sized tensors a block)
+_FITTED_ACTIVATIONS = {"llama": {"silu", "swish", "gelu_pytorch_tanh"}, "gpt2": {"gelu_new"},
+                       "bert": {"gelu"}, "t5": {"relu"}}
+
+
 def _family(info: ModelInfo) -> str:
     fam = _FAMILY_OF.get(info.model_type)
     if fam:
@@ -93,7 +100,8 @@ def _needs_derived(info: ModelInfo, config: TrainConfig) -> bool:
     ``requires_grad``); a PEFT method other than LoRA; LoRA other
     than the table's (fp32 adapters on a base of the same dtype, no dropout, no trainable
     tokens) — on a 16-bit base ("-true") peft keeps the adapters in fp32 and each adapted
-    layer saves an fp32 copy of its input, a dropout saves a dropped-out copy; or a
+    layer saves an fp32 copy of its input, a dropout saves a dropped-out copy; a family's
+    model with another activation than the table's (``_FITTED_ACTIVATIONS``); or a
     decoder / encoder family the table was not fitted to."""
     if info.peft not in (None, "lora") or info.quant is not None:
         return True
@@ -111,6 +119,12 @@ def _needs_derived(info: ModelInfo, config: TrainConfig) -> bool:
             # every linear layer keep (Conv1D inputs, the LM head's transform): the zoo's
             # gpt2 and bert LoRA rows were 5.0% and 4.9% under, derived +1.0% / +1.3%
             return True
+    if info.model_type in _FAMILY_OF and any(
+            b.activation not in _FITTED_ACTIVATIONS[_family(info)] for b in info.blocks):
+        # another activation than the table's: GPT-2 with gelu_pytorch_tanh (one op) keeps
+        # three intermediate-sized tensors a block fewer than its gelu_new (+78% on the
+        # published GPT-2 row, which ran torch's tanh GELU)
+        return True
     if info.is_encoder_decoder:
         # T5's fitted coefficients are T5's own: other encoder-decoders (mT5's gated
         # feed-forward, BART's, Pegasus-X's blocks) were -33%..+20% with them on the zoo
