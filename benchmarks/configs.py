@@ -371,6 +371,9 @@ CONFIGS: list[dict[str, Any]] = [
          "bf16-true", gc=True, peft=PEFT["prompt"]),
     spec("llama-lora-b4s256-bf16t-gc", "llama", LLAMA, "causal-lm", 4, 256,
          "bf16-true", gc=True, peft=PEFT["lora-qv"]),
+    # a tied head and embedding with SGD: the end of backward (their two gradients and the
+    # sum) is the step's peak, which AdamW's step hides
+    _gpt2("gpt2-b1s64-sgd", batch=1, seq=64, optimizer="sgd"),
     # torch.compile on a small llama, with checkpointing
     spec("llamas-b4s256-gc-compile", "llama", LLAMA_SMALL, "causal-lm", 4, 256, gc=True,
          compiled=True),

@@ -80,7 +80,7 @@ OUTPACED = 1.3
 # speed amortises the optimizer step over the run's accumulation, and a combination that
 # differs from a confirmed one only in an optimizer too cheap to matter is not tried;
 # 13: on a CPU, 16-bit candidates carry what oneDNN keeps for the run's other lengths).
-ENGINE_VERSION = 13
+ENGINE_VERSION = 14
 
 
 @dataclass

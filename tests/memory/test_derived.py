@@ -90,3 +90,48 @@ def test_an_unwritable_folder_is_one_warning(ia3, fresh, monkeypatch, caplog):
     assert a == b and a["derived"] is True
     warnings = [r for r in caplog.records if "derived coefficients" in r.getMessage()]
     assert len(warnings) == 1 and "AUTOFIT_CACHE_DIR" in warnings[0].getMessage()
+
+
+# ------------------------------------------------ the forward's moments (phi-1.5 on 4 bits)
+
+def _at(moments: tuple[str, list[int], list[float]]) -> derived._AtShape:
+    return derived._AtShape([0.0], [0.0], [0.0], 0, (max(moments[1]), 1.0), moments, [0], 0)
+
+
+def test_the_forward_transient_is_the_highest_moment_at_the_shape():
+    """Two moments of one forward: inside a 4-bit layer (its dequantized weight, 32 MiB at
+    any shape) and at the loss (300 KiB a token). The highest of the two at each of the
+    four shapes is 32 MiB + a little, 32 + more, then the loss's: one fit of those puts a
+    T^2 term on a step whose highest point only moves. Each moment fitted on its own
+    gives the loss's 300 KiB a token at 1,044 tokens (and the 32 MiB at a few)."""
+    W, per_token = 32 * 2**20, 300 * 1024
+    ats = [_at(("aa", [W + 1024 * b * t, per_token * b * t], [0.3, 1.0]))
+           for b, t in derived.SHAPES]
+    moments = derived._transient_moments(ats)
+    assert moments is not None and len(moments) == 2
+
+    def at(form, b, t):
+        return max(b * t * (form["c0"] + form["T"] * t) + b * form["s"], 0) + form["F"]
+
+    assert max(at(m, 1, 1044) for m in moments) == pytest.approx(
+        max(W + 1024 * 1044, per_token * 1044))
+    assert max(at(m, 1, 16) for m in moments) == pytest.approx(W + 1024 * 16)
+    assert sorted(m["share"] for m in moments) == [0.3, 1.0]
+    # one fit of the highest points: the T^2 term (2.2 GiB at 1,044 tokens, 7x the loss's)
+    single = derived._solve([float(max(a.moments[1])) for a in ats])
+    assert at(derived._form(single), 1, 1044) > 7 * per_token * 1044
+    # forwards whose events differ (another path at another shape): no moments
+    assert derived._transient_moments([ats[0], ats[1], ats[2], _at(("aaf", [1, 2, 3],
+                                                                   [1.0] * 3))]) is None
+
+
+def test_the_four_forwards_run_the_same_events(fresh):
+    """After the step that is not kept, the four shapes' forwards are event for event
+    alike (a model's lazily built caches would make the first other): the moments are
+    told apart for tiny-llama, and its per-block saved bytes are per token with no fixed
+    part."""
+    module, task = build_model("tiny-llama")
+    c = derived.derived_coefficients(module, describe(module, task=task), TrainConfig(),
+                                     CPU)
+    assert c["forward_moments"]
+    assert c["layer"]["F"] == 0

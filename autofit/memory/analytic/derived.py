@@ -6,7 +6,9 @@ PEFT method outside it â€” IA3, prefix tuning, DoRA, an OPT or GPT-NeoX block â€
 coefficients of the same form derived from its own forward: the model is cloned on
 fake tensors (``simulate._model``) and run, forward and backward, at four small shapes
 (micro batch 2 at ``T1 < T2 < T3`` tokens, and 4 at ``T1``; not 1: some steps take
-another path for one sample, AXK2's indexer among them), with each block's
+another path for one sample, AXK2's indexer among them; after one step at ``T1`` that is
+not kept, whose one-time allocations, a model's lazily built caches, would otherwise
+enter the first shape's fits), with each block's
 allocations told apart by forward hooks. The clone keeps one block of each kind
 (blocks alike in modules, parameters and buffers; adaption prompt's adapted top
 layers are a second kind), which stands for all blocks of its kind; an encoder-decoder's
@@ -21,7 +23,9 @@ and dropout copies, virtual tokens, merged delta weights); it splits exactly int
 (``F``: the same for every micro batch, e.g. DoRA's weight norms; autocast's weight
 copies are taken out, the analytic model counts them apart), which the four shapes
 determine. More terms of that form: the forward's transient above what it keeps
-(``forward``); per stack, a block's backward scratch above what is alive when it starts
+(``forward``; where the four forwards run the same events, ``forward_moments``: each
+moment's own fit, the highest at the step's shape taken, since the forward's highest
+point moves from one moment to another as the shape grows); per stack, a block's backward scratch above what is alive when it starts
 (``block_backward``, ``block_backward_decoder``: a linear-attention block's chunked
 recurrence makes more of it than a standard block's rule says), and for what
 checkpointing recomputes one block at a time, the largest kind of block's saved bytes
@@ -150,6 +154,9 @@ class _AtShape(NamedTuple):
     block_forward: list[float]  # per stack, a block forward's highest point above its start
     total: int  # alive at the loss in all
     transient: tuple[int, float]  # the forward's transient and its share (_forward_transient)
+    # the forward's events, and at each one the transient and the share of what backward
+    # keeps made by then (_transient_series)
+    moments: tuple[str, list[int], list[float]]
     block_backward: list[int]  # per stack, a block backward's scratch (_block_backward)
     half_matmuls: int  # the 16-bit matmuls of distinct shapes (StorageRecorder.half_matmuls)
 
@@ -195,16 +202,11 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
         with fake_mode:
             model = fake_clone(module, float_dtype=getattr(torch, spec.param_dtype))
             prepare_for_training(model, gradient_checkpointing=False)
-        base = unwrap(model)
-        stacks = []  # per stack: (kept blocks, [(index, how many it stands for)], blocks)
-        for owner_name, layers in _stacks(base):
-            kinds = _kinds(list(layers))
-            kept = torch.nn.ModuleList([layers[i] for i, _ in kinds])
-            parent_name, _, attr = owner_name.rpartition(".")
-            setattr(base.get_submodule(parent_name) if parent_name else base, attr, kept)
-            stacks.append((kept, kinds, sum(c for _, c in kinds)))
+        stacks = _one_block_per_kind(unwrap(model))
         all_kept = [blk for kept, _, _ in stacks for blk in kept]
-        for batch, seq_len in SHAPES:
+        # a first step at the first shape, not kept: one-time allocations (a model's
+        # lazily built caches) would make its events other than the other shapes'
+        for step, (batch, seq_len) in enumerate((SHAPES[0], *SHAPES)):
             rec = StorageRecorder()
             for t in weight_tensors(model):
                 rec.track(t, Component.WEIGHTS)
@@ -232,8 +234,9 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 if device.allocator != "cuda":  # the graph's own host memory, as simulated
                     total += graph_host_bytes(loss)
                 transient = _forward_transient(log, alive)
+                moments = _transient_series(log, alive)
                 heights = _block_heights(log, spans)
-                if not out:  # (the graph is the same at every shape)
+                if step == 1:  # (the graph is the same at every shape)
                     dead = _unreached_numel(loss, model, stacks)
                 del data, kwargs
                 rec.phase = "backward"
@@ -256,10 +259,26 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 per_block.append(stack / n)  # the kept blocks stand for all of their kind
                 largest.append(float(max(mine)))
                 blocks += stack
-            out.append(_AtShape(per_block, largest, highest,
-                                int(total - sum(per_kind) + blocks), transient, block_bwd,
-                                len(rec.half_matmuls)))
+            if step:
+                out.append(_AtShape(per_block, largest, highest,
+                                    int(total - sum(per_kind) + blocks), transient, moments,
+                                    block_bwd, len(rec.half_matmuls)))
     return out, dead
+
+
+def _one_block_per_kind(base: torch.nn.Module) -> list[tuple[Any, list[tuple[int, int]], int]]:
+    """Keep one block of each kind in each of ``base``'s stacks (in place, on the fake
+    clone); per stack: (the kept blocks, [(index, how many it stands for)], blocks)."""
+    import torch
+
+    stacks = []
+    for owner_name, layers in _stacks(base):
+        kinds = _kinds(list(layers))
+        kept = torch.nn.ModuleList([layers[i] for i, _ in kinds])
+        parent_name, _, attr = owner_name.rpartition(".")
+        setattr(base.get_submodule(parent_name) if parent_name else base, attr, kept)
+        stacks.append((kept, kinds, sum(c for _, c in kinds)))
+    return stacks
 
 
 def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
@@ -363,6 +382,63 @@ def _forward_transient(log: list[tuple[str, Record, str]], alive: set[int]) -> t
     return max(peak - kept, 0), (kept / everything if everything else 1.0)
 
 
+def _transient_series(log: list[tuple[str, Record, str]], alive: set[int]
+                      ) -> tuple[str, list[int], list[float]]:
+    """The forward's events (``"a"``/``"f"`` per allocation and free, weights apart: the
+    same string at every shape when the forward runs the same ops) and, at each event,
+    the bytes alive then that backward does not keep (``_forward_transient`` at every
+    moment, not only at the highest) and the share of what backward keeps made by then."""
+    kinds, series, made = [], [], []
+    live = kept = 0
+    for kind, r, _ in log:
+        if r.category == Component.WEIGHTS:
+            continue
+        live += r.size if kind == "alloc" else -r.size
+        if kind == "alloc" and id(r) in alive:
+            kept += r.size
+        kinds.append("a" if kind == "alloc" else "f")
+        series.append(live - kept)
+        made.append(kept)
+    return "".join(kinds), series, [k / kept if kept else 1.0 for k in made]
+
+
+# where a moment's transient is compared with the others': micro batches and lengths
+# (tokens) far past the four shapes, as a user's step takes them
+_GRID_B = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_GRID_T = tuple(2 ** k for k in range(4, 18))
+
+
+def _transient_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
+    """The forward's transient as the highest of several fitted moments: each moment of
+    the forward (an event, the same one at every shape) makes a transient of the form
+    ``F + B*(s + a*T + b*T^2)`` that the four shapes determine exactly, and the forward's
+    is the highest of them at the step's shape. One fit of the highest point at each shape
+    mixes moments: phi-1.5 on a 4-bit base peaks inside a layer's dequantized weight
+    (a constant) at 32 tokens and at the loss at 128, and that fit's T^2 term put a
+    1,044-token step 2.6 GB high. Kept: the moments highest (their transient and the
+    activations made by then) somewhere on a grid of shapes (``_GRID_B`` x ``_GRID_T``),
+    each with the share of the activations made by then (the largest at the four
+    shapes). None where the forwards differ in their events
+    (another path at another shape): one fit of the highest points then."""
+    import numpy as np
+
+    if len({a.moments[0] for a in at}) != 1 or not at[0].moments[1]:
+        return None
+    def on_grid(fit: dict) -> Any:
+        B = np.asarray(_GRID_B, dtype=np.float64)[:, None, None]
+        T = np.asarray(_GRID_T, dtype=np.float64)[None, :, None]
+        return (np.maximum(B * (fit["s"] + fit["a"] * T + fit["b"] * T * T), 0.0)
+                + np.maximum(fit["F"], 0.0))
+
+    fit = _solve([np.asarray(a.moments[1], dtype=np.float64) for a in at])
+    share = np.max([a.moments[2] for a in at], axis=0)
+    kept = on_grid({k: np.float64(v) for k, v in _solve([float(a.total) for a in at]).items()})
+    # a moment's height: its transient and what backward keeps made by then
+    highest = sorted({int(i) for i in (on_grid(fit) + share * kept).argmax(axis=2).ravel()})
+    return [{**_form({k: float(v[i]) for k, v in fit.items()}), "share": float(share[i])}
+            for i in highest]
+
+
 def _solve(values: list[float]) -> dict[str, float]:
     """``F, s, a, b`` of ``F + B*(s + a*T + b*T^2)`` from the values at ``SHAPES``."""
     (b1, t1), (_, t2), (_, t3), (b2, _) = SHAPES
@@ -448,7 +524,9 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         "block_forward": _form(highest[0]),
         "base": {"h": 0.0, "V": 0.0, "c0": bas["a"], "T": bas["b"], "s": bas["s"],
                  "F": max(bas["F"], 0.0)},
-        # the forward's transient above what it keeps (``_forward_transient``)
+        # the forward's transient above what it keeps (``_forward_transient``), and where
+        # the forwards are alike, the moments that are its highest at some shape
+        # (``_transient_moments``)
         "forward": {**_form(fwd), "share": min(max(fwd["share"], 0.0), 1.0)},
         # a block backward's own scratch (``_block_backward``)
         "block_backward": _form(bwds[0]),
@@ -457,6 +535,8 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         # caches: ``cpu_library_cache_bytes``; blocks alike run the same ones)
         "half_matmuls": max(a.half_matmuls for a in at),
     }
+    if (moments := _transient_moments(at)) is not None:
+        coef["forward_moments"] = moments
     if dead:  # trainable elements without a gradient (no state either)
         coef["no_grad_numel"] = int(dead)
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
@@ -504,9 +584,11 @@ def _valid(coef: object) -> bool:
                                              "block_backward_decoder", "layer_largest",
                                              "layer_largest_decoder", "block_forward",
                                              "block_forward_decoder") if p in coef]
-    for part in parts:
+    moments = coef.get("forward_moments", [])
+    if not isinstance(moments, list):
+        return False
+    for d in [coef.get(part) for part in parts] + moments:
         names = ("c0", "T", "s", "F")
-        d = coef.get(part)
         if not isinstance(d, dict) or not all(
                 isinstance(d.get(n), int | float) and not isinstance(d.get(n), bool)
                 and math.isfinite(d[n]) for n in names):
