@@ -424,17 +424,16 @@ def _transient_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
 
     if len({a.moments[0] for a in at}) != 1 or not at[0].moments[1]:
         return None
-    def on_grid(fit: dict) -> Any:
-        B = np.asarray(_GRID_B, dtype=np.float64)[:, None, None]
-        T = np.asarray(_GRID_T, dtype=np.float64)[None, :, None]
-        return (np.maximum(B * (fit["s"] + fit["a"] * T + fit["b"] * T * T), 0.0)
-                + np.maximum(fit["F"], 0.0))
+    def at_shape(fit: dict, B: int, T: int) -> Any:
+        return np.maximum(B * (fit["s"] + fit["a"] * T + fit["b"] * T * T), 0.0) \
+            + np.maximum(fit["F"], 0.0)
 
     fit = _solve([np.asarray(a.moments[1], dtype=np.float64) for a in at])
     share = np.max([a.moments[2] for a in at], axis=0)
-    kept = on_grid({k: np.float64(v) for k, v in _solve([float(a.total) for a in at]).items()})
+    total = _solve([float(a.total) for a in at])
     # a moment's height: its transient and what backward keeps made by then
-    highest = sorted({int(i) for i in (on_grid(fit) + share * kept).argmax(axis=2).ravel()})
+    highest = sorted({int((at_shape(fit, B, T) + share * at_shape(total, B, T)).argmax())
+                      for B in _GRID_B for T in _GRID_T})
     return [{**_form({k: float(v[i]) for k, v in fit.items()}), "share": float(share[i])}
             for i in highest]
 
