@@ -149,8 +149,9 @@ class AnalyticTerms:
 
     Attributes:
         phases: candidate peak -> (bytes, component -> bytes): ``"backward"`` (its start),
-            ``"backward-end"``, ``"optimizer"``, with checkpointing ``"recompute"`` and,
-            with derived coefficients, ``"forward"``.
+            ``"backward-end"``, ``"embedding-sum"`` (a tied head's gradients,
+            ``_tied_gradient_sum``), ``"optimizer"``, with checkpointing ``"recompute"``
+            and, with derived coefficients, ``"forward"``.
         host: pinned host bytes (activation offloading).
         W, copies, copies_head, G, S, G_held, opt_temp, A, A_base, A_transient, loss_temp,
         block_bwd_temp: the terms the phases add up (bytes; see ``estimate_analytic``).
@@ -416,13 +417,17 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
                       Component.TEMPORARIES: max(loss_temp, block_bwd_temp)}),
         # gradients complete, the embedding side's activations and one block's temporaries
         # (an 8-bit base's layers still hold their inputs: the graph is freed after backward)
-        # (a tied head and embedding: their two gradients and the sum at the end)
-        "backward-end": (W + S + G + A_base // 2 + kept8 + max(block_bwd_temp, tied)
-                         + A_transient,
+        "backward-end": (W + S + G + A_base // 2 + kept8 + block_bwd_temp + A_transient,
                          {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S,
                           Component.GRADIENTS: G,
                           Component.ACTIVATIONS: A_base // 2 + kept8 + A_transient,
-                          Component.TEMPORARIES: max(block_bwd_temp, tied)}),
+                          Component.TEMPORARIES: block_bwd_temp}),
+        # a tied head and embedding: their two gradients and the sum, the embedding's
+        # backward being the last (the activations are gone by then)
+        "embedding-sum": (W + S + G + kept8 + tied,
+                          {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S,
+                           Component.GRADIENTS: G, Component.ACTIVATIONS: kept8,
+                           Component.TEMPORARIES: tied}),
         "optimizer": (W + S + G + opt_temp,
                       {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S,
                        Component.GRADIENTS: G, Component.ACTIVATIONS: 0,
