@@ -155,7 +155,7 @@ class _AtShape(NamedTuple):
     total: int  # alive at the loss in all
     transient: tuple[int, float]  # the forward's transient and its share (_forward_transient)
     # the forward's events, and at each one the transient and the share of what backward
-    # keeps made by then (_transient_series)
+    # keeps made by then (_forward_transient)
     moments: tuple[str, list[int], list[float]]
     block_backward: list[int]  # per stack, a block backward's scratch (_block_backward)
     half_matmuls: int  # the 16-bit matmuls of distinct shapes (StorageRecorder.half_matmuls)
@@ -233,8 +233,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 total = sum(r.size for r in rec.live_records() if id(r) in alive)
                 if device.allocator != "cuda":  # the graph's own host memory, as simulated
                     total += graph_host_bytes(loss)
-                transient = _forward_transient(log, alive)
-                moments = _transient_series(log, alive)
+                transient, moments = _forward_transient(log, alive)
                 heights = _block_heights(log, spans)
                 if step == 1:  # (the graph is the same at every shape)
                     dead = _unreached_numel(loss, model, stacks)
@@ -361,45 +360,35 @@ def _unreached_numel(loss: torch.Tensor, model: torch.nn.Module, stacks: list[tu
                if p.requires_grad and id(p) not in reached)
 
 
-def _forward_transient(log: list[tuple[str, Record, str]], alive: set[int]) -> tuple[int, float]:
+def _forward_transient(log: list[tuple[str, Record, str]], alive: set[int]
+                       ) -> tuple[tuple[int, float], tuple[str, list[int], list[float]]]:
     """At the forward's highest point (weights apart), the bytes alive then that backward
     does not keep: an op's scratch, a block's intermediate results (an indexer's (T, T)
     scores over every head of AXK2's sparse attention, freed within the block). A model
     whose forward peaks above what backward starts with has its peak there: the analytic
     phases take it as the ``forward`` candidate. Also the share of what backward keeps that
-    is made by then."""
-    live = peak = peak_at = 0
-    for i, (kind, r, _) in enumerate(log):
-        if r.category == Component.WEIGHTS:
-            continue
-        live += r.size if kind == "alloc" else -r.size
-        if live > peak:
-            peak, peak_at = live, i
-    kept = sum(r.size for kind, r, _ in log[:peak_at + 1]
-               if kind == "alloc" and id(r) in alive and r.category != Component.WEIGHTS)
-    everything = sum(r.size for kind, r, _ in log
-                     if kind == "alloc" and id(r) in alive and r.category != Component.WEIGHTS)
-    return max(peak - kept, 0), (kept / everything if everything else 1.0)
+    is made by then.
 
-
-def _transient_series(log: list[tuple[str, Record, str]], alive: set[int]
-                      ) -> tuple[str, list[int], list[float]]:
-    """The forward's events (``"a"``/``"f"`` per allocation and free, weights apart: the
-    same string at every shape when the forward runs the same ops) and, at each event,
-    the bytes alive then that backward does not keep (``_forward_transient`` at every
-    moment, not only at the highest) and the share of what backward keeps made by then."""
+    In the same walk, the moments: the forward's events (``"a"``/``"f"`` per allocation
+    and free, weights apart: the same string at every shape when the forward runs the same
+    ops) and, at each event, the same transient and share (at every moment, not only at
+    the highest)."""
     kinds, series, made = [], [], []
-    live = kept = 0
+    live = kept = peak = peak_at = 0
     for kind, r, _ in log:
         if r.category == Component.WEIGHTS:
             continue
         live += r.size if kind == "alloc" else -r.size
         if kind == "alloc" and id(r) in alive:
             kept += r.size
+        if live > peak:
+            peak, peak_at = live, len(series)
         kinds.append("a" if kind == "alloc" else "f")
         series.append(live - kept)
         made.append(kept)
-    return "".join(kinds), series, [k / kept if kept else 1.0 for k in made]
+    shares = [k / kept if kept else 1.0 for k in made]
+    highest = (max(series[peak_at], 0), shares[peak_at]) if series else (0, 1.0)
+    return highest, ("".join(kinds), series, shares)
 
 
 # where a moment's transient is compared with the others': micro batches and lengths
@@ -424,6 +413,7 @@ def _transient_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
 
     if len({a.moments[0] for a in at}) != 1 or not at[0].moments[1]:
         return None
+
     def at_shape(fit: dict, B: int, T: int) -> Any:
         return np.maximum(B * (fit["s"] + fit["a"] * T + fit["b"] * T * T), 0.0) \
             + np.maximum(fit["F"], 0.0)
