@@ -110,6 +110,50 @@ def test_split_run_equals_a_run_at_the_split_size(tmp_path, where):
         == [(8, 12)]
 
 
+def test_trl_sft_trainer_split_equals_a_run_at_the_split_size(tmp_path):
+    """TRL's SFTTrainer (its own compute_loss, collator and metrics): guarded, an OOM in
+    backward is split and the run equals an SFTTrainer run at the split size."""
+    pytest.importorskip("trl")
+    import datasets
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 96)}}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+        pad_token="<pad>", eos_token="<eos>")
+    g = torch.Generator().manual_seed(2)
+    rows = [{"input_ids": torch.randint(2, 96, (8 + i % 7,), generator=g).tolist()}
+            for i in range(32)]  # lengths 8..14: the collator pads each batch its own way
+
+    def run(micro, accum, name, limit=None):
+        model = _model()
+        model.config.pad_token_id, model.config.eos_token_id = 0, 1
+        hook = _plant(model, limit=limit, where="backward") if limit else None
+        args = SFTConfig(str(tmp_path / name), per_device_train_batch_size=micro,
+                         gradient_accumulation_steps=accum, max_steps=3, learning_rate=1e-2,
+                         use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+                         seed=3, disable_tqdm=True, bf16=False, max_length=32)
+        trainer = SFTTrainer(model=model, args=args,
+                             train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=tokenizer)
+        if limit:
+            guard(trainer, echo=False)
+        trainer.train()
+        if hook:
+            hook.remove()
+        return trainer, model
+
+    ref, ref_model = run(4, 4, "ref")
+    trainer, model = run(8, 2, "guarded", limit=4)
+    rescues = trainer.autofit_guard.rescues
+    assert len(rescues) == 1 and rescues[0].k == 2 and rescues[0].batch_shape[0] == 8
+    assert len(_losses(trainer)) == 3
+    assert _losses(trainer) == pytest.approx(_losses(ref), rel=1e-5)
+    _same_weights(model, ref_model)
+
+
 def test_without_num_items_the_pieces_are_weighted_as_the_mean(tmp_path):
     """A loss that is a mean over the micro batch: the pieces' means, weighted by their label
     items, equal the unsplit micro batch's (the Trainer of an unguarded, OOM-free run)."""
