@@ -29,7 +29,9 @@ SCRIPT = textwrap.dedent(r'''
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
     import autofit
 
-    out, limit = sys.argv[1], int(sys.argv[2])
+    out, limit, where = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    from autofit.trial.guard import _Ranks
+    _Ranks.BUCKET_BYTES = 4096  # many buckets: some go out before the backward's end
     rank = int(os.environ["RANK"])
     OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1048576 bytes"
 
@@ -69,7 +71,12 @@ SCRIPT = textwrap.dedent(r'''
     def spike(module, args, kwargs, result):
         hidden = result[0] if isinstance(result, tuple) else result
         if rank == 0 and t.state.global_step >= 1 and hidden.shape[0] > limit:
-            raise RuntimeError(OOM)
+            if where == "forward":
+                raise RuntimeError(OOM)
+            if hidden.requires_grad:  # backward: after the upper layers' buckets went out
+                def boom(grad):
+                    raise RuntimeError(OOM)
+                hidden.register_hook(boom)
         return result
 
     m.model.layers[0].register_forward_hook(spike, with_kwargs=True)
@@ -90,7 +97,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, limit: int, timeout: float = 240.0) -> subprocess.CompletedProcess:
+def _launch(tmp_path, limit: int, where: str = "forward",
+            timeout: float = 240.0) -> subprocess.CompletedProcess:
     script = tmp_path / "spike.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -98,13 +106,17 @@ def _launch(tmp_path, limit: int, timeout: float = 240.0) -> subprocess.Complete
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-         str(script), str(tmp_path), str(limit)],
+         str(script), str(tmp_path), str(limit), where],
         env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
-def test_a_spike_on_one_rank_splits_both_and_keeps_the_math(tmp_path):
-    proc = _launch(tmp_path, limit=4)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_spike_on_one_rank_splits_both_and_keeps_the_math(tmp_path, where):
+    """In backward, the OOM lands in the window's last backward after some gradient
+    buckets were sent (overlapped, ``_Buckets``): rank 0 keeps them and sends the rest
+    after its pieces."""
+    proc = _launch(tmp_path, limit=4, where=where)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())

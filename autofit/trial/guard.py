@@ -254,6 +254,7 @@ class _Guard:
         self.train_step = trainer.training_step
         self.predict_step = trainer.prediction_step
         self.ranks: _Ranks | None = None  # several processes: how they agree
+        self.overlap: _Buckets | None = None  # DDP: the window's gradient average in flight
 
     # -- which parameters an attempt accumulated ------------------------------------------
     def watch(self, model: torch.nn.Module) -> None:
@@ -266,6 +267,8 @@ class _Guard:
     def _accumulated(self, p: torch.nn.Parameter) -> None:
         if self.recording:
             self.touched.add(id(p))
+        if self.overlap is not None:
+            self.overlap.ready(p)
 
     @contextlib.contextmanager
     def _zero_grads_of(self, model: torch.nn.Module, ids: set[int]) -> Any:
@@ -384,6 +387,8 @@ class _Guard:
                 self.recording = False
                 if not is_oom(e):
                     raise
+                if self.overlap is not None:  # the pieces' gradients are final only at the
+                    self.overlap.armed = False  # end: their buckets go out after the step
                 halves = _split(piece, 2)
                 pending.extendleft(reversed([(h, zero | frozenset(self.touched))
                                              for h in halves]))
@@ -477,14 +482,15 @@ class _Ranks:
     rank then holds the same split (a spike on one rank splits the others' batches of
     that length too). A rank that cannot go on (a single sample that does not fit, any
     other error) sends that all-reduce where it fails, which the others meet at their
-    window's end: all stop, none is left in a collective. Then the gradients are averaged
-    over the ranks as DDP averages them, in buckets of ``BUCKET_BYTES``, after the
-    backward (NB: not overlapped with it, as DDP's are). An agreement after every micro
-    step cost 17% of the step on two loaded CPU ranks (each a barrier); once per window
-    it is one more small all-reduce beside the gradients'.
+    window's end: all stop, none is left in a collective. The gradients are averaged over
+    the ranks as DDP averages them, in buckets of ``BUCKET_BYTES``, overlapped with the
+    window's last backward as DDP's are (``_Buckets``), before that all-reduce. An
+    agreement after every micro step cost 17% of the step on two loaded CPU ranks (each a
+    barrier); once per window it is one more small all-reduce beside the gradients'.
     """
 
     BUCKET_BYTES = 25 << 20  # DDP's default bucket_cap_mb
+    IN_FLIGHT = 2  # buckets whose all-reduce may be outstanding (each a flat copy)
     _NONE = -(1 << 62)  # "nothing to say" in a MAX all-reduce
 
     def __init__(self, world: int) -> None:
@@ -500,16 +506,30 @@ class _Ranks:
         sync = bool(getattr(model, "require_backward_grad_sync", True))
         failure: BaseException | None = None
         loss = None
+        device = _device_of(guard.trainer)
+        # the window's last micro step: its gradients averaged as they become final
+        buckets = _Buckets(model, self.world, self.BUCKET_BYTES, self.IN_FLIGHT) if sync else None
+        if buckets is not None:
+            buckets.armed = guard.k_for(_batch_shape(inputs)) == 1
+        guard.overlap = buckets
         with no_sync():
             try:
                 loss = guard._local_step(model, inputs, num_items_in_batch)
             except BaseException as e:  # noqa: BLE001 - re-raised after the others know
                 failure = e
+            finally:
+                guard.overlap = None
         if failure is None and not sync:
             return loss  # inside the window: no collective, however this rank split
+        # every rank sends every bucket, in the same order, before the agreement: the others
+        # send theirs at their window's last micro step, wherever this rank failed
+        if failure is None and buckets is not None:
+            buckets.finish()
+        else:
+            (buckets or _Buckets(model, self.world, self.BUCKET_BYTES, 1)).finish_void(device)
         # once per window (the others reach it at the window's last micro step) or at a
         # failure, wherever it happens: every rank calls it once per window
-        failed_rank = self.agree(guard, failure is not None, _device_of(guard.trainer))
+        failed_rank = self.agree(guard, failure is not None, device)
         if failure is not None:
             raise failure
         if failed_rank is not None:
@@ -518,8 +538,6 @@ class _Ranks:
                 "is in its log: a single sample that does not fit, or another error); this "
                 "rank stops with it rather than wait in a collective")
         guard._retry_upward()
-        if sync:
-            self.average_gradients(model, _device_of(guard.trainer))
         return loss
 
     def agree(self, guard: _Guard, failed: bool, device: str) -> int | None:
@@ -540,33 +558,118 @@ class _Ranks:
             guard.k, guard.length, guard.clean_steps = k, -length, -clean
         return -low if low != self._NONE else None
 
-    def average_gradients(self, model: torch.nn.Module, device: str) -> None:
-        """Every trainable parameter's gradient replaced by its mean over the ranks (as DDP
-        does: a sum, divided by the world size); a parameter no rank gave a gradient keeps
-        None."""
+
+class _Buckets:
+    """The gradient average of an accumulation window (DDP's), overlapped with its last
+    backward.
+
+    The trainable parameters, in reverse order (the order a backward finishes them, as
+    DDP buckets them), are cut into buckets of about ``size`` bytes. While the last micro
+    step's backward runs (``armed``), a bucket whose every parameter has its final
+    gradient (the accumulation hook fired) is flattened and all-reduced asynchronously, in
+    bucket order, at most ``in_flight`` outstanding; ``finish`` sends the rest, in order,
+    and waits. Every rank sends every bucket in the same order whatever happened on it, so
+    the collectives pair up: a rank that ran out of memory keeps the buckets it sent (an
+    attempt that ran out of memory leaves the gradients it reached final: their pieces add
+    zeros, ``_Guard._local_step``) and sends the others after its pieces; a rank that
+    fails sends them too before the agreement that stops every rank. A parameter no rank
+    gave a gradient keeps None.
+    """
+
+    def __init__(self, model: torch.nn.Module, world: int, size: int, in_flight: int) -> None:
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        self.world = world
+        self.in_flight = in_flight
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        self.bucket_of: dict[int, int] = {}
+        filled = size
+        for p in params:
+            if filled >= size:
+                self.buckets.append([])
+                filled = 0
+            self.bucket_of[id(p)] = len(self.buckets) - 1
+            self.buckets[-1].append(p)
+            filled += p.numel() * p.element_size()
+        self.waiting = [len(b) for b in self.buckets]  # parameters not final yet
+        self.kinds = [(sum(p.numel() for p in b), _common_dtype(b)) for b in self.buckets]
+        self.sent = 0  # buckets sent, in order
+        self.outstanding: list[tuple[Any, Any, list[torch.nn.Parameter], list[Any]]] = []
+        self.armed = False
+
+    def ready(self, p: torch.nn.Parameter) -> None:
+        """``p``'s gradient is final for the window (its accumulation hook fired)."""
+        if not self.armed:
+            return
+        b = self.bucket_of.get(id(p))
+        if b is None:
+            return
+        self.waiting[b] -= 1
+        while self.sent < len(self.buckets) and self.waiting[self.sent] <= 0:
+            self._send()
+
+    def finish(self) -> None:
+        """The buckets not sent yet, in order, then every outstanding one waited for."""
+        self.armed = False
+        while self.sent < len(self.buckets):
+            self._send()
+        while self.outstanding:
+            self._receive()
+
+    def finish_void(self, device: str) -> None:
+        """A failed rank's part: the buckets not sent yet, in order, sent from one buffer of
+        zeros (the run stops after the agreement; what matters is that every collective
+        the others started is met, with as little memory as a bucket)."""
         import torch
         import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        params = [p for p in model.parameters() if p.requires_grad]
-        bucket: list[Any] = []
-        size = 0
-        for i, p in enumerate(params):
-            bucket.append(p)
-            size += p.numel() * p.element_size()
-            if size < self.BUCKET_BYTES and i < len(params) - 1:
-                continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat)
-            flat.div_(self.world)
-            for q, g, mean in zip(bucket, grads, _unflatten_dense_tensors(flat, grads),
-                                  strict=True):
-                if q.grad is not None:
-                    g.copy_(mean)
-                elif bool(mean.ne(0).any()):
-                    q.grad = mean.clone()
-            bucket, size = [], 0
+        self.armed = False
+        while self.outstanding:
+            self._receive()
+        if self.sent >= len(self.kinds):
+            return
+        largest = max(n * torch.empty((), dtype=d).element_size()
+                      for n, d in self.kinds[self.sent:])
+        buffer = torch.zeros(largest, dtype=torch.uint8, device=device)
+        for n, dtype in self.kinds[self.sent:]:
+            size = n * torch.empty((), dtype=dtype).element_size()
+            dist.all_reduce(buffer[:size].view(dtype))
+            buffer.zero_()
+        self.sent = len(self.kinds)
+
+    def _send(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors
+
+        bucket = self.buckets[self.sent]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flat = _flatten_dense_tensors(grads)
+        self.sent += 1
+        self.outstanding.append((dist.all_reduce(flat, async_op=True), flat, bucket, grads))
+        while len(self.outstanding) > self.in_flight:
+            self._receive()
+
+    def _receive(self) -> None:
+        from torch._utils import _unflatten_dense_tensors
+
+        work, flat, bucket, grads = self.outstanding.pop(0)
+        work.wait()
+        flat.div_(self.world)
+        for q, g, mean in zip(bucket, grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            if q.grad is not None:
+                g.copy_(mean)
+            elif bool(mean.ne(0).any()):
+                q.grad = mean.clone()
+
+
+def _common_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
+    """The dtype of ``_flatten_dense_tensors`` over these parameters' gradients."""
+    import torch
+
+    dtype = params[0].dtype
+    for p in params[1:]:
+        dtype = torch.promote_types(dtype, p.dtype)
+    return dtype
 
 
 def _weight(trainer: Trainer, piece: Batch, whole: Batch, total: int) -> float:
