@@ -325,3 +325,46 @@ def test_a_retune_learns_from_the_record_a_guarded_run_left(tmp_path, capsys):
     argv[-1] = str(tmp_path / "other.yaml")
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["config"]["micro_batch_size"] == 16
+
+
+def test_ddp_buckets_go_out_in_order_as_their_gradients_become_final(monkeypatch):
+    """``_Buckets`` (the guard's overlapped gradient average under DDP), on a one-process
+    gloo group: buckets in reverse parameter order, each sent once its parameters are all
+    final and every earlier one was sent; ``finish`` sends the rest; a failed rank's
+    ``finish_void`` sends the same sizes, in the same order, from one buffer."""
+    import torch.distributed as dist
+
+    from autofit.trial.guard import _Buckets
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _model()
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params[:-1]:  # the last (the head) gives no gradient on this rank
+            p.grad = torch.full_like(p, 2.0)
+        sizes: list[int] = []
+        real = dist.all_reduce
+
+        def spy(tensor, *args, **kwargs):
+            sizes.append(tensor.numel() * tensor.element_size())
+            return real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, "all_reduce", spy)
+        b = _Buckets(model, 1, 8 * 1024, 2)
+        assert [p for bucket in b.buckets for p in bucket] == params[::-1]
+        b.armed = True
+        b.ready(params[-2])  # the second bucket's first parameter: the first is not ready
+        assert b.sent == 0
+        for p in b.buckets[0]:
+            b.ready(p)
+        assert b.sent == 1 and sizes == [b.kinds[0][0] * 4]
+        b.finish()
+        assert b.sent == len(b.buckets) and not b.outstanding
+        assert params[-1].grad is None  # no rank gave it a gradient: it stays None
+        assert all(bool((p.grad == 2.0).all()) for p in params[:-1])  # the mean over 1 rank
+        sent = list(sizes)
+        sizes.clear()
+        _Buckets(model, 1, 8 * 1024, 1).finish_void("cpu")
+        assert sizes == sent  # what the others' collectives expect, in their order
+    finally:
+        dist.destroy_process_group()
