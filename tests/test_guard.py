@@ -352,6 +352,8 @@ def test_ddp_buckets_go_out_in_order_as_their_gradients_become_final(monkeypatch
         monkeypatch.setattr(dist, "all_reduce", spy)
         b = _Buckets(model, 1, 8 * 1024, 2)
         assert [p for bucket in b.buckets for p in bucket] == params[::-1]
+        big = [p for p in params if p.numel() * 4 >= 8 * 1024]  # the embedding and the head
+        assert big and all(len(b.buckets[b.bucket_of[id(p)]]) == 1 for p in big)
         b.armed = True
         b.ready(params[-2])  # the second bucket's first parameter: the first is not ready
         assert b.sent == 0
