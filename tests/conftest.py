@@ -17,6 +17,33 @@ if "AUTOFIT_CACHE_DIR" not in os.environ:
     os.environ["AUTOFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="autofit-test-cache-")
 
 
+def _native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); unknown: yes.
+    ``AUTOFIT_TEST_NATIVE_BF16=0`` / ``1`` says it instead (to see the other host's set)."""
+    forced = os.environ.get("AUTOFIT_TEST_NATIVE_BF16")
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``half`` join the slow set on a CPU without native bf16: there torch's
+    generic 16-bit gemm is ~40x slower than fp32 and those tests took 45-61 s each (an
+    AVX2-only host, 2026-12-02), which kept ``pytest`` over its ten minutes. Runs before
+    pytest's ``-m`` selection, so ``-m 'not slow'`` leaves them out there."""
+    if _native_bf16():
+        return
+    for item in items:
+        if item.get_closest_marker("half") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_config():
     from transformers import AutoConfig

@@ -127,6 +127,7 @@ def test_quantization_options_reach_the_estimate(capsys):
     assert nf4 < eight and dq < nf4 and same == dq
 
 
+@pytest.mark.half
 def test_a_tuned_quantized_base_is_checked_with_it(tmp_path, capsys, monkeypatch):
     """The tuned file records how the base was quantized; `autofit check` rebuilds the same
     quantized base (its estimate, its identity)."""

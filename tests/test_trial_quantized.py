@@ -55,6 +55,7 @@ def test_an_8bit_trial_on_a_capped_cpu_matches_the_estimate():
         assert -0.01 < r.peak_allocated_bytes / est.peak_allocated_bytes - 1 < 0.06, method
 
 
+@pytest.mark.half
 @pytest.mark.parametrize("bits", [4])  # 8 bits: refused (tests/test_bad_input.py)
 def test_dora_on_a_quantized_base_is_estimated_and_its_trial_runs(bits):
     """QDoRA (issue 23): peft initialises DoRA's magnitudes from the dequantized weights, and

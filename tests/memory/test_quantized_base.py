@@ -100,6 +100,7 @@ def _real_step(model: torch.nn.Module, config: TrainConfig, seq_len: int,
     return peak, weights, forward_end
 
 
+@pytest.mark.half
 @pytest.mark.parametrize(("q", "config"), [
     (INT8, TrainConfig(micro_batch_size=2)),
     (INT8, TrainConfig(micro_batch_size=2, gradient_checkpointing=True)),
@@ -129,6 +130,7 @@ def test_estimates_match_a_real_quantized_step(saved, q, config, monkeypatch) ->
     assert abs(ana_peak / real - 1) < 0.03, (ana_peak, real)
 
 
+@pytest.mark.half
 def test_int8_layers_keep_their_inputs_past_checkpointing(saved) -> None:
     """LLM.int8's autograd node holds its input (``ctx.A``), which checkpointing's hooks do
     not see: with checkpointing, a real 8-bit step holds at the end of its forward what the
@@ -156,6 +158,7 @@ def _old_bitsandbytes(monkeypatch) -> None:
                         lambda p: "0.42.0" if p == "bitsandbytes" else real(p))
 
 
+@pytest.mark.half
 def test_old_4bit_layers_keep_their_inputs(saved, monkeypatch) -> None:
     """Up to bitsandbytes 0.43.1 a 4-bit layer kept its input in its autograd node too
     (``MatMul4Bit``: ``ctx.tensors = (A, B)``; QLoRA's "memory bug", PR #1270): the step of
