@@ -31,14 +31,19 @@ A knob declares
   with one value do not calibrate the estimate of another);
 * ``reason(config, costs)`` (optional): the reason line of the chosen configuration's
   value (what it saves, what it costs), asked of the estimators through ``Costs``;
-  ``trainer_note(value, trainer)`` (optional): ``note`` for a given trainer.
+  ``trainer_note(value, trainer)`` (optional): ``note`` for a given trainer;
+* ``step_seconds(ctx)`` (optional): the seconds its value adds to one micro batch beyond
+  the step's FLOPs (``StepContext``: the model, the configuration, the rates it runs
+  at); the speed model sums the registered knobs' terms and names none.
 
 The registry (``autofit.knobs.registry``) asks every registered knob for these: the
 pipeline never names a knob to write its fields, its notes or its reason lines.
 
-The memory rule of a knob lives with the estimators (``autofit.memory``, a layer above
-this one): a knob says what it is, how it is written and what its reason line asks of
-them (``Costs``).
+A knob's memory rule is a function of the knob's module where it needs only what the
+probes describe (the chunked loss's buffers: ``autofit.knobs.chunked_loss``), which the
+estimators (``autofit.memory``, a layer above this one) call; where it is a term of
+the closed form's phases it lives there. What the reason line asks of the estimators
+goes through ``Costs``, what the step-time term reads through ``StepContext``.
 """
 
 from __future__ import annotations
@@ -47,14 +52,15 @@ import argparse
 import importlib.util
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     from autofit.config import TrainConfig
     from autofit.probe.device import DeviceInfo
+    from autofit.probe.model import ModelInfo
 
-__all__ = ["Costs", "Knob", "KnobValue", "OnOffKnob", "installed", "training_arguments_fields",
-           "restrict"]
+__all__ = ["Costs", "Knob", "KnobValue", "OnOffKnob", "StepContext", "installed",
+           "training_arguments_fields", "restrict"]
 
 # A knob's value: on/off levers a bool, the others a name (``"bf16-mixed"``, ``"zero2"``).
 KnobValue: TypeAlias = bool | str
@@ -79,6 +85,22 @@ class Costs(Protocol):
     def compile_saving_bytes(self, config: TrainConfig) -> int:
         """Activation bytes torch.compile's rule takes off the eager step (< 0: adds)."""
         ...
+
+
+class StepContext(NamedTuple):
+    """What a knob's step-time term (``step_seconds``) reads of one micro batch: the model,
+    the configuration, its sequence length and device, the rates it runs at (FLOP/s
+    achieved, device-memory and host-link bytes/s: ``autofit.search.speed``), and the
+    activation bytes offloading moves to the host per micro batch (0 without it)."""
+
+    info: ModelInfo
+    config: TrainConfig
+    seq_len: int
+    device: DeviceInfo
+    flops: float
+    bandwidth: float
+    host_link: float
+    offloaded_bytes: int
 
 
 class Knob(Protocol):

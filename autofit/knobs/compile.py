@@ -17,8 +17,9 @@ True])``, ``autofit tune --torch-compile``): compilation costs minutes before th
 first step, a model with graph breaks gains little, and a custom or unusual model may
 not compile at all. When nothing fits, it is offered with its estimated peak.
 
-**Its memory rule** (``autofit.memory.analytic.compile_saving_bytes``; both estimators
-take it off the eager step), read off the tensors eager and compiled steps save
+**Its memory rule** (``compiled_saving_parts`` below, asked by
+``autofit.memory.analytic.compile_saving_bytes``; both estimators take it off the eager
+step), read off the tensors eager and compiled steps save
 (``saved_tensors_hooks`` on small llama and GPT-2 models) and checked against measured
 CPU peaks of compiled steps (``benchmarks/measure_cpu.py`` with ``"torch_compile":
 true``; ``benchmarks/results/accuracy.md``, ``*-compile``). AOTAutograd's min-cut
@@ -88,12 +89,81 @@ if TYPE_CHECKING:
     from autofit.config import TrainConfig
     from autofit.knobs.base import Costs
     from autofit.probe.device import DeviceInfo
+    from autofit.probe.model import ModelInfo
 
-__all__ = ["TORCH_COMPILE", "TorchCompileKnob", "FIELD"]
+__all__ = ["TORCH_COMPILE", "TorchCompileKnob", "FIELD", "compiled_saving_parts"]
 
 FIELD = "torch_compile"
 # the fields that also turn it on in TrainingArguments.__post_init__ (backend, mode)
 _ALSO = ("torch_compile_backend", "torch_compile_mode")
+
+
+
+# torch.compile (inductor, default partitioner): per block and token, the elements eager
+# autograd saves for backward that the compiled step does not, as a linear function of the
+# block's widths (h: hidden, kv: key/value width, i: intermediate), per block family. Read
+# off the tensors each step saves (saved_tensors_hooks around eager and compiled steps of
+# small llama and GPT-2 models) and checked against measured peaks
+# (benchmarks/measure_cpu.py, "torch_compile"):
+# * llama: the gated MLP's product silu(gate) * up (down_proj's input) is recomputed (-i),
+#   and of the attention's inputs only the (B, H, T, d) tensors SDPA's backward reads are
+#   kept: -2 kv net (the key/value heads are kept repeated to all heads, but the norms'
+#   and rotary embedding's hidden-sized outputs are recomputed); the graph materialises
+#   the causal mask once, (B, 1, T, T) in the compute dtype, which eager SDPA gets as
+#   ``is_causal`` (``mask``: elements per token and key position, once per step);
+# * gpt2: of the MLP's five (B, T, i) tensors (fc output, GELU's inner terms, its output,
+#   c_proj's input) two are kept (-3i).
+# Every dropout keeps a bool mask (1 byte) instead of eager's mask in the activation dtype
+# (its hidden-sized dropouts, attention's heads x T per token, the embeddings').
+# The loss: eager keeps the fp32 log-softmax and makes two fp32 (B, T, V) gradients at the
+# start of backward; the compiled graph fuses the upcast, the log-softmax and the loss's
+# backward. ``loss`` / ``loss_mixed``: how many fp32 (B, T, V) buffers fewer are alive at
+# the backward peak, without / with autocast (measured; the "-true" precisions take the
+# former): llama 0 in fp32 (the compiled backward still holds two), 1.75 in bf16-mixed (it
+# keeps the bf16 logits, and its fused backward ~0.8 fp32 buffer); GPT-2 1 in fp32, and
+# 1.5 with autocast (the fp32 value and the half buffer bf16 logits save; not pinned down:
+# its measured bf16-mixed configuration peaks in the optimizer step).
+# NB: families without a measured rule (BERT, T5, ...) get no saving (the eager estimate,
+# on the safe side).
+_COMPILE_FUSED: dict[str, dict[str, float]] = {
+    "llama": {"h": 0.0, "kv": 2.0, "i": 1.0, "mask": 1.0, "loss": 0.0, "loss_mixed": 1.75},
+    "gpt2": {"h": 0.0, "kv": 0.0, "i": 3.0, "mask": 0.0, "loss": 1.0, "loss_mixed": 1.5},
+}
+
+
+def compiled_saving_parts(info: ModelInfo, config: TrainConfig, seq_len: int, *, family: str,
+                          element: int) -> tuple[int, int]:
+    """torch.compile's memory rule: (blocks, the rest) of the activation bytes a compiled
+    step does not keep at its backward peak, for a model of block ``family`` whose saved
+    activations have ``element`` bytes each: what the blocks' saved activations lose (one
+    block with checkpointing), and the masks and loss buffers outside them (a family
+    without a measured rule: nothing, the eager estimate)."""
+    c = _COMPILE_FUSED.get(family)
+    if c is None:
+        return 0, 0
+    e = element  # element size of the saved activations
+    mask = e - 1  # a dropout's bool mask instead of one in the activation dtype
+    per_layer = []
+    for b in info.blocks:
+        if info.is_encoder_decoder and b.role != "encoder":
+            continue
+        kv = b.num_kv_heads * b.head_dim
+        el = c["h"] * b.hidden_size + c["kv"] * kv + c["i"] * b.intermediate_size
+        masks = (b.num_dropouts * b.hidden_size
+                 + (b.num_heads * seq_len if b.attention_dropout > 0 else 0))
+        per_layer.append((max(el, 0.0) * e + mask * masks, b.count))
+    if not per_layer:
+        return 0, 0
+    tokens = config.micro_batch_size * seq_len
+    causal_mask = tokens * seq_len * c["mask"] * e  # kept by the compiled step, not by eager
+    # the embeddings' dropout (outside the blocks): its mask too
+    base = tokens * mask * (info.hidden_size or 0) * (info.embedding_dropout > 0) - causal_mask
+    lm = info.task != "seq-cls" and info.vocab_size is not None
+    loss = c["loss_mixed"] if config.precision_spec.autocast else c["loss"]
+    base += loss * tokens * (info.vocab_size if lm else 0) * 4  # fp32 (B, T, V) buffers
+    if config.gradient_checkpointing:
+        return int(tokens * max(x for x, _ in per_layer)), int(base)
+    return int(tokens * sum(x * n for x, n in per_layer)), int(base)
 
 
 class TorchCompileKnob(OnOffKnob):

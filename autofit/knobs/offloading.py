@@ -49,7 +49,7 @@ from autofit.knobs.checkpointing import field_name
 
 if TYPE_CHECKING:
     from autofit.config import TrainConfig
-    from autofit.knobs.base import Costs, KnobValue
+    from autofit.knobs.base import Costs, KnobValue, StepContext
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["OFFLOADING", "OffloadingKnob", "transformers_offloads"]
@@ -151,6 +151,11 @@ class OffloadingKnob(OnOffKnob):
                 f"at micro batch {config.micro_batch_size} (estimated {_gib(off)} -> "
                 f"{_gib(on)}), needs ~{_gib(costs.host_bytes(config))} of pinned host memory, "
                 f"~{100 * slower:.0f}% slower (host copies)")
+
+    def step_seconds(self, ctx: StepContext) -> float:
+        """Each checkpointed block's input to pinned host memory and back, on the compute
+        stream (0 without offloading: nothing is offloaded)."""
+        return 2 * ctx.offloaded_bytes / ctx.host_link
 
     def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         # after the checkpointing knob (registry order), which writes the kwargs afresh

@@ -1,8 +1,9 @@
 """The registered knobs, in the order the search, the table and the files show them.
 
-Adding a lever is one new module in ``autofit/knobs/`` (a ``Knob``), its entry here,
-its ``TrainConfig`` field, its memory rule in ``autofit/memory``, its step-time term
-(an entry under the knob's name in ``autofit.search.speed._STEP_COSTS``) and its tests.
+Adding a lever is one new module in ``autofit/knobs/`` (a ``Knob``: its fields, notes,
+reason line and step-time term ``step_seconds``), its entry here, its ``TrainConfig``
+field, its memory rule (in its module where it needs only the probes' description,
+else a term of ``autofit.memory``'s closed form) and its tests.
 
     >>> [k.name for k in KNOBS]
     ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss', 'activation_offloading', 'torch_compile', 'strategy', 'offload']
@@ -11,10 +12,11 @@ A knob may also define ``conflict(choice) -> str | None``: why a combination of 
 cannot be trained (activation offloading without checkpointing); ``conflict`` asks every
 knob, and the search space leaves such combinations out.
 
-What a knob writes and says goes through here, as torch's flop_counter goes through its
-table of per-op formulas: ``emit_fields`` (its TrainingArguments fields), ``notes``
-(what the user must do besides them) and ``reason_lines`` (what the chosen value saves or
-costs) ask every registered knob in order; no caller names a knob.
+What a knob writes, says and costs goes through here, as torch's flop_counter goes
+through its table of per-op formulas: ``emit_fields`` (its TrainingArguments fields),
+``notes`` (what the user must do besides them), ``reason_lines`` (what the chosen value
+saves or costs) and ``step_seconds`` (the time its value adds to a micro batch) ask every
+registered knob in order; no caller names a knob.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from autofit.knobs.strategy import OFFLOAD, STRATEGY
 
 if TYPE_CHECKING:
     from autofit.config import TrainConfig
-    from autofit.knobs.base import Costs, KnobValue
+    from autofit.knobs.base import Costs, KnobValue, StepContext
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
-           "conflict", "emit_fields", "notes", "reason_lines"]
+           "conflict", "emit_fields", "notes", "reason_lines", "step_seconds", "timed_knobs"]
 
 # the order the files are written in too: offloading adds its key to the kwargs that
 # checkpointing writes afresh
@@ -112,3 +114,19 @@ def reason_lines(config: TrainConfig, costs: Costs) -> list[str]:
         if reason is not None and (line := reason(config, costs)) is not None:
             out.append(line)
     return out
+
+
+def step_seconds(ctx: StepContext) -> float:
+    """The seconds every knob's value adds to one micro batch beyond its FLOPs (each knob's
+    ``step_seconds``; knobs without one add nothing)."""
+    total = 0.0
+    for k in KNOBS:
+        term = getattr(k, "step_seconds", None)
+        if term is not None:
+            total += term(ctx)
+    return total
+
+
+def timed_knobs() -> tuple[str, ...]:
+    """The knobs with a step-time term."""
+    return tuple(k.name for k in KNOBS if getattr(k, "step_seconds", None) is not None)

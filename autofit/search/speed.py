@@ -14,11 +14,12 @@ few with real micro-steps (whose measured speed then decides). The model:
 * The optimizer step reads and writes weights, gradients and states once per
   optimizer step: ``bytes / bandwidth``, amortised over the accumulation steps;
   ``foreach`` and fused kernels are faster than per-tensor loops.
-* A chunked loss runs the head's matmuls chunk by chunk: each chunk reads the head's
-  weight twice and reads and writes its fp32 weight gradient (``chunks * V * h``
-  bytes moved per micro batch, at the device's bandwidth), so small chunks cost time.
-  On a CPU it is charged its measured cost instead: ``_CPU_CHUNKED_LOSS`` times the
-  head's training FLOPs again (the measurement is in the constant's comment).
+* A lever's own time (``step_seconds`` of its knob, summed by
+  ``autofit.knobs.registry.step_seconds``; this model names no lever): a chunked loss
+  runs the head's matmuls chunk by chunk: each chunk reads the head's weight twice and
+  reads and writes its fp32 weight gradient (``chunks * V * h`` bytes moved per micro
+  batch, at the device's bandwidth), so small chunks cost time; on a CPU it is charged
+  its measured cost instead (``autofit.knobs.chunked_loss._CPU_CHUNKED_LOSS``).
 * On a CPU (one thread in a trial) the utilisation does not grow with the micro batch:
   measured, tiny-gpt2's full-logits step runs 82.8 tokens/s at micro batch 4 x 256 and
   78.7 at 8 x 256; the GPU curve above made a large chunked-loss micro batch look faster
@@ -54,9 +55,8 @@ Known limitations:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.config import TrainConfig
@@ -69,13 +69,6 @@ _MFU_MAX = 0.55  # well-tuned dense training reaches ~40-60% of peak
 _HALF_TOKENS = 1024  # tokens per micro batch at which utilisation is half its maximum
 _CPU_TFLOPS = 0.2  # nominal, ranking only
 _CPU_HALF_TOKENS = 16  # one CPU thread: as fast per token at 1024 tokens as at 2048 (measured)
-# The chunked loss on a CPU: +0.68x the head's training FLOPs (6 V h per token). Measured side
-# by side on tiny-gpt2 (V 50257, h 256: the head is 79% of the step's FLOPs), micro batch
-# 8 x 256 from tiny-samples, one thread (the trial child), median of 2 runs x 3 timed steps:
-# 26.2 s full logits, 40.2 s chunked, 1.53x, under a load average of ~10 on 2 cores:
-#   python -m autofit measure tiny-gpt2 --dataset tiny-samples --batch-size 8 \
-#       --device cpu:4GiB --measure-steps 3 [--chunked-loss] --json
-_CPU_CHUNKED_LOSS = 0.68
 _CPU_BANDWIDTH_GBS = 20.0
 _HOST_LINK_GBS = 25.0  # pinned copies over PCIe gen4 x16 (~80% of 31.5 GB/s), where unknown
 # relative cost of the optimizer's memory traffic (per byte moved) by implementation
@@ -136,66 +129,22 @@ def _opt_kind(config: TrainConfig, device: DeviceInfo) -> str:
     return "foreach" if device.allocator == "cuda" else "loop"
 
 
-class _Rates(NamedTuple):
-    """What a micro batch runs at: FLOP/s achieved, memory and host-link bytes/s."""
-
-    flops: float
-    bandwidth: float
-    host_link: float
-
-
-StepCost = Callable[["ModelInfo", "TrainConfig", int, "DeviceInfo", _Rates], float]
-
-
-def _chunked_loss_s(info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo,
-                    rates: _Rates) -> float:
-    """The chunked loss's loop: on a CUDA card the bytes it moves per micro batch (each
-    chunk reads the head's weight twice, reads and writes its fp32 weight gradient); on a
-    CPU its measured cost, ``_CPU_CHUNKED_LOSS`` x the head's training FLOPs."""
-    if not config.chunked_loss or not info.vocab_size or not info.hidden_size:
-        return 0.0
-    V, h = info.vocab_size, info.hidden_size
-    tokens = config.micro_batch_size * seq_len
-    if device.kind == "cpu":
-        return _CPU_CHUNKED_LOSS * 6.0 * V * h * tokens / rates.flops
-    from autofit.memory.analytic import loss_chunk_rows
-
-    e = 2 if config.precision.endswith("-true") and config.precision != "32-true" else 4
-    rows = loss_chunk_rows(tokens, V, h, halved=device.allocator == "cuda" or e == 4)
-    chunks = -(-tokens // rows)
-    return chunks * V * h * (2 * e + 2 * 4) / rates.bandwidth
-
-
-def _offloading_s(info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo,
-                  rates: _Rates) -> float:
-    """Each checkpointed block's input to pinned host memory and back, on the compute
-    stream (0 without offloading: ``offloaded_bytes`` is 0)."""
-    from autofit.memory.analytic import offloaded_bytes
-
-    return 2 * offloaded_bytes(info, config, seq_len) / rates.host_link
-
-
-# knob name -> the seconds its value adds to one micro batch beyond the FLOPs of
-# ``flops_per_token`` (0 when the value adds nothing): a table of per-lever terms, as torch's
-# flop_counter keeps a formula per op; ``predict_speed`` sums them and names no knob (a new
-# lever adds its term here)
-_STEP_COSTS: dict[str, StepCost] = {
-    "chunked_loss": _chunked_loss_s,
-    "activation_offloading": _offloading_s,
-}
-
-
 def step_cost_knobs() -> tuple[str, ...]:
-    """The knobs with a step-time term."""
-    return tuple(_STEP_COSTS)
+    """The knobs with a step-time term (their ``step_seconds``, summed by the registry)."""
+    from autofit.knobs.registry import timed_knobs
+
+    return timed_knobs()
 
 
 def predict_speed(
     info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo
 ) -> SpeedEstimate:
     """Predicted throughput of ``config`` (see the module docstring)."""
+    from autofit.knobs.base import StepContext
+    from autofit.knobs.registry import step_seconds
     from autofit.memory.analytic import (
         gradients_bytes,
+        offloaded_bytes,
         optimizer_state_bytes,
         weights_bytes,
     )
@@ -212,8 +161,10 @@ def predict_speed(
     rate = peak * 1e12 * util
     step = tokens * fpt / rate
     bw = (device.bandwidth_gbs or _CPU_BANDWIDTH_GBS) * 1e9
-    rates = _Rates(rate, bw, (device.host_link_gbs or _HOST_LINK_GBS) * 1e9)
-    step += sum(cost(info, config, seq_len, device, rates) for cost in _STEP_COSTS.values())
+    step += step_seconds(StepContext(
+        info, config, seq_len, device, flops=rate, bandwidth=bw,
+        host_link=(device.host_link_gbs or _HOST_LINK_GBS) * 1e9,
+        offloaded_bytes=offloaded_bytes(info, config, seq_len)))
     moved = 2 * (weights_bytes(info, config) + gradients_bytes(info, config)) + 2 * optimizer_state_bytes(
         info, config
     )

@@ -104,21 +104,24 @@ def test_the_chunked_loss_note_names_liger_for_a_trainer_without_it():
 
 
 def test_each_step_time_term_is_a_knobs_and_counts_only_when_on(monkeypatch):
-    """The speed model's per-lever terms are keyed by knob name (``_STEP_COSTS``), and
-    ``predict_speed`` adds the term of a lever without naming it: a term registered for
-    torch.compile slows only the configurations that compile."""
+    """The speed model's per-lever terms are the knobs' own (``step_seconds``, summed by
+    the registry), and ``predict_speed`` adds the term of a lever without naming it: a
+    term given to torch.compile's knob slows only the configurations that compile."""
+    from autofit.knobs.compile import TORCH_COMPILE
     from autofit.probe.device import resolve_device
     from autofit.probe.model import probe_model
     from autofit.search import speed
 
     assert set(speed.step_cost_knobs()) <= set(registry.knob_names())
     assert {"chunked_loss", "activation_offloading"} <= set(speed.step_cost_knobs())
+    assert "torch_compile" not in speed.step_cost_knobs()
     info, t4 = probe_model("tiny-llama"), resolve_device("T4")
     eager, compiled = TrainConfig(micro_batch_size=4), TrainConfig(micro_batch_size=4,
                                                                     torch_compile=True)
     before = speed.predict_speed(info, compiled, 256, t4)
-    monkeypatch.setitem(speed._STEP_COSTS, "torch_compile",
-                        lambda info, config, seq, device, rates: 0.5 * config.torch_compile)
+    monkeypatch.setattr(TORCH_COMPILE, "step_seconds",
+                        lambda ctx: 0.5 * ctx.config.torch_compile, raising=False)
+    assert "torch_compile" in speed.step_cost_knobs()
     after = speed.predict_speed(info, compiled, 256, t4)
     assert after.step_time_s == pytest.approx(before.step_time_s + 0.5)
     assert speed.predict_speed(info, eager, 256, t4) == speed.predict_speed(

@@ -49,10 +49,10 @@ def test_plain_never_picks_the_chunked_loss_autofit_does(tmp_path, monkeypatch):
     """Where the chunked loss wins (its loop made free, so a larger micro batch is faster), the
     default plain trainer's search leaves it out and says how to get it; trainer='autofit'
     picks it; the result records the trainer."""
-    import autofit.search.speed as speed
     from autofit import autofit
+    from autofit.knobs.chunked_loss import CHUNKED_LOSS
 
-    monkeypatch.setitem(speed._STEP_COSTS, "chunked_loss", lambda *a: 0.0)
+    monkeypatch.setattr(CHUNKED_LOSS, "step_seconds", lambda ctx: 0.0)
     model = _wide_llama(tmp_path)
     data = [{"input_ids": list(range(1, 513))}] * 256
     fixed = dict(device="T4", cache=False, margin=0.1, precision="32-true", gradient_checkpointing=False,
