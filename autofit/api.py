@@ -24,18 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import ModelSpec, TrainConfig, one_process_strategy
 from autofit.errors import BadInputError, fix
-from autofit.knobs import KNOBS
+from autofit.knobs import KNOBS, registry
+from autofit.knobs.base import Scope
 from autofit.knobs.chunked_loss import liger_offered
-from autofit.knobs.loss import unsupported_reason
 from autofit.knobs.trainer import (
     chunked_loss_refused,
     for_trainer,
     implied_trainer,
     normalize_trainer,
-    not_searched_reason,
     runs_chunked_loss,
 )
-from autofit.knobs.trl_loss import is_sft_config, loss_impl_of, trl_loss_reason, trl_loss_type
+from autofit.knobs.trl_loss import is_sft_config, loss_impl_of, trl_loss_type
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import DeviceInfo, resolve_device
 from autofit.probe.quant import check_precision
@@ -284,7 +283,7 @@ def _estimate_model(spec: ModelSpec, config: TrainConfig, data: DataInfo | None,
         from autofit.probe.packing import check_block_size
 
         check_block_size(block_size, max_positions=token_limits(module)[1])
-    check_chunked_loss(config.chunked_loss, module, task)
+    registry.check_model(config, module, task)
     name = spec.ref if isinstance(spec.ref, str) else None
     info = describe(module, task=task, name=str(name) if name else None)
     check_precision(info.quant, info.dtype, config.precision)
@@ -473,8 +472,8 @@ def _space(probed: Probed, target_batch_size: int | None, options: TuneOptions,
         allowed["precision"] = _quantized_precisions(probed, reasons)
     trainer, loss_impl = _trainer(options.trainer, training_args, base_args, allowed, dev,
                                   loss_impl_of(training_args), reasons)
-    allowed["chunked_loss"] = _chunked_loss_allowed(probed, allowed.get("chunked_loss"),
-                                                    training_args, trainer, loss_impl, reasons)
+    allowed = registry.narrow(allowed, Scope(probed.module, probed.task, dev, trainer,
+                                             loss_impl, training_args, reasons))
     space = build_space(probed.device, max_micro_batch=max_micro,
                         target_batch_size=target_batch_size, world_size=world_size,
                         nnodes=dev.nnodes, optim_args=options.optim_args, reasons=reasons,
@@ -526,30 +525,6 @@ def _quantized_precisions(probed: Probed, reasons: list[str]) -> list[str] | Non
     reasons.append(f"precision: {', '.join(ok)} searched (the base is quantized in "
                    f"{info.dtype}: never cast, autocast only to its own dtype)")
     return ok
-
-
-def _chunked_loss_allowed(probed: Probed, asked: object, training_args: Any, trainer: str,
-                          loss_impl: str, reasons: list[str]) -> Any:
-    """The chunked loss's allowed values: as asked, or False (with the reason) when TRL's
-    loss runs, when neither the trainer nor a field runs it, or when the model cannot."""
-    why = unsupported_reason(probed.module, probed.task)
-    if loss_impl == "trl":  # SFTTrainer computes its own loss: autofit's is not what runs
-        if asked is True or (isinstance(asked, (list, tuple)) and True in asked):
-            raise BadInputError("chunked loss: training_args is an SFTConfig, whose "
-                                "SFTTrainer computes TRL's fused LM-head loss; drop "
-                                + fix("--chunked-loss", "chunked_loss=True"))
-        reasons.append(trl_loss_reason(trl_loss_type(training_args) or "nll"))
-        return False
-    if not runs_chunked_loss(trainer) and not liger_offered(
-            {"use_cpu": probed.device.kind == "cpu"}):
-        reasons.append(not_searched_reason(trainer))  # no field carries it, no trainer runs it
-        return False
-    if why is not None:  # the knob has one value for this model: say why
-        check_chunked_loss(asked if isinstance(asked, bool) else
-                           any(bool(v) for v in (asked or ())), probed.module, probed.task)
-        reasons.append(f"no chunked loss: {why}")
-        return False
-    return asked
 
 
 def _trainer(given: str | None, training_args: Any, base_args: dict[str, object] | None,
@@ -804,16 +779,6 @@ def check_positions(data: DataInfo | None, module: torch.nn.Module) -> None:
             f"the longest sample has {data.length_max} tokens, more than the model's "
             f"{positions} learned positions: truncate with "
             + fix(f"--max-seq-len {positions}", f"max_seq_len={positions}"))
-
-
-def check_chunked_loss(asked: bool, module: torch.nn.Module, task: str) -> None:
-    """Raise ``BadInputError`` when the chunked loss is asked for a model that cannot use it."""
-    if not asked:
-        return
-    why = unsupported_reason(module, task)
-    if why is not None:
-        raise BadInputError(f"chunked loss: {why}; drop "
-                            + fix("--chunked-loss", "chunked_loss=True"))
 
 
 def _with_ranks(config: TrainConfig, **fields: int | str | None) -> TrainConfig:

@@ -32,6 +32,10 @@ A knob declares
 * ``reason(config, costs)`` (optional): the reason line of the chosen configuration's
   value (what it saves, what it costs), asked of the estimators through ``Costs``;
   ``trainer_note(value, trainer)`` (optional): ``note`` for a given trainer;
+* ``narrow(asked, scope)`` (optional): the values allowed in one tune, from what was
+  asked and the tune's ``Scope`` (the model, the trainer that will run the file and the
+  loss it computes), a reason appended where it narrows; ``check_model(value, module,
+  task)`` (optional): raises ``BadInputError`` for a value the model cannot run;
 * ``step_seconds(ctx)`` (optional): the seconds its value adds to one micro batch beyond
   the step's FLOPs (``StepContext``: the model, the configuration, the rates it runs
   at); the speed model sums the registered knobs' terms and names none.
@@ -55,11 +59,13 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 
 if TYPE_CHECKING:
+    import torch
+
     from autofit.config import TrainConfig
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import ModelInfo
 
-__all__ = ["Costs", "Knob", "KnobValue", "OnOffKnob", "StepContext", "installed",
+__all__ = ["Costs", "Knob", "KnobValue", "OnOffKnob", "Scope", "StepContext", "installed",
            "training_arguments_fields", "restrict"]
 
 # A knob's value: on/off levers a bool, the others a name (``"bf16-mixed"``, ``"zero2"``).
@@ -85,6 +91,21 @@ class Costs(Protocol):
     def compile_saving_bytes(self, config: TrainConfig) -> int:
         """Activation bytes torch.compile's rule takes off the eager step (< 0: adds)."""
         ...
+
+
+class Scope(NamedTuple):
+    """What a knob's ``narrow`` reads to settle its values for one tune: the model (its
+    module and task), the device, the trainer that will run the file and the loss it
+    computes (``"model"``: the model's own; ``"trl"``: SFTTrainer's), the user's training
+    arguments (or None), and the tune's reasons, which it may append to."""
+
+    module: torch.nn.Module
+    task: str
+    device: DeviceInfo
+    trainer: str
+    loss_impl: str
+    training_args: object
+    reasons: list[str]
 
 
 class StepContext(NamedTuple):

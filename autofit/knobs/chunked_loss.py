@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING
 from autofit.knobs.base import OnOffKnob, installed, training_arguments_fields
 
 if TYPE_CHECKING:
+    import torch
+
     from autofit.config import TrainConfig
-    from autofit.knobs.base import Costs, StepContext
+    from autofit.knobs.base import Costs, Scope, StepContext
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["CHUNKED_LOSS", "ChunkedLossKnob", "TRAINER_NAME", "chunked_loss_bytes",
@@ -130,6 +132,47 @@ class ChunkedLossKnob(OnOffKnob):
             from autofit.errors import BadInputError
 
             raise BadInputError(f"chunked loss: {SEVERAL_RANKS}; drop --chunked-loss")
+
+    def narrow(self, asked: object, scope: Scope) -> object:
+        """The chunked loss's values for one tune: as asked, or False (with the reason)
+        when TRL's loss runs, when neither the trainer nor a field runs it, or when the
+        model cannot (asked for such a model: ``BadInputError``)."""
+        from autofit.errors import BadInputError, fix
+        from autofit.knobs.loss import unsupported_reason
+        from autofit.knobs.trainer import not_searched_reason, runs_chunked_loss
+        from autofit.knobs.trl_loss import trl_loss_reason, trl_loss_type
+
+        wants = asked is True or (isinstance(asked, (list, tuple)) and True in asked)
+        if scope.loss_impl == "trl":  # SFTTrainer computes its own loss: not autofit's
+            if wants:
+                raise BadInputError("chunked loss: training_args is an SFTConfig, whose "
+                                    "SFTTrainer computes TRL's fused LM-head loss; drop "
+                                    + fix("--chunked-loss", "chunked_loss=True"))
+            scope.reasons.append(trl_loss_reason(trl_loss_type(scope.training_args) or "nll"))
+            return False
+        if not runs_chunked_loss(scope.trainer) and not liger_offered(
+                {"use_cpu": scope.device.kind == "cpu"}):
+            scope.reasons.append(not_searched_reason(scope.trainer))  # nothing runs it
+            return False
+        why = unsupported_reason(scope.module, scope.task)
+        if why is not None:  # one value for this model: say why
+            self.check_model(wants, scope.module, scope.task)
+            scope.reasons.append(f"no chunked loss: {why}")
+            return False
+        return asked
+
+    def check_model(self, value: bool, module: torch.nn.Module, task: str) -> None:
+        """Raise ``BadInputError`` when the chunked loss is asked for a model that cannot
+        use it (no output embedding, not a causal LM)."""
+        if not value:
+            return
+        from autofit.errors import BadInputError, fix
+        from autofit.knobs.loss import unsupported_reason
+
+        why = unsupported_reason(module, task)
+        if why is not None:
+            raise BadInputError(f"chunked loss: {why}; drop "
+                                + fix("--chunked-loss", "chunked_loss=True"))
 
     def describe(self, value: bool) -> str:
         return "chunked loss" if value else "full logits"

@@ -15,8 +15,9 @@ knob, and the search space leaves such combinations out.
 What a knob writes, says and costs goes through here, as torch's flop_counter goes
 through its table of per-op formulas: ``emit_fields`` (its TrainingArguments fields),
 ``notes`` (what the user must do besides them), ``reason_lines`` (what the chosen value
-saves or costs) and ``step_seconds`` (the time its value adds to a micro batch) ask every
-registered knob in order; no caller names a knob.
+saves or costs), ``step_seconds`` (the time its value adds to a micro batch), ``narrow``
+(its values for one tune's model and trainer) and ``check_model`` (a value the model
+cannot run) ask every registered knob in order; no caller names a knob.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ from autofit.knobs.precision import PRECISION
 from autofit.knobs.strategy import OFFLOAD, STRATEGY
 
 if TYPE_CHECKING:
+    import torch
+
     from autofit.config import TrainConfig
-    from autofit.knobs.base import Costs, KnobValue, StepContext
+    from autofit.knobs.base import Costs, KnobValue, Scope, StepContext
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
-           "conflict", "emit_fields", "notes", "reason_lines", "step_seconds", "timed_knobs"]
+           "conflict", "emit_fields", "notes", "reason_lines", "step_seconds", "timed_knobs",
+           "narrow", "check_model"]
 
 # the order the files are written in too: offloading adds its key to the kwargs that
 # checkpointing writes afresh
@@ -130,3 +134,23 @@ def step_seconds(ctx: StepContext) -> float:
 def timed_knobs() -> tuple[str, ...]:
     """The knobs with a step-time term."""
     return tuple(k.name for k in KNOBS if getattr(k, "step_seconds", None) is not None)
+
+
+def narrow(allowed: dict[str, object], scope: Scope) -> dict[str, object]:
+    """``allowed`` ({knob name: what was asked}) with each knob's ``narrow`` applied: the
+    values this tune's model and trainer allow (knobs without one: as asked)."""
+    out = dict(allowed)
+    for k in KNOBS:
+        settle = getattr(k, "narrow", None)
+        if settle is not None:
+            out[k.name] = settle(out.get(k.name), scope)
+    return out
+
+
+def check_model(config: TrainConfig, module: torch.nn.Module, task: str) -> None:
+    """Raise ``BadInputError`` where a knob's value in ``config`` is one the model cannot
+    run (each knob's ``check_model``)."""
+    for k in KNOBS:
+        check = getattr(k, "check_model", None)
+        if check is not None:
+            check(getattr(config, k.name), module, task)
