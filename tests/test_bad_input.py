@@ -129,6 +129,13 @@ def _ids(rows: list[list[int]]) -> dict[str, Any]:
     return {"input_ids": torch.tensor(rows)}
 
 
+def _measure_chunked_classifier(tmp: Path) -> Any:
+    from autofit import TrainConfig, measure
+
+    return measure("tiny-llama", TrainConfig(micro_batch_size=1, chunked_loss=True), seq_len=16,
+                   device="cpu", task="seq-cls")
+
+
 ROWS = [
     # -- the data (item 4, 9, 11) ------------------------------------------------------------
     Bad("id at or above the vocabulary", "vocabulary size 50257",
@@ -138,6 +145,8 @@ ROWS = [
     Bad("string input_ids", "not integer token ids", tune(dataset="{tmp}/strings.json"),
         fit("strings.json")),
     Bad("input_ids a string", "tokenize the text first", None, fit([{"input_ids": "hello"}])),
+    Bad("chunked loss measured on a classifier", "chunked loss: a seq-cls model's loss is not",
+        None, _measure_chunked_classifier),
     Bad("float ids", "not integer token ids (got float 1.5)", tune(dataset="{tmp}/floats.json"),
         fit("floats.json")),
     Bad("nested ids", "not integer token ids", tune(dataset="{tmp}/nested.json"),

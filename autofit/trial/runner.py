@@ -602,12 +602,9 @@ def _trial_model(model: ModelSource, config: TrainConfig, dev: DeviceInfo, *, ta
             asked, ref=os.fspath(model) if isinstance(model, os.PathLike) else str(model))
         module, task_name = build_meta(ref)  # meta device: cheap; validates the reference
         ref = dataclasses.replace(ref, task=task_name)
-    if config.chunked_loss:
-        from autofit.knobs.loss import unsupported_reason
+    from autofit.knobs.registry import check_model
 
-        why = unsupported_reason(module, task_name)
-        if why is not None:
-            raise BadInputError(f"chunked loss: {why}; measure without --chunked-loss")
+    check_model(config, module, task_name)  # a lever the model cannot run: one line
     from autofit.probe.quant import check_precision, spec_of_module
 
     spec = quant if quant is not None else spec_of_module(module)
