@@ -29,7 +29,7 @@ from autofit.cli.options import (
     recipe_kwargs,
     tokenizer_for,
 )
-from autofit.knobs import KNOBS, describe_choice
+from autofit.knobs import KNOBS, describe_choice, is_choice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -94,7 +94,7 @@ def _suggestion(args: argparse.Namespace) -> str:
     if args.batch_size > 1:
         tries.append(f"--batch-size {max(1, args.batch_size // 2)}")
     for k in KNOBS:  # each knob's memory-saving value, where the run did not use it
-        if k.name == "chunked_loss" and args.trainer in ("plain", "trl"):
+        if args.trainer is not None and not is_choice(k, trainer=args.trainer):
             continue  # the declared trainer does not run it
         if k.saving is not None and k.option_value(args) != k.saving:
             tries.append(k.flag(k.saving))

@@ -25,6 +25,7 @@ from autofit.knobs.registry import (
     conflict,
     describe_choice,
     emit_fields,
+    is_choice,
     knob,
     knob_names,
     notes,
@@ -34,5 +35,5 @@ from autofit.knobs.registry import (
 
 __all__ = ["CHECKPOINTING", "CHUNKED_LOSS", "KNOBS", "OFFLOADING", "OPTIMIZER", "PRECISION",
            "TORCH_COMPILE", "Knob", "choice_of", "conflict", "describe_choice", "emit_fields",
-           "installed", "knob", "knob_names", "notes", "owned_fields", "reason_lines",
+           "installed", "is_choice", "knob", "knob_names", "notes", "owned_fields", "reason_lines",
            "restrict", "training_arguments_fields"]

@@ -36,6 +36,9 @@ A knob declares
   asked and the tune's ``Scope`` (the model, the trainer that will run the file and the
   loss it computes), a reason appended where it narrows; ``check_model(value, module,
   task)`` (optional): raises ``BadInputError`` for a value the model cannot run;
+* ``is_choice(loss_impl, trainer)`` (optional): whether the knob is a choice at all when
+  that loss runs (``"trl"``: SFTTrainer's own) in that trainer (None: any); a knob
+  that is none is left out of the space, the tables and the suggestions;
 * ``step_seconds(ctx)`` (optional): the seconds its value adds to one micro batch beyond
   the step's FLOPs (``StepContext``: the model, the configuration, the rates it runs
   at); the speed model sums the registered knobs' terms and names none.

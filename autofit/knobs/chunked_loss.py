@@ -133,6 +133,14 @@ class ChunkedLossKnob(OnOffKnob):
 
             raise BadInputError(f"chunked loss: {SEVERAL_RANKS}; drop --chunked-loss")
 
+    def is_choice(self, loss_impl: str = "model", trainer: str | None = None) -> bool:
+        """Not a choice where TRL's loss runs (SFTTrainer computes its own: "full logits"
+        would describe nothing), nor in a trainer that does not run it (the plain
+        Trainer, TRL's)."""
+        from autofit.knobs.trainer import runs_chunked_loss
+
+        return loss_impl != "trl" and (trainer is None or runs_chunked_loss(trainer))
+
     def narrow(self, asked: object, scope: Scope) -> object:
         """The chunked loss's values for one tune: as asked, or False (with the reason)
         when TRL's loss runs, when neither the trainer nor a field runs it, or when the

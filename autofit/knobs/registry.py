@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
            "conflict", "emit_fields", "notes", "reason_lines", "step_seconds", "timed_knobs",
-           "narrow", "check_model"]
+           "narrow", "check_model", "is_choice"]
 
 # the order the files are written in too: offloading adds its key to the kwargs that
 # checkpointing writes afresh
@@ -62,12 +62,19 @@ def knob_names() -> tuple[str, ...]:
     return tuple(k.name for k in KNOBS)
 
 
+def is_choice(k: Knob, loss_impl: str = "model", trainer: str | None = None) -> bool:
+    """Whether knob ``k`` is a choice when ``loss_impl`` runs in ``trainer`` (its
+    ``is_choice``; knobs without one always are)."""
+    check = getattr(k, "is_choice", None)
+    return True if check is None else bool(check(loss_impl, trainer))
+
+
 def choice_of(config: TrainConfig) -> dict[str, Any]:
-    """``{knob name: value}`` of a ``TrainConfig`` (or anything with those attributes); with
-    TRL's loss (``loss_impl="trl"``) the chunked loss is no choice (SFTTrainer's loss runs)."""
-    trl = getattr(config, "loss_impl", "model") == "trl"
-    return {k.name: getattr(config, k.name) for k in KNOBS
-            if not (trl and k.name == "chunked_loss")}
+    """``{knob name: value}`` of a ``TrainConfig`` (or anything with those attributes), the
+    knobs that are no choice with its loss left out (``is_choice``: with TRL's loss,
+    ``loss_impl="trl"``, the chunked loss)."""
+    loss_impl = getattr(config, "loss_impl", "model")
+    return {k.name: getattr(config, k.name) for k in KNOBS if is_choice(k, loss_impl)}
 
 
 def describe_choice(choice: dict[str, KnobValue], sep: str = ", ") -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
-from autofit.knobs import KNOBS, choice_of, describe_choice
+from autofit.knobs import KNOBS, choice_of, describe_choice, is_choice
 from autofit.memory.breakdown import COMPONENTS, Component
 from autofit.probe.device import format_bytes
 
@@ -79,8 +79,7 @@ def estimate_renderable(est: MemoryEstimate) -> RenderableType:
     title = (
         f"{est.model} · batch {cfg.get('micro_batch_size')} × seq {est.seq_len} · "
         + describe_choice({k.name: cfg[k.name] for k in KNOBS if k.name in cfg
-                           and not (k.name == "chunked_loss" and cfg.get("loss_impl") == "trl")},
-                          sep=" · ")
+                           and is_choice(k, cfg.get("loss_impl") or "model")}, sep=" · ")
         + (" · TRL's loss" if cfg.get("loss_impl") == "trl" else "")
     )
     from rich.console import Group

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError
-from autofit.knobs import KNOBS, conflict, knob, restrict
+from autofit.knobs import KNOBS, conflict, is_choice, knob, restrict
 
 if TYPE_CHECKING:
     from autofit.probe.device import DeviceInfo
@@ -58,11 +58,10 @@ class SearchSpace:
         return max(1, self.world_size // self.nnodes)
 
     def __post_init__(self) -> None:
+        # a knob that is no choice with this loss (TRL's: autofit's chunked loss) is left out
         names = [k.name for k in KNOBS if k.name in self.choices
-                 # TRL's loss runs (SFTTrainer): autofit's chunked loss is no choice, and
-                 # "full logits" no description of it
-                 and not (k.name == "chunked_loss" and self.loss_impl == "trl")]
-        unknown = set(self.choices) - set(names) - {"chunked_loss"}
+                 and is_choice(k, self.loss_impl)]
+        unknown = set(self.choices) - {k.name for k in KNOBS}
         if unknown:
             raise BadInputError(f"unknown knob(s) {', '.join(sorted(unknown))}")
         # a copy in registry order, so that combinations and keys read the same everywhere
