@@ -131,3 +131,32 @@ def test_each_step_time_term_is_a_knobs_and_counts_only_when_on(monkeypatch):
         off = speed.predict_speed(info, eager, 256, device).step_time_s
         on = speed.predict_speed(info, eager.replace(chunked_loss=True), 256, device).step_time_s
         assert on > off
+
+
+def test_a_knob_says_when_it_is_no_choice_and_narrows_its_own_values(monkeypatch):
+    """``is_choice``: a knob that is no choice with a loss leaves ``choice_of`` (and with it
+    the space, the tables and the cache key); ``narrow``: a knob settles its own values for
+    a tune, with its reason, and the registry asks every knob without naming one."""
+    from autofit.knobs.base import Scope
+    from autofit.knobs.compile import TORCH_COMPILE
+    from autofit.probe.device import resolve_device
+
+    trl = TrainConfig(loss_impl="trl")
+    assert "chunked_loss" not in registry.choice_of(trl)  # the chunked loss's own rule
+    assert "torch_compile" in registry.choice_of(trl)
+    monkeypatch.setattr(TORCH_COMPILE, "is_choice",
+                        lambda loss_impl="model", trainer=None: loss_impl != "trl", raising=False)
+    assert "torch_compile" not in registry.choice_of(trl)
+    assert "torch_compile" in registry.choice_of(TrainConfig())
+
+    reasons: list[str] = []
+    scope = Scope(None, "causal-lm", resolve_device("cpu"), "plain", "model", None, reasons)
+
+    def narrow(asked, scope):
+        scope.reasons.append("no torch.compile: a test says so")
+        return False
+
+    monkeypatch.setattr(TORCH_COMPILE, "narrow", narrow, raising=False)
+    out = registry.narrow({"torch_compile": [False, True], "precision": None}, scope)
+    assert out["torch_compile"] is False and out["precision"] is None
+    assert "no torch.compile: a test says so" in reasons
