@@ -11,8 +11,8 @@ step times (a callback's clock from step begin to step end), the first ``WARMUP`
 dropped; the overhead is the median over runs of guarded / plain - 1.
 
 What the guard changes on several ranks (``autofit.trial.guard._Ranks``): every micro step
-under ``no_sync``; the gradients averaged in 25 MiB buckets overlapped with the window's
-last backward, as DDP's are (``_Buckets``), then one 4-integer all-reduce. On a CPU the
+under ``no_sync``; the gradients averaged in 25 MiB buckets after the window's last
+backward (``_Buckets``; DDP overlaps them with it), then one 4-integer all-reduce. On a CPU the
 backward and gloo's all-reduce share the cores; single pairs swing by several percent.
 """
 
@@ -172,13 +172,14 @@ def main() -> None:
         f"{work['bookkeeping_s'] * 1e6:.0f} us: **{added / plain_step:.3%}** of the plain "
         "step measured here. For scale, the all-reduce of every gradient takes "
         f"{work['gradients_allreduce_s'] * 1e3:.1f} ms "
-        f"({work['gradients_allreduce_s'] / plain_step:.1%} of the step): DDP and the guard "
-        "both overlap it with the backward.", "",
-        "The guard's gradient all-reduce is overlapped with the window's last backward, as "
-        "DDP's is (before 2026-12-03 it ran after the backward: +1.7% and +2.9% medians; "
-        "overlapped but with a fresh buffer per bucket, +2.3% over 5 runs: glibc maps and "
-        "zeroes a buffer that large afresh each time; now the buffers are kept) "
-        "here). Run-level drift on this shared 2-core "
+        f"({work['gradients_allreduce_s'] / plain_step:.1%} of the step): DDP overlaps it "
+        "with the backward, the guard does not (below).", "",
+        "The guard's gradient all-reduce runs after the window's last backward "
+        "(`_Ranks.OVERLAP` off: overlapped with it, as DDP's is, it measured +0.08% over 9 "
+        "runs on 2026-12-03 but aborted a rank in 2 of ~30 two-rank runs with an OOM on the "
+        "other; before the bucket buffers were kept, a fresh 25 MiB buffer per bucket cost "
+        "+2.3% more: glibc maps and zeroes it each time). "
+        "Run-level drift on this shared 2-core "
         "machine (both ranks and gloo's threads on two cores) moved whole runs by -33..+18% "
         "when guarded and plain runs were separate; alternating step by step within a run "
         "cancels it. `python benchmarks/guard_ranks_overhead.py RUNS` takes more runs.", ""])

@@ -113,9 +113,9 @@ def _launch(tmp_path, limit: int, where: str = "forward",
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_a_spike_on_one_rank_splits_both_and_keeps_the_math(tmp_path, where):
-    """In backward, the OOM lands in the window's last backward after some gradient
-    buckets were sent (overlapped, ``_Buckets``): rank 0 keeps them and sends the rest
-    after its pieces."""
+    """In forward or in backward (after the upper layers' gradients were accumulated):
+    rank 0 splits, rank 1 takes the split at the window's end, every gradient bucket is
+    sent by both in the same order, and the math is the unguarded DDP run's."""
     proc = _launch(tmp_path, limit=4, where=where)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0 = json.loads((tmp_path / "rank0.json").read_text())
