@@ -383,8 +383,12 @@ def test_check_with_a_blocked_cache_folder_prints_one_warning_line(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["fits"] is True
-    (line,) = [x for x in p.stderr.splitlines() if x.strip()]
-    assert "running without the cache" in line and str(blocker) in line
+    # one line about the cache, however often it is asked for; nothing else of its (a
+    # loaded machine may add an unrelated line, e.g. the in-process trial's baseline note)
+    about = [x for x in p.stderr.splitlines() if "cache" in x.lower()]
+    assert len(about) == 1, p.stderr
+    assert "running without the cache" in about[0] and str(blocker) in about[0]
+    assert "Traceback" not in p.stderr, p.stderr
 
 
 # ------------------------------------------------------------ item 12: runs that share trials
