@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import ModelInfo
 
-__all__ = ["SpeedEstimate", "predict_speed", "flops_per_token", "step_cost_knobs"]
+__all__ = ["SpeedEstimate", "predict_speed", "flops_per_token"]
 
 _MFU_MAX = 0.55  # well-tuned dense training reaches ~40-60% of peak
 _HALF_TOKENS = 1024  # tokens per micro batch at which utilisation is half its maximum
@@ -127,13 +127,6 @@ def _opt_kind(config: TrainConfig, device: DeviceInfo) -> str:
     if spec.fused:
         return "fused"
     return "foreach" if device.allocator == "cuda" else "loop"
-
-
-def step_cost_knobs() -> tuple[str, ...]:
-    """The knobs with a step-time term (their ``step_seconds``, summed by the registry)."""
-    from autofit.knobs.registry import timed_knobs
-
-    return timed_knobs()
 
 
 def predict_speed(

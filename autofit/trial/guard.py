@@ -485,9 +485,9 @@ class _Ranks:
     window's end: all stop, none is left in a collective. The gradients are averaged over
     the ranks as DDP averages them, in buckets of ``BUCKET_BYTES`` (``_Buckets``), before
     that all-reduce: after the window's last backward (``OVERLAP``: during it, as DDP's
-    are, off for now). An
-    agreement after every micro step cost 17% of the step on two loaded CPU ranks (each a
-    barrier); once per window it is one more small all-reduce beside the gradients'.
+    are, off for now). An agreement after every micro step cost 17% of the step on two
+    loaded CPU ranks (each a barrier); once per window it is one more small all-reduce
+    beside the gradients'.
     """
 
     BUCKET_BYTES = 25 << 20  # DDP's default bucket_cap_mb
@@ -572,7 +572,7 @@ class _Ranks:
 
 class _Buckets:
     """The gradient average of an accumulation window (DDP's), overlapped with its last
-    backward.
+    backward when ``armed``.
 
     The trainable parameters, in reverse order (the order a backward finishes them, as
     DDP buckets them), are cut into buckets of about ``size`` bytes. While the last micro
@@ -637,12 +637,10 @@ class _Buckets:
             self._receive()
         if self.sent >= len(self.kinds):
             return
-        largest = max(n * torch.empty((), dtype=d).element_size()
-                      for n, d in self.kinds[self.sent:])
+        largest = max(n * d.itemsize for n, d in self.kinds[self.sent:])
         buffer = torch.zeros(largest, dtype=torch.uint8, device=device)
         for n, dtype in self.kinds[self.sent:]:
-            size = n * torch.empty((), dtype=dtype).element_size()
-            dist.all_reduce(buffer[:size].view(dtype))
+            dist.all_reduce(buffer[:n * dtype.itemsize].view(dtype))
             buffer.zero_()
         self.sent = len(self.kinds)
 
@@ -672,7 +670,7 @@ class _Buckets:
         """A flat (numel,) view of the kept buffer ``slot`` (grown, never shrunk)."""
         import torch
 
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         buffers = self.keep["buffers"]
         buf = buffers.get((slot, device))
         if buf is None or buf.numel() < nbytes:

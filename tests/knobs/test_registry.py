@@ -112,16 +112,16 @@ def test_each_step_time_term_is_a_knobs_and_counts_only_when_on(monkeypatch):
     from autofit.probe.model import probe_model
     from autofit.search import speed
 
-    assert set(speed.step_cost_knobs()) <= set(registry.knob_names())
-    assert {"chunked_loss", "activation_offloading"} <= set(speed.step_cost_knobs())
-    assert "torch_compile" not in speed.step_cost_knobs()
+    assert set(registry.timed_knobs()) <= set(registry.knob_names())
+    assert {"chunked_loss", "activation_offloading"} <= set(registry.timed_knobs())
+    assert "torch_compile" not in registry.timed_knobs()
     info, t4 = probe_model("tiny-llama"), resolve_device("T4")
     eager, compiled = TrainConfig(micro_batch_size=4), TrainConfig(micro_batch_size=4,
                                                                     torch_compile=True)
     before = speed.predict_speed(info, compiled, 256, t4)
     monkeypatch.setattr(TORCH_COMPILE, "step_seconds",
                         lambda ctx: 0.5 * ctx.config.torch_compile, raising=False)
-    assert "torch_compile" in speed.step_cost_knobs()
+    assert "torch_compile" in registry.timed_knobs()
     after = speed.predict_speed(info, compiled, 256, t4)
     assert after.step_time_s == pytest.approx(before.step_time_s + 0.5)
     assert speed.predict_speed(info, eager, 256, t4) == speed.predict_speed(
