@@ -112,7 +112,7 @@ def estimate(
             name such as ``"H100-80GB"``.
         method: ``"analytic"`` (closed form, microseconds) or ``"simulate"``
             (the real step on fake tensors, replayed through an allocator model).
-        task: ``causal-lm``, ``masked-lm``, ``seq2seq`` or ``seq-cls`` (default:
+        task: ``causal-lm``, ``masked-lm``, ``seq2seq``, ``seq-cls`` or ``token-cls`` (default:
             from the model's config).
         attn_implementation: ``"eager"`` or ``"sdpa"`` for a model built by name.
         lora: a ``LoraSpec``, a dict of its fields or a ``peft.LoraConfig``, for a

@@ -20,7 +20,8 @@ Usage::
 Spec (a JSON-able dict; the project-wide format)::
 
     {"name": "llama-b4s256", "model_type": "llama", "config": {...AutoConfig.for_model kwargs},
-     "task": "causal-lm" | "masked-lm" | "seq2seq" | "seq-cls", "batch": 4, "seq": 256,
+     "task": "causal-lm" | "masked-lm" | "seq2seq" | "seq-cls" | "token-cls",
+     "batch": 4, "seq": 256,
      "precision": "32-true" | "bf16-mixed" | "bf16-true" | "16-mixed" | "16-true",
      "gradient_checkpointing": false, "optimizer": "adamw_torch", "optim_args": null,
      "attn_implementation": "sdpa" | "eager",
@@ -171,6 +172,7 @@ TASK_CLASSES = {
     "masked-lm": "AutoModelForMaskedLM",
     "seq2seq": "AutoModelForSeq2SeqLM",
     "seq-cls": "AutoModelForSequenceClassification",
+    "token-cls": "AutoModelForTokenClassification",
 }
 
 # precision -> (dtype of the whole model or None, autocast dtype or None, GradScaler)
@@ -370,6 +372,7 @@ def _build_model(spec: dict[str, Any]):
         "causal-lm": "CAUSAL_LM",
         "seq2seq": "SEQ_2_SEQ_LM",
         "seq-cls": "SEQ_CLS",
+        "token-cls": "TOKEN_CLS",
         "masked-lm": None,
     }[spec["task"]]
     # a quantized base is never cast: it was loaded in its compute dtype
@@ -439,6 +442,13 @@ def _make_batch(spec: dict[str, Any], config, batch: int, seq: int) -> dict[str,
             # a tokenizer ends each sample with </s>: BART's classifier reads its state there
             input_ids[:, -1] = eos
             input_ids[:, :-1][input_ids[:, :-1] == eos] = (eos + 1) % vocab
+    elif task == "token-cls":
+        # a class per token (the config's num_labels, e.g. 9 for CoNLL NER); a word's
+        # later pieces are ignored as run_ner.py's label_all_tokens=False does (~1 in 4)
+        labels = torch.randint(0, int(config.num_labels), (batch, seq), generator=g)
+        labels[torch.rand(batch, seq, generator=g) < 0.25] = -100
+        labels[:, 0] = 0  # at least one labelled token per row
+        out["labels"] = labels
     return out
 
 

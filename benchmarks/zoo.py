@@ -6,7 +6,7 @@
     python benchmarks/zoo.py --report                      # zoo.{md,json,png} from the rows
 
 Families come from transformers' own auto mappings (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``,
-masked LM, seq2seq LM, sequence classification): every ``model_type`` there is built
+masked LM, seq2seq LM, sequence and token classification): every ``model_type`` there is built
 from ``AutoConfig.for_model`` at two small sizes (``SIZES``: the usual width, depth,
 heads, feed-forward and vocabulary fields shrunk where the config has them, in the text
 sub-config too) and must run one forward with labels on a 2 x 16 batch; what does not is
@@ -25,8 +25,6 @@ long sweep resumes); ``--report`` rewrites ``zoo.md`` (per method: median and wo
 error, every underestimate below -3%; per family) and ``zoo.png``.
 
 Known limitations:
-    NB: token classification is not a task autofit plans (``autofit.probe.data``):
-    its families are listed, not measured.
     NB: tiny models: fixed costs (the math libraries' caches) are a larger share of
     the peak than at real sizes; the accuracy table (``accuracy.py``) holds the
     larger configurations.
@@ -55,8 +53,9 @@ TASK_MAPPINGS = {
     "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
     "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "token-cls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
 }
-UNPLANNED_TASKS = {"token-cls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"}
+TOKEN_LABELS = 9  # token classification: CoNLL-2003's NER tags
 
 # size -> (hidden, layers, heads, feed-forward, vocabulary, batch, sequence)
 # (peaks of tens to hundreds of MiB: at a few MiB the harness's fixed costs -- page
@@ -96,7 +95,7 @@ def families(tasks: list[str]) -> list[tuple[str, str]]:
 
     out = []
     for task in tasks:
-        names = getattr(modeling_auto, (TASK_MAPPINGS | UNPLANNED_TASKS)[task])
+        names = getattr(modeling_auto, TASK_MAPPINGS[task])
         out += [(mt, task) for mt in sorted(names)]
     return out
 
@@ -205,6 +204,8 @@ def probe(model_type: str, task: str, size: str) -> tuple[dict[str, Any] | None,
     try:
         base = transformers.AutoConfig.for_model(model_type)
         kw = shrink(base, size)
+        if task == "token-cls":
+            kw["num_labels"] = TOKEN_LABELS  # the spec carries it: harness and estimate alike
         config = transformers.AutoConfig.for_model(model_type, **kw)
         if task == "seq-cls":
             config.num_labels = 2
@@ -311,7 +312,7 @@ def _save(path: Path, data: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tasks", default="causal-lm,masked-lm,seq2seq,seq-cls")
+    ap.add_argument("--tasks", default="causal-lm,masked-lm,seq2seq,seq-cls,token-cls")
     ap.add_argument("--families", default=None, help="comma-separated model types")
     ap.add_argument("--sizes", default="s,m")
     ap.add_argument("--setups", default=",".join(SETUPS))
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = args.tasks.split(",")
     wanted = set(args.families.split(",")) if args.families else None
     sizes = args.sizes.split(",")
-    pairs = [(mt, t) for mt, t in families(tasks + (["token-cls"] if args.list else []))
+    pairs = [(mt, t) for mt, t in families(tasks)
              if wanted is None or mt in wanted]
     # 1. what builds (cached in the JSON: a family's probe is the same every run)
     for i, (mt, task) in enumerate(pairs, 1):

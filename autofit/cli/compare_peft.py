@@ -48,7 +48,7 @@ def add_compare_peft_parser(subparsers: argparse._SubParsersAction) -> argparse.
     p.add_argument("--precision", default=None, help="default: bf16-mixed where the device runs it")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim name")
-    p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
+    p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq, seq-cls or token-cls")
     p.add_argument("--margin", type=float, default=0.10, help="fraction of the device kept free")
     p.add_argument("--method", choices=list(METHODS), default="analytic")
     p.add_argument("--confirm-top", type=int, default=2,

@@ -70,7 +70,7 @@ def add_measure_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     )
     add_peft_option(p)
     add_quant_options(p)
-    p.add_argument("--task", default=None, help="causal-lm | masked-lm | seq2seq | seq-cls")
+    p.add_argument("--task", default=None, help="causal-lm | masked-lm | seq2seq | seq-cls | token-cls")
     p.add_argument(
         "--dataset",
         default=None,

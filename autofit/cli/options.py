@@ -35,7 +35,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     add_config_options(p)  # with --nproc-per-node / --nnodes
     add_recipe_options(p)
     add_adapter_options(p)
-    p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
+    p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq, seq-cls or token-cls")
     p.add_argument("--device", default="auto",
                    help="auto, cpu, cpu:8GiB, cuda, cuda:N or a card name (H100-80GB, ...)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -241,7 +241,7 @@ def add_file_subject_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens of the longest sample, without --dataset (default: the file's)")
     p.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this length")
-    p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq or seq-cls")
+    p.add_argument("--task", default=None, help="causal-lm, masked-lm, seq2seq, seq-cls or token-cls")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer for a dataset with text (default: the model's)")
     add_block_size_option(p)  # default: the file's

@@ -158,7 +158,7 @@ def compiled_saving_parts(info: ModelInfo, config: TrainConfig, seq_len: int, *,
     causal_mask = tokens * seq_len * c["mask"] * e  # kept by the compiled step, not by eager
     # the embeddings' dropout (outside the blocks): its mask too
     base = tokens * mask * (info.hidden_size or 0) * (info.embedding_dropout > 0) - causal_mask
-    lm = info.task != "seq-cls" and info.vocab_size is not None
+    lm = info.lm_logits
     loss = c["loss_mixed"] if config.precision_spec.autocast else c["loss"]
     base += loss * tokens * (info.vocab_size if lm else 0) * 4  # fp32 (B, T, V) buffers
     if config.gradient_checkpointing:

@@ -167,7 +167,7 @@ def estimate_eval(
     B, T = micro_batch_size, seq_len
     N = B * T
     h = info.hidden_size or 0
-    lm = info.task in ("causal-lm", "masked-lm", "seq2seq") and info.vocab_size is not None
+    lm = info.lm_logits
     V = info.vocab_size if lm else 0
     eager = info.attn_implementation == "eager"
 

@@ -89,11 +89,9 @@ def model_identity(model: ModelSource | ModelSpec, adapter: dict[str, object] | 
 
 
 def _task_of(module: torch.nn.Module) -> str:
-    from autofit.probe.model import default_task
+    from autofit.probe.loading import module_task
 
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
-    config = getattr(base, "config", None)
-    return default_task(config) if config is not None else "causal-lm"
+    return module_task(module)
 
 
 def check_key(

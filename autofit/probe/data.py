@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 __all__ = ["DataInfo", "probe_data", "worst_case_batch", "random_batch", "check_batch",
            "sample_ids"]
 
-_TASKS = ("causal-lm", "masked-lm", "seq2seq", "seq-cls")
+_TASKS = ("causal-lm", "masked-lm", "seq2seq", "seq-cls", "token-cls")
 _TEXT_COLUMNS = ("text", "content", "sentence", "prompt")
 _KEEP = ("input_ids", "attention_mask", "token_type_ids", "labels")
 IGNORE_INDEX = -100  # labels the loss skips (padding)
@@ -471,7 +471,8 @@ def worst_case_batch(
     The ``micro_batch_size`` longest samples (after truncation at ``max_seq_len``),
     padded on the right to the longest of them, with ``attention_mask`` and
     ``labels`` (causal-lm / masked-lm / seq2seq: the sample's labels or its
-    input_ids, padding = -100; seq-cls: the sample's label or 0). A ``collator``
+    input_ids, padding = -100; seq-cls: the sample's label or 0; token-cls: the sample's
+    per-token labels or 0 per token, padding = -100). A ``collator``
     (e.g. ``DataCollatorForLanguageModeling``) replaces the default padding; labels
     are added if it makes none.
 
@@ -511,7 +512,9 @@ def _labels_from_ids(batch: Batch, task: str) -> Any:
     ids = batch["input_ids"]
     if task == "seq-cls":
         return torch.zeros(ids.shape[0], dtype=torch.long)
-    labels = ids.clone()
+    # token-cls: class 0 for every token (a label per token, as the model's classifier
+    # expects; the values do not change memory), the LMs: the input ids
+    labels = torch.zeros_like(ids) if task == "token-cls" else ids.clone()
     if "attention_mask" in batch:
         labels[batch["attention_mask"] == 0] = IGNORE_INDEX
     return labels
@@ -612,6 +615,9 @@ def random_batch(
     }
     if t == "seq-cls":
         batch["labels"] = torch.randint(0, max(1, num_labels), (batch_size,), generator=g)
+    elif t == "token-cls":
+        batch["labels"] = torch.randint(0, max(1, num_labels), (batch_size, seq_len),
+                                        generator=g)
     elif t == "seq2seq":
         batch["labels"] = torch.randint(0, int(vocab_size), (batch_size, seq_len), generator=g)
     else:

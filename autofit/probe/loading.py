@@ -19,7 +19,8 @@ from autofit.errors import BadInputError, UnknownModelError, UnknownTaskError
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig
 
-__all__ = ["TASKS", "bundled_models", "load_config", "default_task"]
+__all__ = ["TASKS", "CLASSIFIER_TASKS", "bundled_models", "load_config", "default_task",
+           "module_task"]
 
 # Task name -> transformers Auto class.
 TASKS: dict[str, str] = {
@@ -27,7 +28,12 @@ TASKS: dict[str, str] = {
     "masked-lm": "AutoModelForMaskedLM",
     "seq2seq": "AutoModelForSeq2SeqLM",
     "seq-cls": "AutoModelForSequenceClassification",
+    "token-cls": "AutoModelForTokenClassification",
 }
+
+# Tasks whose head is a classifier (``num_labels`` wide), not a vocabulary-wide LM head:
+# no (B, T, V) logits. seq-cls labels one class per sample, token-cls one per token.
+CLASSIFIER_TASKS: tuple[str, ...] = ("seq-cls", "token-cls")
 
 _BUNDLED_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
 
@@ -203,21 +209,47 @@ def load_config(ref: str | os.PathLike) -> Any:
     return _config_from_hub(ref_s)
 
 
+# what a model class's name says it trains for (transformers' naming)
+_CLASS_TASKS: tuple[tuple[str, str], ...] = (
+    ("ForSequenceClassification", "seq-cls"),
+    ("ForTokenClassification", "token-cls"),
+    ("ForMaskedLM", "masked-lm"),
+    ("ForPreTraining", "masked-lm"),
+    ("ForCausalLM", "causal-lm"),
+    ("LMHeadModel", "causal-lm"),
+)
+
+
+def _class_task(name: str, config: object) -> str | None:
+    t = next((t for suffix, t in _CLASS_TASKS if name.endswith(suffix)), None)
+    # an encoder-decoder's LM head generates from its encoder (T5's "T5WithLMHeadModel")
+    return "seq2seq" if t == "causal-lm" and getattr(config, "is_encoder_decoder", False) else t
+
+
 def default_task(config: PretrainedConfig) -> str:
-    """The task a config is usually trained for."""
+    """The task a config is usually trained for: its ``architectures`` first (a BART
+    classifier's config is an encoder-decoder's too), then an encoder-decoder is seq2seq."""
+    for a in getattr(config, "architectures", None) or []:
+        t = _class_task(a, config)
+        if t is not None:
+            return t
     if getattr(config, "is_encoder_decoder", False):
         return "seq2seq"
-    archs = getattr(config, "architectures", None) or []
-    for a in archs:
-        if a.endswith("ForSequenceClassification"):
-            return "seq-cls"
-        if a.endswith("ForMaskedLM") or a.endswith("ForPreTraining"):
-            return "masked-lm"
-        if a.endswith("ForCausalLM") or a.endswith("LMHeadModel"):
-            return "causal-lm"
     if getattr(config, "model_type", "") in {"bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "xlm-roberta", "modernbert"}:
         return "masked-lm"
     return "causal-lm"
+
+
+def module_task(module: object) -> str:
+    """The task a module trains for: its class's (``BertForSequenceClassification`` is
+    seq-cls whatever its config's ``architectures`` say: a classifier fine-tuned from a
+    masked LM keeps ``["BertForMaskedLM"]``), a PEFT model's base's, else its config's."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    config = getattr(base, "config", None)
+    t = _class_task(type(base).__name__, config)
+    if t is not None:
+        return t
+    return default_task(config) if config is not None else "causal-lm"
 
 
 def _check_task(task: str) -> str:

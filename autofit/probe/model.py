@@ -31,12 +31,14 @@ from autofit.errors import (
     fix,
 )
 from autofit.probe.loading import (
+    CLASSIFIER_TASKS,
     TASKS,
     _check_task,
     _one_line,
     bundled_models,
     default_task,
     load_config,
+    module_task,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,6 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "fingerprint",
     "TASKS",
+    "CLASSIFIER_TASKS",
     "LoraSpec",
     "ParamGroup",
     "BlockSpec",
@@ -185,6 +188,12 @@ class ModelInfo:
         return sum(b.count * sum(i * o for _, i, o, _ in b.linears) for b in self.blocks)
 
     @property
+    def lm_logits(self) -> bool:
+        """Whether the step computes vocabulary-wide (B, T, V) logits: a vocabulary and an
+        LM head, not a classifier's (seq-cls, token-cls: ``num_labels`` wide)."""
+        return self.task not in CLASSIFIER_TASKS and self.vocab_size is not None
+
+    @property
     def head_numel(self) -> int:
         """Elements of the LM head's weight (0 for a classifier or without a vocabulary):
         the largest 2-D parameter with a row per token of the vocabulary, else hidden x
@@ -194,7 +203,7 @@ class ModelInfo:
         the hidden size (768 x vocabulary beside a 256 hidden size), ALBERT's and ELECTRA's
         generator from a narrower one."""
         vocab = self.vocab_size
-        if not vocab or self.task == "seq-cls":
+        if not vocab or self.task in CLASSIFIER_TASKS:
             return 0
         two_d = [g for g in self.params if len(g.shape) == 2 and g.quantized is None]
         rows = [g.shape[0] * g.shape[1] for g in two_d if g.shape[0] == vocab]
@@ -296,8 +305,7 @@ def build_model(
                 "PEFT/quantization options apply to a model given by name or config; "
                 "for a module, pass the PeftModel / quantized model itself"
             )
-        config = getattr(model, "config", None)
-        t = _check_task(task) if task else (default_task(config) if config is not None else "causal-lm")
+        t = _check_task(task) if task else module_task(model)
         return model, t
     if not isinstance(model, (str, os.PathLike)):
         raise UnknownModelError(
@@ -632,7 +640,7 @@ def _describe(module: torch.nn.Module, *, task: str, name: str | None = None) ->
         tie_word_embeddings=tie,
         attn_implementation=attn,
         is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)) if config is not None else False,
-        num_labels=int(getattr(config, "num_labels", 2)) if task == "seq-cls" and config is not None else None,
+        num_labels=int(getattr(config, "num_labels", 2)) if task in CLASSIFIER_TASKS and config is not None else None,
         embedding_dropout=float(_first(config, "embd_pdrop", "hidden_dropout_prob", "dropout_rate", default=0.0) or 0.0)
         if config is not None
         else 0.0,
@@ -710,7 +718,7 @@ def _blocks_of(base: torch.nn.Module, config: PretrainedConfig, task: str) -> tu
             role = "encoder" if "encoder" in list_name else "decoder"
             # one stack read both ways for a masked LM or a classifier; an encoder-decoder's
             # (BART as a masked LM) keeps its decoder
-            if len(lists) == 1 and task in ("masked-lm", "seq-cls"):
+            if len(lists) == 1 and task in ("masked-lm", *CLASSIFIER_TASKS):
                 role = "encoder" if not getattr(config, "is_decoder", False) else role
             blocks.append(_block_spec(role, len(layers), layers[0], config, fields))
         if _first(config, "intermediate_size", "n_inner", "d_ff", "ffn_dim") is None:

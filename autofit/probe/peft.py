@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 _TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM", "seq-cls": "SEQ_CLS",
-               "masked-lm": None}
+               "token-cls": "TOKEN_CLS", "masked-lm": None}
 
 # peft_type -> why autofit cannot model it yet (its step reads tensor values).
 UNSUPPORTED: dict[str, str] = {

@@ -132,10 +132,9 @@ def materialize(ref: ModelRef, device: torch.device) -> torch.nn.Module:
 
 
 def _task(module: torch.nn.Module) -> str:
-    from autofit.probe.model import default_task
+    from autofit.probe.loading import module_task
 
-    config = getattr(module, "config", None)
-    return default_task(config) if config is not None else "causal-lm"
+    return module_task(module)
 
 
 def _materialize_meta(module: torch.nn.Module, device: torch.device) -> None:

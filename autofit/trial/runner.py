@@ -443,7 +443,8 @@ def measure(
         device: ``"cpu:4GiB"`` (capped CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         seq_len: tokens per sample (random batch) or truncation length (dataset);
             defaults to ``config.seq_len``.
-        task: ``causal-lm`` | ``masked-lm`` | ``seq2seq`` | ``seq-cls`` (default: the model's).
+        task: ``causal-lm`` | ``masked-lm`` | ``seq2seq`` | ``seq-cls`` | ``token-cls`` (default:
+            the model's).
         isolation: ``"auto"`` | ``"in-process"`` | ``"subprocess"`` (module docstring).
         warmup_steps: unmeasured steps first (the optimizer state appears).
         measure_steps: timed steps whose peak is reported; the step time is their

@@ -98,6 +98,11 @@ def test_hf_dataset_text_column_with_tokenizer():
     assert info.text_column == "text" and info.length_max == 64
     cls = worst_case_batch(ds, 2, tokenizer=tok, task="seq-cls")
     assert cls["labels"].shape == (2,)
+    # token classification: a label per token (class 0 without per-token labels), the
+    # padding ignored
+    per_token = worst_case_batch(ds, 2, max_seq_len=64, tokenizer=tok, task="token-cls")
+    assert per_token["labels"].shape == per_token["input_ids"].shape
+    assert set(per_token["labels"].unique().tolist()) <= {0, -100}
     with pytest.raises(BadInputError, match="tokenizer"):
         worst_case_batch(ds, 2)
 
@@ -158,6 +163,8 @@ def test_random_batch_is_reproducible_and_leaves_the_global_rng():
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], a["input_ids"])
     assert torch.equal(state, torch.get_rng_state())
     assert random_batch(3, 8, vocab_size=100, task="seq-cls")["labels"].shape == (3,)
+    tok = random_batch(3, 8, vocab_size=100, task="token-cls", num_labels=9)["labels"]
+    assert tok.shape == (3, 8) and 0 <= int(tok.min()) and int(tok.max()) < 9
 
 
 # -- issue 11: every sample checked, one line naming the first bad sample and the fix ------

@@ -114,6 +114,58 @@ def test_seq_cls_task():
     assert info.num_labels == 2
 
 
+def test_token_cls_task():
+    info = probe_model("tiny-bert", task="token-cls")
+    assert info.task == "token-cls" and info.architecture == "BertForTokenClassification"
+    assert info.num_labels == 2 and info.head_numel == 0 and not info.lm_logits
+
+
+def _bert(cls_name: str, **config):
+    import transformers
+
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, vocab_size=128, **config)
+    return getattr(transformers, cls_name)(cfg)
+
+
+@pytest.mark.parametrize("cls_name,task", [
+    ("BertForSequenceClassification", "seq-cls"),
+    ("BertForTokenClassification", "token-cls"),
+    ("BertForMaskedLM", "masked-lm"),
+    ("BertLMHeadModel", "causal-lm"),
+])
+def test_a_modules_task_is_its_class_not_its_configs_architectures(cls_name, task):
+    # a classifier fine-tuned from a masked LM keeps architectures=["BertForMaskedLM"] in its
+    # config (from_pretrained("bert-base-uncased", num_labels=2)): estimated as a masked LM
+    # its analytic peak was the LM head's and the simulation failed on the labels' shape
+    from autofit.probe.loading import module_task
+
+    model = _bert(cls_name, architectures=["BertForMaskedLM"], is_decoder=task == "causal-lm")
+    assert module_task(model) == task
+    assert probe_model(model).task == task
+
+
+def test_a_peft_modules_task_is_its_bases_class():
+    peft = pytest.importorskip("peft")
+    from autofit.probe.loading import module_task
+
+    model = peft.get_peft_model(_bert("BertForTokenClassification"), peft.LoraConfig(
+        r=2, target_modules=["query"], task_type="TOKEN_CLS"))
+    assert module_task(model) == "token-cls"
+
+
+def test_default_task_reads_architectures_before_the_encoder_decoder_flag():
+    import transformers
+
+    from autofit.probe.loading import default_task
+
+    bart = transformers.BartConfig(architectures=["BartForSequenceClassification"])
+    assert default_task(bart) == "seq-cls"
+    assert default_task(transformers.BartConfig(architectures=["BartModel"])) == "seq2seq"
+    # T5's old hub name: an encoder-decoder's LM head generates (seq2seq), not causal-lm
+    assert default_task(transformers.T5Config(architectures=["T5WithLMHeadModel"])) == "seq2seq"
+
+
 def test_tied_embeddings_detected():
     assert probe_model("tiny-gpt2").tie_word_embeddings
     assert not probe_model("tiny-llama").tie_word_embeddings

@@ -247,7 +247,7 @@ def _fitted(c: dict[str, float], batch: int, T: int) -> float:
 def _lm(info: ModelInfo, config: TrainConfig) -> tuple[int, bool, bool]:
     """(V: the logits' width, 0 without a (B, T, V) loss; TRL's fused LM head; a chunked
     loss, which keeps no logits)."""
-    lm = info.task != "seq-cls" and info.vocab_size is not None
+    lm = info.lm_logits
     trl = config.loss_impl == "trl" and lm  # TRL's fused LM head (SFTTrainer)
     chunked = (config.chunked_loss or trl) and lm
     return (info.vocab_size if lm else 0), trl, chunked

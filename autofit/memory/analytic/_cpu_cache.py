@@ -155,7 +155,7 @@ def cpu_half_run_bytes(info: ModelInfo, config: TrainConfig, device: DeviceInfo,
 def _lm_head_matmul(info: ModelInfo, config: TrainConfig) -> bool:
     """Whether the step multiplies by the LM head in full (not a classifier's, not a chunked
     or TRL loss's own kernel)."""
-    return (info.task != "seq-cls" and info.vocab_size is not None and not config.chunked_loss
+    return (info.lm_logits and not config.chunked_loss
             and config.loss_impl != "trl")
 
 

@@ -241,6 +241,8 @@ def make_batch(model: torch.nn.Module, task: str, batch: int, seq_len: int) -> d
         out["labels"] = torch.zeros((batch, seq_len), dtype=torch.long)  # (B, T) targets
     elif task == "seq-cls":
         out["labels"] = torch.zeros((batch,), dtype=torch.long)  # (B,)
+    elif task == "token-cls":
+        out["labels"] = torch.zeros((batch, seq_len), dtype=torch.long)  # (B, T): a class a token
     else:
         raise BadInputError(f"unknown task {task!r}")
     out["_model_kwargs"] = ("input_ids", "labels")

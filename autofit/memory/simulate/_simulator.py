@@ -199,7 +199,7 @@ class Simulator:
     Args:
         module: a model built on the meta device (``probe.model.build_model``) or a
             real module; it is only read.
-        task: ``"causal-lm"``, ``"masked-lm"``, ``"seq2seq"`` or ``"seq-cls"``.
+        task: ``"causal-lm"``, ``"masked-lm"``, ``"seq2seq"``, ``"seq-cls"`` or ``"token-cls"``.
         device: the target device: a DeviceInfo or a name (``"cpu"``, ``"H100-80GB"``).
         model_name: shown in the estimates.
         sharding: how several ranks run beyond a config (``ranks.Layout`` fields, a
