@@ -25,7 +25,8 @@ Spec (a JSON-able dict; the project-wide format)::
      "precision": "32-true" | "bf16-mixed" | "bf16-true" | "16-mixed" | "16-true",
      "gradient_checkpointing": false, "optimizer": "adamw_torch", "optim_args": null,
      "attn_implementation": "sdpa" | "eager",
-     "lora": null | {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0},
+     "lora": null | {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0,
+                     "exclude_modules": null},
      "chunked_loss": false,   # optional: the causal-LM loss by torch's chunked
                               # linear_cross_entropy (backbone + head weight, no full logits)
      "torch_compile": false,  # optional: the step's forward through
@@ -401,6 +402,8 @@ def _build_model(spec: dict[str, Any]):
             target_modules=lora["target_modules"],
             lora_dropout=lora.get("dropout", 0.0),
             task_type=task_type,
+            **({"exclude_modules": lora["exclude_modules"]} if lora.get("exclude_modules")
+               else {}),
         )
         model = get_peft_model(model, lora_config)
 

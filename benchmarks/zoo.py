@@ -186,10 +186,16 @@ def _attention(model_type: str, task: str) -> str:
 def _spec(model_type: str, task: str, size: str, setup: str,
           config: dict[str, Any]) -> dict[str, Any]:
     *_, batch, seq = SIZES[size]
-    return {"name": f"zoo-{model_type}-{task}-{size}-{setup}", "model_type": model_type,
+    spec = {"name": f"zoo-{model_type}-{task}-{size}-{setup}", "model_type": model_type,
             "config": config, "task": task, "batch": batch, "seq": seq,
             "attn_implementation": _attention(model_type, task), **SETUPS[setup],
             "optim_args": None}
+    if task == "token-cls" and spec["lora"] is not None:
+        # peft leaves a classifier's head out of "all-linear" for SEQ_CLS only; for
+        # TOKEN_CLS the head gets an adapter and then cannot be trained whole
+        # (modules_to_save: TypeError), so a user excludes it, as autofit does
+        spec["lora"] = {**spec["lora"], "exclude_modules": ["classifier", "score"]}
+    return spec
 
 
 def probe(model_type: str, task: str, size: str) -> tuple[dict[str, Any] | None, str]:

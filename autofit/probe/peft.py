@@ -22,6 +22,7 @@ bad input naming the method and why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -47,6 +48,8 @@ __all__ = [
     "default_config",
 ]
 
+# the names of a classifier's head that peft's modules_to_save trains whole
+_CLASSIFIER_HEADS = ("classifier", "score")
 _TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM", "seq-cls": "SEQ_CLS",
                "token-cls": "TOKEN_CLS", "masked-lm": None}
 
@@ -237,6 +240,14 @@ def peft_config(value: object, task: str) -> Any:
     d["inference_mode"] = False  # a saved adapter says True; training needs False
     if not d.get("task_type") and _TASK_TYPES.get(task):
         d["task_type"] = _TASK_TYPES[task]
+    if (str(getattr(d.get("task_type"), "value", d.get("task_type"))) == "TOKEN_CLS"
+            and d.get("target_modules") == "all-linear" and not d.get("exclude_modules")
+            and "exclude_modules" in {f.name for f in dataclasses.fields(
+                PEFT_TYPE_TO_CONFIG_MAPPING[pt])}):
+        # peft leaves a classifier's head out of "all-linear" for SEQ_CLS only: for
+        # TOKEN_CLS it puts an adapter on it and then fails to train it whole
+        # (modules_to_save: "cannot be applied to modules of type lora.Linear")
+        d["exclude_modules"] = list(_CLASSIFIER_HEADS)
     for k in ("base_model_name_or_path", "revision", "auto_mapping"):
         d.pop(k, None)
     problems = _field_problems(PEFT_TYPE_TO_CONFIG_MAPPING[pt], d, peft.__version__)

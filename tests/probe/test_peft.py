@@ -182,3 +182,20 @@ def test_a_trial_of_a_peft_method_matches_its_estimate(llama_dir):
     # estimate's weights (the frozen base + IA3's vectors) and the batch
     batch = 3 * 2 * 64 * 8  # input_ids, attention_mask, labels: int64 (B, T)
     assert trial.resident_bytes == pytest.approx(est.breakdown["weights"] + batch, rel=0.05)
+
+
+def test_all_linear_lora_on_a_token_classifier_trains_its_head_whole():
+    # peft leaves a classifier's head out of "all-linear" for SEQ_CLS only; on a TOKEN_CLS
+    # model it put an adapter on the head and then failed ("modules_to_save cannot be
+    # applied to modules of type lora.Linear"): autofit excludes the head, as a user must
+    module, task = build_model("tiny-bert", task="token-cls",
+                               peft_config={"peft_type": "LORA", "r": 4,
+                                            "target_modules": "all-linear"})
+    assert task == "token-cls"
+    trained = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert any("classifier" in n and "lora_" not in n for n in trained)  # the head, whole
+    assert not any("classifier" in n and "lora_" in n for n in trained)
+    assert any("query.lora_A" in n for n in trained)
+    est = estimate("tiny-bert", TrainConfig(micro_batch_size=2), seq_len=32, device="cpu",
+                   task="token-cls", lora={"r": 4})
+    assert est.trainable_params < est.num_params // 10
