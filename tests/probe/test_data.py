@@ -164,7 +164,7 @@ def test_random_batch_is_reproducible_and_leaves_the_global_rng():
     assert torch.equal(state, torch.get_rng_state())
     assert random_batch(3, 8, vocab_size=100, task="seq-cls")["labels"].shape == (3,)
     tok = random_batch(3, 8, vocab_size=100, task="token-cls", num_labels=9)["labels"]
-    assert tok.shape == (3, 8) and 0 <= int(tok.min()) and int(tok.max()) < 9
+    assert tok.shape == (3, 8) and int(tok.min()) >= 0 and int(tok.max()) < 9
 
 
 # -- issue 11: every sample checked, one line naming the first bad sample and the fix ------
