@@ -486,12 +486,16 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     bas = _solve(base_vals)
     fwd = _solve([float(a.transient[0]) for a in at])
     bwds = [_solve([float(a.block_backward[k]) for a in at]) for k in range(len(roles))]
-    # the share of the activations made by the forward's peak: an encoder-decoder's
-    # peak in its encoder comes before any decoder activation (Pegasus-X's padded blocks:
-    # 23% over with all of them); the largest over the four shapes. Elsewhere all of them:
-    # where a one-stack model's peak falls moves with the shape (CTRL's classifier: its
-    # share at the four shapes made it 9.2% under)
-    fwd["share"] = (max(a.transient[1] for a in at) if info.is_encoder_decoder else 1.0)
+    # the share of the activations made by the forward's peak, the largest over the four
+    # shapes: an encoder-decoder's peak in its encoder comes before any decoder activation
+    # (Pegasus-X's padded blocks: 23% over with all of them), a hybrid's in its first,
+    # linear-attention block's chunked recurrence, at 0.69-0.75 of what the forward keeps
+    # (Qwen3-Next's classifier: 19-22% over with all of them). Where a one-stack model's
+    # peak moves from one moment to another with the shape (CTRL's classifier: 0.59 at the
+    # four shapes, 9.2% under at 4 x 128), its forwards run the same events and the
+    # moments below are fitted one by one, each with its own share; this one is used
+    # only where they cannot be (the events differ with the shape: a chunked recurrence)
+    fwd["share"] = max(a.transient[1] for a in at)
     if config.precision_spec.autocast:
         # autocast's 16-bit weight copies, alive at the loss, are counted apart (per block
         # of a stack: its share of the blocks' matmul weights)
