@@ -79,9 +79,10 @@ def test_simulates_small_models(name: str, task: str) -> None:
     est = simulate(module, TrainConfig(micro_batch_size=2), seq_len=64, device=CPU, task=t)
     assert est.method == "simulate"
     assert est.peak_phase in ("forward", "backward", "optimizer")
-    parts = sum(v for k, v in est.breakdown.items() if k != "overhead")
-    assert parts == est.peak_allocated_bytes
-    assert sum(est.breakdown.values()) == est.device_total_bytes
+    # on a CPU what a step holds is what is resident: the tensors and, as overhead, the
+    # heap's holes between small ones (none on a GPU, where the overhead is the cache's)
+    assert sum(est.breakdown.values()) == est.peak_allocated_bytes == est.device_total_bytes
+    assert 0 <= est.breakdown["overhead"] < est.peak_allocated_bytes // 50
     # fp32 weights: every parameter once (tied embeddings once), plus buffers
     assert est.breakdown["weights"] >= _param_bytes(module)
     assert est.num_params == sum(p.numel() for p in module.parameters())

@@ -393,6 +393,10 @@ class Simulator:
         reserved = int(r.peak_reserved_bytes) + lib_cache
         total = reserved + int(self.device.overhead_bytes)
         breakdown[Component.OVERHEAD] = total - allocated
+        if self.device.allocator == "cpu":
+            # what a CPU step holds is what is resident: the heap's holes between small
+            # tensors too (the allocator model's reserved bytes), as a CPU trial measures
+            allocated = reserved
         if r.oom:
             notes.append("the allocator model ran out of the device's capacity")
         return MemoryEstimate(
