@@ -639,7 +639,11 @@ def _describe(module: torch.nn.Module, *, task: str, name: str | None = None) ->
         max_position_embeddings=_first(config, "max_position_embeddings", "n_positions") if config is not None else None,
         tie_word_embeddings=tie,
         attn_implementation=attn,
-        is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)) if config is not None else False,
+        # the config's flag, where the module runs both stacks: T5's token classifier is
+        # its encoder only (T5EncoderModel and a head) under an encoder-decoder's config
+        is_encoder_decoder=(bool(getattr(config, "is_encoder_decoder", False))
+                            and (not blocks or len({b.role for b in blocks}) > 1)
+                            if config is not None else False),
         num_labels=int(getattr(config, "num_labels", 2)) if task in CLASSIFIER_TASKS and config is not None else None,
         embedding_dropout=float(_first(config, "embd_pdrop", "hidden_dropout_prob", "dropout_rate", default=0.0) or 0.0)
         if config is not None

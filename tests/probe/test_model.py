@@ -120,6 +120,16 @@ def test_token_cls_task():
     assert info.num_labels == 2 and info.head_numel == 0 and not info.lm_logits
 
 
+def test_t5s_token_classifier_is_its_encoder_alone():
+    # T5ForTokenClassification runs T5EncoderModel under an encoder-decoder's config: read as
+    # an encoder-decoder, the analytic estimate charged T5's encoder + decoder pair per
+    # encoder block (66% over)
+    info = probe_model("tiny-t5", task="token-cls")
+    assert not info.is_encoder_decoder
+    assert {b.role for b in info.blocks} == {"encoder"}
+    assert probe_model("tiny-t5", task="seq-cls").is_encoder_decoder
+
+
 def _bert(cls_name: str, **config):
     import transformers
 

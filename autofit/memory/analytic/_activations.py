@@ -125,6 +125,10 @@ def _needs_derived(info: ModelInfo, config: TrainConfig) -> bool:
         # three intermediate-sized tensors a block fewer than its gelu_new (+78% on the
         # published GPT-2 row, which ran torch's tanh GELU)
         return True
+    if info.model_type == "t5" and not info.is_encoder_decoder:
+        # T5's table is per encoder + decoder pair: its encoder alone (the token
+        # classifier) is derived (66% over with the pair's cost per encoder block)
+        return True
     if info.is_encoder_decoder:
         # T5's fitted coefficients are T5's own: other encoder-decoders (mT5's gated
         # feed-forward, BART's, Pegasus-X's blocks) were -33%..+20% with them on the zoo
