@@ -27,7 +27,12 @@ error, every underestimate below -3%; per family) and ``zoo.png``.
 Known limitations:
     NB: tiny models: fixed costs (the math libraries' caches) are a larger share of
     the peak than at real sizes; the accuracy table (``accuracy.py``) holds the
-    larger configurations.
+    larger configurations. Those caches differ by CPU vendor too, not only by
+    instruction set (an AMD EPYC's MKL does not pack fp32 weights as a Xeon's does;
+    ``cpu_cache.py`` measures the machine at hand): a row records the instruction set
+    only.
+    NB: peft leaves a classifier's head out of ``"all-linear"`` for SEQ_CLS only; the
+    token-classification LoRA rows exclude ``classifier`` / ``score`` themselves.
 """
 
 from __future__ import annotations
