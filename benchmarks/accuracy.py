@@ -46,6 +46,21 @@ def lora_spec(lo: dict | None):
                     dropout=lo.get("dropout", 0.0))
 
 
+def _estimate_on(cpu: str, spec: dict, method: str, tmp: Path):
+    """``_estimate`` with the rule of the instruction set ``cpu`` the row was measured on
+    (rows from before it was recorded: the AVX2 machine's), as ``zoo.py`` does: the CPU
+    math libraries' caches differ by it, so a row measured elsewhere is not estimated
+    with this machine's rule."""
+    import autofit.probe.device as device
+
+    here = device.cpu_capability
+    device.cpu_capability = lambda: cpu  # type: ignore[assignment]
+    try:
+        return _estimate(spec, method, tmp)
+    finally:
+        device.cpu_capability = here  # type: ignore[assignment]
+
+
 def _estimate(spec: dict, method: str, tmp: Path):
     from autofit import TrainConfig, estimate
 
@@ -139,10 +154,13 @@ def main(argv=None) -> int:
     if args.measure or not measured_path.exists():
         from measure_cpu import measure
 
+        from autofit.probe.device import cpu_capability
+
         measured = {}
         for i, spec in enumerate(specs, 1):
             print(f"[{i}/{len(specs)}] measuring {spec['name']}", flush=True)
-            measured[spec["name"]] = measure(spec)
+            # the instruction set it ran on: the math libraries' caches differ by it
+            measured[spec["name"]] = {**measure(spec), "cpu": cpu_capability()}
         if not args.names:
             measured_path.write_text(json.dumps(list(measured.values()), indent=1))
     else:
@@ -160,7 +178,7 @@ def main(argv=None) -> int:
                    "shape": f"{spec['batch']}x{spec['seq']}", "what": _describe(spec),
                    "measured": truth, "measured_phases": m.get("phase_peaks")}
             for method in methods:
-                est, secs = _estimate(spec, method, Path(d))
+                est, secs = _estimate_on(m.get("cpu", "AVX2"), spec, method, Path(d))
                 row[method] = est.peak_allocated_bytes
                 row[f"{method}_err"] = (est.peak_allocated_bytes - truth) / truth
                 row[f"{method}_phase"] = est.peak_phase
