@@ -41,7 +41,10 @@ A knob declares
   that is none is left out of the space, the tables and the suggestions;
 * ``step_seconds(ctx)`` (optional): the seconds its value adds to one micro batch beyond
   the step's FLOPs (``StepContext``: the model, the configuration, the rates it runs
-  at); the speed model sums the registered knobs' terms and names none.
+  at); the speed model sums the registered knobs' terms and names none;
+* ``step_loss(config)`` (optional): the loss its value makes the trainer compute, a
+  function ``(model, batch) -> loss`` (None: the model's own, forward with labels); the
+  trials and the simulated step call what the registry returns and name no knob.
 
 The registry (``autofit.knobs.registry``) asks every registered knob for these: the
 pipeline never names a knob to write its fields, its notes or its reason lines.

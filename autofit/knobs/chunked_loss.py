@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 from autofit.knobs.base import OnOffKnob, installed, training_arguments_fields
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from autofit.config import TrainConfig
@@ -232,6 +234,15 @@ class ChunkedLossKnob(OnOffKnob):
         rows = loss_chunk_rows(tokens, V, h, halved=ctx.device.allocator == "cuda" or e == 4)
         chunks = -(-tokens // rows)
         return chunks * V * h * (2 * e + 2 * 4) / ctx.bandwidth
+
+    def step_loss(self, config: TrainConfig) -> Callable[..., torch.Tensor] | None:
+        """``ChunkedLossTrainer.compute_loss``'s loss when on: the backbone, then torch's
+        chunked linear cross entropy over the head (no full logits)."""
+        if not config.chunked_loss:
+            return None
+        from autofit.knobs.loss import causal_lm_chunked_loss
+
+        return causal_lm_chunked_loss
 
     def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         if getattr(config, "chunked_loss", False) and liger_offered(args):

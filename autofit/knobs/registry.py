@@ -35,6 +35,8 @@ from autofit.knobs.precision import PRECISION
 from autofit.knobs.strategy import OFFLOAD, STRATEGY
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from autofit.config import TrainConfig
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
            "conflict", "emit_fields", "notes", "reason_lines", "step_seconds", "timed_knobs",
-           "narrow", "check_model", "is_choice"]
+           "narrow", "check_model", "is_choice", "step_loss"]
 
 # the order the files are written in too: offloading adds its key to the kwargs that
 # checkpointing writes afresh
@@ -136,6 +138,17 @@ def step_seconds(ctx: StepContext) -> float:
         if term is not None:
             total += term(ctx)
     return total
+
+
+def step_loss(config: TrainConfig) -> Callable[..., torch.Tensor] | None:
+    """The loss ``config``'s knob values make the trainer compute, ``(model, batch) ->
+    loss`` (the first knob's ``step_loss`` that gives one); None: the model's own."""
+    for k in KNOBS:
+        hook = getattr(k, "step_loss", None)
+        fn = hook(config) if hook is not None else None
+        if fn is not None:
+            return fn
+    return None
 
 
 def timed_knobs() -> tuple[str, ...]:

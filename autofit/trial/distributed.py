@@ -194,7 +194,7 @@ class _TorchStepper(_Phases):
             with ctx:
                 self._phase("forward")
                 with _autocast(self.plan, self.device):
-                    loss = _forward_loss(self.wrapped, batch, self.plan.chunked_loss)
+                    loss = _forward_loss(self.wrapped, batch, self.plan.loss_fn)
                 loss = loss / self.plan.grad_accum_steps
                 self._phase("backward")
                 if self.scaler is not None:
@@ -214,7 +214,7 @@ class _TorchStepper(_Phases):
         self.wrapped.eval()
         try:
             with torch.no_grad(), _autocast(self.plan, self.device):
-                loss = _forward_loss(self.wrapped, batch, self.plan.chunked_loss).detach()
+                loss = _forward_loss(self.wrapped, batch, self.plan.loss_fn).detach()
             del loss
         finally:
             self.wrapped.train(was)
@@ -321,7 +321,7 @@ class _ZeroStepper(_Phases):
     def step(self, batch: dict[str, torch.Tensor]) -> bool:
         for _ in range(self.plan.micro_batches_per_step):
             self._phase("forward")
-            loss = _forward_loss(self.engine, batch, self.plan.chunked_loss)
+            loss = _forward_loss(self.engine, batch, self.plan.loss_fn)
             self._phase("backward")
             self.engine.backward(loss)
             del loss
@@ -337,7 +337,7 @@ class _ZeroStepper(_Phases):
         self.engine.eval()
         try:
             with torch.no_grad():
-                loss = _forward_loss(self.engine, batch, self.plan.chunked_loss).detach()
+                loss = _forward_loss(self.engine, batch, self.plan.loss_fn).detach()
             del loss
         finally:
             self.engine.train()

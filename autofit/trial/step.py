@@ -30,7 +30,7 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ import torch
 
 from autofit.config import TrainConfig
 from autofit.errors import MissingDependencyError, require
+from autofit.knobs import registry
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -76,7 +77,9 @@ class StepPlan:
     bnb_embedding_override: bool = False  # Trainer: 8-bit bnb keeps embeddings in 32 bits
     max_grad_norm: float = MAX_GRAD_NORM
     optimizer_name: str = ""
-    chunked_loss: bool = False  # the loss is autofit.causal_lm_chunked_loss (no full logits)
+    # the loss a knob's value makes the trainer compute (``registry.step_loss``: the chunked
+    # loss's, no full logits); None: the model's own
+    loss_fn: Callable[..., torch.Tensor] | None = None
     activation_offloading: bool = False  # checkpointing with offload=True (CUDA)
     torch_compile: bool = False  # forward through torch.compile(model, backend="inductor")
     loss_impl: str = "model"  # "trl": TRL's fused LM head, as SFTTrainer computes it
@@ -185,7 +188,7 @@ def plan_step(model: torch.nn.Module, config: TrainConfig, *, use_cpu: bool) -> 
         bnb_embedding_override="bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8,
         max_grad_norm=float(args.max_grad_norm),
         optimizer_name=config.optimizer,
-        chunked_loss=config.chunked_loss,
+        loss_fn=registry.step_loss(config),
         activation_offloading=config.activation_offloading,
         torch_compile=config.torch_compile,
         loss_impl=config.loss_impl,
@@ -369,18 +372,18 @@ def _loss_of(out: ModelOutput | torch.Tensor | tuple[torch.Tensor, ...]) -> torc
 
 
 def _forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                  chunked: bool, loss_impl: str = "model") -> torch.Tensor:
-    """The loss of one micro batch: the model's own (forward with labels), the chunked
-    loss ``ChunkedLossTrainer.compute_loss`` runs, or TRL's (``SFTTrainer.compute_loss``:
-    the fused LM head added to the trial's own copy for the call)."""
+                  loss_fn: Callable[..., torch.Tensor] | None = None,
+                  loss_impl: str = "model") -> torch.Tensor:
+    """The loss of one micro batch: the model's own (forward with labels), a knob's
+    (``loss_fn``: the chunked loss ``ChunkedLossTrainer.compute_loss`` runs), or TRL's
+    (``SFTTrainer.compute_loss``: the fused LM head added to the trial's own copy for the
+    call)."""
     if loss_impl == "trl":
         from autofit.knobs.trl_loss import trl_sft_loss
 
         return trl_sft_loss(model, batch)
-    if chunked:
-        from autofit.knobs.loss import causal_lm_chunked_loss
-
-        return causal_lm_chunked_loss(model, batch)
+    if loss_fn is not None:
+        return loss_fn(model, batch)
     out = model(**batch)
     loss = _loss_of(out)
     # the Trainer's compute_loss returns the loss only: the outputs (logits,
@@ -436,7 +439,7 @@ class Stepper:
         """
         for _ in range(self.plan.micro_batches_per_step):
             with self._autocast_ctx():
-                loss = _forward_loss(self.forward, batch, self.plan.chunked_loss,
+                loss = _forward_loss(self.forward, batch, self.plan.loss_fn,
                                      self.plan.loss_impl)
             loss = loss / self.plan.grad_accum_steps
             if self.scaler is not None:
@@ -463,7 +466,7 @@ class Stepper:
         self.model.eval()
         try:
             with torch.no_grad(), self._autocast_ctx():
-                loss = _forward_loss(self.forward, batch, self.plan.chunked_loss,
+                loss = _forward_loss(self.forward, batch, self.plan.loss_fn,
                                      self.plan.loss_impl).detach()
             del loss
         finally:

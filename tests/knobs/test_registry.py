@@ -160,3 +160,41 @@ def test_a_knob_says_when_it_is_no_choice_and_narrows_its_own_values(monkeypatch
     out = registry.narrow({"torch_compile": [False, True], "precision": None}, scope)
     assert out["torch_compile"] is False and out["precision"] is None
     assert "no torch.compile: a test says so" in reasons
+
+
+def test_the_loss_a_trial_and_the_simulation_run_is_the_knobs_own(monkeypatch):
+    """``step_loss``: the loss a knob's value makes the trainer compute; the trial's plan and
+    the simulated step call what the registry returns, naming no knob. A loss given to the
+    optimizer's knob for SGD runs in both when SGD is chosen, and only then."""
+    import torch
+
+    from autofit.knobs.loss import causal_lm_chunked_loss
+    from autofit.knobs.optimizer import OPTIMIZER
+    from autofit.memory.simulate import simulate
+    from autofit.probe.model import build_model
+    from autofit.trial.step import _forward_loss, plan_step
+
+    assert registry.step_loss(TrainConfig()) is None
+    assert registry.step_loss(TrainConfig(chunked_loss=True)) is causal_lm_chunked_loss
+    calls = []
+
+    def tagged(model, batch):
+        calls.append(type(model).__name__)
+        return model(**batch).loss * 1.0
+
+    monkeypatch.setattr(OPTIMIZER, "step_loss",
+                        lambda config: tagged if config.optimizer == "sgd" else None,
+                        raising=False)
+    model, _ = build_model("tiny-llama")
+    sgd = TrainConfig(micro_batch_size=1, optimizer="sgd")
+    plan = plan_step(model, sgd, use_cpu=True)
+    assert plan.loss_fn is tagged
+    assert plan_step(model, TrainConfig(micro_batch_size=1), use_cpu=True).loss_fn is None
+    ids = torch.randint(0, 100, (1, 8))
+    _forward_loss(model, {"input_ids": ids, "labels": ids}, plan.loss_fn)
+    assert len(calls) == 1
+    simulate(model, sgd, seq_len=16, device="cpu", task="causal-lm")
+    assert len(calls) > 1  # the simulated step called it too
+    n = len(calls)
+    simulate(model, TrainConfig(micro_batch_size=1), seq_len=16, device="cpu", task="causal-lm")
+    assert len(calls) == n

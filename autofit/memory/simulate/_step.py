@@ -43,6 +43,7 @@ import torch
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, MissingDependencyError
+from autofit.knobs.registry import step_loss
 from autofit.memory.breakdown import Component
 from autofit.memory.simulate._model import make_batch, unpacked_batches, unwrap
 from autofit.memory.simulate._recorder import StorageRecorder
@@ -358,10 +359,8 @@ def forward_loss(model: torch.nn.Module, config: TrainConfig, task: str, batch_s
             # on a CPU only the pages TRL writes are resident: its (rows, 32768) buffer as
             # wide as the vocabulary (the same tiles and loop for V <= 32768)
             loss = trl_sft_loss(model, kwargs, resident_only=target_kind == "cpu")
-        elif config.chunked_loss:
-            from autofit.knobs.loss import causal_lm_chunked_loss
-
-            loss = causal_lm_chunked_loss(model, kwargs)
+        elif (loss_fn := step_loss(config)) is not None:  # a knob's (the chunked loss)
+            loss = loss_fn(model, kwargs)
         else:
             out = model(**kwargs)
             loss = getattr(out, "loss", None)
