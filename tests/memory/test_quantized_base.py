@@ -125,7 +125,10 @@ def test_estimates_match_a_real_quantized_step(saved, q, config, monkeypatch) ->
     # the fake step runs bitsandbytes' own layers: the same peak as the real step (the
     # simulated one replayed through the CPU allocator model: page rounding); the closed
     # form within 3%
-    sim_peak, ana_peak = sim.peak_allocated_bytes, ana.peak_allocated_bytes
+    # (the real step counts tensors: the simulated heap's holes between small ones, which
+    # a CPU step holds as well, are its overhead)
+    sim_peak = sim.peak_allocated_bytes - sim.breakdown["overhead"]
+    ana_peak = ana.peak_allocated_bytes
     assert abs(sim_peak / real - 1) < 0.003, (sim_peak, real)
     assert abs(ana_peak / real - 1) < 0.03, (ana_peak, real)
 
