@@ -254,7 +254,9 @@ def run_one(spec: dict[str, Any], setup: str, methods: list[str]) -> dict[str, A
     from autofit.probe.device import cpu_capability
 
     row: dict[str, Any] = {"name": spec["name"], "spec": spec, "setup": setup,
-                           "cpu": cpu_capability()}  # the math libraries' caches differ by it
+                           # the math libraries' caches differ by both (MKL packs fp32
+                           # weights on a Xeon, not on an AMD EPYC: cpu_cache.py)
+                           "cpu": cpu_capability(), "vendor": cpu_vendor()}
     try:
         m = measure(spec)
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
@@ -425,6 +427,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cpu_vendor() -> str:
+    """This CPU's maker as the kernel reports it (``Intel``, ``AMD``; ``?`` unknown)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                vendor = line.split(":", 1)[1].strip()
+                return {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(vendor, vendor)
+    except OSError:
+        pass
+    return "?"
+
+
+def _row_machine(row: dict[str, Any]) -> str:
+    """What a row's table groups it by: its instruction set, and its CPU's maker where it
+    was recorded (rows from before it was: the instruction set alone)."""
+    vendor = row.get("vendor")
+    return f"{_row_cpu(row)} {vendor}" if vendor else str(_row_cpu(row))
+
+
 def _row_cpu(row: dict[str, Any] | None) -> str | None:
     """The instruction set a row was measured on (the rows before it was recorded: AVX2)."""
     return None if row is None else row.get("cpu", "AVX2")
@@ -451,12 +472,15 @@ def report(out: Path, data: dict[str, Any]) -> None:
              "measured, absolute peak (weights included); negative = an underestimate.", ""]
     lines += ["Rows carry the instruction set they were measured on (the CPU math libraries' "
               "caches differ by it; rows from before it was recorded: AVX2); each is estimated "
-              "with that instruction set's rule.", ""]
+              "with that instruction set's rule. Rows measured since the CPU's maker was "
+              "recorded carry it too (an AMD EPYC's MKL does not pack fp32 weights as a "
+              "Xeon's does, so its caches are smaller than the AVX512 rule, fitted on rows measured before the maker was recorded, most likely on a Xeon: their MKL packed fp32 weights).",
+              ""]
     lines += ["| method | CPU | rows | median abs | worst abs | lowest | under -3% | target | met |",
               "|---|---|---|---|---|---|---|---|---|"]
-    cpus = sorted({_row_cpu(r) for r in rows})
+    cpus = sorted({_row_machine(r) for r in rows})
     for m, cpu in [(m, c) for m in methods for c in [*cpus, "all"]]:
-        s = _summary([r for r in rows if cpu in ("all", _row_cpu(r))], m)
+        s = _summary([r for r in rows if cpu in ("all", _row_machine(r))], m)
         if s is None:
             continue
         med, worst = TARGETS[m]
@@ -475,7 +499,7 @@ def report(out: Path, data: dict[str, Any]) -> None:
               "|---|---|---|---|" + "---|" * len(methods)]
     by: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        by.setdefault((r["spec"]["model_type"], r["spec"]["task"], _row_cpu(r)), []).append(r)
+        by.setdefault((r["spec"]["model_type"], r["spec"]["task"], _row_machine(r)), []).append(r)
     for (mt, task, cpu), rs in sorted(by.items()):
         cells = []
         for m in methods:
