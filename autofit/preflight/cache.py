@@ -35,7 +35,6 @@ from autofit.config import TrainConfig
 from autofit.trial.result import trial_from_dict
 
 if TYPE_CHECKING:
-    import torch
     from optuna.storages import BaseStorage
 
     from autofit.config import ModelSource, ModelSpec
@@ -81,17 +80,12 @@ def model_identity(model: ModelSource | ModelSpec, adapter: dict[str, object] | 
             digest = _file_hash(bundled) if bundled is not None else "hub"
         blob = json.dumps({"ref": ref, "config": digest})
     else:
+        from autofit.probe.loading import module_task
         from autofit.probe.model import describe, fingerprint
 
-        info = describe(model, task=_task_of(model))
+        info = describe(model, task=module_task(model))
         blob = json.dumps(fingerprint(info), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _task_of(module: torch.nn.Module) -> str:
-    from autofit.probe.loading import module_task
-
-    return module_task(module)
 
 
 def check_key(

@@ -102,7 +102,8 @@ class _Checker:
                  max_seq_len: int | None, tokenizer: PreTrainedTokenizerBase | None,
                  collator: Collator | None, isolation: str, timeout_s: float | None,
                  progress: Progress | None, recipe: Recipe | None = None) -> None:
-        from autofit.preflight.cache import _task_of, model_identity
+        from autofit.preflight.cache import model_identity
+        from autofit.probe.loading import module_task
         from autofit.probe.versions import library_versions
 
         self.model = model
@@ -134,7 +135,7 @@ class _Checker:
         self.model_id = model_identity(model, self.adapter, self.quantization)
         # the task as the key knows it: fixed now (building the model later may resolve it)
         self.task_key = (task if task is not None or not hasattr(model, "parameters")
-                         else _task_of(model))
+                         else module_task(model))
         self._info = None
         self.trials_run = 0
 

@@ -48,8 +48,6 @@ __all__ = [
     "default_config",
 ]
 
-# the names of a classifier's head that peft's modules_to_save trains whole
-_CLASSIFIER_HEADS = ("classifier", "score")
 _TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM", "seq-cls": "SEQ_CLS",
                "token-cls": "TOKEN_CLS", "masked-lm": None}
 
@@ -247,7 +245,9 @@ def peft_config(value: object, task: str) -> Any:
         # peft leaves a classifier's head out of "all-linear" for SEQ_CLS only: for
         # TOKEN_CLS it puts an adapter on it and then fails to train it whole
         # (modules_to_save: "cannot be applied to modules of type lora.Linear")
-        d["exclude_modules"] = list(_CLASSIFIER_HEADS)
+        from peft.utils.constants import SEQ_CLS_HEAD_NAMES  # the heads it trains whole
+
+        d["exclude_modules"] = list(SEQ_CLS_HEAD_NAMES)
     for k in ("base_model_name_or_path", "revision", "auto_mapping"):
         d.pop(k, None)
     problems = _field_problems(PEFT_TYPE_TO_CONFIG_MAPPING[pt], d, peft.__version__)

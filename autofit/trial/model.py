@@ -123,18 +123,13 @@ def materialize(ref: ModelRef, device: torch.device) -> torch.nn.Module:
         if ref.quant is not None:
             _quantize_layers(module, ref.quant, device)
     if ref.lora is not None:
+        from autofit.probe.loading import module_task
         from autofit.probe.model import _peft_config
         from autofit.probe.peft import apply_peft
 
-        task = ref.task or _task(module)
+        task = ref.task or module_task(module)
         module = apply_peft(module, _peft_config(ref.lora, task), meta=False)
     return module
-
-
-def _task(module: torch.nn.Module) -> str:
-    from autofit.probe.loading import module_task
-
-    return module_task(module)
 
 
 def _materialize_meta(module: torch.nn.Module, device: torch.device) -> None:
