@@ -68,7 +68,7 @@ ROWS = ["zoo-afmoe-causal-lm-s-fp32", "zoo-bert-causal-lm-s-lora", "zoo-opt-caus
         "zoo-deberta-masked-lm-s-fp32", "zoo-bart-masked-lm-s-fp32",
         "zoo-kimi_linear-causal-lm-s-lora", "zoo-qwen3_next-causal-lm-s-bf16-ckpt",
         "zoo-neomme-masked-lm-s-adamw8", "zoo-qwen3_next-seq-cls-s-fp32",
-        "zoo-t5-token-cls-s-fp32"]
+        "zoo-t5-token-cls-s-fp32", "zoo-t5-seq-cls-s-bf16-ckpt"]
 SIMULATED = ["zoo-m2m_100-seq2seq-s-fp32", "zoo-fnet-masked-lm-s-fp32",
              # (30 s: its 128-step recurrence; the graph's host bytes are also guarded by
              # tests/memory/test_sim_branches.py and the single-rank golden cases)
@@ -97,6 +97,9 @@ OVER = {
     # its encoder's backward makes 83 MiB of scratch after the decoder's activations are
     # freed, and the LM head's logits too, which the rule does not subtract (simulate +9.5%)
     "zoo-pegasus_x-seq2seq-s-fp32": 0.16,
+    # checkpointing recomputes one block: at most 2/3 of T5's fitted encoder + decoder pair
+    # (+23.1% with the pair); what is left over is the CPU libraries' 16-bit caches
+    "zoo-t5-seq-cls-s-bf16-ckpt": 0.15,
 }
 
 
