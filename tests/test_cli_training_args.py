@@ -235,3 +235,64 @@ def test_where_the_output_goes(tmp_path):
     assert _output(Namespace(in_place=True, output=None), f) == src  # only when asked
     assert _output(Namespace(in_place=True, output=str(src)), f) == src
     assert str(_output(Namespace(in_place=False, output=None), None)) == "tuned.yaml"
+
+
+def _ner_files(d, words_per_line=(5, 9, 14, 7)):
+    """run_ner.py's inputs: a word-level tokenizer saved locally and CoNLL-style JSON lines
+    (``tokens`` with a ``ner_tags`` label per word)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(40)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="[PAD]",
+                            unk_token="[UNK]").save_pretrained(d / "tok")
+    with open(d / "train.json", "w") as f:
+        for i, n in enumerate(words_per_line * 5):
+            words = [f"w{(i + j) % 40}" for j in range(n)]
+            f.write(json.dumps({"tokens": words, "ner_tags": ["O"] * (n - 1) + ["B-PER"]}) + "\n")
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_a_run_ner_file_is_tuned_as_a_token_classifier_at_the_scripts_lengths(here, capsys, pad):
+    """run_ner.py's args file: its data (words with a label per word) is what a token
+    classifier trains on, tokenized as pre-split words and truncated at the file's
+    max_seq_length; with pad_to_max_length every batch is that long."""
+    _ner_files(here)
+    src = here / "args.json"
+    keys = {"model_name_or_path": "tiny-bert", "tokenizer_name": "tok",
+            "train_file": "train.json", "max_seq_length": 12, "task_name": "ner",
+            "label_all_tokens": False, "output_dir": "out", "do_train": True,
+            "per_device_train_batch_size": 4, "max_steps": 5, "pad_to_max_length": pad}
+    src.write_text(json.dumps(keys))
+    code, out, err = run(capsys, "tune", "--training-args", src, "--device", "T4", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert any(r.startswith("task token-cls: the data is words with a label per word "
+                            "('ner_tags'") for r in d["reasons"]), d["reasons"]
+    assert any(r.startswith("samples truncated at 12 tokens: the file's max_seq_length")
+               for r in d["reasons"])
+    # the longest sample is 14 words: 12 after truncation either way; the file's own keys
+    # (task_name, label_all_tokens) are the script's, with no did-you-mean
+    assert any(r.startswith("sequence length 12:") for r in d["reasons"]), d["reasons"]
+    assert not any("did you mean" in r for r in d["reasons"])
+    tuned = json.loads((here / "args-tuned.json").read_text())
+    assert {k: tuned[k] for k in keys if k != "per_device_train_batch_size"} == {
+        k: v for k, v in keys.items() if k != "per_device_train_batch_size"}
+    code, out, err = run(capsys, "check", here / "args-tuned.json", "--json")
+    assert code == 0, err
+    assert json.loads(out)["estimate"]["seq_len"] == 12
+
+
+def test_pad_to_max_length_plans_the_padded_length_not_the_longest_sample(here, capsys):
+    _ner_files(here, words_per_line=(3, 4))  # samples of at most 4 words
+    for pad, want in ((False, 4), (True, 16)):
+        (here / "args.json").write_text(json.dumps({
+            "model_name_or_path": "tiny-bert", "tokenizer_name": "tok", "train_file": "train.json",
+            "max_seq_length": 16, "pad_to_max_length": pad, "output_dir": "out",
+            "per_device_train_batch_size": 4}))
+        code, out, err = run(capsys, "tune", "--training-args", here / "args.json", "--device",
+                             "T4", "--json", "-o", here / f"tuned-{pad}.json")
+        assert code == 0, err
+        assert json.loads(out)["estimate"]["seq_len"] == want, pad

@@ -203,10 +203,11 @@ def tokenizer_for(args: argparse.Namespace, data: list[object]) -> Any:
     """The tokenizer a dataset of text needs (``--tokenizer``, else the model's), or None."""
     from autofit.errors import BadInputError
 
-    # text to tokenize: no input_ids, and a column of text (samples with neither are the
-    # data probe's to refuse, with its own message)
+    # text to tokenize: no input_ids, and a column of text or of words (samples with
+    # neither are the data probe's to refuse, with its own message)
     needs = (bool(data) and isinstance(data[0], dict) and "input_ids" not in data[0]
-             and any(isinstance(v, str) for v in data[0].values()))
+             and any(isinstance(v, str) or (isinstance(v, list) and v and isinstance(v[0], str))
+                     for v in data[0].values()))
     if not needs and args.tokenizer is None:
         return None
     from transformers import AutoTokenizer
@@ -305,11 +306,16 @@ def file_subject(args: argparse.Namespace, meta: dict[str, object],
     # packed as the tuned file records (a mixed args file's block_size too), unless given
     block_size = getattr(args, "block_size", None)
     packing = None
+    script = script_lengths(_file_keys(source))
     if block_size is None and dataset is not None and meta.get("block_size") is not None:
         block_size, packing = meta["block_size"], meta.get("packing")
     elif block_size is None and dataset is not None:
-        block_size = _file_keys(source).get("block_size")
-    max_seq_len = args.max_seq_len or (meta.get("max_seq_len") if block_size is None else None)
+        block_size = script.block_size
+    max_seq_len = args.max_seq_len or (
+        (meta.get("max_seq_len") or script.max_seq_len) if block_size is None else None)
+    task = args.task or meta.get("task") or (data_task(dataset) or (None,))[0]
+    if dataset is not None and script.pad and block_size is None and max_seq_len:
+        dataset = padded_samples(dataset, max_seq_len)  # every batch that long
     tokenizer = None
     if dataset is not None:
         named = getattr(args, "tokenizer", None)
@@ -317,10 +323,72 @@ def file_subject(args: argparse.Namespace, meta: dict[str, object],
             named = _file_keys(source).get("tokenizer_name")  # the script's own
         tokenizer = tokenizer_for(argparse.Namespace(tokenizer=named, model=model), dataset)
     return FileSubject(model=model, dataset=dataset, seq_len=seq_len, device=device,
-                       device_reason=why, task=args.task or meta.get("task"),
+                       device_reason=why, task=task,
                        max_seq_len=max_seq_len,
                        seq_len_source="as given" if args.seq_len is not None else "the file's",
                        tokenizer=tokenizer, block_size=block_size, packing=packing)
+
+
+@dataclass(frozen=True)
+class ScriptLengths:
+    """What a transformers example script's data arguments (an args file's keys) make of the
+    samples' lengths: truncation (``run_ner.py``, ``run_glue.py``: ``max_seq_length``, every
+    batch padded to it with ``pad_to_max_length``) or blocks (``run_clm.py``'s
+    ``block_size``; ``run_mlm.py``'s ``max_seq_length`` unless ``line_by_line``)."""
+
+    max_seq_len: int | None = None
+    block_size: int | None = None
+    pad: bool = False  # every sample padded to max_seq_len
+    note: str | None = None
+
+
+def script_lengths(keys: dict[str, Any]) -> ScriptLengths:
+    """``ScriptLengths`` of an args file's keys (empty when they say nothing).
+
+        >>> script_lengths({"max_seq_length": 128, "pad_to_max_length": True}).pad
+        True
+        >>> script_lengths({"max_seq_length": 128, "mlm_probability": 0.15}).block_size
+        128
+    """
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+    block, msl = keys.get("block_size"), keys.get("max_seq_length")
+    if count(block):
+        return ScriptLengths(block_size=block, note=(
+            f"block size {block}: the file's block_size (the script packs its text into "
+            "blocks of that many tokens)"))
+    if not count(msl):
+        return ScriptLengths()
+    if ("mlm_probability" in keys or "line_by_line" in keys) and keys.get("line_by_line") is not True:
+        return ScriptLengths(block_size=msl, note=(
+            f"block size {msl}: the file's max_seq_length (run_mlm.py groups its text into "
+            "blocks of that many tokens unless line_by_line)"))
+    pad = keys.get("pad_to_max_length") is True
+    return ScriptLengths(max_seq_len=msl, pad=pad, note=(
+        f"samples truncated at {msl} tokens: the file's max_seq_length (as run_ner.py / "
+        "run_glue.py tokenize)" + (", every batch padded to it: pad_to_max_length" if pad
+                                    else "")))
+
+
+def padded_samples(dataset: Any, length: int) -> list[dict[str, list[int]]]:
+    """``dataset`` as the script with ``pad_to_max_length`` feeds it: as many samples, each
+    ``length`` tokens (the values do not change memory)."""
+    row = {"input_ids": [1] * length, "attention_mask": [1] * length}
+    return [row] * len(dataset)
+
+
+def data_task(dataset: Any) -> tuple[str, str] | None:
+    """("token-cls", why) when ``dataset`` is words with a label per word (CoNLL, as
+    ``run_ner.py`` trains ``AutoModelForTokenClassification`` on it); else None."""
+    from autofit.probe.data import labelled_words
+
+    col = labelled_words(dataset) if dataset is not None else None
+    if col is None:
+        return None
+    return "token-cls", (f"task token-cls: the data is words with a label per word ({col!r}, "
+                         "as run_ner.py trains a token classifier on it); give --task to "
+                         "say otherwise")
 
 
 def _file_keys(source: Any) -> dict[str, Any]:

@@ -36,9 +36,12 @@ from autofit.cli.options import (
     add_rank_options,
     add_recipe_options,
     add_trainer_option,
+    data_task,
     model_kwargs,
+    padded_samples,
     rank_kwargs,
     recipe_kwargs,
+    script_lengths,
     tokenizer_for,
 )
 from autofit.knobs import KNOBS
@@ -127,6 +130,11 @@ def run_tune(args: argparse.Namespace) -> int:
     output = _output(args, source)
     check_config_output(output, name="-o")  # before any work: never a tune lost at the end
     data = load_dataset_ref(args.dataset)
+    found = data_task(data) if args.task is None else None
+    if found is not None:  # run_ner.py's data: a token classifier is what trains
+        args.task = found[0]
+    if getattr(args, "pad_to_max_len", False):  # the file's pad_to_max_length
+        data = padded_samples(data, args.max_seq_len)
     # text without --tokenizer: the model's own tokenizer, as run_clm.py loads it from
     # model_name_or_path (estimate, measure and check do the same)
     tokenizer = tokenizer_for(args, data)
@@ -160,8 +168,9 @@ def run_tune(args: argparse.Namespace) -> int:
 
         with TrialProgress(args.max_trials) as progress:
             result = autofit(args.model, data, progress=progress, **kwargs)
-    if source is not None:  # the file's keys kept, its model/data taken: first in the reasons
-        result = dataclasses.replace(result, reasons=(*source.notes, *result.reasons))
+    notes = (*(source.notes if source is not None else ()), *(found[1:] if found else ()))
+    if notes:  # the file's keys kept, its model/data taken: first in the reasons
+        result = dataclasses.replace(result, reasons=(*notes, *result.reasons))
     path = result.save(output, source=source.path if source is not None else None)
     if args.json:
         print(json.dumps({"config": result.config.to_dict(), "confirmed": result.confirmed,
@@ -199,12 +208,15 @@ def _arguments_file(args: argparse.Namespace) -> Any:
         if args.dataset is None and source.dataset:
             args.dataset = source.dataset
             taken.append(f"dataset {source.dataset}: the file's {source.dataset_key}")
-        block = source.keys.get("block_size")  # the script's own packing (run_clm's data arg)
-        if (getattr(args, "block_size", None) is None and args.max_seq_len is None
-                and isinstance(block, int) and not isinstance(block, bool)):
-            args.block_size = block
-            taken.append(f"block size {block}: the file's block_size (the script packs its "
-                         "text into blocks of that many tokens)")
+        # the script's own lengths: run_clm's block_size, run_ner's max_seq_length, ...
+        script = script_lengths(source.keys)
+        if getattr(args, "block_size", None) is None and args.max_seq_len is None:
+            if script.block_size is not None:
+                args.block_size = script.block_size
+            args.max_seq_len = script.max_seq_len
+            args.pad_to_max_len = script.pad
+            if script.note:
+                taken.append(script.note)
         tok = source.keys.get("tokenizer_name")
         if args.tokenizer is None and isinstance(tok, str) and tok:
             args.tokenizer = tok

@@ -19,7 +19,11 @@ Accepted datasets: a Hugging Face ``datasets.Dataset`` (tokenized, with an
 ``torch.utils.data.Dataset`` and a list of dicts (or of token-id lists). A sample
 is a dict with ``input_ids`` (list / tensor / array) and optionally
 ``attention_mask``, ``token_type_ids``, ``labels`` / ``label``; or a dict with a
-text field (``text`` by default) and a tokenizer.
+text field (``text`` by default) and a tokenizer. A text field that holds a list of words
+(CoNLL's ``tokens`` beside ``ner_tags``, as transformers' ``run_ner.py`` reads it) is
+tokenized as pre-split words (``is_split_into_words=True``, as that script does);
+``labelled_words`` says whether the samples carry a label per word (token
+classification).
 
 Every sample is read once and checked: integer token ids, not empty, no negative id;
 with the model's limits (``vocab_size=``, ``max_positions=``: the learned position
@@ -54,10 +58,10 @@ if TYPE_CHECKING:
     from autofit.config import Batch, Collator
 
 __all__ = ["DataInfo", "probe_data", "worst_case_batch", "random_batch", "check_batch",
-           "sample_ids"]
+           "sample_ids", "labelled_words"]
 
 _TASKS = ("causal-lm", "masked-lm", "seq2seq", "seq-cls", "token-cls")
-_TEXT_COLUMNS = ("text", "content", "sentence", "prompt")
+_TEXT_COLUMNS = ("text", "content", "sentence", "prompt", "tokens")
 _KEEP = ("input_ids", "attention_mask", "token_type_ids", "labels")
 IGNORE_INDEX = -100  # labels the loss skips (padding)
 
@@ -246,6 +250,9 @@ class _View:
                     + fix("--tokenizer NAME", "tokenizer=") + " to tokenize it"
                 )
             self.text_column = col
+        # a list of words per sample (CoNLL's tokens): tokenized as pre-split words
+        self.words = self.text_column is not None and _is_words(
+            first.get(self.text_column) if isinstance(first, dict) else None)
         self.scan: _Scan | None = None  # per-sample ids; None after the arrow fast path
         self.id_range: tuple[int, int] | None = None  # (min, max) token id over all samples
         self.raw_lengths = self._lengths()
@@ -271,7 +278,7 @@ class _View:
                 texts = [t if not isinstance(t, str) or t.endswith(end) else t + end
                          for t in texts]
             for start in range(0, len(texts), 1000):
-                enc = self.tokenizer(list(texts[start : start + 1000]), truncation=False)
+                enc = self._encode(list(texts[start : start + 1000]), truncation=False)
                 yield from enumerate(enc["input_ids"], start)
         elif self.hf:
             yield from enumerate(self._column("input_ids"))
@@ -336,6 +343,20 @@ class _View:
                           "truncate with " + fix(f"--max-seq-len {cut}", f"max_seq_len={cut}")),
         })
 
+    def _encode(self, texts: list[Any], **kw: Any) -> Any:
+        """The tokenizer on a batch of texts, or of word lists as pre-split words (as
+        ``run_ner.py`` calls it). A byte-level BPE (GPT-2, RoBERTa) refuses words unless it
+        was loaded with ``add_prefix_space=True``, as that script loads it: then each word
+        follows a space, which is what that tokenizer makes of them."""
+        if not self.words:
+            return self.tokenizer(texts, **kw)
+        try:
+            return self.tokenizer(texts, is_split_into_words=True, **kw)
+        except (ValueError, TypeError, AssertionError) as e:
+            if "add_prefix_space" not in str(e):
+                raise
+            return self.tokenizer([" " + " ".join(map(str, w)) for w in texts], **kw)
+
     def _column(self, name: str) -> list[Any]:
         if self.hf:
             return list(self.dataset[name])
@@ -355,8 +376,8 @@ class _View:
             kw: dict[str, Any] = {"truncation": bool(self.max_seq_len)}
             if self.max_seq_len:
                 kw["max_length"] = self.max_seq_len
-            enc = self.tokenizer(sample[self.text_column], **kw)
-            out.update({k: _to_list(v) for k, v in enc.items() if k in _KEEP})
+            enc = self._encode([sample[self.text_column]], **kw)
+            out.update({k: _to_list(v[0]) for k, v in enc.items() if k in _KEEP})
         for k in _KEEP:
             if k in sample and k not in out:
                 v = sample[k]
@@ -368,6 +389,41 @@ class _View:
                 if isinstance(v, list):
                     out[k] = v[: self.max_seq_len]
         return out
+
+
+def _is_words(v: object) -> bool:
+    """A sample's text given as a non-empty list of words."""
+    return isinstance(v, (list, tuple)) and bool(v) and all(isinstance(w, str) for w in v)
+
+
+def labelled_words(dataset: object, *, text_column: str | None = None) -> str | None:
+    """The column of per-word labels when ``dataset``'s samples are words with a label per
+    word, i.e. token classification data (CoNLL: ``tokens`` + ``ner_tags``; the label column
+    as ``run_ner.py`` picks it: ``*_tags``, else the first other column of lists as long as
+    the words, checked on the first 16 samples); None otherwise.
+
+        >>> labelled_words([{"tokens": ["Alice", "ran"], "ner_tags": ["B-PER", "O"]}])
+        'ner_tags'
+        >>> labelled_words([{"text": "Alice ran"}]) is None
+        True
+    """
+    try:
+        n = min(16, len(dataset))  # type: ignore[arg-type]
+        samples = [dataset[i] for i in range(n)]  # type: ignore[index]
+    except (TypeError, KeyError, IndexError):
+        return None
+    if not samples or not all(isinstance(s, dict) for s in samples):
+        return None
+    words = text_column or ("tokens" if "tokens" in samples[0] else next(
+        (c for c, v in samples[0].items() if _is_words(v)), None))
+    if words is None or not all(_is_words(s.get(words)) for s in samples):
+        return None
+    others = [c for c in samples[0] if c != words]
+    for col in sorted(others, key=lambda c: not c.endswith("_tags")):
+        if all(isinstance(s.get(col), (list, tuple)) and len(s[col]) == len(s[words])
+               for s in samples):
+            return col
+    return None
 
 
 def _is_scalar(v: object) -> bool:

@@ -252,3 +252,41 @@ def test_hf_dataset_bad_ids_found_by_the_arrow_path():
     ds = datasets.Dataset.from_list(samples([4, 9, 6]) + [{"input_ids": [1, 2000]}])
     assert probe_data(ds, vocab_size=2001).num_samples == 4
     assert "sample 3 has token ids" in _one_line_error(lambda: probe_data(ds, vocab_size=2000))
+
+
+def test_words_with_a_label_each_are_tokenized_as_pre_split_words():
+    """CoNLL's samples (``tokens`` + ``ner_tags``, as run_ner.py reads them): the words are
+    tokenized with ``is_split_into_words`` (the unknown word is one [UNK], not dropped) and
+    the batch has a label per token for a token classifier."""
+    from autofit.probe.data import labelled_words
+
+    data = [{"tokens": ["w1", "w2", "zz"], "ner_tags": ["O", "O", "B-PER"]},
+            {"tokens": ["w3"] * 7, "ner_tags": ["O"] * 7}]
+    assert labelled_words(data) == "ner_tags"
+    batch = worst_case_batch(data, 2, tokenizer=_tokenizer(), task="token-cls")
+    assert batch["input_ids"].shape == (2, 7) and batch["labels"].shape == (2, 7)
+    assert batch["input_ids"][1, :3].tolist() == [3, 4, 1]  # w1 w2 [UNK]
+    assert probe_data(data, tokenizer=_tokenizer(), max_seq_len=5).length_max == 5
+    # not token classification: a label per sample, or per-word lists of another length
+    assert labelled_words([{"tokens": ["w1", "w2"], "label": 1}]) is None
+    assert labelled_words([{"tokens": ["w1", "w2"], "tags": ["O"]}]) is None
+    assert labelled_words([{"text": "w1 w2", "tags": ["O", "O"]}]) is None
+
+
+def test_words_through_a_byte_level_bpe_without_add_prefix_space():
+    """A GPT-2 / RoBERTa tokenizer loaded without ``add_prefix_space=True`` (run_ner.py loads
+    it with; transformers before 5 refuses pre-split words without it): the lengths are
+    still those of the script's tokenizer, each word after a space."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2TokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["alpha beta gamma delta"] * 20, vocab_size=300, min_frequency=1,
+                            special_tokens=["<|endoftext|>"])
+    plain = GPT2TokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
+    spaced = GPT2TokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                               add_prefix_space=True)
+    words = ["alpha", "beta", "gamma", "delta", "beta"]
+    want = len(spaced(words, is_split_into_words=True)["input_ids"])
+    data = [{"tokens": words, "ner_tags": ["O"] * 5}]
+    assert probe_data(data, tokenizer=plain).length_max == want
