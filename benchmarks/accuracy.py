@@ -46,19 +46,20 @@ def lora_spec(lo: dict | None):
                     dropout=lo.get("dropout", 0.0))
 
 
-def _estimate_on(cpu: str, spec: dict, method: str, tmp: Path):
+def _estimate_on(cpu: str, spec: dict, method: str, tmp: Path, vendor: str | None = None):
     """``_estimate`` with the rule of the instruction set ``cpu`` the row was measured on
     (rows from before it was recorded: the AVX2 machine's), as ``zoo.py`` does: the CPU
     math libraries' caches differ by it, so a row measured elsewhere is not estimated
     with this machine's rule."""
     import autofit.probe.device as device
 
-    here = device.cpu_capability
+    here, maker = device.cpu_capability, device.cpu_vendor
     device.cpu_capability = lambda: cpu  # type: ignore[assignment]
+    device.cpu_vendor = lambda: vendor or "Intel"  # type: ignore[assignment]
     try:
         return _estimate(spec, method, tmp)
     finally:
-        device.cpu_capability = here  # type: ignore[assignment]
+        device.cpu_capability, device.cpu_vendor = here, maker  # type: ignore[assignment]
 
 
 def _estimate(spec: dict, method: str, tmp: Path):
@@ -154,13 +155,14 @@ def main(argv=None) -> int:
     if args.measure or not measured_path.exists():
         from measure_cpu import measure
 
-        from autofit.probe.device import cpu_capability
+        from autofit.probe.device import cpu_capability, cpu_vendor
 
         measured = {}
         for i, spec in enumerate(specs, 1):
             print(f"[{i}/{len(specs)}] measuring {spec['name']}", flush=True)
             # the instruction set it ran on: the math libraries' caches differ by it
-            measured[spec["name"]] = {**measure(spec), "cpu": cpu_capability()}
+            measured[spec["name"]] = {**measure(spec), "cpu": cpu_capability(),
+                                      "vendor": cpu_vendor()}
         if not args.names:
             measured_path.write_text(json.dumps(list(measured.values()), indent=1))
     else:
@@ -178,7 +180,8 @@ def main(argv=None) -> int:
                    "shape": f"{spec['batch']}x{spec['seq']}", "what": _describe(spec),
                    "measured": truth, "measured_phases": m.get("phase_peaks")}
             for method in methods:
-                est, secs = _estimate_on(m.get("cpu", "AVX2"), spec, method, Path(d))
+                est, secs = _estimate_on(m.get("cpu", "AVX2"), spec, method, Path(d),
+                                          m.get("vendor"))
                 row[method] = est.peak_allocated_bytes
                 row[f"{method}_err"] = (est.peak_allocated_bytes - truth) / truth
                 row[f"{method}_phase"] = est.peak_phase

@@ -284,13 +284,15 @@ def reestimate(row: dict[str, Any], methods: list[str]) -> dict[str, Any]:
     import autofit.probe.device as device
 
     spec = row["spec"]
-    measured_on = device.cpu_capability
-    # estimated with the rule of the instruction set the row was measured on
+    measured_on, maker = device.cpu_capability, device.cpu_vendor
+    # estimated with the rule of the instruction set and the maker the row was measured on
+    # (rows from before the maker was recorded: the Intel host's)
     device.cpu_capability = lambda: _row_cpu(row) or measured_on()  # type: ignore[assignment]
+    device.cpu_vendor = lambda: row.get("vendor") or "Intel"  # type: ignore[assignment]
     try:
         _reestimate(row, spec, methods)
     finally:
-        device.cpu_capability = measured_on  # type: ignore[assignment]
+        device.cpu_capability, device.cpu_vendor = measured_on, maker  # type: ignore[assignment]
     return row
 
 
@@ -338,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="estimate the measured rows again (of --families, --tasks and "
                          "--setups), each "
                          "with its instruction set's rule; measure nothing")
+    ap.add_argument("--vendor", default=None,
+                    help="with --reestimate: only the rows measured on this CPU maker (AMD)")
     ap.add_argument("--out", default=str(RESULTS / "zoo"))
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -352,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         done: dict[str, Any] = {}
         todo = [(name, row) for name, row in sorted(data["rows"].items())
                 if "measured" in row and (fams is None or row["spec"]["model_type"] in fams)
-                and row["spec"]["task"] in tasks and row.get("setup") in setups]
+                and row["spec"]["task"] in tasks and row.get("setup") in setups
+                and (args.vendor is None or row.get("vendor") == args.vendor)]
         for n, (name, row) in enumerate(todo, 1):
             done[name] = reestimate(row, args.methods.split(","))
             print(f"[{n}/{len(todo)}]", name,
@@ -428,15 +433,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cpu_vendor() -> str:
-    """This CPU's maker as the kernel reports it (``Intel``, ``AMD``; ``?`` unknown)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                vendor = line.split(":", 1)[1].strip()
-                return {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(vendor, vendor)
-    except OSError:
-        pass
-    return "?"
+    """This CPU's maker (``autofit.probe.device.cpu_vendor``)."""
+    from autofit.probe.device import cpu_vendor as vendor
+
+    return vendor()
 
 
 def _row_machine(row: dict[str, Any]) -> str:

@@ -256,6 +256,23 @@ def cpu_capability() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
+@cache
+def cpu_vendor() -> str:
+    """This CPU's maker as the kernel reports it: ``"Intel"``, ``"AMD"``, another
+    ``vendor_id``, or ``"?"`` (no ``/proc/cpuinfo``). The math libraries' caches differ by
+    it too: MKL packs fp32 weights on a Xeon, not on an AMD EPYC
+    (``cpu_library_cache_bytes``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    vendor = line.split(":", 1)[1].strip()
+                    return {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(vendor, vendor)
+    except OSError:
+        pass
+    return "?"
+
+
 def cpu_matmul_speed(precision: str) -> float:
     """This CPU's matmul speed at ``precision`` (a Lightning name) relative to fp32, one thread.
 

@@ -171,9 +171,9 @@ def test_cpu_library_cache_rules(info):
     # info: hidden 64, feed-forward 160, vocabulary 512 (the widest weight: 64 x 512)
     cpu, cuda = resolve_device("cpu"), resolve_device("H100-80GB")
 
-    def cache(capability, batch=2, seq=32, **kw):
+    def cache(capability, batch=2, seq=32, vendor="Intel", **kw):
         return cpu_library_cache_bytes(info, TrainConfig(micro_batch_size=batch, **kw), seq, cpu,
-                                       capability=capability)
+                                       capability=capability, vendor=vendor)
 
     # AVX2: half the widest fp32 output (N x V), scaled by N / 1024 below 1024 tokens
     N = 64
@@ -200,9 +200,18 @@ def test_cpu_library_cache_rules(info):
     assert half == int(5.5 * MiB) + 12 * int(0.75 * MiB) + 2 * 64 * 512 // 6
     # the simulation's count of the step's matmul shapes stands in for the weights' when given
     assert cpu_library_cache_bytes(info, TrainConfig(precision="bf16-mixed"), 32, cpu,
-                                   capability="AVX512", half_matmuls=40) == (
+                                   capability="AVX512", half_matmuls=40, vendor="Intel") == (
         half + 28 * int(0.75 * MiB))
     assert cache("AVX512", precision="bf16-mixed", batch=64) == half  # not the rows
+    # an AMD EPYC's MKL packs no fp32 weight: 1.25 MiB + 1.25 KiB per unit of the widest
+    # feed-forward + half the head's bytes (each part capped), whatever the rows
+    amd = int(1.25 * MiB) + 1280 * 160 + 4 * 64 * 512 // 2
+    for batch in (1, 14, 64):
+        assert cache("AVX512", batch=batch, vendor="AMD") == amd
+    assert cache("AVX512", batch=64, seq=1024, vendor="AMD") == amd
+    # ... and oneDNN keeps less: 5 MiB + 0.56 MiB per matmul shape, no reordered weight
+    assert cache("AVX512", precision="bf16-mixed", vendor="AMD") == 5 * MiB + 12 * int(0.56 * MiB)
+    assert cache("AVX2", vendor="AMD") == cache("AVX2")  # the AVX2 rule is either maker's
     # an instruction set never measured: the larger rule
     for kw in ({}, {"batch": 64, "seq": 1024}, {"precision": "bf16-mixed"}):
         assert cache("SVE256", **kw) == max(cache("AVX2", **kw), cache("AVX512", **kw))

@@ -32,6 +32,14 @@ if TYPE_CHECKING:  # pragma: no cover
 #   0.75 is taken; and up to 5 MiB more for the largest weight it reorders (4096 x 4096:
 #   11.0 MiB in all). A hybrid's linear-attention block brings many shapes (OLMo-hybrid,
 #   Qwen3-Next: 4-7% under with a flat 10 MiB).
+# * AVX512 on an AMD EPYC (Zen 4: ``benchmarks/cpu_cache.py`` there, and the zoo's 446 rows
+#   measured on one): MKL packs no fp32 weight; a step leaves ~1.2-2 MiB with a small
+#   feed-forward, +1.25 KiB per unit of its width (256 -> 3072: 5.1 MiB), at most ~8 MiB
+#   at real sizes (4096 -> 11008: 8.5 MiB), and the LM head half its weight's bytes more,
+#   at most 3.5 MiB (2048 -> 5632 and a 32k head: 11.4 MiB). oneDNN's 16-bit state is
+#   smaller than on a Xeon: 4.16 MiB once + 0.56 MiB per matmul shape (1 to 100 linears, 3
+#   to 300 shapes: within 1 MiB), no reordered weight kept, but a block's larger matmuls
+#   leave ~1.6 MiB more (5 MiB once is taken: the zoo's bf16 rows 1.2% median, none under).
 # An unknown instruction set takes the larger of the two rules.
 _CPU_LIB_CACHE_MAX = 14 << 20  # bytes (AVX2)
 _CPU_LIB_CACHE_SHARE = 0.5  # of the widest matmul output (AVX2)
@@ -45,14 +53,23 @@ _AVX512_HALF = int(5.5 * (1 << 20))  # oneDNN's state for 16-bit matmuls, once
 _AVX512_HALF_SHAPE = int(0.75 * (1 << 20))  # + per matmul shape (a primitive, its kernels)
 _AVX512_HALF_REORDER = 6  # + the largest 16-bit weight's bytes / this ...
 _AVX512_HALF_REORDER_MAX = 5 << 20  # ... at most
+_AMD_FLOOR = int(1.25 * (1 << 20))  # fp32: what any step leaves
+_AMD_PER_WIDTH = 1280  # + bytes per unit of the widest feed-forward ...
+_AMD_WIDTH_MAX = int(6.75 * (1 << 20))  # ... at most
+_AMD_HEAD_SHARE = 0.5  # + the LM head weight's bytes x this ...
+_AMD_HEAD_MAX = int(3.5 * (1 << 20))  # ... at most
+_AMD_HALF = 5 << 20  # oneDNN's 16-bit state, once (4.16 MiB, + what a step's larger weights keep)
+_AMD_HALF_SHAPE = int(0.56 * (1 << 20))  # + per matmul shape
 
 
 def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
                             device: DeviceInfo, capability: str | None = None,
-                            half_matmuls: int | None = None) -> int:
+                            half_matmuls: int | None = None, *,
+                            vendor: str | None = None) -> int:
     """Bytes the CPU's math libraries keep cached through a training step (0 on CUDA), by
-    this CPU's instruction set (``capability``: ``autofit.probe.device.cpu_capability()``
-    when ``None``; the rules are in the comment above). Not a tensor, so neither the
+    this CPU's instruction set and maker (``capability``, ``vendor``:
+    ``autofit.probe.device.cpu_capability()`` / ``cpu_vendor()`` when ``None``; the rules
+    are in the comment above). Not a tensor, so neither the
     analytic closed form nor the simulated allocation stream sees it otherwise (up to 7%
     of a small model's step: issue 25). ``half_matmuls``: the 16-bit matmuls of distinct
     shapes the step runs, as the simulation counts them (None: from the model's linear
@@ -71,6 +88,7 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
         from autofit.probe.device import cpu_capability
 
         capability = cpu_capability()
+    amd = capability.startswith("AVX512") and _vendor(vendor) == "AMD"
     tokens = config.micro_batch_size * seq_len
     lm = _lm_head_matmul(info, config)
     if info.is_transformer:
@@ -119,11 +137,28 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
                 avx512, largest = avx512 + min(cap, 4 * w), w
         if tokens >= _AVX512_ACT_ROWS:
             avx512 += min(_AVX512_PACK_MAX, 4 * tokens * (info.hidden_size or 0))
+    if amd:
+        if half:
+            return _AMD_HALF + _AMD_HALF_SHAPE * (
+                _half_matmul_shapes(info, lm) if half_matmuls is None else half_matmuls)
+        ffn = max([b.intermediate_size or b.hidden_size or 0 for b in info.blocks]
+                  or [widest if not lm else info.hidden_size or 0])
+        return (_AMD_FLOOR + min(_AMD_WIDTH_MAX, _AMD_PER_WIDTH * ffn)
+                + (min(_AMD_HEAD_MAX, int(_AMD_HEAD_SHARE * 4 * (info.head_numel or 0)))
+                   if lm else 0))
     if capability == "AVX2":
         return avx2
     if capability.startswith("AVX512"):
         return avx512
     return max(avx2, avx512)
+
+
+def _vendor(vendor: str | None) -> str:
+    if vendor is not None:
+        return vendor
+    from autofit.probe.device import cpu_vendor
+
+    return cpu_vendor()
 
 
 def cpu_half_run_bytes(info: ModelInfo, config: TrainConfig, device: DeviceInfo, shapes: int,
@@ -149,6 +184,8 @@ def cpu_half_run_bytes(info: ModelInfo, config: TrainConfig, device: DeviceInfo,
         return 0
     per_step = _half_matmul_shapes(info, _lm_head_matmul(info, config),
                                    forward_only=forward_only)
+    # the Xeon's 0.75 MiB a shape on an EPYC too: its step keeps 0.56 a shape, but a run
+    # of 20 new lengths kept 170 MiB there (tiny-gpt2, --growth), 0.71 a shape counted here
     return shapes * per_step * _AVX512_HALF_SHAPE
 
 
