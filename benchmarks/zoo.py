@@ -29,8 +29,8 @@ Known limitations:
     the peak than at real sizes; the accuracy table (``accuracy.py``) holds the
     larger configurations. Those caches differ by CPU vendor too, not only by
     instruction set (an AMD EPYC's MKL does not pack fp32 weights as a Xeon's does;
-    ``cpu_cache.py`` measures the machine at hand): a row records the instruction set
-    only.
+    ``cpu_cache.py`` measures the machine at hand): a row records both, and is estimated
+    with both (rows from before the maker was recorded: the Xeon's).
     NB: peft leaves a classifier's head out of ``"all-linear"`` for SEQ_CLS only; the
     token-classification LoRA rows exclude ``classifier`` / ``score`` themselves.
 """

@@ -206,8 +206,9 @@ def test_cpu_library_cache_rules(info):
     # an AMD EPYC's MKL packs no fp32 weight: 1.25 MiB + 1.25 KiB per unit of the widest
     # feed-forward + half the head's bytes (each part capped), whatever the rows
     amd = int(1.25 * MiB) + 1280 * 160 + 4 * 64 * 512 // 2
-    for batch in (1, 14, 64):
+    for batch in (16, 64):  # 512 rows and more: the head's full part
         assert cache("AVX512", batch=batch, vendor="AMD") == amd
+    assert cache("AVX512", batch=4, vendor="AMD") == amd - 4 * 64 * 512 // 2 * 3 // 4
     assert cache("AVX512", batch=64, seq=1024, vendor="AMD") == amd
     # ... and oneDNN keeps less: 5 MiB + 0.56 MiB per matmul shape, no reordered weight
     assert cache("AVX512", precision="bf16-mixed", vendor="AMD") == 5 * MiB + 12 * int(0.56 * MiB)

@@ -36,7 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
 #   measured on one): MKL packs no fp32 weight; a step leaves ~1.2-2 MiB with a small
 #   feed-forward, +1.25 KiB per unit of its width (256 -> 3072: 5.1 MiB), at most ~8 MiB
 #   at real sizes (4096 -> 11008: 8.5 MiB), and the LM head half its weight's bytes more,
-#   at most 3.5 MiB (2048 -> 5632 and a 32k head: 11.4 MiB). oneDNN's 16-bit state is
+#   at most 3.5 MiB (2048 -> 5632 and a 32k head: 11.4 MiB), scaled by rows / 512 below
+#   512 rows. oneDNN's 16-bit state is
 #   smaller than on a Xeon: 4.16 MiB once + 0.56 MiB per matmul shape (1 to 100 linears, 3
 #   to 300 shapes: within 1 MiB), no reordered weight kept, but a block's larger matmuls
 #   leave ~1.6 MiB more (5 MiB once is taken: the zoo's bf16 rows 1.2% median, none under).
@@ -58,6 +59,7 @@ _AMD_PER_WIDTH = 1280  # + bytes per unit of the widest feed-forward ...
 _AMD_WIDTH_MAX = int(6.75 * (1 << 20))  # ... at most
 _AMD_HEAD_SHARE = 0.5  # + the LM head weight's bytes x this ...
 _AMD_HEAD_MAX = int(3.5 * (1 << 20))  # ... at most
+_AMD_HEAD_FULL_ROWS = 512  # ... scaled by the rows below this many
 _AMD_HALF = 5 << 20  # oneDNN's 16-bit state, once (4.16 MiB, + what a step's larger weights keep)
 _AMD_HALF_SHAPE = int(0.56 * (1 << 20))  # + per matmul shape
 
@@ -143,9 +145,13 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
                 _half_matmul_shapes(info, lm) if half_matmuls is None else half_matmuls)
         ffn = max([b.intermediate_size or b.hidden_size or 0 for b in info.blocks]
                   or [widest if not lm else info.hidden_size or 0])
-        return (_AMD_FLOOR + min(_AMD_WIDTH_MAX, _AMD_PER_WIDTH * ffn)
-                + (min(_AMD_HEAD_MAX, int(_AMD_HEAD_SHARE * 4 * (info.head_numel or 0)))
-                   if lm else 0))
+        # the head's part grows with the rows up to 512 (a 4-bit tiny-llama at 128 rows
+        # kept ~3 MiB less than 512 rows would: its trial 3% under the full part)
+        head = (min(_AMD_HEAD_MAX, int(_AMD_HEAD_SHARE * 4 * (info.head_numel or 0)))
+                * min(1.0, tokens / _AMD_HEAD_FULL_ROWS) if lm else 0)
+        # a quantized base's linears run bitsandbytes' kernels (as above): no width part
+        width = 0 if info.quant is not None else min(_AMD_WIDTH_MAX, _AMD_PER_WIDTH * ffn)
+        return _AMD_FLOOR + width + int(head)
     if capability == "AVX2":
         return avx2
     if capability.startswith("AVX512"):
