@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -46,20 +47,29 @@ def lora_spec(lo: dict | None):
                     dropout=lo.get("dropout", 0.0))
 
 
-def _estimate_on(cpu: str, spec: dict, method: str, tmp: Path, vendor: str | None = None):
-    """``_estimate`` with the rule of the instruction set ``cpu`` the row was measured on
-    (rows from before it was recorded: the AVX2 machine's), as ``zoo.py`` does: the CPU
-    math libraries' caches differ by it, so a row measured elsewhere is not estimated
-    with this machine's rule."""
+@contextmanager
+def cpu_rules_of(cpu: str | None, vendor: str | None):
+    """Estimates inside use the CPU math libraries' cache rule of the instruction set ``cpu``
+    and the maker ``vendor`` a row was measured on (None: this machine's instruction set;
+    rows from before the maker was recorded: the Xeon's), not this machine's: the caches
+    differ by both (``benchmarks/cpu_cache.py``)."""
     import autofit.probe.device as device
 
     here, maker = device.cpu_capability, device.cpu_vendor
-    device.cpu_capability = lambda: cpu  # type: ignore[assignment]
+    device.cpu_capability = lambda: cpu or here()  # type: ignore[assignment]
     device.cpu_vendor = lambda: vendor or "Intel"  # type: ignore[assignment]
     try:
-        return _estimate(spec, method, tmp)
+        yield
     finally:
         device.cpu_capability, device.cpu_vendor = here, maker  # type: ignore[assignment]
+
+
+def _estimate_on(cpu: str, spec: dict, method: str, tmp: Path, vendor: str | None = None):
+    """``_estimate`` with the rules of the CPU the row was measured on (``cpu_rules_of``;
+    rows from before the instruction set was recorded: the AVX2 machine's), as ``zoo.py``
+    does."""
+    with cpu_rules_of(cpu, vendor):
+        return _estimate(spec, method, tmp)
 
 
 def _estimate(spec: dict, method: str, tmp: Path):

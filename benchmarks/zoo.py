@@ -251,7 +251,7 @@ def run_one(spec: dict[str, Any], setup: str, methods: list[str]) -> dict[str, A
     """Measure ``spec`` (a child of the harness) and estimate it: one zoo row."""
     from measure_cpu import measure
 
-    from autofit.probe.device import cpu_capability
+    from autofit.probe.device import cpu_capability, cpu_vendor
 
     row: dict[str, Any] = {"name": spec["name"], "spec": spec, "setup": setup,
                            # the math libraries' caches differ by both (MKL packs fp32
@@ -281,18 +281,11 @@ def run_one(spec: dict[str, Any], setup: str, methods: list[str]) -> dict[str, A
 def reestimate(row: dict[str, Any], methods: list[str]) -> dict[str, Any]:
     """``row``'s estimates made again against its measurement (after a change to the model
     of memory: the harness's numbers do not change)."""
-    import autofit.probe.device as device
+    from accuracy import cpu_rules_of
 
-    spec = row["spec"]
-    measured_on, maker = device.cpu_capability, device.cpu_vendor
-    # estimated with the rule of the instruction set and the maker the row was measured on
-    # (rows from before the maker was recorded: the Intel host's)
-    device.cpu_capability = lambda: _row_cpu(row) or measured_on()  # type: ignore[assignment]
-    device.cpu_vendor = lambda: row.get("vendor") or "Intel"  # type: ignore[assignment]
-    try:
-        _reestimate(row, spec, methods)
-    finally:
-        device.cpu_capability, device.cpu_vendor = measured_on, maker  # type: ignore[assignment]
+    # estimated with the rules of the instruction set and the maker it was measured on
+    with cpu_rules_of(_row_cpu(row), row.get("vendor")):
+        _reestimate(row, row["spec"], methods)
     return row
 
 
@@ -430,13 +423,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row.get('error') or errs}", flush=True)
     report(out, data)
     return 0
-
-
-def cpu_vendor() -> str:
-    """This CPU's maker (``autofit.probe.device.cpu_vendor``)."""
-    from autofit.probe.device import cpu_vendor as vendor
-
-    return vendor()
 
 
 def _row_machine(row: dict[str, Any]) -> str:

@@ -54,11 +54,11 @@ def _words(text: str) -> list[str]:
 
 
 # Keys of the transformers examples' ModelArguments / DataTrainingArguments (run_clm.py,
-# run_mlm.py, run_clm_no_trainer.py, run_ner.py, run_glue.py): known, so no did-you-mean is
-# offered for them.
+# run_mlm.py, run_clm_no_trainer.py, run_ner.py, run_glue.py, run_classification.py):
+# known, so no did-you-mean is offered for them.
 _EXAMPLE_KEYS = frozenset(_words("""task_name label_column_name label_all_tokens
 return_entity_level_metrics ignore_mismatched_sizes shuffle_seed remove_splits
-remove_columns label_column_name
+remove_columns
 model_name_or_path model_type config_overrides config_name tokenizer_name cache_dir
 use_fast_tokenizer model_revision token use_auth_token trust_remote_code torch_dtype dtype
 low_cpu_mem_usage dataset_name dataset_config_name train_file validation_file test_file
