@@ -97,28 +97,20 @@ def _needs_derived(info: ModelInfo, config: TrainConfig) -> bool:
     """Whether the fitted table lacks this model (its coefficients are then derived from
     the model, ``autofit.memory.analytic.derived``): a quantized base (its layers keep other
     tensors than ``nn.Linear``: ``Linear8bitLt`` its input, whatever the weight's
-    ``requires_grad``); a PEFT method other than LoRA; LoRA other
-    than the table's (fp32 adapters on a base of the same dtype, no dropout, no trainable
-    tokens) — on a 16-bit base ("-true") peft keeps the adapters in fp32 and each adapted
-    layer saves an fp32 copy of its input, a dropout saves a dropped-out copy; a family's
+    ``requires_grad``); any PEFT method, LoRA included (below); a family's
     model with another activation than the table's (``_FITTED_ACTIVATIONS``); or a
     decoder / encoder family the table was not fitted to."""
-    if info.peft not in (None, "lora") or info.quant is not None:
+    if info.peft is not None or info.quant is not None:
+        # LoRA too: the table's LoRA rows (tiny-llama's shapes, fp32 adapters on q/v or on
+        # every linear layer, no dropout) miss what adapters keep elsewhere: a 16-bit
+        # base's fp32 input copies, dropped-out copies, a llama sequence classifier's
+        # ~3.6 MiB of 16.8 saved (the zoo's row 6.2% under; derived +5.0%), the GPT-2 and
+        # BERT families' Conv1D inputs and LM-head transform (5.0% and 4.9% under, derived
+        # +1.0% / +1.3%), and the llama family's own causal LMs with adapters on every
+        # linear layer at other widths (the zoo's Gemma, Mistral, Llama, Qwen2, OLMo and
+        # Granite rows -2.0..-3.2%, derived +0.5..+2.9%). The table stays for a model
+        # described without its module (``_coef``).
         return True
-    if info.peft == "lora":
-        lora = json.loads(info.peft_config) if info.peft_config else {}
-        if (config.precision_spec.param_dtype != "float32" or lora.get("lora_dropout")
-                or lora.get("trainable_token_indices")):
-            return True
-        if info.task != "causal-lm":
-            # the table's LoRA rows are causal LMs': on a llama sequence classifier they
-            # missed ~3.6 MiB of 16.8 saved (the zoo's row 6.2% under; derived +5.0%)
-            return True
-        if _family(info) != "llama":
-            # the table's LoRA rows of the GPT-2 and BERT families miss what adapters on
-            # every linear layer keep (Conv1D inputs, the LM head's transform): the zoo's
-            # gpt2 and bert LoRA rows were 5.0% and 4.9% under, derived +1.0% / +1.3%
-            return True
     if info.model_type in _FAMILY_OF and any(
             b.activation not in _FITTED_ACTIVATIONS[_family(info)] for b in info.blocks):
         # another activation than the table's: GPT-2 with gelu_pytorch_tanh (one op) keeps
