@@ -237,7 +237,9 @@ class _View:
         )
         self.text_column = None
         if "input_ids" not in self.columns:
-            col = text_column or next((c for c in _TEXT_COLUMNS if c in self.columns), None)
+            # a column named like text that holds text or words (not ids called tokens)
+            col = text_column or next((c for c in _TEXT_COLUMNS if c in self.columns and (
+                not isinstance(first, dict) or _is_text(first.get(c)))), None)
             if col is None or col not in self.columns:
                 raise BadInputError(
                     f"samples have neither input_ids nor a text column (columns: "
@@ -389,6 +391,11 @@ class _View:
                 if isinstance(v, list):
                     out[k] = v[: self.max_seq_len]
         return out
+
+
+def _is_text(v: object) -> bool:
+    """A sample's text: a string, or a list of words."""
+    return isinstance(v, str) or _is_words(v)
 
 
 def _is_words(v: object) -> bool:

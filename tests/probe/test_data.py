@@ -271,6 +271,9 @@ def test_words_with_a_label_each_are_tokenized_as_pre_split_words():
     assert labelled_words([{"tokens": ["w1", "w2"], "label": 1}]) is None
     assert labelled_words([{"tokens": ["w1", "w2"], "tags": ["O"]}]) is None
     assert labelled_words([{"text": "w1 w2", "tags": ["O", "O"]}]) is None
+    # ids in a column called tokens are not words: one line, as for no text column
+    with pytest.raises(BadInputError, match="neither input_ids nor a text column"):
+        probe_data([{"tokens": [1, 2, 3]}], tokenizer=_tokenizer())
 
 
 def test_words_through_a_byte_level_bpe_without_add_prefix_space():
