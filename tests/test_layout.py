@@ -219,7 +219,7 @@ def _in_rewrite(rel: str) -> str | None:
 
 
 ANY_TARGET = 0.05  # of annotated parameters (optuna 2%, Lightning 4.5%)
-ANY_ALLOWED = {"memory": 37}  # parameters annotated with Any
+ANY_ALLOWED: dict[str, int] = {}  # parameters annotated with Any, by place
 LONG_FUNCTIONS_ALLOWED: dict[tuple[str, str], int] = {}  # (place, function): lines today
 LONG_FILES_ALLOWED: dict[tuple[str, str], int] = {}
 STATE_ALLOWED: dict[tuple[str, str, str], str] = {}  # (place, function, name written): why

@@ -598,7 +598,7 @@ def _load(key: str) -> dict[str, Any] | None:
     return coef if _valid(coef) else None
 
 
-def _store(key: str, coef: dict[str, Any]) -> None:
+def _store(key: str, coef: dict[str, object]) -> None:
     """Write ``coef`` for ``key`` atomically (a reader never sees half a file); a folder that
     cannot be written is warned about once per folder, and the run goes on."""
     path = _disk_path(key)

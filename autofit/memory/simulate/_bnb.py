@@ -57,7 +57,7 @@ __all__ = ["fake_params4bit", "fake_int8_params", "fake_int8_state", "is_fake_4b
 _QUANTIZED = frozenset({"Params4bit", "Int8Params"})
 
 
-def is_quantized(p: Any) -> bool:
+def is_quantized(p: object) -> bool:
     """A bitsandbytes weight: ``Params4bit`` / ``Int8Params``, or a fake one of them."""
     return type(p).__name__ in _QUANTIZED or getattr(p, "_autofit_quant", None) is not None
 
@@ -72,7 +72,7 @@ def is_fake_4bit(p: torch.Tensor) -> bool:
     return getattr(p, "_autofit_4bit", False)
 
 
-def fake_params4bit(p: Any, *, dtype: torch.dtype | None) -> torch.nn.Parameter:
+def fake_params4bit(p: torch.nn.Parameter, *, dtype: torch.dtype | None) -> torch.nn.Parameter:
     """The fake packed weight of a ``Params4bit`` (inside the fake mode)."""
     from bitsandbytes.functional import QuantState
 
@@ -129,7 +129,7 @@ def fake_params4bit(p: Any, *, dtype: torch.dtype | None) -> torch.nn.Parameter:
     return new
 
 
-def fake_int8_params(p: Any, layer: Any) -> torch.nn.Parameter:
+def fake_int8_params(p: torch.nn.Parameter, layer: torch.nn.Module) -> torch.nn.Parameter:
     """The fake int8 weight of a ``Linear8bitLt`` (inside the fake mode): ``(out, in)`` int8,
     ``CB`` its own data, ``SCB`` one fp32 scale per row (``(out,)``)."""
     scb = getattr(p, "SCB", None)
@@ -145,7 +145,7 @@ def fake_int8_params(p: Any, layer: Any) -> torch.nn.Parameter:
     return new
 
 
-def fake_int8_state(state: Any) -> Any:
+def fake_int8_state(state: object) -> Any:
     """A ``MatmulLtState`` like ``state`` without its tensors: the layer's first forward
     takes the weight's ``CB``/``SCB`` (``init_8bit_state``), as after loading."""
     import bitsandbytes as bnb
@@ -252,7 +252,7 @@ def cuda_int8_matmul() -> Iterator[None]:
     original = bnb.matmul
 
     def matmul(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None,
-               state: Any = None, threshold: float = 0.0,
+               state: MatmulLtState | None = None, threshold: float = 0.0,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         state = state or MatmulLtState()
         if threshold > 0.0:

@@ -24,11 +24,14 @@ allocate internally (invisible at the dispatch level), by formula.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autofit.probe.device import DeviceInfo
 
 __all__ = ["CudaSemantics"]
 
@@ -61,7 +64,7 @@ _PROMOTE = frozenset(
 )
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _map_tensors(obj: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, (list, tuple)):
@@ -85,7 +88,7 @@ class CudaSemantics(TorchFunctionMode):
             and bf16).
     """
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: DeviceInfo) -> None:
         super().__init__()
         from autofit.probe.device import sm_version
 
@@ -156,7 +159,7 @@ class CudaSemantics(TorchFunctionMode):
         if torch.is_autocast_enabled("cpu"):  # SDPA is on both lower-precision lists
             low = torch.get_autocast_dtype("cpu")
 
-            def to_low(t: Any) -> Any:
+            def to_low(t: object) -> object:
                 if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
                     return t.to(low)
                 return t

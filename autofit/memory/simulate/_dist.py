@@ -84,7 +84,7 @@ def _sharding_propagation_unrecorded(rec: StorageRecorder) -> Iterator[None]:
 
     original = ShardingPropagator._propagate_tensor_meta_non_cached
 
-    def propagate(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def propagate(self: object, *args: object, **kwargs: object) -> Any:
         rec.paused += 1
         try:
             return original(self, *args, **kwargs)
@@ -135,7 +135,7 @@ def device_mesh(layout: Layout) -> Any:
 
 
 def wrap_fsdp(model: torch.nn.Module, layout: Layout, config: TrainConfig,
-              mesh: Any) -> torch.nn.Module:
+              mesh: object) -> torch.nn.Module:
     """``fully_shard`` the clone as the recipe does (on the fake world, inside the fake
     mode): a unit per block, then (Trainer: accelerate 1.15 ``fsdp2_prepare_model``)
     the untied input embedding, the tail [final norm, output head] kept after forward and
@@ -201,7 +201,8 @@ def wrap_ddp(model: torch.nn.Module, layout: Layout, world_size: int) -> torch.n
     finally:
         ddp_mod._verify_param_shape_across_processes, ddp_mod._sync_module_states = saved
 
-    def allreduce_in_place(state: Any, bucket: Any) -> Any:
+    def allreduce_in_place(state: object, bucket: torch.distributed.GradBucket
+                           ) -> torch.futures.Future[torch.Tensor]:
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(bucket.buffer().div_(world_size))
         return fut
@@ -219,7 +220,7 @@ def wrap_ddp(model: torch.nn.Module, layout: Layout, world_size: int) -> torch.n
 class _NoRebuild:
     """The Reducer, whose bucket rebuild (it reads values to agree on bucket order) is off."""
 
-    def __init__(self, reducer: Any) -> None:
+    def __init__(self, reducer: object) -> None:
         self._reducer = reducer
 
     def __getattr__(self, name: str) -> Any:

@@ -128,7 +128,7 @@ def prepare_for_training(
     model: torch.nn.Module,
     *,
     gradient_checkpointing: bool,
-    recompute_context: Any = None,
+    recompute_context: object = None,
     activation_offloading: bool = False,
 ) -> None:
     """What ``Trainer`` does to the model before training, applied to the clone.

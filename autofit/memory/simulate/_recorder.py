@@ -105,7 +105,7 @@ class StorageRecorder(TorchDispatchMode):
         self._depth += 1
         return super().__enter__()
 
-    def __exit__(self, *args: Any) -> None:
+    def __exit__(self, *args: object) -> None:
         self._depth -= 1
         if self._depth == 0:
             self._restore_resize()
@@ -143,7 +143,7 @@ class StorageRecorder(TorchDispatchMode):
         """Record ``t``'s storage as allocated now (no-op if already seen or empty)."""
         return self._track_storage(_local(t).untyped_storage(), category)
 
-    def _track_storage(self, st: Any, category: str | None) -> Record | None:
+    def _track_storage(self, st: torch.UntypedStorage, category: str | None) -> Record | None:
         key = id(st)
         hit = self._live.get(key)
         if hit is not None:
@@ -307,7 +307,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-def _has_subclass(types: Any) -> bool:
+def _has_subclass(types: Iterable[type]) -> bool:
     """Whether an op's tensor types include a subclass that desugars into plain tensors
     (``DTensor``), only when ``torch.distributed`` was imported."""
     import sys
@@ -325,7 +325,7 @@ _SAME_MASK = frozenset({"view", "_unsafe_view", "reshape", "flatten", "expand", 
                         "slice", "select", "alias", "detach"})
 
 
-def _origin(name: str, args: Any) -> str:
+def _origin(name: str, args: tuple[object, ...]) -> str:
     """What a bool tensor means for ``_scalar_read``: the op that made it, through views of
     a mask; ``any`` / ``all`` of a mask keep what the mask was (``any:isinf``: a sanity
     check; ``any:gt``: whether some token is marked, e.g. Longformer's global attention)."""

@@ -128,6 +128,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from autofit.memory.allocator import AllocEvent, ReplayResult
+    from autofit.memory.simulate._recorder import Record
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["simulate", "Simulator", "SimulationResult", "PeakLine"]
@@ -222,7 +223,7 @@ class Simulator:
         task: str,
         device: DeviceInfo | str,
         model_name: str = "",
-        sharding: dict[str, Any] | None = None,
+        sharding: dict[str, object] | None = None,
     ) -> None:
         import torch
 
@@ -272,7 +273,7 @@ class Simulator:
         """The allocation stream of two steps of ``config``."""
         return list(self.run(config, seq_len=seq_len).events)
 
-    def _run(self, config: TrainConfig, seq_len: int, trace: Any = None) -> SimulationResult:
+    def _run(self, config: TrainConfig, seq_len: int, trace: object = None) -> SimulationResult:
         """One simulation; ``trace`` (``simulate._dist.RankTrace``): one rank of several, its
         wrapper applied to the clone and its step config run."""
         import torch
@@ -583,7 +584,7 @@ def _count_params(model: torch.nn.Module) -> tuple[int, int]:
     return num, trainable
 
 
-def _to_events(log: list[tuple[str, Any, str]], marks: list[tuple[str, int]] = ()
+def _to_events(log: list[tuple[str, Record, str]], marks: list[tuple[str, int]] = ()
                ) -> tuple[list[AllocEvent], list[tuple[str, int]]]:
     """The device's events of a recorded log (host-side storages dropped), and the marks
     moved from log positions to event positions."""

@@ -36,6 +36,7 @@ import functools
 import inspect
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ from autofit.errors import BadInputError, MissingDependencyError
 from autofit.knobs.registry import step_loss
 from autofit.memory.breakdown import Component
 from autofit.memory.simulate._model import make_batch, unpacked_batches, unwrap
-from autofit.memory.simulate._recorder import StorageRecorder
+from autofit.memory.simulate._recorder import Record, StorageRecorder
 from autofit.probe.model import _layer_lists
 
 __all__ = [
@@ -189,7 +190,7 @@ def mixed_inplace_workspace(args: tuple, kwargs: dict) -> int:
 
 
 @contextlib.contextmanager
-def _first_chunks_only(lce: Any) -> Any:
+def _first_chunks_only(lce: object) -> Iterator[None]:
     """Run the first two chunks and the last of torch's chunk loop, not all of them.
 
     Every chunk works in the same buffers (allocated once, before the loop) and allocates
@@ -206,7 +207,7 @@ def _first_chunks_only(lce: Any) -> Any:
         return
     original = ctx_cls.chunks
 
-    def chunks(self: Any) -> Any:
+    def chunks(self: object) -> Iterator[object]:
         size = self.logits_buf.shape[0]
         starts = list(range(0, self.num_batches, size))
         for start in starts[:2] + starts[2:][-1:]:
@@ -271,7 +272,8 @@ def offloaded_to_host(rec: StorageRecorder) -> Any:
         modeling_utils.save_on_cpu = original
 
 
-def host_peak_bytes(log: list[tuple[str, Any, str]], host: list[Any]) -> tuple[int, int]:
+def host_peak_bytes(log: list[tuple[str, Record, str]], host: list[Record]
+                    ) -> tuple[int, int]:
     """The most pinned host memory the offloaded tensors of ``log`` held at once, each
     rounded up to a power of two as torch's host caching allocator does, and how many
     tensors held it."""

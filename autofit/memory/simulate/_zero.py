@@ -98,7 +98,7 @@ class _Mark(torch.autograd.Function):
         return grad, None, None
 
 
-def _marked(value: Any, rec: StorageRecorder, label: str) -> Any:
+def _marked(value: object, rec: StorageRecorder, label: str) -> Any:
     """``value`` with its grad-requiring tensors passed through ``_Mark`` (top level of a
     tensor, tuple, list or ModelOutput)."""
     if isinstance(value, torch.Tensor):
@@ -142,11 +142,12 @@ class ModuleMarks:
                 continue
             self.params[i] = own
 
-            def pre(mod: Any, args: Any, kwargs: Any, i: int = i) -> Any:
+            def pre(mod: torch.nn.Module, args: object, kwargs: object, i: int = i) -> Any:
                 rec.mark(f"fwd-pre:{i}")
                 return _marked(args, rec, f"bwd-post:{i}"), kwargs
 
-            def post(mod: Any, args: Any, kwargs: Any, out: Any, i: int = i) -> Any:
+            def post(mod: torch.nn.Module, args: object, kwargs: object, out: object,
+                     i: int = i) -> Any:
                 rec.mark(f"fwd-post:{i}")
                 return _marked(out, rec, f"bwd-pre:{i}")
 
