@@ -285,6 +285,21 @@ def test_a_run_ner_file_is_tuned_as_a_token_classifier_at_the_scripts_lengths(he
     assert json.loads(out)["estimate"]["seq_len"] == 12
 
 
+def test_check_of_the_untuned_run_ner_file_says_what_it_read(here, capsys):
+    """``autofit check`` on run_ner's own (untuned) file: the token classifier and the
+    truncation are read from the data and the file's keys, and said."""
+    _ner_files(here)
+    (here / "args.json").write_text(json.dumps({
+        "model_name_or_path": "tiny-bert", "tokenizer_name": "tok", "train_file": "train.json",
+        "max_seq_length": 12, "output_dir": "out", "per_device_train_batch_size": 4}))
+    code, out, err = run(capsys, "check", here / "args.json", "--device", "T4", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert any(r.startswith("task token-cls: the data is words") for r in d["reasons"])
+    assert any(r.startswith("samples truncated at 12 tokens") for r in d["reasons"])
+    assert d["estimate"]["seq_len"] == 12
+
+
 def test_pad_to_max_length_plans_the_padded_length_not_the_longest_sample(here, capsys):
     _ner_files(here, words_per_line=(3, 4))  # samples of at most 4 words
     for pad, want in ((False, 4), (True, 16)):

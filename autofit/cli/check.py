@@ -123,7 +123,7 @@ def run_check_command(args: argparse.Namespace) -> int:
     why = "as given" if args.trainer else (
         "the file's" if meta.get("trainer") else "an SFTConfig file" if source.sft
         else "the default (the file names none)")
-    report = replace(report, reasons=(*source.notes, s.device_reason, *launch_note,
+    report = replace(report, reasons=(*source.notes, *s.notes, s.device_reason, *launch_note,
                                       f"trainer {trainer}: {CLASS_NAME[Trainer(trainer)]}, "
                                       f"{why}", *report.reasons))
     report = only_with(report, trainer, lost)

@@ -263,6 +263,7 @@ class FileSubject:
     tokenizer: Any = None  # for a dataset of text
     block_size: int | None = None  # the samples packed into blocks of this many tokens
     packing: str | None = None  # how (autofit.probe.packing.STRATEGIES); None: group_texts
+    notes: tuple[str, ...] = ()  # what was read from the data and the file's script keys
 
 
 def file_subject(args: argparse.Namespace, meta: dict[str, object],
@@ -313,7 +314,13 @@ def file_subject(args: argparse.Namespace, meta: dict[str, object],
         block_size = script.block_size
     max_seq_len = args.max_seq_len or (
         (meta.get("max_seq_len") or script.max_seq_len) if block_size is None else None)
-    task = args.task or meta.get("task") or (data_task(dataset) or (None,))[0]
+    notes: list[str] = []
+    task = args.task or meta.get("task")
+    if task is None and (found := data_task(dataset)) is not None:
+        task, why_task = found
+        notes.append(why_task)
+    if script.note and (block_size, max_seq_len) == (script.block_size, script.max_seq_len):
+        notes.append(script.note)
     if dataset is not None and script.pad and block_size is None and max_seq_len:
         dataset = padded_samples(dataset, max_seq_len)  # every batch that long
     tokenizer = None
@@ -326,7 +333,8 @@ def file_subject(args: argparse.Namespace, meta: dict[str, object],
                        device_reason=why, task=task,
                        max_seq_len=max_seq_len,
                        seq_len_source="as given" if args.seq_len is not None else "the file's",
-                       tokenizer=tokenizer, block_size=block_size, packing=packing)
+                       tokenizer=tokenizer, block_size=block_size, packing=packing,
+                       notes=tuple(notes))
 
 
 @dataclass(frozen=True)

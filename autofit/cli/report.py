@@ -72,7 +72,7 @@ def _estimated(args: argparse.Namespace, fields: dict[str, object], meta: dict[s
     from autofit.report.files import ReportData
 
     s = file_subject(args, meta, source)
-    seq_len, reasons = s.seq_len, [s.device_reason]
+    seq_len, reasons = s.seq_len, [*s.notes, s.device_reason]
     if s.dataset is not None:
         from autofit.probe.data import probe_data
         from autofit.probe.packing import as_script_sees
