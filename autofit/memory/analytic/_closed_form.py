@@ -433,8 +433,10 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
     copies, copies_head = saved.copies, saved.copies_head
     tied = _tied_gradient_sum(info, config)
     # the input embeddings' gradients come after the last block's backward: never beside a
-    # recomputed block's activations (A_transient, checkpointing only)
-    G_late = min(G, _late_embedding_gradients(info, config)) if A_transient else 0
+    # recomputed block's activations (A_transient, checkpointing only) -- unless gradients
+    # accumulate, when the earlier micro batch's are there all along
+    G_late = (min(G, _late_embedding_gradients(info, config))
+              if A_transient and not G_held else 0)
     end = W + S + G + A_base // 2 + kept8 + block_bwd_temp + max(A_transient - G_late, 0)
     phases = {
         # all activations alive; the loss backward's fp32 (N, V) gradients
