@@ -299,6 +299,9 @@ class TrainConfig:
             what checkpointing keeps).
         torch_compile: run the step through ``torch.compile`` (inductor), as
             ``TrainingArguments(torch_compile=True)`` does.
+        liger_kernels: liger-kernel's RMSNorm, SwiGLU and RoPE kernels in the model's place
+            (``use_liger_kernel`` with ``liger_kernel_config``; ``autofit.knobs.liger``):
+            CUDA only, llama / mistral / qwen2 / qwen3 decoders.
         loss_impl: whose loss the step computes: ``"model"`` (the model's forward with
             labels, or autofit's chunked loss) or ``"trl"`` (TRL's fused LM head, as
             ``trl.SFTTrainer`` runs it: ``autofit.knobs.trl_loss``). Not searched: set from
@@ -320,6 +323,7 @@ class TrainConfig:
     chunked_loss: bool = False
     activation_offloading: bool = False
     torch_compile: bool = False
+    liger_kernels: bool = False
     nproc_per_node: int = 1
     nnodes: int = 1
     strategy: str = "ddp"
@@ -340,7 +344,7 @@ class TrainConfig:
                             f"got {self.activation_offloading!r}")
         elif self.activation_offloading and not self.gradient_checkpointing:
             problems.append(offload_needs_checkpointing())
-        for name in ("chunked_loss", "torch_compile"):
+        for name in ("chunked_loss", "torch_compile", "liger_kernels"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.loss_impl not in LOSS_IMPLS:

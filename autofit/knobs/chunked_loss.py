@@ -245,12 +245,20 @@ class ChunkedLossKnob(OnOffKnob):
         return causal_lm_chunked_loss
 
     def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
-        if getattr(config, "chunked_loss", False) and liger_offered(args):
-            args[_LIGER] = True
-        # otherwise the user's own use_liger_kernel (other fused kernels too) is left as is
+        from autofit.knobs.liger import CONFIG, liger_keys
+
+        on = bool(getattr(config, "chunked_loss", False)) and liger_offered(args)
+        if CONFIG not in training_arguments_fields():  # no per-kernel config: all of liger
+            if on:
+                args[_LIGER] = True
+        elif on or args.get(_LIGER):
+            # liger's fused linear cross entropy; its other kernels are the liger knob's keys
+            liger_keys(args, fused_linear_cross_entropy=on)
 
     def read(self, args: dict[str, object]) -> bool:
-        return bool(args.get(_LIGER))
+        from autofit.knobs.liger import kernel_on
+
+        return kernel_on(args, "fused_linear_cross_entropy")
 
 
 CHUNKED_LOSS = ChunkedLossKnob()

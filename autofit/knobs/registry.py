@@ -6,7 +6,7 @@ field, its memory rule (in its module where it needs only the probes' descriptio
 else a term of ``autofit.memory``'s closed form) and its tests.
 
     >>> [k.name for k in KNOBS]
-    ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss', 'activation_offloading', 'torch_compile', 'strategy', 'offload']
+    ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss', 'liger_kernels', 'activation_offloading', 'torch_compile', 'strategy', 'offload']
 
 A knob may also define ``conflict(choice) -> str | None``: why a combination of values
 cannot be trained (activation offloading without checkpointing); ``conflict`` asks every
@@ -22,6 +22,7 @@ cannot run) ask every registered knob in order; no caller names a knob.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError
@@ -29,13 +30,14 @@ from autofit.knobs.base import Knob
 from autofit.knobs.checkpointing import CHECKPOINTING
 from autofit.knobs.chunked_loss import CHUNKED_LOSS
 from autofit.knobs.compile import TORCH_COMPILE
+from autofit.knobs.liger import LIGER
 from autofit.knobs.offloading import OFFLOADING
 from autofit.knobs.optimizer import OPTIMIZER
 from autofit.knobs.precision import PRECISION
 from autofit.knobs.strategy import OFFLOAD, STRATEGY
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     import torch
 
@@ -44,11 +46,11 @@ if TYPE_CHECKING:
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
            "conflict", "emit_fields", "notes", "reason_lines", "step_seconds", "timed_knobs",
-           "narrow", "check_model", "is_choice", "step_loss"]
+           "narrow", "check_model", "is_choice", "step_loss", "patched", "prepare", "isolates", "patch_key", "patching"]
 
 # the order the files are written in too: offloading adds its key to the kwargs that
 # checkpointing writes afresh
-KNOBS: tuple[Knob, ...] = (PRECISION, CHECKPOINTING, OPTIMIZER, CHUNKED_LOSS, OFFLOADING,
+KNOBS: tuple[Knob, ...] = (PRECISION, CHECKPOINTING, OPTIMIZER, CHUNKED_LOSS, LIGER, OFFLOADING,
                            TORCH_COMPILE, STRATEGY, OFFLOAD)
 
 
@@ -149,6 +151,48 @@ def step_loss(config: TrainConfig) -> Callable[..., torch.Tensor] | None:
         if fn is not None:
             return fn
     return None
+
+
+@contextlib.contextmanager
+def patched(config: TrainConfig, module: torch.nn.Module) -> Iterator[None]:
+    """While inside, ``module`` (autofit's simulated copy) runs the stand-ins each knob's
+    value in ``config`` puts in the model's code (its ``stand_ins``: the memory rule of a
+    lever that swaps kernels, liger's), taken out on the way out."""
+    with contextlib.ExitStack() as stack:
+        for k in KNOBS:
+            hook = getattr(k, "stand_ins", None)
+            ctx = hook(config, module) if hook is not None else None
+            if ctx is not None:
+                stack.enter_context(ctx)
+        yield
+
+
+def prepare(config: TrainConfig, module: torch.nn.Module) -> None:
+    """What the trainer does to ``module`` (a trial's own copy) for ``config``'s knob values
+    besides the steps: each knob's ``prepare`` (liger's kernels applied)."""
+    for k in KNOBS:
+        hook = getattr(k, "prepare", None)
+        if hook is not None:
+            hook(config, module)
+
+
+def isolates(config: TrainConfig) -> bool:
+    """Whether a trial of ``config`` must run in its own process (a knob's ``isolates``: a
+    patch that cannot be undone)."""
+    return any(getattr(k, "isolates", None) is not None and k.isolates(config) for k in KNOBS)
+
+
+def patch_key(config: TrainConfig) -> tuple[object, ...]:
+    """The values of the knobs that patch the model (part of what derived coefficients are
+    cached under: they change the activations)."""
+    return tuple(getattr(config, k.name) for k in KNOBS
+                 if getattr(k, "stand_ins", None) is not None)
+
+
+def patching(config: TrainConfig) -> tuple[str, ...]:
+    """The knobs whose value in ``config`` swaps the model's code (``describe`` of each)."""
+    return tuple(k.describe(getattr(config, k.name)) for k in KNOBS
+                 if getattr(k, "stand_ins", None) is not None and getattr(config, k.name))
 
 
 def timed_knobs() -> tuple[str, ...]:

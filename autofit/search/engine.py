@@ -79,8 +79,9 @@ OUTPACED = 1.3
 # times slower than a confirmed rival in its first timed step stops there; 12: the trial's
 # speed amortises the optimizer step over the run's accumulation, and a combination that
 # differs from a confirmed one only in an optimizer too cheap to matter is not tried;
-# 13: on a CPU, 16-bit candidates carry what oneDNN keeps for the run's other lengths).
-ENGINE_VERSION = 14
+# 13: on a CPU, 16-bit candidates carry what oneDNN keeps for the run's other lengths;
+# 14: the liger_kernels knob).
+ENGINE_VERSION = 15
 
 
 @dataclass

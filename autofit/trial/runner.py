@@ -628,7 +628,7 @@ def _run_one_process(source: ModelSource | ModelSpec, batch: Batch, plan: StepPl
     (``_choose_isolation``; ``auto`` falls back to this process when the model cannot be
     sent or loaded there): ``(raw measurement, isolation, its reason)``."""
     cap = dev.capacity_bytes if dev.capped else None
-    mode, reason = _choose_isolation(isolation, dev)
+    mode, reason = _choose_isolation(isolation, dev, plan)
     raw = None
     if mode == "subprocess":
         try:
@@ -644,7 +644,7 @@ def _run_one_process(source: ModelSource | ModelSpec, batch: Batch, plan: StepPl
                 run=run,
             )
         except _Unpicklable as e:
-            if isolation != "auto":
+            if isolation != "auto" or _isolated(plan):
                 raise BadInputError(
                     f"cannot send the model to a trial process ({e}); pass isolation='in-process'"
                 ) from None
@@ -797,7 +797,24 @@ def warm_up(dev: DeviceInfo, isolation: str = "auto") -> None:
     server.prepare(_child_env())
 
 
-def _choose_isolation(isolation: str, dev: DeviceInfo) -> tuple[str, str]:
+def _isolated(plan: StepPlan | None) -> str | None:
+    """Why ``plan``'s knob values need a process of their own (a knob's ``prepare`` that
+    cannot be undone: liger patches transformers' modules), or None."""
+    from autofit.knobs.registry import isolates, patching
+
+    if plan is None or plan.config is None or not isolates(plan.config):
+        return None
+    return (f"{', '.join(patching(plan.config))} change transformers' code for the whole "
+            "process and cannot be undone")
+
+
+def _choose_isolation(isolation: str, dev: DeviceInfo, plan: StepPlan | None = None
+                      ) -> tuple[str, str]:
+    if (why := _isolated(plan)) is not None:
+        if isolation == "in-process":
+            raise BadInputError(f"a trial in this process cannot run: {why}; use "
+                                "isolation='auto' or 'subprocess'")
+        return "subprocess", why
     if isolation == "in-process":
         return "in-process", "asked for (isolation='in-process')" + (
             f"; the {dev.name} cap is set on this process during the steps" if dev.capped else ""

@@ -84,6 +84,9 @@ class StepPlan:
     torch_compile: bool = False  # forward through torch.compile(model, backend="inductor")
     loss_impl: str = "model"  # "trl": TRL's fused LM head, as SFTTrainer computes it
     notes: list[str] = field(default_factory=list)
+    # the configuration, for the knobs' ``prepare`` (what the Trainer does to the model for
+    # their values: liger's kernels applied)
+    config: TrainConfig | None = None
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -192,6 +195,7 @@ def plan_step(model: torch.nn.Module, config: TrainConfig, *, use_cpu: bool) -> 
         activation_offloading=config.activation_offloading,
         torch_compile=config.torch_compile,
         loss_impl=config.loss_impl,
+        config=config,
     )
 
 
@@ -205,8 +209,11 @@ def _config_objects(model: torch.nn.Module) -> list[Any]:
 
 
 def prepare_model(model: torch.nn.Module, plan: StepPlan) -> None:
-    """What the Trainer does to the model before training (mutates ``model``)."""
+    """What the Trainer does to the model before training (mutates ``model``): training mode,
+    no KV cache, checkpointing as asked, and each knob's ``prepare`` (liger's kernels)."""
     model.train()
+    if plan.config is not None:
+        registry.prepare(plan.config, model)
     for c in _config_objects(model):
         if hasattr(c, "use_cache"):
             c.use_cache = False  # Trainer: model.config.use_cache = args.use_cache (False)

@@ -109,9 +109,11 @@ def test_cli_options_come_from_the_knobs():
         k.add_options(p)
     a = p.parse_args(["--precision", "bf16-mixed", "32-true", "--no-gradient-checkpointing",
                       "--optim", "sgd", "--chunked-loss", "--activation-offloading",
-                      "--torch-compile", "--strategy", "zero3", "--offload", "optimizer"])
+                      "--torch-compile", "--strategy", "zero3", "--offload", "optimizer",
+                      "--liger-kernels"])
     assert [k.from_options(a) for k in KNOBS] == [["bf16-mixed", "32-true"], False, ["sgd"], True,
-                                                  True, [False, True], ["zero3"], ["optimizer"]]
+                                                  True, True, [False, True], ["zero3"],
+                                                  ["optimizer"]]
     a = p.parse_args([])
     assert [k.from_options(a) for k in KNOBS] == [None] * len(KNOBS)
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, fix
+from autofit.knobs.registry import patching
 from autofit.memory.analytic._states import _bytes
 from autofit.probe.device import sm_version
 
@@ -100,6 +101,9 @@ def _needs_derived(info: ModelInfo, config: TrainConfig) -> bool:
     ``requires_grad``); any PEFT method, LoRA included (below); a family's
     model with another activation than the table's (``_FITTED_ACTIVATIONS``); or a
     decoder / encoder family the table was not fitted to."""
+    if patching(config):
+        # a knob swaps the model's code (liger's kernels): the table fitted the model's own
+        return True
     if info.peft is not None or info.quant is not None:
         # LoRA too: the table's LoRA rows (tiny-llama's shapes, fp32 adapters on q/v or on
         # every linear layer, no dropout) miss what adapters keep elsewhere: a 16-bit
@@ -138,6 +142,10 @@ def _coef(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> dict:
             if config.loss_impl == "trl":  # no logits kept, as autofit's chunked loss
                 config = config.replace(loss_impl="model", chunked_loss=True)
             return derived_coefficients(module, info, config, device)
+        if swapped := patching(config):
+            raise BadInputError(f"no analytic coefficients for {info.name} with "
+                                f"{', '.join(swapped)} from a description (they swap the "
+                                "model's code): estimate the model itself")
         if info.peft not in (None, "lora"):  # (a LoRA or family falls back to the table)
             raise BadInputError(f"no analytic coefficients for {info.name} "
                                 f"({info.peft}) without its module; use "

@@ -104,8 +104,10 @@ def _key(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> str:
     from autofit.probe.model import fingerprint
 
     target = device.name if device.allocator == "cuda" else "cpu"
-    return json.dumps([fingerprint(info), config.precision, config.chunked_loss, target],
-                      sort_keys=True, default=str)
+    from autofit.knobs.registry import patch_key
+
+    return json.dumps([fingerprint(info), config.precision, config.chunked_loss, target,
+                       *patch_key(config)], sort_keys=True, default=str)
 
 
 def _kinds(blocks: list[torch.nn.Module]) -> list[tuple[int, int]]:
@@ -178,6 +180,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from autofit.knobs.registry import patched
     from autofit.memory.simulate._bnb import bnb_target
     from autofit.memory.simulate._model import (
         fake_clone,
@@ -220,7 +223,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 ctx = CudaSemantics(device)
             if config.chunked_loss:
                 rec.decompositions.update(chunked_loss_kernels())
-            with fake_mode, rec, ctx, bnb_target(model, rec, target):
+            with (fake_mode, rec, ctx, bnb_target(model, rec, target),
+                  patched(config, model)):
                 rec.phase = "forward"
                 loss, data, kwargs = forward_loss(model, config, task, batch, seq_len, rec,
                                                    "cuda" if device.allocator == "cuda" else "cpu")

@@ -122,13 +122,16 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError
+from autofit.knobs.registry import patched
 from autofit.memory.breakdown import COMPONENTS, Component, MemoryEstimate
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Iterator
+
     import torch
 
     from autofit.memory.allocator import AllocEvent, ReplayResult
-    from autofit.memory.simulate._recorder import Record
+    from autofit.memory.simulate._recorder import Record, StorageRecorder
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["simulate", "Simulator", "SimulationResult", "PeakLine"]
@@ -328,7 +331,7 @@ class Simulator:
             offload: Any = (offloaded_to_host(rec)
                             if config.activation_offloading and target.kind == "cuda"
                             else contextlib.nullcontext([]))
-            running = trace.running(rec) if trace is not None else contextlib.nullcontext()
+            running = _running(trace, rec, patched(config, model))
             with fake_mode, rec, ctx, bnb_target(model, rec, target.kind), offload as host, running:
                 run_steps(
                     model,
@@ -555,6 +558,16 @@ class Simulator:
             else:
                 hi = mid
         return lo
+
+
+@contextlib.contextmanager
+def _running(trace: object, rec: StorageRecorder,
+             swapped: contextlib.AbstractContextManager[None]) -> Iterator[None]:
+    """While the step runs: the trace's recording (when tracing) and the stand-ins a knob
+    puts in the model's code (liger's kernels: ``registry.patched``)."""
+    running = getattr(trace, "running", None)  # a rank layout's (_dist, _zero), or none
+    with (running(rec) if running is not None else contextlib.nullcontext()), swapped:
+        yield
 
 
 @contextlib.contextmanager

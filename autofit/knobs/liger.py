@@ -1,0 +1,419 @@
+"""The Liger kernels knob: liger-kernel's Triton RMSNorm, SwiGLU and RoPE in the model's place.
+
+    >>> class C: liger_kernels, chunked_loss = True, False
+    >>> args = {}; LIGER.emit(C(), args); args["use_liger_kernel"]
+    True
+    >>> sorted(args["liger_kernel_config"].items())
+    [('cross_entropy', False), ('fused_linear_cross_entropy', False), ('rms_norm', True), ('rope', True), ('swiglu', True)]
+    >>> LIGER.read(args), LIGER.read({"use_liger_kernel": True})
+    (True, True)
+
+What ``TrainingArguments(use_liger_kernel=True, liger_kernel_config={...})`` makes every
+``transformers.Trainer`` do before training (``transformers.integrations.liger.
+apply_liger_kernel``, liger's ``_apply_liger_kernel_to_instance``) to the decoders autofit
+models it for (``MODEL_TYPES``: llama, mistral, qwen2, qwen3, whose liger patch is the same):
+
+* every RMSNorm of the decoder (each layer's two and the final norm) runs
+  ``LigerRMSNormFunction``: one output in the input's dtype and a float32 ``rstd`` per row,
+  saving the input, the weight and ``rstd`` (transformers' RMSNorm keeps a float32 copy of a
+  16-bit input, the normalised float32 tensor and its 16-bit cast); its backward writes the
+  input's gradient into the incoming gradient (``in_place``) and sums the weight's gradient
+  from an (SMs, h) float32 scratch;
+* every MLP runs ``down_proj(LigerSiLUMulFunction(gate_proj(x), up_proj(x)))``: the product
+  in one kernel that saves the two projections only (``act_fn(gate) * up`` keeps the
+  activation's output too), whose backward writes both gradients into their storage;
+* the rotary embedding rotates q and k in place (``LigerRopeFunction``, saving ``cos`` and
+  ``sin``), without ``rotate_half``'s copies (liger replaces the modeling module's
+  ``apply_rotary_pos_emb``: for the whole process).
+
+**The memory rule** is those allocations: the simulated step, and the analytic
+coefficients derived from it, run the model with stand-ins (``emulated``) that allocate
+and save what liger's functions do, checked against liger's own published per-kernel
+measurements (``benchmarks/liger_check.py``, ``benchmarks/results/liger_check.md``). A
+trial on a CUDA card runs liger itself, as the Trainer applies it, in a subprocess (liger
+patches transformers' modules for the whole process: ``isolates``).
+
+The fused linear cross entropy (no (B, T, V) logits) is the chunked loss knob's value on a
+GPU (``autofit.knobs.chunked_loss``); both write their keys of one ``liger_kernel_config``,
+this knob last (registry order), so the file turns on exactly the kernels chosen.
+
+It computes the same functions (rounding aside), so both values are searched where it can
+run: a CUDA device with liger-kernel installed. On a CPU it is refused (Triton GPU
+kernels); for a card planned from a machine without liger it is estimated when asked
+(``--liger-kernels``) and the note says to install it where the run trains. The speed model
+gives it no term (the fused kernels' saved memory passes are not modelled): the search
+picks it for the batch it lets fit, not for speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from autofit.errors import BadInputError, MissingDependencyError, fix
+from autofit.knobs.base import OnOffKnob, installed, training_arguments_fields
+
+if TYPE_CHECKING:
+    from autofit.config import TrainConfig
+    from autofit.knobs.base import Costs, Scope
+    from autofit.probe.device import DeviceInfo
+
+__all__ = ["LIGER", "LigerKnob", "MODEL_TYPES", "emulated", "liger_keys", "unsupported_reason"]
+
+USE, CONFIG = "use_liger_kernel", "liger_kernel_config"
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # liger patches each alike (monkey_patch.py)
+_KERNELS = ("rms_norm", "swiglu", "rope")  # this knob's keys; the loss's is the chunked loss's
+# the (SMs, h) float32 scratch of the RMSNorm backward: an H100 SXM's 132 SMs (0.5 KiB x h)
+_SMS = 132
+
+
+def liger_keys(args: dict[str, object], **keys: bool) -> None:
+    """Set ``keys`` in ``args``' ``liger_kernel_config`` (the user's other keys kept), with
+    ``use_liger_kernel`` on while any kernel is; none on: both fields dropped."""
+    cfg = args.get(CONFIG)
+    cfg = dict(cfg) if isinstance(cfg, dict) else {}
+    cfg.update(keys)
+    # liger's defaults turn its fused loss on; its plain cross entropy never runs with it
+    cfg.setdefault("fused_linear_cross_entropy", False)
+    cfg.setdefault("cross_entropy", False)
+    on = [k for k in ("fused_linear_cross_entropy", *_KERNELS) if cfg.get(k)]
+    if on:
+        args[USE], args[CONFIG] = True, cfg
+    else:
+        args.pop(USE, None)
+        args.pop(CONFIG, None)
+
+
+def _config_of(args: dict[str, object]) -> dict[str, object]:
+    cfg = args.get(CONFIG)
+    if isinstance(cfg, str):
+        import json
+
+        with contextlib.suppress(ValueError):
+            cfg = json.loads(cfg)
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def kernel_on(args: dict[str, object], key: str) -> bool:
+    """Whether ``args`` run liger's ``key`` kernel (liger's default for a missing key: on)."""
+    return bool(args.get(USE)) and bool(_config_of(args).get(key, True))
+
+
+def _base(module: torch.nn.Module) -> torch.nn.Module:
+    """The decoder liger patches: the PEFT wrapper's model, then its ``base_model_prefix``."""
+    get_base = getattr(module, "get_base_model", None)
+    model = get_base() if callable(get_base) else module
+    return getattr(model, getattr(model, "base_model_prefix", ""), model)
+
+
+def unsupported_reason(module: torch.nn.Module) -> str | None:
+    """Why autofit cannot model liger's kernels for ``module`` (None: it can)."""
+    config = getattr(_base(module), "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        return (f"autofit models liger's kernels for {', '.join(MODEL_TYPES)}, not model type "
+                f"{model_type!r}")
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        return f"liger's SwiGLU needs a silu activation, not {config.hidden_act!r}"
+    return None
+
+
+def _real(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(t, FakeTensor)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``LigerRMSNormFunction`` (llama casting, ``in_place=True``) as allocations: the output
+    and a float32 rstd per row; saves the input, the weight and rstd. Backward: the input's
+    gradient in the incoming one's storage, the weight's from an (SMs, h) float32 scratch.
+    On real tensors it computes the values too (their temporaries are not liger's)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.contiguous().view(-1, shape[-1])
+        y = torch.empty_like(x2)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        if _real(x):
+            with torch.no_grad():
+                xf = x2.float()
+                rstd.copy_(torch.rsqrt(xf.pow(2).mean(-1) + eps))
+                y.copy_((xf * rstd[:, None]).to(x.dtype) * weight)
+        ctx.save_for_backward(x2, weight, rstd)
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x2, weight, rstd = ctx.saved_tensors
+        shape = dy.shape
+        dy2 = dy.contiguous().view(-1, shape[-1])
+        scratch = torch.empty((_SMS, shape[-1]), dtype=torch.float32, device=dy.device)
+        if _real(dy):
+            norm = x2.float() * rstd[:, None]
+            g = dy2.float() * weight.float()
+            dx = rstd[:, None] * (g - norm * (g * norm).mean(-1, keepdim=True))
+            scratch.zero_()
+            scratch[0] = (dy2.float() * norm.to(x2.dtype).float()).sum(0)
+            dy2.copy_(dx)
+        dw = scratch.sum(0).to(weight.dtype)
+        return dy2.view(shape), dw, None
+
+
+class _SiLUMul(torch.autograd.Function):
+    """``LigerSiLUMulFunction``: ``silu(a) * b`` into one new tensor, saving ``a`` and ``b``;
+    backward writes their gradients into their own storage."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a, b = a.contiguous(), b.contiguous()
+        c = torch.empty_like(a)
+        if _real(a):
+            with torch.no_grad():
+                c.copy_(torch.nn.functional.silu(a) * b)
+        ctx.save_for_backward(a, b)
+        return c
+
+    @staticmethod
+    def backward(ctx, dc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        dc = dc.contiguous()
+        if _real(dc):
+            af = a.float()
+            s = torch.sigmoid(af)
+            silu = af * s
+            db = dc.float() * silu
+            a.copy_(dc.float() * b.float() * (s + silu * (1 - s)))
+            b.copy_(db)
+        return a, b
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Rope(torch.autograd.Function):
+    """``LigerRopeFunction``: q and k rotated in their own storage (made contiguous in their
+    (B, T, heads, d) layout first), saving ``cos`` and ``sin``; backward likewise in place."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        qt, kt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        if _real(q):
+            c, s = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, T, 1, d) against (B, T, heads, d)
+            with torch.no_grad():
+                for t in (qt, kt):
+                    t.copy_(t * c + _rotate_half(t) * s)
+        ctx.save_for_backward(cos, sin)
+        return qt.transpose(1, 2), kt.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        dqt, dkt = dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous()
+        if _real(dq):
+            c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+            for t in (dqt, dkt):
+                t.copy_(t * c - _rotate_half(t * s))
+        return dqt.transpose(1, 2), dkt.transpose(1, 2), None, None
+
+
+def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    eps = getattr(self, "variance_epsilon", None) or getattr(self, "eps", 1e-6)
+    return _RMSNorm.apply(hidden_states, self.weight, eps)
+
+
+def _swiglu_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(_SiLUMul.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          position_ids: object = None, unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    return _Rope.apply(q, k, cos, sin)
+
+
+@contextlib.contextmanager
+def emulated(module: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool = True,
+             rope: bool = True) -> Iterator[None]:
+    """While inside, ``module`` (autofit's own copy: the simulated step's fake clone) runs
+    the stand-ins of liger's kernels where liger's patch puts them (the final norm, each
+    layer's two norms and MLP; the modeling module's ``apply_rotary_pos_emb``); everything
+    is put back on the way out.
+
+        >>> from autofit.probe.model import build_model
+        >>> m, _ = build_model("tiny-llama")
+        >>> with emulated(m):
+        ...     type(m.model.layers[0].mlp.forward).__name__
+        'method'
+        >>> "forward" in vars(m.model.layers[0].mlp)
+        False
+    """
+    if (why := unsupported_reason(module)) is not None:
+        raise BadInputError(f"liger kernels: {why}; drop "
+                            + fix("--liger-kernels", "liger_kernels=True"))
+    base = _base(module)
+    bound: list[torch.nn.Module] = []
+
+    def bind(m: torch.nn.Module, fn: types.FunctionType) -> None:
+        m.forward = types.MethodType(fn, m)
+        bound.append(m)
+
+    modeling = importlib.import_module(f"transformers.models.{base.config.model_type}."
+                                       f"modeling_{base.config.model_type}")
+    old_rope = modeling.apply_rotary_pos_emb
+    try:
+        if rms_norm:
+            bind(base.norm, _rms_norm_forward)
+        for layer in base.layers:
+            if swiglu:
+                bind(layer.mlp, _swiglu_forward)
+            if rms_norm:
+                bind(layer.input_layernorm, _rms_norm_forward)
+                bind(layer.post_attention_layernorm, _rms_norm_forward)
+        if rope:
+            modeling.apply_rotary_pos_emb = _rope
+        yield
+    finally:
+        modeling.apply_rotary_pos_emb = old_rope
+        for m in bound:
+            vars(m).pop("forward", None)
+
+
+class LigerKnob(OnOffKnob):
+    name = "liger_kernels"
+    title = "lgr"  # the candidates table (narrow: 80 columns in all)
+    fields = (USE, CONFIG)
+    saving = None  # it needs liger-kernel and a CUDA card: offered (suggest), never assumed
+    calibrates_apart = True  # the activations' share of the peak differs with and without it
+    option = "liger-kernels"
+    help_on = "always use liger's RMSNorm / SwiGLU / RoPE kernels (CUDA, liger-kernel)"
+    help_off = "never use liger's kernels"
+    help_one = "liger's RMSNorm / SwiGLU / RoPE kernels (use_liger_kernel; CUDA)"
+
+    def defaults(self, device: DeviceInfo) -> tuple[tuple[bool, ...], str | None]:
+        if device.kind == "cuda" and installed("liger_kernel") and CONFIG in training_arguments_fields():
+            return (False, True), None
+        return (False,), None
+
+    def check(self, device: DeviceInfo, value: bool, run: bool = True) -> None:
+        """Raise ``BadInputError`` for liger on a device that is not a CUDA GPU,
+        ``MissingDependencyError`` for a trial without liger-kernel or a transformers
+        without ``liger_kernel_config``."""
+        if not value:
+            return
+        if device.kind != "cuda":
+            raise BadInputError(
+                f"liger's kernels are Triton GPU kernels; {device.name} cannot run them: drop "
+                + fix("--liger-kernels", "liger_kernels=True") + " (or plan for a card: "
+                + fix("--device H100-80GB", "device='H100-80GB'") + ")")
+        if CONFIG not in training_arguments_fields():
+            import transformers
+
+            raise MissingDependencyError(
+                f"transformers {transformers.__version__} has no liger_kernel_config (the kernels "
+                "cannot be chosen one by one): upgrade it or drop "
+                + fix("--liger-kernels", "liger_kernels=True"))
+        if run and not installed("liger_kernel"):
+            raise MissingDependencyError(
+                "a trial of liger's kernels needs liger-kernel: pip install 'autofit[liger]' "
+                "(or estimate only: " + fix("--method analytic", "method='analytic'") + ")")
+
+    def is_choice(self, loss_impl: str = "model", trainer: str | None = None) -> bool:
+        """Not where TRL's loss runs (SFTTrainer turns liger's loss on with the same field)."""
+        return loss_impl != "trl"
+
+    def narrow(self, asked: object, scope: Scope) -> object:
+        """As asked, or False (with the reason) for a model autofit cannot model liger for
+        (asked for such a model: ``BadInputError``) or where TRL's loss runs."""
+        wants = asked is True or (isinstance(asked, (list, tuple)) and True in asked)
+        if scope.loss_impl == "trl":
+            if wants:
+                raise BadInputError("liger kernels: training_args is an SFTConfig, whose "
+                                    "SFTTrainer also swaps its loss for liger's with "
+                                    "use_liger_kernel; drop "
+                                    + fix("--liger-kernels", "liger_kernels=True"))
+            return False
+        if (why := unsupported_reason(scope.module)) is not None:
+            self.check_model(wants, scope.module, scope.task)
+            if scope.device.kind == "cuda":
+                scope.reasons.append(f"no liger kernels: {why}")
+            return False
+        return asked
+
+    def check_model(self, value: bool, module: torch.nn.Module, task: str) -> None:
+        """Raise ``BadInputError`` when liger's kernels are asked for a model autofit cannot
+        model them for."""
+        if value and (why := unsupported_reason(module)) is not None:
+            raise BadInputError(f"liger kernels: {why}; drop "
+                                + fix("--liger-kernels", "liger_kernels=True"))
+
+    def suggest(self, device: DeviceInfo) -> tuple[bool, ...]:
+        return (True,) if device.kind == "cuda" and installed("liger_kernel") else ()
+
+    def describe(self, value: bool) -> str:
+        return "liger kernels" if value else "no liger kernels"
+
+    def short(self, value: bool) -> str:
+        return "yes" if value else "no"
+
+    def note(self, value: bool) -> str | None:
+        if not value:
+            return None
+        return ("liger kernels: the Trainer applies them from use_liger_kernel / "
+                "liger_kernel_config; pip install liger-kernel where the run trains")
+
+    def reason(self, config: TrainConfig, costs: Costs) -> str | None:
+        """What chosen liger kernels save, by the closed form."""
+        if not config.liger_kernels:
+            return None
+        from autofit.probe.device import format_bytes as _gib
+
+        on = costs.device_bytes(config)
+        off = costs.device_bytes(config.replace(liger_kernels=False))
+        return (f"liger kernels: save ~{_gib(off - on)} at micro batch {config.micro_batch_size} "
+                f"(estimated {_gib(off)} -> {_gib(on)}: RMSNorm, SwiGLU and RoPE keep fewer "
+                "activations)")
+
+    def stand_ins(self, config: TrainConfig, module: torch.nn.Module
+                  ) -> contextlib.AbstractContextManager[None] | None:
+        """The memory rule: liger's stand-ins on autofit's simulated copy of the model while
+        inside (None: off)."""
+        return emulated(module) if getattr(config, self.name, False) else None
+
+    def prepare(self, config: TrainConfig, module: torch.nn.Module) -> None:
+        """What the Trainer does to the model with this value: liger itself on a trial's own
+        copy (``transformers.integrations.liger.apply_liger_kernel``), not undone (liger
+        has no undo, and patches transformers' modules for the whole process: ``isolates``)."""
+        if not getattr(config, self.name, False):
+            return
+        from transformers.integrations.liger import apply_liger_kernel
+
+        apply_liger_kernel(module, {"rms_norm": True, "swiglu": True, "rope": True,
+                                    "fused_linear_cross_entropy": False, "cross_entropy": False})
+
+    def isolates(self, config: TrainConfig) -> bool:
+        """A trial with liger runs in its own process (``prepare`` is not undone)."""
+        return bool(getattr(config, self.name, False))
+
+    def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
+        # after the chunked loss (registry order), which writes its key of the same config
+        if CONFIG not in training_arguments_fields():
+            return
+        on = bool(getattr(config, self.name, False))
+        if on or args.get(USE):
+            liger_keys(args, **dict.fromkeys(_KERNELS, on))
+
+    def read(self, args: dict[str, object]) -> bool:
+        return any(kernel_on(args, k) for k in ("rms_norm", "swiglu"))
+
+
+LIGER = LigerKnob()
