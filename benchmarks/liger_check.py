@@ -203,7 +203,15 @@ def main(argv: list[str] | None = None) -> int:
               "size h for rms_norm (2048 rows, bf16 input, float32 weight).",
               "RMSNorm's liger rows are replayed with liger 0.2.1's weight-gradient scratch "
               "((rows, h) in the weight's dtype); the stand-in autofit estimates with keeps "
-              "today's ((SMs, h) float32, liger's ops/rms_norm.py)."]
+              "today's ((SMs, h) float32, liger's ops/rms_norm.py).", "",
+              "Not explained: liger's RMSNorm rows measured 16-112 MiB more than the "
+              "replay (8 bytes per input element up to h 4096, then ~110 MiB), while "
+              "transformers' RMSNorm rows agree to the byte. The replay holds what 0.2.1's "
+              "functions allocate; what it lacks is not in their Python code (a guess: the "
+              "CUDA reduction over the (rows, h) scratch's rows, which today's (SMs, h) "
+              "scratch does not make). Until a card measures today's kernel, read the "
+              "RMSNorm part of a liger estimate as up to 8 bytes per token x h (one norm's "
+              "backward) low; the SwiGLU rows, the larger saving, agree."]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

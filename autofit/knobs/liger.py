@@ -306,8 +306,8 @@ class LigerKnob(OnOffKnob):
 
     def check(self, device: DeviceInfo, value: bool, run: bool = True) -> None:
         """Raise ``BadInputError`` for liger on a device that is not a CUDA GPU,
-        ``MissingDependencyError`` for a trial without liger-kernel or a transformers
-        without ``liger_kernel_config``."""
+        ``MissingDependencyError`` for a trial (on a present card) without liger-kernel or
+        for a transformers without ``liger_kernel_config``."""
         if not value:
             return
         if device.kind != "cuda":
@@ -322,7 +322,7 @@ class LigerKnob(OnOffKnob):
                 f"transformers {transformers.__version__} has no liger_kernel_config (the kernels "
                 "cannot be chosen one by one): upgrade it or drop "
                 + fix("--liger-kernels", "liger_kernels=True"))
-        if run and not installed("liger_kernel"):
+        if run and getattr(device, "present", False) and not installed("liger_kernel"):
             raise MissingDependencyError(
                 "a trial of liger's kernels needs liger-kernel: pip install 'autofit[liger]' "
                 "(or estimate only: " + fix("--method analytic", "method='analytic'") + ")")

@@ -5,6 +5,7 @@ of liger's kernels) against liger's published measurements, and the trial's isol
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -94,9 +95,11 @@ def test_where_it_may_run():
     with pytest.raises(BadInputError, match="Triton GPU kernels"):
         LIGER.check(resolve_device("cpu"), True, run=False)
     LIGER.check(resolve_device("H100-80GB"), True, run=False)  # estimated for a card
+    LIGER.check(resolve_device("H100-80GB"), True, run=True)  # a planned card: no trial
     if not liger_mod.installed("liger_kernel"):
+        present = dataclasses.replace(resolve_device("H100-80GB"), present=True)
         with pytest.raises(MissingDependencyError, match="autofit\\[liger\\]"):
-            LIGER.check(resolve_device("H100-80GB"), True, run=True)
+            LIGER.check(present, True, run=True)
     assert LIGER.defaults(resolve_device("cpu"))[0] == (False,)
     with pytest.raises(BadInputError, match="model type 'gpt2'"):
         from transformers import GPT2Config, GPT2LMHeadModel
