@@ -44,7 +44,14 @@ A knob declares
   at); the speed model sums the registered knobs' terms and names none;
 * ``step_loss(config)`` (optional): the loss its value makes the trainer compute, a
   function ``(model, batch) -> loss`` (None: the model's own, forward with labels); the
-  trials and the simulated step call what the registry returns and name no knob.
+  trials and the simulated step call what the registry returns and name no knob;
+* ``stand_ins(config, module)`` (optional): for a value that swaps the model's code (liger's
+  kernels), a context manager under which autofit's simulated copy runs stand-ins that
+  allocate and save what that code does: the knob's memory rule, which the simulated step
+  and the derived analytic coefficients enter through ``registry.patched`` (None: off);
+  ``prepare(config, module)`` (optional): what the trainer does to a trial's own copy for
+  the value (liger applied); ``isolates(config)`` (optional): that copy needs a process of
+  its own (a patch that cannot be undone).
 
 The registry (``autofit.knobs.registry``) asks every registered knob for these: the
 pipeline never names a knob to write its fields, its notes or its reason lines.

@@ -2,8 +2,10 @@
 
 Adding a lever is one new module in ``autofit/knobs/`` (a ``Knob``: its fields, notes,
 reason line and step-time term ``step_seconds``), its entry here, its ``TrainConfig``
-field, its memory rule (in its module where it needs only the probes' description,
-else a term of ``autofit.memory``'s closed form) and its tests.
+field, its memory rule (in its module where it needs only the probes' description, or
+as ``stand_ins`` where it swaps the model's code; else a term of ``autofit.memory``'s
+closed form) and its tests. ``liger_kernels`` was added so: no file outside
+``autofit/knobs/`` names it.
 
     >>> [k.name for k in KNOBS]
     ['precision', 'gradient_checkpointing', 'optimizer', 'chunked_loss', 'liger_kernels', 'activation_offloading', 'torch_compile', 'strategy', 'offload']
