@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autofit.knobs import liger
+from autofit.knobs import _liger_stand_ins as stand_ins
 from autofit.memory.simulate._cuda import CudaSemantics
 from autofit.memory.simulate._recorder import StorageRecorder
 from autofit.probe.device import resolve_device
@@ -120,7 +120,7 @@ def swiglu_rows(only: tuple[int, ...] | None = None) -> list[tuple[str, str, int
                                 dtype=torch.bfloat16, requires_grad=True)
                 layer = _module(LlamaMLP, (cfg,), torch.bfloat16, rec)
                 if provider == "liger":
-                    layer.forward = liger._swiglu_forward.__get__(layer)
+                    layer.forward = stand_ins.swiglu_forward.__get__(layer)
                 return x, layer
 
             def full(state):
@@ -136,7 +136,7 @@ def swiglu_rows(only: tuple[int, ...] | None = None) -> list[tuple[str, str, int
 def _scratch_rows_of_0_2_1():
     """liger 0.2.1's RMSNorm backward: an (rows, h) weight-gradient scratch in the weight's
     dtype instead of today's (SMs, h) float32 one."""
-    old = liger._RMSNorm.backward
+    old = stand_ins._RMSNorm.backward
 
     def backward(ctx, dy):
         x2, weight, rstd = ctx.saved_tensors
@@ -144,11 +144,11 @@ def _scratch_rows_of_0_2_1():
         scratch = torch.empty_like(x2, dtype=weight.dtype)
         return dy2.view(dy.shape), scratch.sum(0).to(weight.dtype), None
 
-    liger._RMSNorm.backward = staticmethod(backward)
+    stand_ins._RMSNorm.backward = staticmethod(backward)
     try:
         yield
     finally:
-        liger._RMSNorm.backward = old
+        stand_ins._RMSNorm.backward = old
 
 
 def rms_rows() -> list[tuple[str, str, int, float, float]]:
@@ -157,7 +157,7 @@ def rms_rows() -> list[tuple[str, str, int, float, float]]:
         def setup(rec, H=H):
             norms = (_module(LlamaRMSNorm, (H,), torch.float32, rec),
                      _module(LlamaRMSNorm, (H,), torch.float32, rec))
-            norms[0].forward = liger._rms_norm_forward.__get__(norms[0])  # the liger one
+            norms[0].forward = stand_ins.rms_norm_forward.__get__(norms[0])  # the liger one
             x = torch.randn(RMS_M, H, dtype=torch.bfloat16, device="cpu")
             dy = torch.randn_like(x)
             x.requires_grad_(True)

@@ -186,9 +186,10 @@ def test_build_space_defaults_and_constraints():
     assert only.values("gradient_checkpointing") == (False,) and only.micro_batches[-1] == 8
     assert len(only.combos()) == 1 and only.combos()[0] == {
         "precision": "bf16-mixed", "gradient_checkpointing": False, "optimizer": "sgd",
-        "chunked_loss": False, "activation_offloading": False, "torch_compile": False,
-        "strategy": "ddp", "offload": "none"}
+        "chunked_loss": False, "liger_kernels": False, "activation_offloading": False,
+        "torch_compile": False, "strategy": "ddp", "offload": "none"}
     assert sp.values("chunked_loss") == (False, True)  # no math change: searched by default
+    assert sp.values("liger_kernels") == (False,)  # liger-kernel is not installed here
     assert sp.values("activation_offloading") == (False,)  # host copies: only when asked
     assert sp.values("torch_compile") == (False,)  # searched only when asked
     asked = build_space(resolve_device("cpu"), torch_compile=[False, True])
