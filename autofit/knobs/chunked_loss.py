@@ -17,12 +17,13 @@ field written instead; on a CPU it is never offered (liger's kernels need a GPU)
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 from autofit.knobs.base import OnOffKnob, installed, training_arguments_fields
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     import torch
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["CHUNKED_LOSS", "ChunkedLossKnob", "TRAINER_NAME", "chunked_loss_bytes",
-           "liger_offered", "loss_chunk_rows"]
+           "chunked_loss_kernels", "liger_offered", "loss_chunk_rows", "mixed_inplace_workspace"]
 
 TRAINER_NAME = "autofit.ChunkedLossTrainer"
 _LIGER = "use_liger_kernel"
@@ -99,6 +100,79 @@ def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: D
     # CPU kernel does through two fp32 (V, h) temporaries
     extra = (4 if head_trainable else 1) * vocab * hidden * 4
     return max(grad_in + grad_w + extra + chunk, handed)
+
+
+def chunked_loss_kernels() -> dict[object, Callable[..., object]]:
+    """torch's chunked linear cross entropy op -> its implementation (Python over torch ops),
+    so that its per-chunk temporaries are recorded rather than only its outputs."""
+    import torch
+    from torch.nn.modules import linear_cross_entropy as lce
+
+    op = torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default
+
+    def run(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+            label_smoothing, batch_chunk_size, acc_policy, acc_dtype, allow_retain_graph,
+            compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad):
+        with _first_chunks_only(lce):
+            return lce._linear_cross_entropy_batch_chunked_accumulator(
+                input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                label_smoothing, batch_chunk_size, acc_policy, acc_dtype, compute_input_grad,
+                compute_linear_weight_grad, compute_linear_bias_grad)
+
+    return {op: run}
+
+
+def mixed_inplace_workspace(args: tuple, kwargs: dict) -> int:
+    """CPU ``add_`` / ``sub_`` of an fp32 tensor into a 16-bit one (the chunked loss's
+    ``grad_linear_weight.sub_(weight_grad_chunk)`` with 16-bit inputs): the kernel works
+    in fp32 through two fp32 temporaries the size of ``self`` (measured: a bf16 (32000,
+    512) ``add_`` of an fp32 one peaks 125 MiB above its operands), freed at once."""
+    import torch
+
+    self, other = args[0], args[1] if len(args) > 1 else None
+    if (not isinstance(other, torch.Tensor) or self.dtype not in (torch.bfloat16, torch.float16)
+            or other.dtype != torch.float32 or other.shape != self.shape):
+        return 0
+    return 2 * self.numel() * 4
+
+
+@contextlib.contextmanager
+def _first_chunks_only(lce: object) -> Iterator[None]:
+    """Run the first two chunks and the last of torch's chunk loop, not all of them.
+
+    Every chunk works in the same buffers (allocated once, before the loop) and allocates
+    and frees the same temporaries, so chunks 3..n-1 repeat chunk 2's allocation stream;
+    on fake tensors each chunk costs ~15 ms of dispatch (a (B*T)/chunk of 256 chunks made
+    one simulated step 35 s). The last chunk may be shorter, so it runs too. The loop is
+    ``_ChunkContext.chunks`` of torch 2.13 with fewer starts; on another torch whose context
+    lacks the pieces it uses, every chunk runs.
+    """
+    ctx_cls = getattr(lce, "_ChunkContext", None)
+    needed = ("chunks", "bind_chunk")
+    if ctx_cls is None or not all(hasattr(ctx_cls, n) for n in needed):
+        yield
+        return
+    original = ctx_cls.chunks
+
+    def chunks(self: object) -> Iterator[object]:
+        size = self.logits_buf.shape[0]
+        starts = list(range(0, self.num_batches, size))
+        for start in starts[:2] + starts[2:][-1:]:
+            n = min(size, self.num_batches - start)
+            chunk = self.bind_chunk(start, n)
+            yield chunk
+            if self.alloc_input_grad_acc_buf:  # the same commits as torch's loop
+                self.grad_input.narrow(0, start, n).copy_(chunk.grad_input_chunk)
+            if self.alloc_linear_bias_grad_chunk:
+                self.grad_linear_bias.add_(chunk.bias_grad_acc.to(self.grad_linear_bias.dtype))
+                chunk.bias_grad_acc.zero_()
+
+    ctx_cls.chunks = chunks
+    try:
+        yield
+    finally:
+        ctx_cls.chunks = original
+
 
 
 # NB: found by trials on two ranks (CPU, gloo): the gradients of a ChunkedLossTrainer step
@@ -243,6 +317,21 @@ class ChunkedLossKnob(OnOffKnob):
         from autofit.knobs.loss import causal_lm_chunked_loss
 
         return causal_lm_chunked_loss
+
+    def recorded(self, config: TrainConfig, recorder: object, target: str) -> None:
+        """The simulated step's memory rule when on: torch's chunked op recorded as its
+        Python implementation (``chunked_loss_kernels``: every chunk's logits and the
+        gradients it accumulates), and on a CPU the fp32 temporaries of its mixed-dtype
+        ``sub_`` (``mixed_inplace_workspace``); ``recorder``: the simulation's
+        ``StorageRecorder`` (its ``decompositions`` and ``workspaces``)."""
+        if not getattr(config, self.name, False):
+            return
+        recorder.decompositions.update(chunked_loss_kernels())
+        if target == "cpu":
+            import torch
+
+            for op in (torch.ops.aten.add_.Tensor, torch.ops.aten.sub_.Tensor):
+                recorder.workspaces.setdefault(op, mixed_inplace_workspace)
 
     def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         from autofit.knobs.liger import CONFIG, liger_keys

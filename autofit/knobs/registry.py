@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
            "conflict", "emit_fields", "notes", "reason_lines", "step_seconds", "timed_knobs",
-           "narrow", "check_model", "is_choice", "step_loss", "patched", "prepare", "isolates", "patch_key", "patching"]
+           "narrow", "check_model", "is_choice", "step_loss", "patched", "recorded", "prepare", "isolates", "patch_key", "patching"]
 
 # the order the files are written in too: offloading adds its key to the kwargs that
 # checkpointing writes afresh
@@ -167,6 +167,16 @@ def patched(config: TrainConfig, module: torch.nn.Module) -> Iterator[None]:
             if ctx is not None:
                 stack.enter_context(ctx)
         yield
+
+
+def recorded(config: TrainConfig, recorder: object, target: str) -> None:
+    """Tell the simulation's recorder what ``config``'s knob values run differently from
+    what a dispatch mode sees (each knob's ``recorded``: the chunked loss's op recorded as
+    its Python implementation); ``target``: ``"cpu"`` or ``"cuda"``."""
+    for k in KNOBS:
+        hook = getattr(k, "recorded", None)
+        if hook is not None:
+            hook(config, recorder, target)
 
 
 def prepare(config: TrainConfig, module: torch.nn.Module) -> None:

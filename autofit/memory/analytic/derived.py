@@ -180,7 +180,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autofit.knobs.registry import patched
+    from autofit.knobs.registry import patched, recorded
     from autofit.memory.simulate._bnb import bnb_target
     from autofit.memory.simulate._model import (
         fake_clone,
@@ -190,7 +190,6 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
     )
     from autofit.memory.simulate._recorder import StorageRecorder
     from autofit.memory.simulate._step import (
-        chunked_loss_kernels,
         forward_loss,
         graph_host_bytes,
     )
@@ -221,8 +220,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 from autofit.memory.simulate._cuda import CudaSemantics
 
                 ctx = CudaSemantics(device)
-            if config.chunked_loss:
-                rec.decompositions.update(chunked_loss_kernels())
+            recorded(config, rec, target)  # what a knob's value runs differently
             with (fake_mode, rec, ctx, bnb_target(model, rec, target),
                   patched(config, model)):
                 rec.phase = "forward"

@@ -10,8 +10,9 @@ are run.
 With ``config.chunked_loss`` the loss is ``autofit.causal_lm_chunked_loss`` (the function
 the trial and ``ChunkedLossTrainer`` run); torch's chunked ``linear_cross_entropy`` op is
 opaque to a dispatch mode (its fake implementation makes the outputs only), so its
-real implementation runs instead (``chunked_loss_kernels``): the recorder sees every
-chunk's logits and the gradients it accumulates.
+real implementation runs instead (the knob's ``recorded`` hook,
+``autofit.knobs.chunked_loss``): the recorder sees every chunk's logits and the gradients
+it accumulates.
 
 With ``config.loss_impl == "trl"`` the loss is TRL's fused LM head as ``SFTTrainer`` runs
 it (``autofit.knobs.trl_loss.trl_sft_loss``: ``add_fused_lm_head`` on the fake clone for
@@ -36,7 +37,6 @@ import functools
 import inspect
 import tempfile
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ import torch
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, MissingDependencyError
-from autofit.knobs.registry import step_loss
+from autofit.knobs.registry import recorded, step_loss
 from autofit.memory.breakdown import Component
 from autofit.memory.simulate._model import make_batch, unpacked_batches, unwrap
 from autofit.memory.simulate._recorder import Record, StorageRecorder
@@ -55,7 +55,6 @@ __all__ = [
     "optimizer_cls_and_kwargs",
     "build_optimizer",
     "bnb_cpu_kernels",
-    "chunked_loss_kernels",
     "offloaded_to_host",
     "host_peak_bytes",
     "run_steps",
@@ -156,75 +155,6 @@ def bnb_cpu_kernels() -> dict[Any, Any]:
         ops.optimizer_update_8bit_blockwise.default: cpu_ops._optimizer_update_8bit_blockwise_cpu,
         ops.optimizer_update_32bit.default: cpu_ops._optimizer_update_32bit_cpu,
     }
-
-
-def chunked_loss_kernels() -> dict[Any, Any]:
-    """torch's chunked linear cross entropy op -> its implementation (Python over torch ops),
-    so that its per-chunk temporaries are recorded rather than only its outputs."""
-    from torch.nn.modules import linear_cross_entropy as lce
-
-    op = torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default
-
-    def run(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-            label_smoothing, batch_chunk_size, acc_policy, acc_dtype, allow_retain_graph,
-            compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad):
-        with _first_chunks_only(lce):
-            return lce._linear_cross_entropy_batch_chunked_accumulator(
-                input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-                label_smoothing, batch_chunk_size, acc_policy, acc_dtype, compute_input_grad,
-                compute_linear_weight_grad, compute_linear_bias_grad)
-
-    return {op: run}
-
-
-def mixed_inplace_workspace(args: tuple, kwargs: dict) -> int:
-    """CPU ``add_`` / ``sub_`` of an fp32 tensor into a 16-bit one (the chunked loss's
-    ``grad_linear_weight.sub_(weight_grad_chunk)`` with 16-bit inputs): the kernel works
-    in fp32 through two fp32 temporaries the size of ``self`` (measured: a bf16 (32000,
-    512) ``add_`` of an fp32 one peaks 125 MiB above its operands), freed at once."""
-    self, other = args[0], args[1] if len(args) > 1 else None
-    if (not isinstance(other, torch.Tensor) or self.dtype not in (torch.bfloat16, torch.float16)
-            or other.dtype != torch.float32 or other.shape != self.shape):
-        return 0
-    return 2 * self.numel() * 4
-
-
-@contextlib.contextmanager
-def _first_chunks_only(lce: object) -> Iterator[None]:
-    """Run the first two chunks and the last of torch's chunk loop, not all of them.
-
-    Every chunk works in the same buffers (allocated once, before the loop) and allocates
-    and frees the same temporaries, so chunks 3..n-1 repeat chunk 2's allocation stream;
-    on fake tensors each chunk costs ~15 ms of dispatch (a (B*T)/chunk of 256 chunks made
-    one simulated step 35 s). The last chunk may be shorter, so it runs too. The loop is
-    ``_ChunkContext.chunks`` of torch 2.13 with fewer starts; on another torch whose context
-    lacks the pieces it uses, every chunk runs.
-    """
-    ctx_cls = getattr(lce, "_ChunkContext", None)
-    needed = ("chunks", "bind_chunk")
-    if ctx_cls is None or not all(hasattr(ctx_cls, n) for n in needed):
-        yield
-        return
-    original = ctx_cls.chunks
-
-    def chunks(self: object) -> Iterator[object]:
-        size = self.logits_buf.shape[0]
-        starts = list(range(0, self.num_batches, size))
-        for start in starts[:2] + starts[2:][-1:]:
-            n = min(size, self.num_batches - start)
-            chunk = self.bind_chunk(start, n)
-            yield chunk
-            if self.alloc_input_grad_acc_buf:  # the same commits as torch's loop
-                self.grad_input.narrow(0, start, n).copy_(chunk.grad_input_chunk)
-            if self.alloc_linear_bias_grad_chunk:
-                self.grad_linear_bias.add_(chunk.bias_grad_acc.to(self.grad_linear_bias.dtype))
-                chunk.bias_grad_acc.zero_()
-
-    ctx_cls.chunks = chunks
-    try:
-        yield
-    finally:
-        ctx_cls.chunks = original
 
 
 @contextlib.contextmanager
@@ -445,11 +375,7 @@ def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
     _, _, _, max_grad_norm = optimizer_cls_and_kwargs(config.optimizer, config.optim_args)
     if _is_bnb(type(optimizer)) and target.kind == "cpu":
         rec.decompositions.update(bnb_cpu_kernels())
-    if config.chunked_loss:
-        rec.decompositions.update(chunked_loss_kernels())
-        if target.kind == "cpu":
-            for op in (torch.ops.aten.add_.Tensor, torch.ops.aten.sub_.Tensor):
-                rec.workspaces.setdefault(op, mixed_inplace_workspace)
+    recorded(config, rec, target.kind)  # what a knob's value runs differently (its kernels)
     micro_steps = min(config.grad_accum_steps, 2)
     # checkpointing: backward rebuilds each block's graph while the step's is still held
     # (its host bytes: the step's graph over its blocks; RWKV's 3,650-node blocks)
