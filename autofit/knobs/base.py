@@ -51,7 +51,10 @@ A knob declares
   and the derived analytic coefficients enter through ``registry.patched`` (None: off);
   ``prepare(config, module)`` (optional): what the trainer does to a trial's own copy for
   the value (liger applied); ``isolates(config)`` (optional): that copy needs a process of
-  its own (a patch that cannot be undone).
+  its own (a patch that cannot be undone);
+* ``recorded(config, recorder, target)`` (optional): what the value runs that a dispatch
+  mode would not see whole, told to the simulation's recorder (its ``decompositions`` and
+  ``workspaces``: the chunked loss's op recorded as its Python implementation).
 
 The registry (``autofit.knobs.registry``) asks every registered knob for these: the
 pipeline never names a knob to write its fields, its notes or its reason lines.
