@@ -13,6 +13,15 @@ that saves memory.
 ``autofit.ChunkedLossTrainer`` (``note``). Where liger-kernel is installed and the
 plan is for a GPU, ``use_liger_kernel=True`` (its fused linear cross entropy) is the
 field written instead; on a CPU it is never offered (liger's kernels need a GPU).
+
+    NB: liger's fused linear cross entropy is estimated with torch's chunked loss's
+    buffers. They agree on what it keeps (the (B*T, h) and (V, h) gradients made in the
+    forward, a logits chunk of the same rows), but liger (ops/fused_linear_cross_entropy.py,
+    2026) accumulates the weight gradient with ``addmm`` into float32 only for a float32
+    weight under 16-bit autocast on an sm >= 8 card (bf16-mixed on an A100 / H100);
+    otherwise each chunk adds ``torch.mm(...).float()``: a (V, h) product and its float32
+    copy for a moment (6 V h bytes for a 16-bit weight, 4 V h for float32), which the
+    estimate does not hold.
 """
 
 from __future__ import annotations
