@@ -14,14 +14,16 @@ that saves memory.
 plan is for a GPU, ``use_liger_kernel=True`` (its fused linear cross entropy) is the
 field written instead; on a CPU it is never offered (liger's kernels need a GPU).
 
-    NB: liger's fused linear cross entropy is estimated with torch's chunked loss's
-    buffers. They agree on what it keeps (the (B*T, h) and (V, h) gradients made in the
-    forward, a logits chunk of the same rows), but liger (ops/fused_linear_cross_entropy.py,
-    2026) accumulates the weight gradient with ``addmm`` into float32 only for a float32
-    weight under 16-bit autocast on an sm >= 8 card (bf16-mixed on an A100 / H100);
-    otherwise each chunk adds ``torch.mm(...).float()``: a (V, h) product and its float32
-    copy for a moment (6 V h bytes for a 16-bit weight, 4 V h for float32), which the
-    estimate does not hold.
+Where ``use_liger_kernel`` carries it (a CUDA plan, liger-kernel installed here: the
+field is written), the estimate holds liger's one buffer torch's op lacks
+(``liger_weight_grad_transient``): liger (ops/fused_linear_cross_entropy.py, 2026) adds
+each chunk's weight gradient with ``addmm`` into float32 only for a float32 weight under
+16-bit autocast on an sm >= 8 card (bf16-mixed on an A100 / H100); otherwise through
+``torch.mm(...).float()``, a (V, h) product and its float32 copy for a moment (6 V h
+bytes with 16-bit logits, 4 V h in float32). The rest (the (B*T, h) and (V, h) gradients
+made in the forward, a logits chunk of about the input's size) is torch's op's. With
+``autofit.ChunkedLossTrainer`` (which runs torch's op whatever the field) this holds a
+little more than runs.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from autofit.knobs.base import OnOffKnob, installed, training_arguments_fields
+from autofit.probe.device import sm_version
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -41,7 +44,9 @@ if TYPE_CHECKING:
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["CHUNKED_LOSS", "ChunkedLossKnob", "TRAINER_NAME", "chunked_loss_bytes",
-           "chunked_loss_kernels", "liger_offered", "loss_chunk_rows", "mixed_inplace_workspace"]
+           "chunked_loss_kernels", "liger_carries", "liger_moment_bytes", "liger_offered",
+           "liger_weight_grad_transient",
+           "loss_chunk_rows", "mixed_inplace_workspace"]
 
 TRAINER_NAME = "autofit.ChunkedLossTrainer"
 _LIGER = "use_liger_kernel"
@@ -75,7 +80,8 @@ def loss_chunk_rows(tokens: int, vocab: int, hidden: int, *, halved: bool) -> in
 
 
 def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: DeviceInfo,
-                       *, accumulating: bool = False, head_trainable: bool = True) -> int:
+                       *, accumulating: bool = False, head_trainable: bool = True,
+                       autocast: bool = False) -> int:
     """Bytes the chunked causal-LM loss holds at its peak: the end of its forward, or the
     start of backward, where the precomputed head-weight gradient is handed to autograd,
     which copies it into ``.grad`` (it cannot steal a tensor the op still references: two
@@ -94,6 +100,10 @@ def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: D
     * 16-bit input on a CPU: "accurate": an fp32 input gradient, a 16-bit weight gradient,
       an fp32 copy of the weight, an fp32 weight-gradient scratch, the fp32 chunk, and
       the two fp32 (V, h) temporaries of the CPU's mixed-dtype ``sub_`` (measured).
+
+    Where liger's field carries the loss (``liger_carries``): at the end of the op, beside
+    the two gradients, liger's weight-gradient moment and one logits chunk in the logits'
+    dtype (``liger_moment_bytes``: 16-bit under ``autocast``) in place of torch's chunk.
     """
     cuda = device.allocator == "cuda"
     half = act == 2
@@ -102,6 +112,11 @@ def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: D
     grad_in = tokens * hidden * (4 if half and not cuda else act)  # CPU 16-bit: fp32
     grad_w = vocab * hidden * act if head_trainable else 0
     handed = (1 if accumulating else 2) * grad_w + grad_in  # backward start
+    if cuda and liger_carries(device):
+        moment = liger_moment_bytes(tokens, vocab, hidden, weight_bytes=4 if autocast else act,
+                                    logit_bytes=2 if autocast else act, sm=sm_version(device),
+                                    head_trainable=head_trainable)
+        return max(grad_in + grad_w + max(chunk, moment), handed)
     if not half or cuda:
         return max(grad_in + grad_w + chunk, handed)
     # CPU, 16-bit input ("accurate"): + an fp32 copy of the weight; with a weight gradient an
@@ -109,6 +124,45 @@ def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, device: D
     # CPU kernel does through two fp32 (V, h) temporaries
     extra = (4 if head_trainable else 1) * vocab * hidden * 4
     return max(grad_in + grad_w + extra + chunk, handed)
+
+
+def liger_carries(device: DeviceInfo) -> bool:
+    """Whether liger's fused loss runs the chunked loss on ``device``: a CUDA plan with
+    liger-kernel installed here, where ``use_liger_kernel`` is the field written."""
+    return device.allocator == "cuda" and liger_offered({})
+
+
+def liger_weight_grad_transient(vocab: int, hidden: int, *, weight_bytes: int,
+                                logit_bytes: int, sm: int, head_trainable: bool = True) -> int:
+    """Bytes liger's fused loss holds for a moment per chunk to add the chunk's (V, h) weight
+    gradient: none with ``addmm`` into a float32 gradient (a float32 weight, 16-bit logits,
+    sm >= 8), else the ``torch.mm`` product in the logits' dtype and its ``.float()`` copy
+    (none when the product is float32 already); a frozen head has no weight gradient.
+
+        >>> liger_weight_grad_transient(10, 4, weight_bytes=4, logit_bytes=2, sm=90)
+        0
+        >>> liger_weight_grad_transient(10, 4, weight_bytes=2, logit_bytes=2, sm=90)
+        240
+        >>> liger_weight_grad_transient(10, 4, weight_bytes=4, logit_bytes=4, sm=90)
+        160
+    """
+    if not head_trainable or (weight_bytes == 4 and logit_bytes == 2 and sm >= 80):
+        return 0
+    return vocab * hidden * (logit_bytes + (4 if logit_bytes < 4 else 0))
+
+
+def liger_moment_bytes(tokens: int, vocab: int, hidden: int, *, weight_bytes: int,
+                       logit_bytes: int, sm: int, head_trainable: bool = True) -> int:
+    """What liger's fused loss holds beside its two gradients at its highest moment: the
+    weight-gradient transient (``liger_weight_grad_transient``) and a (rows, V) logits
+    chunk in the logits' dtype (0 when there is no transient: torch's float32 chunk is
+    the larger then)."""
+    extra = liger_weight_grad_transient(vocab, hidden, weight_bytes=weight_bytes,
+                                        logit_bytes=logit_bytes, sm=sm,
+                                        head_trainable=head_trainable)
+    if not extra:
+        return 0
+    return extra + loss_chunk_rows(tokens, vocab, hidden, halved=False) * vocab * logit_bytes
 
 
 def chunked_loss_kernels() -> dict[object, Callable[..., object]]:
@@ -182,6 +236,25 @@ def _first_chunks_only(lce: object) -> Iterator[None]:
     finally:
         ctx_cls.chunks = original
 
+
+
+def _with_liger_moment(run: Callable[..., object], recorder: object, config: TrainConfig,
+                       sm: int) -> Callable[..., object]:
+    """``run`` (torch's chunked op, recorded), then liger's moment (``liger_moment_bytes``)
+    held and released while the op's outputs, the two gradients, are alive."""
+    def moment(input, linear_weight, *args):  # noqa: A002 - torch's op's argument names
+        out = run(input, linear_weight, *args)
+        vocab, hidden = linear_weight.shape
+        weight_bytes = linear_weight.element_size()
+        moment = liger_moment_bytes(
+            input.shape[0], vocab, hidden, weight_bytes=weight_bytes,
+            logit_bytes=2 if config.precision_spec.autocast else weight_bytes, sm=sm,
+            head_trainable=linear_weight.requires_grad)
+        if moment:
+            recorder.release(recorder.hold(moment, "temporaries"))
+        return out
+
+    return moment
 
 
 # NB: found by trials on two ranks (CPU, gloo): the gradients of a ChunkedLossTrainer step
@@ -327,15 +400,23 @@ class ChunkedLossKnob(OnOffKnob):
 
         return causal_lm_chunked_loss
 
-    def recorded(self, config: TrainConfig, recorder: object, target: str) -> None:
+    def recorded(self, config: TrainConfig, recorder: object, target: object) -> None:
         """The simulated step's memory rule when on: torch's chunked op recorded as its
         Python implementation (``chunked_loss_kernels``: every chunk's logits and the
         gradients it accumulates), and on a CPU the fp32 temporaries of its mixed-dtype
-        ``sub_`` (``mixed_inplace_workspace``); ``recorder``: the simulation's
-        ``StorageRecorder`` (its ``decompositions`` and ``workspaces``)."""
+        ``sub_`` (``mixed_inplace_workspace``); on a CUDA step where liger's field carries
+        it, liger's weight-gradient moment held at the op's end (``_with_liger_moment``).
+        ``recorder``: the simulation's ``StorageRecorder`` (its ``decompositions``,
+        ``workspaces``, ``hold``); ``target``: the step's (``kind``, ``sm``) or a kind."""
         if not getattr(config, self.name, False):
             return
-        recorder.decompositions.update(chunked_loss_kernels())
+        kernels = chunked_loss_kernels()
+        sm = getattr(target, "sm", None)  # a whole step's target (the derivation: none)
+        target = getattr(target, "kind", target)
+        if target == "cuda" and sm is not None and liger_offered({}):
+            kernels = {op: _with_liger_moment(run, recorder, config, sm)
+                       for op, run in kernels.items()}
+        recorder.decompositions.update(kernels)
         if target == "cpu":
             import torch
 

@@ -268,3 +268,51 @@ def test_not_offered_for_sequence_classification():
     assert space.values("chunked_loss") == (False, True)
     space = _space(causal, None, TuneOptions(), []).space  # a plain Trainer does not run it: not searched
     assert space.values("chunked_loss") == (False,)
+
+
+def test_where_liger_carries_it_its_weight_gradient_moment_is_held(monkeypatch):
+    """On a CUDA plan with liger-kernel installed, use_liger_kernel carries the chunked loss,
+    and liger's fused loss adds each chunk's (V, h) weight gradient through a product and
+    its float32 copy (unless addmm accumulates into float32: bf16-mixed on sm >= 8). The
+    analytic rule and the simulated step both hold that moment; without liger neither."""
+    from autofit.knobs import chunked_loss as cl
+    from autofit.memory.simulate._recorder import StorageRecorder
+    from autofit.memory.simulate._step import StepTarget
+    from autofit.probe.device import resolve_device
+
+    h100 = resolve_device("H100-80GB")
+    V, h, tokens = 32000, 256, 1024
+    args = dict(accumulating=False, head_trainable=True)
+    monkeypatch.setattr(cl, "liger_offered", lambda args: False)
+    plain = cl.chunked_loss_bytes(tokens, V, h, 2, h100, **args)
+    monkeypatch.setattr(cl, "liger_offered", lambda args: True)
+    moment = cl.liger_moment_bytes(tokens, V, h, weight_bytes=2, logit_bytes=2, sm=90)
+    assert moment >= 6 * V * h
+    grads = tokens * h * 2 + V * h * 2
+    assert cl.chunked_loss_bytes(tokens, V, h, 2, h100, **args) == max(grads + moment, plain)
+    # bf16-mixed on an H100: addmm into the float32 gradient, nothing more than torch's
+    mixed = cl.chunked_loss_bytes(tokens, V, h, 4, h100, autocast=True, **args)
+    monkeypatch.setattr(cl, "liger_offered", lambda args: False)
+    assert mixed == cl.chunked_loss_bytes(tokens, V, h, 4, h100, autocast=True, **args)
+    monkeypatch.setattr(cl, "liger_offered", lambda args: True)
+    assert cl.liger_moment_bytes(tokens, V, h, weight_bytes=4, logit_bytes=2, sm=90) == 0
+    assert cl.liger_moment_bytes(tokens, V, h, weight_bytes=4, logit_bytes=2, sm=70) > 0
+
+    # the simulated step holds the same moment once per op (a bf16 head on a CUDA target)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def held_in_a_step() -> list[int]:
+        rec = StorageRecorder()
+        config = TrainConfig(precision="bf16-true", chunked_loss=True)
+        CHUNKED_LOSS.recorded(config, rec, StepTarget("cuda", 90))
+        with FakeTensorMode(), rec:
+            x = torch.randn(tokens, h, dtype=torch.bfloat16, requires_grad=True)
+            w = torch.randn(V, h, dtype=torch.bfloat16, requires_grad=True)
+            y = torch.randint(0, V, (tokens,))
+            torch.nn.functional.linear_cross_entropy(
+                x, w, y, options=torch.nn.LinearCrossEntropyOptions())  # as autofit's loss
+        return [r.size for kind, r, _ in rec.events() if kind == "alloc" and not r.storage]
+
+    assert held_in_a_step() == [moment]
+    monkeypatch.setattr(cl, "liger_offered", lambda args: False)
+    assert held_in_a_step() == []

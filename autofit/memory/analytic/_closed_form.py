@@ -391,7 +391,7 @@ def _temporaries(info: ModelInfo, config: TrainConfig, T: int, device: DeviceInf
     elif chunked:
         head_trainable = any(g.trainable and tuple(g.shape) == (V, h) for g in info.params)
         loss_temp = chunked_loss_bytes(NL, V, h, act, device, accumulating=bool(G_held),
-                                       head_trainable=head_trainable)
+                                       head_trainable=head_trainable, autocast=spec.autocast)
     return G_held, loss_temp, block_bwd_temp, opt_temp
 
 

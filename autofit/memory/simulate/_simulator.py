@@ -124,6 +124,7 @@ from autofit.config import TrainConfig
 from autofit.errors import BadInputError
 from autofit.knobs.registry import patched
 from autofit.memory.breakdown import COMPONENTS, Component, MemoryEstimate
+from autofit.probe.device import sm_version
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Iterator
@@ -293,7 +294,8 @@ class Simulator:
         )
 
         t0 = time.perf_counter()
-        target = StepTarget(self.device.allocator)
+        target = StepTarget(self.device.allocator, sm_version(self.device)
+                            if self.device.allocator == "cuda" else None)
         spec = config.precision_spec
         float_dtype = getattr(torch, spec.param_dtype)
         fake_mode = _fake_mode()

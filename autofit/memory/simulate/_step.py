@@ -66,6 +66,7 @@ class StepTarget:
     """What differs between the device planned for and this host."""
 
     kind: str  # "cuda" | "cpu"
+    sm: int | None = None  # a CUDA target's compute capability (80: 8.0), which gates kernels
 
     @property
     def foreach(self) -> bool:
@@ -375,7 +376,7 @@ def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
     _, _, _, max_grad_norm = optimizer_cls_and_kwargs(config.optimizer, config.optim_args)
     if _is_bnb(type(optimizer)) and target.kind == "cpu":
         rec.decompositions.update(bnb_cpu_kernels())
-    recorded(config, rec, target.kind)  # what a knob's value runs differently (its kernels)
+    recorded(config, rec, target)  # what a knob's value runs differently (its kernels)
     micro_steps = min(config.grad_accum_steps, 2)
     # checkpointing: backward rebuilds each block's graph while the step's is still held
     # (its host bytes: the step's graph over its blocks; RWKV's 3,650-node blocks)
