@@ -238,6 +238,12 @@ def _first_chunks_only(lce: object) -> Iterator[None]:
 
 
 
+def _on_cuda(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s parameters sit on a CUDA device (a trial on a card)."""
+    first = next(iter(module.parameters()), None)
+    return first is not None and first.device.type == "cuda"
+
+
 def _with_liger_moment(run: Callable[..., object], recorder: object, config: TrainConfig,
                        sm: int) -> Callable[..., object]:
     """``run`` (torch's chunked op, recorded), then liger's moment (``liger_moment_bytes``)
@@ -399,6 +405,30 @@ class ChunkedLossKnob(OnOffKnob):
         from autofit.knobs.loss import causal_lm_chunked_loss
 
         return causal_lm_chunked_loss
+
+    def trial_loss(self, config: TrainConfig, device_kind: str
+                   ) -> Callable[..., torch.Tensor] | None:
+        """A trial's loss when on: on a card where liger's field carries it, the model's own
+        forward (None), which ``prepare`` made liger's (its fused linear cross entropy, as
+        the user's Trainer applies it); elsewhere ``step_loss``'s."""
+        if config.chunked_loss and device_kind == "cuda" and liger_offered({}):
+            return None
+        return self.step_loss(config)
+
+    def prepare(self, config: TrainConfig, module: torch.nn.Module) -> None:
+        """On a trial's copy on a card where liger's field carries the chunked loss: liger's
+        fused linear cross entropy applied as the Trainer applies it (its other kernels are
+        the liger knob's: off here)."""
+        if not (config.chunked_loss and _on_cuda(module) and liger_offered({})):
+            return
+        from transformers.integrations.liger import apply_liger_kernel
+
+        apply_liger_kernel(module, {"fused_linear_cross_entropy": True, "cross_entropy": False,
+                                    "rms_norm": False, "swiglu": False, "rope": False})
+
+    def isolates(self, config: TrainConfig) -> bool:
+        """A trial that applies liger (``prepare``) runs in its own process."""
+        return bool(config.chunked_loss) and liger_offered({})
 
     def recorded(self, config: TrainConfig, recorder: object, target: object) -> None:
         """The simulated step's memory rule when on: torch's chunked op recorded as its

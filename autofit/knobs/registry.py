@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
            "conflict", "emit_fields", "notes", "reason_lines", "step_seconds", "timed_knobs",
-           "narrow", "check_model", "is_choice", "step_loss", "patched", "recorded", "prepare", "isolates", "patch_key", "patching"]
+           "narrow", "check_model", "is_choice", "step_loss", "trial_loss", "patched", "recorded", "prepare", "isolates", "patch_key", "patching"]
 
 # the order the files are written in too: offloading adds its key to the kwargs that
 # checkpointing writes afresh
@@ -169,10 +169,11 @@ def patched(config: TrainConfig, module: torch.nn.Module) -> Iterator[None]:
         yield
 
 
-def recorded(config: TrainConfig, recorder: object, target: str) -> None:
+def recorded(config: TrainConfig, recorder: object, target: object) -> None:
     """Tell the simulation's recorder what ``config``'s knob values run differently from
     what a dispatch mode sees (each knob's ``recorded``: the chunked loss's op recorded as
-    its Python implementation); ``target``: ``"cpu"`` or ``"cuda"``."""
+    its Python implementation); ``target``: the simulated step's (``kind``, ``sm``), or
+    only its kind (``"cpu"`` / ``"cuda"``: the derivation of analytic coefficients)."""
     for k in KNOBS:
         hook = getattr(k, "recorded", None)
         if hook is not None:
@@ -188,10 +189,12 @@ def prepare(config: TrainConfig, module: torch.nn.Module) -> None:
             hook(config, module)
 
 
-def isolates(config: TrainConfig) -> bool:
-    """Whether a trial of ``config`` must run in its own process (a knob's ``isolates``: a
-    patch that cannot be undone)."""
-    return any(getattr(k, "isolates", None) is not None and k.isolates(config) for k in KNOBS)
+def isolates(config: TrainConfig) -> tuple[str, ...]:
+    """The knobs whose value in ``config`` needs a trial of its own process (a knob's
+    ``isolates``: a ``prepare`` that cannot be undone), each as ``describe`` says it;
+    empty: none."""
+    return tuple(k.describe(getattr(config, k.name)) for k in KNOBS
+                 if getattr(k, "isolates", None) is not None and k.isolates(config))
 
 
 def patch_key(config: TrainConfig) -> tuple[object, ...]:
@@ -205,6 +208,21 @@ def patching(config: TrainConfig) -> tuple[str, ...]:
     """The knobs whose value in ``config`` swaps the model's code (``describe`` of each)."""
     return tuple(k.describe(getattr(config, k.name)) for k in KNOBS
                  if getattr(k, "stand_ins", None) is not None and getattr(config, k.name))
+
+
+def trial_loss(config: TrainConfig, device_kind: str) -> Callable[..., torch.Tensor] | None:
+    """The loss a trial on a ``device_kind`` device ("cuda" / "cpu") runs for ``config``: a
+    knob's ``trial_loss`` where it has one (the chunked loss that liger's field carries on
+    a card: the model's own forward, which ``prepare`` made liger's), else ``step_loss``."""
+    for k in KNOBS:
+        trial, step = getattr(k, "trial_loss", None), getattr(k, "step_loss", None)
+        if trial is not None:
+            fn = trial(config, device_kind)
+        else:
+            fn = step(config) if step is not None else None
+        if fn is not None:
+            return fn
+    return None
 
 
 def timed_knobs() -> tuple[str, ...]:

@@ -799,13 +799,13 @@ def warm_up(dev: DeviceInfo, isolation: str = "auto") -> None:
 
 def _isolated(plan: StepPlan | None) -> str | None:
     """Why ``plan``'s knob values need a process of their own (a knob's ``prepare`` that
-    cannot be undone: liger patches transformers' modules), or None."""
-    from autofit.knobs.registry import isolates, patching
+    cannot be undone), or None."""
+    from autofit.knobs.registry import isolates
 
-    if plan is None or plan.config is None or not isolates(plan.config):
+    if plan is None or plan.config is None or not (knobs := isolates(plan.config)):
         return None
-    return (f"{', '.join(patching(plan.config))} change transformers' code for the whole "
-            "process and cannot be undone")
+    return (f"{', '.join(knobs)}: what the trainer does to the model for them changes "
+            "transformers' code for the whole process and cannot be undone")
 
 
 def _choose_isolation(isolation: str, dev: DeviceInfo, plan: StepPlan | None = None

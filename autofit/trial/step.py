@@ -191,7 +191,7 @@ def plan_step(model: torch.nn.Module, config: TrainConfig, *, use_cpu: bool) -> 
         bnb_embedding_override="bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8,
         max_grad_norm=float(args.max_grad_norm),
         optimizer_name=config.optimizer,
-        loss_fn=registry.step_loss(config),
+        loss_fn=registry.trial_loss(config, "cpu" if use_cpu else "cuda"),
         activation_offloading=config.activation_offloading,
         torch_compile=config.torch_compile,
         loss_impl=config.loss_impl,

@@ -154,3 +154,31 @@ def test_a_trial_with_liger_runs_in_its_own_process():
     assert _choose_isolation("auto", dev, plan)[0] == "subprocess"
     with pytest.raises(BadInputError, match="cannot run"):
         _choose_isolation("in-process", dev, plan)
+
+
+def test_a_trial_of_the_chunked_loss_liger_carries_runs_liger_s_loss(monkeypatch):
+    """On a card where use_liger_kernel carries the chunked loss, the trial runs what the
+    user's Trainer runs: liger applied to the trial's copy with its fused loss (and only
+    that), the model's own forward as the loss, in a process of its own; on a CPU, or
+    without liger, autofit's chunked loss as before."""
+    from autofit.knobs import chunked_loss as cl
+    from autofit.knobs.loss import causal_lm_chunked_loss
+    from autofit.knobs.registry import prepare, trial_loss
+
+    config = TrainConfig(chunked_loss=True)
+    monkeypatch.setattr(cl, "liger_offered", lambda args: False)
+    assert trial_loss(config, "cuda") is causal_lm_chunked_loss and not isolates(config)
+    monkeypatch.setattr(cl, "liger_offered", lambda args: True)
+    assert trial_loss(config, "cuda") is None
+    assert trial_loss(config, "cpu") is causal_lm_chunked_loss
+    assert isolates(config) == ("chunked loss",)
+    applied = []
+    monkeypatch.setattr("transformers.integrations.liger.apply_liger_kernel",
+                        lambda module, cfg: applied.append(cfg))
+    m = _tiny()
+    prepare(config, m)
+    assert applied == []  # a CPU copy: nothing applied
+    monkeypatch.setattr(cl, "_on_cuda", lambda module: True)
+    prepare(config, m)
+    assert applied == [{"fused_linear_cross_entropy": True, "cross_entropy": False,
+                        "rms_norm": False, "swiglu": False, "rope": False}]
