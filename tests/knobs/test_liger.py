@@ -30,7 +30,7 @@ def _tiny(model_type: str = "llama") -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
 def test_the_stand_ins_compute_what_the_model_computes(model_type):
     """liger's kernels compute the same functions: the stand-ins' loss and gradients equal the
     model's own (float32), so the simulated step is the model's step."""
