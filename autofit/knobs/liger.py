@@ -268,8 +268,12 @@ class LigerKnob(OnOffKnob):
     def stand_ins(self, config: TrainConfig, module: torch.nn.Module
                   ) -> contextlib.AbstractContextManager[None] | None:
         """The memory rule: liger's stand-ins on autofit's simulated copy of the model while
-        inside (None: off)."""
-        return emulated(module) if getattr(config, self.name, False) else None
+        inside (None: off, or a model autofit does not model liger for, estimated as it is:
+        liger applies nothing to a model type outside its table, and its kernels only ever
+        keep less, so a user's ``use_liger_kernel`` there is planned on the safe side)."""
+        if not getattr(config, self.name, False) or unsupported_reason(module) is not None:
+            return None
+        return emulated(module)
 
     def prepare(self, config: TrainConfig, module: torch.nn.Module) -> None:
         """What the Trainer does to the model with this value: liger itself on a trial's own

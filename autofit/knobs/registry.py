@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
            "conflict", "emit_fields", "notes", "reason_lines", "step_seconds", "timed_knobs",
-           "narrow", "check_model", "is_choice", "step_loss", "trial_loss", "patched", "recorded", "prepare", "isolates", "patch_key", "patching"]
+           "narrow", "check_model", "is_choice", "step_loss", "trial_loss", "patched", "swaps", "recorded", "prepare", "isolates", "patch_key", "patching"]
 
 # the order the files are written in too: offloading adds its key to the kwargs that
 # checkpointing writes afresh
@@ -178,6 +178,13 @@ def recorded(config: TrainConfig, recorder: object, target: object) -> None:
         hook = getattr(k, "recorded", None)
         if hook is not None:
             hook(config, recorder, target)
+
+
+def swaps(config: TrainConfig, module: torch.nn.Module) -> bool:
+    """Whether a knob's value in ``config`` puts stand-ins in ``module``'s code (its
+    ``stand_ins`` gives a context for this model; liger's for a model type it patches)."""
+    return any(getattr(k, "stand_ins", None) is not None
+               and k.stand_ins(config, module) is not None for k in KNOBS)
 
 
 def prepare(config: TrainConfig, module: torch.nn.Module) -> None:

@@ -182,3 +182,18 @@ def test_a_trial_of_the_chunked_loss_liger_carries_runs_liger_s_loss(monkeypatch
     prepare(config, m)
     assert applied == [{"fused_linear_cross_entropy": True, "cross_entropy": False,
                         "rms_norm": False, "swiglu": False, "rope": False}]
+
+
+def test_a_model_liger_is_not_modelled_for_is_estimated_as_it_is():
+    """A user's file with use_liger_kernel for a model autofit does not model liger for (GPT-2:
+    liger applies nothing to it) is estimated as the model is, not refused."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autofit.api import estimate
+
+    m = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=300))
+    for method in ("analytic", "simulate"):
+        on, off = (estimate(m, TrainConfig(micro_batch_size=2, liger_kernels=v), seq_len=64,
+                            device="H100-80GB", method=method).peak_allocated_bytes
+                   for v in (True, False))
+        assert on == off, method

@@ -103,7 +103,13 @@ def _needs_derived(info: ModelInfo, config: TrainConfig) -> bool:
     decoder / encoder family the table was not fitted to."""
     if patching(config):
         # a knob swaps the model's code (liger's kernels): the table fitted the model's own
-        return True
+        # (a model it leaves as it is keeps its own path; a described one has no module)
+        from autofit.knobs.registry import swaps
+        from autofit.probe.model import module_of
+
+        module = module_of(info)
+        if module is None or swaps(config, module):
+            return True
     if info.peft is not None or info.quant is not None:
         # LoRA too: the table's LoRA rows (tiny-llama's shapes, fp32 adapters on q/v or on
         # every linear layer, no dropout) miss what adapters keep elsewhere: a 16-bit
