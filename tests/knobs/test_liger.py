@@ -184,16 +184,26 @@ def test_a_trial_of_the_chunked_loss_liger_carries_runs_liger_s_loss(monkeypatch
                         "rms_norm": False, "swiglu": False, "rope": False}]
 
 
-def test_a_model_liger_is_not_modelled_for_is_estimated_as_it_is():
-    """A user's file with use_liger_kernel for a model autofit does not model liger for (GPT-2:
-    liger applies nothing to it) is estimated as the model is, not refused."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_a_model_liger_is_not_modelled_for_is_estimated_as_it_is(tmp_path, capsys, monkeypatch):
+    """Asked for a model autofit does not model liger for, liger is refused in one line; a
+    user's file with use_liger_kernel for such a model (GPT-2: liger applies nothing to it)
+    is checked as the model is, with the same estimate as without the field."""
+    import json
 
     from autofit.api import estimate
+    from autofit.cli import main
 
-    m = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=300))
-    for method in ("analytic", "simulate"):
-        on, off = (estimate(m, TrainConfig(micro_batch_size=2, liger_kernels=v), seq_len=64,
-                            device="H100-80GB", method=method).peak_allocated_bytes
-                   for v in (True, False))
-        assert on == off, method
+    with pytest.raises(BadInputError, match="not model type 'gpt2'"):
+        estimate("tiny-gpt2", TrainConfig(liger_kernels=True), seq_len=64, device="H100-80GB")
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+    lines = []
+    for fields in ({"use_liger_kernel": True}, {}):
+        path = tmp_path / f"args{len(fields)}.json"
+        path.write_text(json.dumps({"output_dir": "out", "per_device_train_batch_size": 2,
+                                    "bf16": True, **fields}))
+        rc = main(["check", str(path), "--model", "tiny-gpt2", "--device", "H100-80GB",
+                   "--seq-len", "64"])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        lines.append([ln for ln in out.splitlines() if "fits: estimated" in ln])
+    assert lines[0] == lines[1] and lines[0]
