@@ -3,8 +3,8 @@
     >>> class C: liger_kernels, chunked_loss = True, False
     >>> args = {}; LIGER.emit(C(), args); args["use_liger_kernel"]
     True
-    >>> sorted(args["liger_kernel_config"].items())
-    [('cross_entropy', False), ('fused_linear_cross_entropy', False), ('rms_norm', True), ('rope', True), ('swiglu', True)]
+    >>> sorted(k for k, v in args["liger_kernel_config"].items() if v)  # the rest named off
+    ['rms_norm', 'rope', 'swiglu']
     >>> LIGER.read(args), LIGER.read({"use_liger_kernel": True})
     (True, True)
 
@@ -63,23 +63,32 @@ if TYPE_CHECKING:
     from autofit.knobs.base import Costs, Scope
     from autofit.probe.device import DeviceInfo
 
-__all__ = ["LIGER", "LigerKnob", "MODEL_TYPES", "emulated", "liger_keys", "unsupported_reason"]
+__all__ = ["FLAGS", "LIGER", "LigerKnob", "MODEL_TYPES", "emulated", "liger_keys",
+           "unsupported_reason"]
 
 USE, CONFIG = "use_liger_kernel", "liger_kernel_config"
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # liger patches each alike (monkey_patch.py)
 _KERNELS = ("rms_norm", "swiglu", "rope")  # this knob's keys; the loss's is the chunked loss's
 
 
-def liger_keys(args: dict[str, object], **keys: bool) -> None:
-    """Set ``keys`` in ``args``' ``liger_kernel_config`` (the user's other keys kept), with
-    ``use_liger_kernel`` on while any kernel is; none on: both fields dropped."""
-    cfg = args.get(CONFIG)
-    cfg = dict(cfg) if isinstance(cfg, dict) else {}
+# every kernel flag of liger's apply_liger_kernel_to_* functions (monkey_patch.py, 2026), most
+# on by default: the file names each, so that only the kernels planned run (Gemma's GeGLU
+# too when only the fused loss is chosen)
+FLAGS = ("fused_linear_cross_entropy", "cross_entropy", "rms_norm", "swiglu", "rope",
+         "layer_norm", "geglu", "relu_squared")
+
+
+def liger_keys(args: dict[str, object], *, keep: tuple[str, ...] = (), **keys: bool) -> None:
+    """Set ``keys`` in ``args``' ``liger_kernel_config`` and every other flag liger has to off,
+    but those named in ``keep`` (what another knob wrote), with ``use_liger_kernel`` on while
+    any kernel is; none on: both fields dropped. The user's own flags are replaced: the
+    file runs the kernels planned."""
+    old = _config_of(args)
+    cfg = {k: old[k] for k in keep if k in old}
     cfg.update(keys)
-    # liger's defaults turn its fused loss on; its plain cross entropy never runs with it
-    cfg.setdefault("fused_linear_cross_entropy", False)
-    cfg.setdefault("cross_entropy", False)
-    on = [k for k in ("fused_linear_cross_entropy", *_KERNELS) if cfg.get(k)]
+    for flag in FLAGS:
+        cfg.setdefault(flag, False)
+    on = [k for k in FLAGS if cfg.get(k)]
     if on:
         args[USE], args[CONFIG] = True, cfg
     else:
@@ -295,8 +304,9 @@ class LigerKnob(OnOffKnob):
         if CONFIG not in training_arguments_fields():
             return
         on = bool(getattr(config, self.name, False))
-        if on or args.get(USE):
-            liger_keys(args, **dict.fromkeys(_KERNELS, on))
+        if on or args.get(USE) or CONFIG in args:
+            # the chunked loss's key (written before, registry order) is kept
+            liger_keys(args, keep=("fused_linear_cross_entropy",), **dict.fromkeys(_KERNELS, on))
 
     def read(self, args: dict[str, object]) -> bool:
         return any(kernel_on(args, k) for k in ("rms_norm", "swiglu"))

@@ -60,14 +60,13 @@ def test_the_stand_ins_are_taken_out_again():
 
 def test_the_file_turns_on_exactly_the_kernels_chosen(monkeypatch):
     monkeypatch.setattr("autofit.knobs.chunked_loss.liger_offered", lambda args: True)
-    cases = {(True, False): dict(rms_norm=True, swiglu=True, rope=True,
-                                 fused_linear_cross_entropy=False, cross_entropy=False),
-             (False, True): dict(rms_norm=False, swiglu=False, rope=False,
-                                 fused_linear_cross_entropy=True, cross_entropy=False),
-             (True, True): dict(rms_norm=True, swiglu=True, rope=True,
-                                fused_linear_cross_entropy=True, cross_entropy=False)}
+    off = dict.fromkeys(liger_mod.FLAGS, False)  # every flag named: liger's default is on
+    cases = {(True, False): dict(off, rms_norm=True, swiglu=True, rope=True),
+             (False, True): dict(off, fused_linear_cross_entropy=True),
+             (True, True): dict(off, rms_norm=True, swiglu=True, rope=True,
+                                fused_linear_cross_entropy=True)}
     for (kernels, loss), expected in cases.items():
-        args: dict[str, object] = {}
+        args: dict[str, object] = {"liger_kernel_config": {"geglu": True}}  # the user's own
         emit_fields(TrainConfig(liger_kernels=kernels, chunked_loss=loss), args)
         assert args["use_liger_kernel"] is True and args["liger_kernel_config"] == expected
         assert LIGER.read(args) is kernels and knob("chunked_loss").read(args) is loss
