@@ -45,8 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CHUNKED_LOSS", "ChunkedLossKnob", "TRAINER_NAME", "chunked_loss_bytes",
            "chunked_loss_kernels", "liger_carries", "liger_moment_bytes", "liger_offered",
-           "liger_weight_grad_transient",
-           "loss_chunk_rows", "mixed_inplace_workspace"]
+           "liger_weight_grad_transient", "loss_chunk_rows", "mixed_inplace_workspace"]
 
 TRAINER_NAME = "autofit.ChunkedLossTrainer"
 _LIGER = "use_liger_kernel"
@@ -237,7 +236,6 @@ def _first_chunks_only(lce: object) -> Iterator[None]:
         ctx_cls.chunks = original
 
 
-
 def _on_cuda(module: torch.nn.Module) -> bool:
     """Whether ``module``'s parameters sit on a CUDA device (a trial on a card)."""
     first = next(iter(module.parameters()), None)
@@ -248,19 +246,19 @@ def _with_liger_moment(run: Callable[..., object], recorder: object, config: Tra
                        sm: int) -> Callable[..., object]:
     """``run`` (torch's chunked op, recorded), then liger's moment (``liger_moment_bytes``)
     held and released while the op's outputs, the two gradients, are alive."""
-    def moment(input, linear_weight, *args):  # noqa: A002 - torch's op's argument names
+    def run_then_hold(input, linear_weight, *args):  # noqa: A002 - torch's op's names
         out = run(input, linear_weight, *args)
         vocab, hidden = linear_weight.shape
         weight_bytes = linear_weight.element_size()
-        moment = liger_moment_bytes(
+        held = liger_moment_bytes(
             input.shape[0], vocab, hidden, weight_bytes=weight_bytes,
             logit_bytes=2 if config.precision_spec.autocast else weight_bytes, sm=sm,
             head_trainable=linear_weight.requires_grad)
-        if moment:
-            recorder.release(recorder.hold(moment, "temporaries"))
+        if held:
+            recorder.release(recorder.hold(held, "temporaries"))
         return out
 
-    return moment
+    return run_then_hold
 
 
 # NB: found by trials on two ranks (CPU, gloo): the gradients of a ChunkedLossTrainer step

@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = ["KNOBS", "knob", "knob_names", "choice_of", "describe_choice", "owned_fields",
            "conflict", "emit_fields", "notes", "reason_lines", "step_seconds", "timed_knobs",
-           "narrow", "check_model", "is_choice", "step_loss", "trial_loss", "patched", "swaps", "recorded", "prepare", "isolates", "patch_key", "patching"]
+           "narrow", "check_model", "is_choice", "step_loss", "trial_loss", "patched", "swaps",
+           "recorded", "prepare", "isolates", "patch_key", "patching"]
 
 # the order the files are written in too: offloading adds its key to the kwargs that
 # checkpointing writes afresh
@@ -223,10 +224,7 @@ def trial_loss(config: TrainConfig, device_kind: str) -> Callable[..., torch.Ten
     a card: the model's own forward, which ``prepare`` made liger's), else ``step_loss``."""
     for k in KNOBS:
         trial, step = getattr(k, "trial_loss", None), getattr(k, "step_loss", None)
-        if trial is not None:
-            fn = trial(config, device_kind)
-        else:
-            fn = step(config) if step is not None else None
+        fn = trial(config, device_kind) if trial else step(config) if step else None
         if fn is not None:
             return fn
     return None

@@ -644,7 +644,11 @@ def _run_one_process(source: ModelSource | ModelSpec, batch: Batch, plan: StepPl
                 run=run,
             )
         except _Unpicklable as e:
-            if isolation != "auto" or _isolated(plan):
+            if (why := _isolated(plan)) is not None:  # no process but its own will do
+                raise BadInputError(
+                    f"cannot send the model to a trial process ({e}), and {why}: pass the "
+                    "model by name or path") from None
+            if isolation != "auto":
                 raise BadInputError(
                     f"cannot send the model to a trial process ({e}); pass isolation='in-process'"
                 ) from None

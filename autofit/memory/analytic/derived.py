@@ -101,11 +101,10 @@ _log = logging.getLogger("autofit")
 
 
 def _key(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> str:
+    from autofit.knobs.registry import patch_key
     from autofit.probe.model import fingerprint
 
     target = device.name if device.allocator == "cuda" else "cpu"
-    from autofit.knobs.registry import patch_key
-
     return json.dumps([fingerprint(info), config.precision, config.chunked_loss, target,
                        *patch_key(config)], sort_keys=True, default=str)
 
