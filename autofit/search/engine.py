@@ -80,8 +80,9 @@ OUTPACED = 1.3
 # speed amortises the optimizer step over the run's accumulation, and a combination that
 # differs from a confirmed one only in an optimizer too cheap to matter is not tried;
 # 13: on a CPU, 16-bit candidates carry what oneDNN keeps for the run's other lengths;
-# 14: the liger_kernels knob).
-ENGINE_VERSION = 15
+# 14: the liger_kernels knob; 15: liger's chunked-loss moment; 16: the simulated backward
+# sums gradients that meet in place, as eager autograd does).
+ENGINE_VERSION = 16
 
 
 @dataclass

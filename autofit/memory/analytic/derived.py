@@ -154,7 +154,8 @@ class _AtShape(NamedTuple):
     largest: list[float]  # ... the largest kind's, per stack (checkpointing recomputes it)
     block_forward: list[float]  # per stack, a block forward's highest point above its start
     total: int  # alive at the loss in all
-    transient: tuple[int, float]  # the forward's transient and its share (_forward_transient)
+    # the forward's transient, its share and what it keeps in all (_forward_transient)
+    transient: tuple[int, float, int]
     # the forward's events, and at each one the transient and the share of what backward
     # keeps made by then (_forward_transient)
     moments: tuple[str, list[int], list[float]]
@@ -191,6 +192,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
     from autofit.memory.simulate._step import (
         forward_loss,
         graph_host_bytes,
+        graph_nodes,
     )
 
     spec = config.precision_spec
@@ -241,7 +243,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 del data, kwargs
                 rec.phase = "backward"
                 if loss.requires_grad:
-                    loss.backward()
+                    with rec.eager_accumulation(graph_nodes(loss)):
+                        loss.backward()
                 del loss
                 grads = {id(r) for p in model.parameters() if p.grad is not None
                          and (r := rec.record_of(p.grad)) is not None}
@@ -362,13 +365,13 @@ def _unreached_numel(loss: torch.Tensor, model: torch.nn.Module, stacks: list[tu
 
 
 def _forward_transient(log: list[tuple[str, Record, str]], alive: set[int]
-                       ) -> tuple[tuple[int, float], tuple[str, list[int], list[float]]]:
+                       ) -> tuple[tuple[int, float, int], tuple[str, list[int], list[float]]]:
     """At the forward's highest point (weights apart), the bytes alive then that backward
     does not keep: an op's scratch, a block's intermediate results (an indexer's (T, T)
     scores over every head of AXK2's sparse attention, freed within the block). A model
     whose forward peaks above what backward starts with has its peak there: the analytic
     phases take it as the ``forward`` candidate. Also the share of what backward keeps that
-    is made by then.
+    is made by then, and all it keeps.
 
     In the same walk, the moments: the forward's events (``"a"``/``"f"`` per allocation
     and free, weights apart: the same string at every shape when the forward runs the same
@@ -388,7 +391,7 @@ def _forward_transient(log: list[tuple[str, Record, str]], alive: set[int]
         series.append(live - kept)
         made.append(kept)
     shares = [k / kept if kept else 1.0 for k in made]
-    highest = (max(series[peak_at], 0), shares[peak_at]) if series else (0, 1.0)
+    highest = (max(series[peak_at], 0), shares[peak_at], kept) if series else (0, 1.0, 0)
     return highest, ("".join(kinds), series, shares)
 
 
@@ -485,7 +488,18 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     base_vals = [a.total - sum(p * c for p, c in zip(a.per_block, counts, strict=True))
                  for a in at]
     bas = _solve(base_vals)
-    fwd = _solve([float(a.transient[0]) for a in at])
+    share = max(a.transient[1] for a in at)
+    # Without checkpointing the forward candidate is the transient beside ``share`` of the
+    # activations, so each shape's transient is fitted as it stands beside that share of
+    # what its forward keeps: the fit then gives back every fitted shape's forward peak.
+    # Where the forward's events differ with the shape its peak is at moments of other
+    # shares (Qwen3-Next's causal LM with LoRA: at 4 x 32 inside the first block's
+    # recurrence, at 0.65, at the other shapes at the loss); its transient fitted as it
+    # was, beside the largest share, counted that shape's activations not yet made on
+    # top, and doubled in the batch (21% over at 4 x 128). (With checkpointing the share
+    # is 1 and what the forward keeps is the checkpoints': the transients as they are.)
+    fwd = _solve([float(a.transient[0]) if config.gradient_checkpointing
+                  else a.transient[0] - (share - a.transient[1]) * a.transient[2] for a in at])
     bwds = [_solve([float(a.block_backward[k]) for a in at]) for k in range(len(roles))]
     # the share of the activations made by the forward's peak, the largest over the four
     # shapes: an encoder-decoder's peak in its encoder comes before any decoder activation
@@ -496,7 +510,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     # four shapes, 9.2% under at 4 x 128), its forwards run the same events and the
     # moments below are fitted one by one, each with its own share; this one is used
     # only where they cannot be (the events differ with the shape: a chunked recurrence)
-    fwd["share"] = max(a.transient[1] for a in at)
+    fwd["share"] = share
     if config.precision_spec.autocast:
         # autocast's 16-bit weight copies, alive at the loss, are counted apart (per block
         # of a stack: its share of the blocks' matmul weights)

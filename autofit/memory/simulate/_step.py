@@ -409,11 +409,10 @@ def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
                 host = graph_host_bytes(loss)
                 graph = rec.hold(host + (host // blocks if blocks else 0), Component.ACTIVATIONS)
             rec.phase = "backward"
-            if scaler is not None:
-                scaler.scale_loss(loss).backward()
-            else:
-                loss.backward()
-            del loss
+            root = scaler.scale_loss(loss) if scaler is not None else loss
+            with rec.eager_accumulation(graph_nodes(root)):
+                root.backward()
+            del loss, root
             if graph is not None:
                 rec.release(graph)
             for j, p in enumerate(params):
