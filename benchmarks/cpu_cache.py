@@ -4,6 +4,7 @@
     python benchmarks/cpu_cache.py 512x256x3072x8192 2048x1024x4096x0
     python benchmarks/cpu_cache.py --half          # 16-bit: what each matmul shape keeps
     python benchmarks/cpu_cache.py --growth        # ... over a run of new lengths (tiny-gpt2)
+    python benchmarks/cpu_cache.py --warm          # 16-bit: what is kept once, what per step
 
 Each shape ``NxHxIxV`` (tokens, hidden, feed-forward, vocabulary; 0: no LM head) runs in
 a fresh child under the measuring environment of ``benchmarks/measure_cpu.py`` (glibc's
@@ -21,6 +22,13 @@ underestimate.
 sequence lengths), each forward and backward in bf16 (three matmuls per linear). oneDNN
 keeps a primitive and its JIT-compiled kernels per shape, so the residue grows with the
 shapes, not with their sizes; the rule is given the shapes (``half_matmuls``).
+
+``--warm`` tells apart what a 16-bit step keeps from what the process keeps once: each
+case runs a warm-up first (a tiny matmul, or the same ops at 8 rows / 8 tokens, as
+``measure_cpu.py``'s warm-up step), then the ops at full size: a bf16 linear (forward and
+backward) at 512 rows, a bf16 flash attention (4 x 4 heads x 128 tokens x 64, causal), both.
+What the warm-up leaves is the process's (oneDNN's first 16-bit matmul); what the full-size
+ops add is the step's (``cpu_library_once_bytes`` / ``half_step`` on an AMD EPYC).
 
 NB: the libraries keep buffers per thread; autofit's trials and this harness run one.
 """
@@ -201,12 +209,63 @@ def rule(shape: str, dtype: str) -> int:
                                    resolve_device("cpu"), half_matmuls=len(shapes))
 
 
+_WARM_CHILD = r"""
+import gc, json, sys, torch
+import torch.nn.functional as F
+torch.set_num_threads(1)
+def rss():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * 4096
+def linear(m, k, n):
+    x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, k, dtype=torch.bfloat16, requires_grad=True)
+    F.linear(x, w).float().sum().backward()
+def attn(b, h, t, d):
+    q, k, v = (torch.randn(b, h, t, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
+def run(ops):
+    for kind, *a in ops:
+        (linear if kind == 'linear' else attn)(*a)
+    gc.collect()
+run(json.loads(sys.argv[1]))
+base = rss()
+run(json.loads(sys.argv[2]))
+print(json.dumps(rss() - base))
+"""
+LINEAR, ATTENTION = ["linear", 512, 256, 512], ["attention", 4, 4, 128, 64]
+WARM_CASES = [  # (what, warm-up ops, measured ops)
+    ("a linear after a tiny matmul", [["linear", 1, 8, 8]], [LINEAR]),
+    ("a linear after one at 8 rows", [["linear", 8, 256, 512]], [LINEAR]),
+    ("a flash attention after a tiny matmul", [["linear", 1, 8, 8]], [ATTENTION]),
+    ("a flash attention after one at 8 tokens", [["attention", 1, 4, 8, 64]], [ATTENTION]),
+    ("both after both at 8", [["attention", 1, 4, 8, 64], ["linear", 8, 256, 512]],
+     [ATTENTION, LINEAR]),
+]
+
+
+def warm() -> None:
+    """What 16-bit ops keep after a warm-up (``--warm``), beside the EPYC's rule."""
+    from measure_cpu import CHILD_ENV
+
+    print("| bf16 ops | residue MiB |")
+    print("|---|---|")
+    for what, before, ops in WARM_CASES:
+        out = subprocess.run([sys.executable, "-c", _WARM_CHILD, json.dumps(before),
+                              json.dumps(ops)], capture_output=True, text=True, check=True,
+                             env={**os.environ, **CHILD_ENV})
+        got = int(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"| {what} | {got / 2**20:.2f} |")
+
+
 def main() -> None:
     from autofit.probe.device import cpu_capability
 
     print(f"instruction set: {cpu_capability()}\n")
     if sys.argv[1:] == ["--growth"]:
         growth()
+        return
+    if sys.argv[1:] == ["--warm"]:
+        warm()
         return
     if sys.argv[1:] == ["--half"]:
         print("| bf16 linears | matmul shapes | residue MiB | rule MiB | rule - residue |")

@@ -212,6 +212,26 @@ def test_cpu_library_cache_rules(info):
     assert cache("AVX512", batch=64, seq=1024, vendor="AMD") == amd
     # ... and oneDNN keeps less: 5 MiB + 0.56 MiB per matmul shape, no reordered weight
     assert cache("AVX512", precision="bf16-mixed", vendor="AMD") == 5 * MiB + 12 * int(0.56 * MiB)
+    # told apart where a simulation counted the step's oneDNN primitives: the step's own
+    # (0.75 MiB + 0.56 a primitive + 2.06 with a 16-bit flash attention) and, as overhead,
+    # what the process keeps once (4.21 MiB; the Xeon's rule keeps it in the step's part)
+    from autofit.memory.analytic._cpu_cache import cpu_library_once_bytes
+
+    def step(flash, vendor="AMD", precision="bf16-mixed"):
+        return cpu_library_cache_bytes(info, TrainConfig(micro_batch_size=2, precision=precision),
+                                       32, cpu,
+                                       capability="AVX512", vendor=vendor,
+                                       half_step=(30, flash))
+
+    assert step(False) == int(0.75 * MiB) + 30 * int(0.56 * MiB)
+    assert step(True) == step(False) + int(2.06 * MiB)
+    assert step(True, vendor="Intel") == cache("AVX512", precision="bf16-mixed")
+    assert step(True, precision="32-true") == cache("AVX512", vendor="AMD")
+    bf16 = TrainConfig(precision="bf16-mixed")
+    assert cpu_library_once_bytes(bf16, cpu, "AVX512", vendor="AMD") == int(4.21 * MiB)
+    assert cpu_library_once_bytes(bf16, cpu, "AVX512", vendor="Intel") == 0
+    assert cpu_library_once_bytes(TrainConfig(), cpu, "AVX512", vendor="AMD") == 0
+    assert cpu_library_once_bytes(bf16, cuda, "AVX512", vendor="AMD") == 0
     assert cache("AVX2", vendor="AMD") == cache("AVX2")  # the AVX2 rule is either maker's
     # an instruction set never measured: the larger rule
     for kw in ({}, {"batch": 64, "seq": 1024}, {"precision": "bf16-mixed"}):

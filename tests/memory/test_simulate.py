@@ -378,6 +378,24 @@ def test_qlora_4bit_base() -> None:
 # ---------------------------------------------------------------------------- CUDA target
 
 
+def test_cpu_half_state_kept_once_is_overhead(llama, monkeypatch) -> None:
+    """On an AMD EPYC a 16-bit step's library state is counted per oneDNN primitive it ran;
+    what oneDNN keeps once per process is overhead (in the device total, not the peak), and
+    a 32-bit step has none."""
+    from autofit.memory.analytic._cpu_cache import cpu_library_once_bytes
+
+    monkeypatch.setattr("autofit.probe.device.cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr("autofit.probe.device.cpu_vendor", lambda: "AMD")
+    module, task = llama
+    sim = Simulator(module, task=task, device=CPU, model_name="tiny-llama")
+    half = sim.simulate(TrainConfig(micro_batch_size=2, precision="bf16-mixed"), seq_len=64)
+    once = cpu_library_once_bytes(TrainConfig(precision="bf16-mixed"), CPU)
+    assert once == int(4.21 * MiB)
+    assert half.device_total_bytes - half.peak_reserved_bytes == once
+    full = sim.simulate(TrainConfig(micro_batch_size=2), seq_len=64)
+    assert full.device_total_bytes == full.peak_reserved_bytes
+
+
 def test_cuda_target_semantics(llama) -> None:
     module, task = llama
     cfg = TrainConfig(micro_batch_size=2)

@@ -41,6 +41,9 @@ if TYPE_CHECKING:  # pragma: no cover
 #   smaller than on a Xeon: 4.16 MiB once + 0.56 MiB per matmul shape (1 to 100 linears, 3
 #   to 300 shapes: within 1 MiB), no reordered weight kept, but a block's larger matmuls
 #   leave ~1.6 MiB more (5 MiB once is taken: the zoo's bf16 rows 1.2% median, none under).
+#   A simulation tells them apart (``half_step``): the once part is the process's (made by
+#   a run's first step, and by the harness's warm-up before its baseline), and the "more"
+#   was a 16-bit flash attention's brgemm kernels, which BERT-style models do not run.
 # An unknown instruction set takes the larger of the two rules.
 _CPU_LIB_CACHE_MAX = 14 << 20  # bytes (AVX2)
 _CPU_LIB_CACHE_SHARE = 0.5  # of the widest matmul output (AVX2)
@@ -62,12 +65,37 @@ _AMD_HEAD_MAX = int(3.5 * (1 << 20))  # ... at most
 _AMD_HEAD_FULL_ROWS = 512  # ... scaled by the rows below this many
 _AMD_HALF = 5 << 20  # oneDNN's 16-bit state, once (4.16 MiB, + what a step's larger weights keep)
 _AMD_HALF_SHAPE = int(0.56 * (1 << 20))  # + per matmul shape
+# ... told apart where a simulation counted the step's oneDNN primitives (``half_step``):
+# what the first 16-bit matmul leaves once per process (a linear's forward and backward
+# after a tiny one: 5.89 MiB, its three primitives 1.64 of it), overhead, not the step's;
+# a 16-bit flash attention's brgemm kernels at a new length after a short one (2.06 MiB);
+# and what a step keeps beyond its primitives (BERT's token classifier: 0.7 MiB)
+_AMD_HALF_ONCE = int(4.21 * (1 << 20))
+_AMD_HALF_FLASH = int(2.06 * (1 << 20))
+_AMD_HALF_STEP = int(0.75 * (1 << 20))
+
+
+def cpu_library_once_bytes(config: TrainConfig, device: DeviceInfo,
+                           capability: str | None = None, *, vendor: str | None = None) -> int:
+    """What the CPU's math libraries keep once per process where ``cpu_library_cache_bytes``
+    with ``half_step`` leaves it out: oneDNN's state from its first 16-bit matmul on an AMD
+    EPYC (0 elsewhere: the other rules keep it in the step's part)."""
+    spec = config.precision_spec
+    if device.allocator == "cuda" or not (spec.autocast or spec.param_dtype != "float32"):
+        return 0
+    if capability is None:
+        from autofit.probe.device import cpu_capability
+
+        capability = cpu_capability()
+    amd = capability.startswith("AVX512") and _vendor(vendor) == "AMD"
+    return _AMD_HALF_ONCE if amd else 0
 
 
 def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
                             device: DeviceInfo, capability: str | None = None,
                             half_matmuls: int | None = None, *,
-                            vendor: str | None = None) -> int:
+                            vendor: str | None = None,
+                            half_step: tuple[int, bool] | None = None) -> int:
     """Bytes the CPU's math libraries keep cached through a training step (0 on CUDA), by
     this CPU's instruction set and maker (``capability``, ``vendor``:
     ``autofit.probe.device.cpu_capability()`` / ``cpu_vendor()`` when ``None``; the rules
@@ -75,7 +103,10 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
     analytic closed form nor the simulated allocation stream sees it otherwise (up to 7%
     of a small model's step: issue 25). ``half_matmuls``: the 16-bit matmuls of distinct
     shapes the step runs, as the simulation counts them (None: from the model's linear
-    layers, ``_half_matmul_shapes``).
+    layers, ``_half_matmul_shapes``). ``half_step``: a simulation's count of the step's
+    oneDNN primitives (by operand layout too) and whether it ran a 16-bit flash
+    attention; on an AMD EPYC the step's part is then told from what the process keeps
+    once (``cpu_library_once_bytes``, not included here).
 
         >>> from autofit.probe.model import probe_model
         >>> from autofit.probe.device import resolve_device
@@ -140,6 +171,10 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
         if tokens >= _AVX512_ACT_ROWS:
             avx512 += min(_AVX512_PACK_MAX, 4 * tokens * (info.hidden_size or 0))
     if amd:
+        if half and half_step is not None:
+            primitives, flash = half_step
+            return (_AMD_HALF_STEP + _AMD_HALF_SHAPE * primitives
+                    + (_AMD_HALF_FLASH if flash else 0))
         if half:
             return _AMD_HALF + _AMD_HALF_SHAPE * (
                 _half_matmul_shapes(info, lm) if half_matmuls is None else half_matmuls)

@@ -103,6 +103,11 @@ class StorageRecorder(TorchDispatchMode):
         # the 16-bit matmuls of distinct shapes the step runs (op, operand shapes): on a CPU,
         # oneDNN keeps a primitive and its JIT-compiled kernels for each (``_cpu_cache``)
         self.half_matmuls: set[tuple[Any, ...]] = set()
+        # ... keyed as oneDNN keys its primitives, by the operands' layouts too (a square
+        # linear's forward ``x @ W.t()`` and input gradient ``g @ W`` are two), and whether
+        # a 16-bit flash attention ran (its brgemm kernels keep state per length)
+        self.half_primitives: set[tuple[Any, ...]] = set()
+        self.half_attention = False
 
     def __enter__(self) -> StorageRecorder:
         if self._depth == 0:
@@ -326,8 +331,12 @@ class StorageRecorder(TorchDispatchMode):
         if func in _MATMULS and out.dtype in _HALF and out.numel() * args[-1].shape[-2] > 4096:
             # (a matmul of at most 16^3 multiply-adds takes torch's own kernel, not oneDNN:
             # the size check of aten/native/mkldnn/Matmul.cpp)
-            self.half_matmuls.add((func, *(tuple(a.shape) for a in args
-                                           if isinstance(a, torch.Tensor))))
+            operands = [a for a in args if isinstance(a, torch.Tensor)]
+            self.half_matmuls.add((func, *(tuple(a.shape) for a in operands)))
+            self.half_primitives.add(tuple((tuple(a.shape), a.dim() < 2 or a.stride(-1) == 1)
+                                           for a in operands))
+        elif func in _FLASH_CPU and args[0].dtype in _HALF:
+            self.half_attention = True
         if isinstance(out, torch.Tensor):
             self.track(out)
             if out.dtype == torch.bool:
@@ -366,6 +375,11 @@ def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | N
 _MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
                       torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default})
 _HALF = frozenset({torch.bfloat16, torch.float16})
+# the CPU's flash attention (its 16-bit kernels are oneDNN's brgemm: ``half_attention``)
+_FLASH_CPU = frozenset(getattr(torch.ops.aten, n).default for n in (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward")
+    if hasattr(torch.ops.aten, n))
 
 _GROUPED_MM = ({torch.ops.aten._grouped_mm.default: _grouped_mm}
                if hasattr(torch.ops.aten, "_grouped_mm") else {})

@@ -363,7 +363,8 @@ class Simulator:
 
             notes.append(offload_note(host_bytes, host_tensors))
         est = self._estimate(config, seq_len, replay, num_params, trainable, notes,
-                             half_matmuls=len(rec.half_matmuls))
+                             half_matmuls=len(rec.half_matmuls),
+                             half_step=(len(rec.half_primitives), rec.half_attention))
         if host_bytes:
             import dataclasses
 
@@ -389,15 +390,18 @@ class Simulator:
         trainable: int,
         notes: list[str],
         half_matmuls: int | None = None,
+        half_step: tuple[int, bool] | None = None,
     ) -> MemoryEstimate:
         breakdown = {c: int(r.peak_by_category.get(c, 0)) for c in _CATEGORIES}
         # the CPU math libraries' caches: not tensors, so not in the stream (analytic's rule,
-        # with the 16-bit matmuls of distinct shapes the step ran)
-        lib_cache = self._library_cache(config, seq_len, half_matmuls)
+        # with the 16-bit matmuls of distinct shapes the step ran); where the rule tells the
+        # step's own from what the process keeps once (oneDNN's first 16-bit matmul), the
+        # latter is overhead, as a CUDA context is: in the device total, not the step's peak
+        lib_cache, once = self._library_cache(config, seq_len, half_matmuls, half_step)
         breakdown[Component.TEMPORARIES] = breakdown.get(Component.TEMPORARIES, 0) + lib_cache
         allocated = int(r.peak_allocated_bytes) + lib_cache
         reserved = int(r.peak_reserved_bytes) + lib_cache
-        total = reserved + int(self.device.overhead_bytes)
+        total = reserved + int(self.device.overhead_bytes) + once
         breakdown[Component.OVERHEAD] = total - allocated
         if self.device.allocator == "cpu":
             # what a CPU step holds is what is resident: the heap's holes between small
@@ -424,17 +428,25 @@ class Simulator:
         )
 
     def _library_cache(self, config: TrainConfig, seq_len: int,
-                       half_matmuls: int | None = None) -> int:
-        """``cpu_library_cache_bytes`` of this model (0 on a CUDA target or a non-transformer);
-        ``half_matmuls``: the 16-bit matmuls of distinct shapes the simulated step ran."""
+                       half_matmuls: int | None = None,
+                       half_step: tuple[int, bool] | None = None) -> tuple[int, int]:
+        """``cpu_library_cache_bytes`` of this model (0 on a CUDA target or a non-transformer)
+        and what of it the process keeps once (``cpu_library_once_bytes``, not in the first);
+        ``half_matmuls``: the 16-bit matmuls of distinct shapes the simulated step ran,
+        ``half_step``: its oneDNN primitives and whether a 16-bit flash attention ran."""
         if self.device.allocator == "cuda":
-            return 0
-        from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes
+            return 0, 0
+        from autofit.memory.analytic._cpu_cache import (
+            cpu_library_cache_bytes,
+            cpu_library_once_bytes,
+        )
         from autofit.probe.model import describe
 
         info = describe(self.module, task=self.task, name=self.model_name)
-        return cpu_library_cache_bytes(info, config, seq_len, self.device,
-                                       half_matmuls=half_matmuls)
+        step = cpu_library_cache_bytes(info, config, seq_len, self.device,
+                                       half_matmuls=half_matmuls, half_step=half_step)
+        once = cpu_library_once_bytes(config, self.device) if half_step is not None else 0
+        return step, once
 
     def _compiled(self, est: MemoryEstimate, config: TrainConfig, seq_len: int,
                   events: tuple[AllocEvent, ...]) -> MemoryEstimate:
@@ -502,7 +514,8 @@ class Simulator:
             intercept_bytes=intercept,
             slope_bytes=slope,
             reserve_margin_bytes=max(e.peak_reserved_bytes - e.peak_allocated_bytes for e in ests),
-            overhead_bytes=int(self.device.overhead_bytes),
+            # the device's, and what the CPU's libraries keep once (``_estimate``)
+            overhead_bytes=int(ests[0].device_total_bytes - ests[0].peak_reserved_bytes),
             batches=(b1, b2, b3),
             check_error=(intercept + slope * b3 - y3) / y3,
             peak_phases=tuple(e.peak_phase for e in ests),
