@@ -115,6 +115,7 @@ def test_estimates_match_a_real_quantized_step(saved, q, config, monkeypatch) ->
     # one counts the step's 16-bit matmul shapes for them: tests/memory/test_analytic.py)
     for where in ("autofit.memory.analytic._cpu_cache", "autofit.memory.analytic._closed_form"):
         monkeypatch.setattr(f"{where}.cpu_library_cache_bytes", lambda *a, **k: 0)
+        monkeypatch.setattr(f"{where}.cpu_library_once_bytes", lambda *a, **k: 0)
     sim = estimate("tiny-llama", config, method="simulate", **kw)
     ana = estimate("tiny-llama", config, **kw)
     # the weights as loaded: packed / int8 values, their quantization states, the rest in

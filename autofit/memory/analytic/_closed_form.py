@@ -93,7 +93,7 @@ from autofit.memory.analytic._activations import (
     _packed,
     kept_input_bytes,
 )
-from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes
+from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes, cpu_library_once_bytes
 from autofit.memory.analytic._levers import _compile_parts, chunked_loss_bytes, offload_note
 from autofit.memory.analytic._states import (
     _bytes,
@@ -177,6 +177,9 @@ class AnalyticTerms:
     # method's own among them: DoRA's norms, LoHa's and OFT's products); None: from the
     # weights (``cpu_library_cache_bytes``)
     half_matmuls: int | None = None
+    # derived: the step's oneDNN primitives and whether it runs a 16-bit flash attention
+    # (``cpu_library_cache_bytes``'s ``half_step``); None: not known
+    half_step: tuple[int, bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,9 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
                          opt_temp=opt_temp, A=saved.A, A_base=saved.A_base,
                          A_transient=saved.A_transient, loss_temp=loss_temp,
                          block_bwd_temp=block_bwd_temp, derived=bool(c.get("derived")),
-                         half_matmuls=c.get("half_matmuls"))
+                         half_matmuls=c.get("half_matmuls"),
+                         half_step=(int(c["half_step"][0]), bool(c["half_step"][1]))
+                         if c.get("half_step") else None)
 
 
 def _derived_block_backward(info: ModelInfo, config: TrainConfig, T: int, c: dict) -> float:
@@ -534,7 +539,8 @@ def estimate_analytic(
     phase, (peak_alloc, parts) = max(phases.items(), key=lambda kv: kv[1][0])
     parts = {k: int(v) for k, v in parts.items()}
     lib_cache = cpu_library_cache_bytes(info, config, seq_len, device,  # the whole step
-                                        half_matmuls=terms.half_matmuls)
+                                        half_matmuls=terms.half_matmuls,
+                                        half_step=terms.half_step)
     parts[Component.TEMPORARIES] += lib_cache
     peak_alloc = int(peak_alloc) + lib_cache
 
@@ -542,7 +548,9 @@ def estimate_analytic(
         peak_reserved = cuda_reserved_bytes(phases, config)
     else:
         peak_reserved = peak_alloc
-    total = peak_reserved + device.overhead_bytes
+    # what the CPU's libraries keep once per process, where told apart: overhead
+    once = cpu_library_once_bytes(config, device) if terms.half_step is not None else 0
+    total = peak_reserved + device.overhead_bytes + once
     breakdown = {
         Component.WEIGHTS: parts[Component.WEIGHTS],
         Component.GRADIENTS: parts[Component.GRADIENTS],

@@ -161,6 +161,9 @@ class _AtShape(NamedTuple):
     moments: tuple[str, list[int], list[float]]
     block_backward: list[int]  # per stack, a block backward's scratch (_block_backward)
     half_matmuls: int  # the 16-bit matmuls of distinct shapes (StorageRecorder.half_matmuls)
+    # the step's oneDNN primitives and whether a 16-bit flash attention ran
+    # (StorageRecorder.half_primitives, half_attention)
+    half_step: tuple[int, bool]
 
 
 def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, device: DeviceInfo
@@ -265,7 +268,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
             if step:
                 out.append(_AtShape(per_block, largest, highest,
                                     int(total - sum(per_kind) + blocks), transient, moments,
-                                    block_bwd, len(rec.half_matmuls)))
+                                    block_bwd, len(rec.half_matmuls), rec.half_step()))
     return out, dead
 
 
@@ -362,6 +365,25 @@ def _unreached_numel(loss: torch.Tensor, model: torch.nn.Module, stacks: list[tu
                 times[id(p)] = count
     return sum(p.numel() * times.get(id(p), 1) for p in model.parameters()
                if p.requires_grad and id(p) not in reached)
+
+
+def _forward_fit(at: list[_AtShape], config: TrainConfig) -> tuple[dict[str, float], float]:
+    """The forward's transient fitted over the shapes, and the share of the activations it
+    stands beside (the largest of the shapes').
+
+    Without checkpointing the forward candidate is the transient beside ``share`` of the
+    activations, so each shape's transient is fitted as it stands beside that share of
+    what its forward keeps: the fit then gives back every fitted shape's forward peak.
+    Where the forward's events differ with the shape its peak is at moments of other
+    shares (Qwen3-Next's causal LM with LoRA: at 4 x 32 inside the first block's
+    recurrence, at 0.65, at the other shapes at the loss); its transient fitted as it
+    was, beside the largest share, counted that shape's activations not yet made on top,
+    and doubled in the batch (21% over at 4 x 128). With checkpointing the share is 1 and
+    what the forward keeps is the checkpoints': the transients as they are."""
+    share = max(a.transient[1] for a in at)
+    return _solve([float(a.transient[0]) if config.gradient_checkpointing
+                   else a.transient[0] - (share - a.transient[1]) * a.transient[2]
+                   for a in at]), share
 
 
 def _forward_transient(log: list[tuple[str, Record, str]], alive: set[int]
@@ -488,18 +510,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     base_vals = [a.total - sum(p * c for p, c in zip(a.per_block, counts, strict=True))
                  for a in at]
     bas = _solve(base_vals)
-    share = max(a.transient[1] for a in at)
-    # Without checkpointing the forward candidate is the transient beside ``share`` of the
-    # activations, so each shape's transient is fitted as it stands beside that share of
-    # what its forward keeps: the fit then gives back every fitted shape's forward peak.
-    # Where the forward's events differ with the shape its peak is at moments of other
-    # shares (Qwen3-Next's causal LM with LoRA: at 4 x 32 inside the first block's
-    # recurrence, at 0.65, at the other shapes at the loss); its transient fitted as it
-    # was, beside the largest share, counted that shape's activations not yet made on
-    # top, and doubled in the batch (21% over at 4 x 128). (With checkpointing the share
-    # is 1 and what the forward keeps is the checkpoints': the transients as they are.)
-    fwd = _solve([float(a.transient[0]) if config.gradient_checkpointing
-                  else a.transient[0] - (share - a.transient[1]) * a.transient[2] for a in at])
+    fwd, share = _forward_fit(at, config)
     bwds = [_solve([float(a.block_backward[k]) for a in at]) for k in range(len(roles))]
     # the share of the activations made by the forward's peak, the largest over the four
     # shapes: an encoder-decoder's peak in its encoder comes before any decoder activation
@@ -542,6 +553,9 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         # the step's 16-bit matmuls of distinct shapes, at one shape (the CPU's oneDNN
         # caches: ``cpu_library_cache_bytes``; blocks alike run the same ones)
         "half_matmuls": max(a.half_matmuls for a in at),
+        # ... and its oneDNN primitives, whether it runs a 16-bit flash attention (an AMD
+        # EPYC's rule tells the step's state from the process's: ``half_step``)
+        "half_step": [max(a.half_step[0] for a in at), any(a.half_step[1] for a in at)],
     }
     if (moments := _transient_moments(at)) is not None:
         coef["forward_moments"] = moments

@@ -140,18 +140,20 @@ def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: D
                    rank: _Rank, terms: AnalyticTerms) -> MemoryEstimate:
     """One rank's MemoryEstimate from its phases (as ``estimate_analytic`` builds one)."""
     from autofit.memory.analytic._closed_form import cuda_reserved_bytes
-    from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes
+    from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes, cpu_library_once_bytes
 
     phase, (peak, parts) = max(rank.phases.items(), key=lambda kv: kv[1][0])
     parts = {k: int(v) for k, v in parts.items()}
     # the CPU math libraries' caches (0 on CUDA), as a single process's estimate adds them:
     # without them the fsdp2-bf16 row on an AVX512 host was 4.8% under
     lib_cache = cpu_library_cache_bytes(info, config, seq_len, device,
-                                        half_matmuls=terms.half_matmuls)
+                                        half_matmuls=terms.half_matmuls,
+                                        half_step=terms.half_step)
     parts[Component.TEMPORARIES] = parts.get(Component.TEMPORARIES, 0) + lib_cache
     peak = int(peak) + lib_cache
     reserved = cuda_reserved_bytes(rank.phases, config) if device.allocator == "cuda" else peak
-    total = reserved + device.overhead_bytes
+    once = cpu_library_once_bytes(config, device) if terms.half_step is not None else 0
+    total = reserved + device.overhead_bytes + once
     breakdown = {k: parts.get(k, 0) for k in (Component.WEIGHTS, Component.GRADIENTS, Component.OPTIMIZER_STATES,
                                               Component.ACTIVATIONS, Component.TEMPORARIES)}
     breakdown[Component.OVERHEAD] = total - peak

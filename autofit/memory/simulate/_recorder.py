@@ -99,7 +99,7 @@ class StorageRecorder(TorchDispatchMode):
         self.paused = 0
         # under ``eager_accumulation``: the autograd node whose outputs the engine is
         # summing into the next nodes' buffers now, if it is
-        self._summing: Any = None
+        self._summing: torch.autograd.graph.Node | None = None
         # the 16-bit matmuls of distinct shapes the step runs (op, operand shapes): on a CPU,
         # oneDNN keeps a primitive and its JIT-compiled kernels for each (``_cpu_cache``)
         self.half_matmuls: set[tuple[Any, ...]] = set()
@@ -223,9 +223,14 @@ class StorageRecorder(TorchDispatchMode):
         rec.alive = False
         self._log.append(("free", rec, self.phase))
 
+    def half_step(self) -> tuple[int, bool]:
+        """The 16-bit oneDNN primitives the step ran and whether it ran a 16-bit flash
+        attention (``cpu_library_cache_bytes``'s ``half_step``)."""
+        return len(self.half_primitives), self.half_attention
+
     # ------------------------------------------------------------------ accumulation
     @contextlib.contextmanager
-    def eager_accumulation(self, nodes: Iterable[Any]) -> Iterator[None]:
+    def eager_accumulation(self, nodes: Iterable[torch.autograd.graph.Node]) -> Iterator[None]:
         """Sum the gradients that meet at one tensor as eager autograd does, during a
         ``backward()`` over the graph of ``nodes`` (every node of it, ``graph_nodes``).
 
@@ -257,17 +262,18 @@ class StorageRecorder(TorchDispatchMode):
                 h.remove()
             self._summing = None
 
-    def _node_starts(self, grad_outputs: tuple[Any, ...]) -> None:
+    def _node_starts(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         self._summing = None
 
-    def _node_ends(self, node: Any, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]
-                   ) -> None:
+    def _node_ends(self, node: torch.autograd.graph.Node,
+                   grad_inputs: tuple[torch.Tensor | None, ...],
+                   grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         # (a tensor subclass's gradients are never summed in place: ``DTensor``'s come
         # back here as their local tensors' ops, which must stay out of place)
         subclass = _has_subclass({type(g) for g in grad_inputs if g is not None})
         self._summing = None if subclass else node
 
-    def _accumulate(self, old: Any, new: Any) -> torch.Tensor | None:
+    def _accumulate(self, old: object, new: object) -> torch.Tensor | None:
         """``old + new`` as the engine sums two gradients; None: not that sum here."""
         if torch._C._current_autograd_node() is not self._summing:
             return None  # e.g. a hook of the next node's gradients

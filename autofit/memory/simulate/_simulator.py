@@ -363,8 +363,7 @@ class Simulator:
 
             notes.append(offload_note(host_bytes, host_tensors))
         est = self._estimate(config, seq_len, replay, num_params, trainable, notes,
-                             half_matmuls=len(rec.half_matmuls),
-                             half_step=(len(rec.half_primitives), rec.half_attention))
+                             half_matmuls=len(rec.half_matmuls), half_step=rec.half_step())
         if host_bytes:
             import dataclasses
 
