@@ -22,7 +22,7 @@ from autofit.memory.analytic import (
 )
 from autofit.memory.analytic._activations import _coefficients
 from autofit.probe.device import resolve_device
-from autofit.probe.model import describe, probe_model
+from autofit.probe.model import LoraSpec, describe, probe_model
 
 P = 151872
 
@@ -432,9 +432,15 @@ def test_a_family_with_another_activation_derives_its_coefficients(tmp_path, mon
 def test_checkpointing_counts_the_input_embeddings_gradients_after_the_blocks():
     """The input embeddings' backward runs after the last block's: while a block is
     recomputed their gradients do not exist yet (DistilBERT's token classifier in bf16 with
-    checkpointing was 17.6% over with them); with accumulation the earlier micro batch's
-    are there all along, and without checkpointing nothing changes."""
-    from autofit.memory.analytic._closed_form import _late_embedding_gradients, analytic_phases
+    checkpointing was 17.6% over with them), nor the recomputed first block's own but its
+    last linear's (ELECTRA's two-block classifier: 15.8% over with them); with accumulation
+    the earlier micro batch's are there all along, and without checkpointing nothing
+    changes. A LoRA model's blocks make adapter gradients only: none taken off."""
+    from autofit.memory.analytic._closed_form import (
+        _first_block_gradients,
+        _late_embedding_gradients,
+        analytic_phases,
+    )
 
     info = probe_model("tiny-bert", task="seq-cls")
     cpu = resolve_device("cpu")
@@ -447,12 +453,18 @@ def test_checkpointing_counts_the_input_embeddings_gradients_after_the_blocks():
 
     ckpt = {"gradient_checkpointing": True}
     rec = phases(**ckpt)["recompute"][1]
-    assert rec["gradients"] == phases(**ckpt)["optimizer"][1]["gradients"] - late
+    # (nor the first block's own but its largest linear's: ``_first_block_gradients``)
+    own = _first_block_gradients(info, TrainConfig())
+    sizes = [k * n for _, k, n, _ in info.blocks[0].linears]
+    assert own == 4 * (sum(sizes) - max(sizes)) > 0
+    assert rec["gradients"] == phases(**ckpt)["optimizer"][1]["gradients"] - late - own
     accum = phases(gradient_checkpointing=True, grad_accum_steps=2)["recompute"][1]
     assert accum["gradients"] == phases(**ckpt)["optimizer"][1]["gradients"]
     # no checkpointing: the backward end holds every gradient as before
     plain = phases()["backward-end"][1]
     assert plain["gradients"] == phases()["optimizer"][1]["gradients"]
+    assert _first_block_gradients(probe_model("tiny-bert", task="seq-cls", lora=LoraSpec(r=8)),
+                                  TrainConfig()) == 0
     # a causal LM's tied embedding gets its gradient from the head first: nothing is late
     lm = probe_model("tiny-gpt2")
     assert lm.tie_word_embeddings
