@@ -447,6 +447,11 @@ def child_main(job_path: str) -> int:
     events = open(job["events"], "w")  # noqa: SIM115 - open before the cap, closed at exit
     try:
         prepared = _prepare(job, model, train, evals, collator, out_dir)
+        # what reports an OOM is imported before the baseline and the cap: importing it
+        # after one (a few MiB of address space left) failed with its own MemoryError
+        import autofit.trial.loop  # noqa: F401
+        import autofit.trial.oom  # noqa: F401
+
         gc.collect()
         procmem.malloc_trim()
         base = procmem.rss_bytes() or 0
