@@ -74,7 +74,8 @@ print(json.dumps(rss() - base))
 """
 
 
-_HALF_CHILD = r"""
+# a bf16 linear's forward and backward, and the process's resident bytes (the 16-bit children)
+_HALF_OPS = r"""
 import gc, json, sys, torch
 torch.set_num_threads(1)
 def rss():
@@ -86,6 +87,9 @@ def linear(m, k, n):
     torch.nn.functional.linear(x, w).float().sum().backward()
     del x, w
     gc.collect()
+"""
+
+_HALF_CHILD = _HALF_OPS + r"""
 linear(1, 8, 8)
 base = rss()
 for m, k, n in json.loads(sys.argv[1]):
@@ -209,20 +213,10 @@ def rule(shape: str, dtype: str) -> int:
                                    resolve_device("cpu"), half_matmuls=len(shapes))
 
 
-_WARM_CHILD = r"""
-import gc, json, sys, torch
-import torch.nn.functional as F
-torch.set_num_threads(1)
-def rss():
-    with open('/proc/self/statm') as f:
-        return int(f.read().split()[1]) * 4096
-def linear(m, k, n):
-    x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(n, k, dtype=torch.bfloat16, requires_grad=True)
-    F.linear(x, w).float().sum().backward()
+_WARM_CHILD = _HALF_OPS + r"""
 def attn(b, h, t, d):
     q, k, v = (torch.randn(b, h, t, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
 def run(ops):
     for kind, *a in ops:
         (linear if kind == 'linear' else attn)(*a)

@@ -83,12 +83,7 @@ def cpu_library_once_bytes(config: TrainConfig, device: DeviceInfo,
     spec = config.precision_spec
     if device.allocator == "cuda" or not (spec.autocast or spec.param_dtype != "float32"):
         return 0
-    if capability is None:
-        from autofit.probe.device import cpu_capability
-
-        capability = cpu_capability()
-    amd = capability.startswith("AVX512") and _vendor(vendor) == "AMD"
-    return _AMD_HALF_ONCE if amd else 0
+    return _AMD_HALF_ONCE if _amd(_capability(capability), vendor) else 0
 
 
 def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
@@ -117,11 +112,8 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
     """
     if device.allocator == "cuda":
         return 0
-    if capability is None:
-        from autofit.probe.device import cpu_capability
-
-        capability = cpu_capability()
-    amd = capability.startswith("AVX512") and _vendor(vendor) == "AMD"
+    capability = _capability(capability)
+    amd = _amd(capability, vendor)
     tokens = config.micro_batch_size * seq_len
     lm = _lm_head_matmul(info, config)
     if info.is_transformer:
@@ -194,6 +186,19 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
     return max(avx2, avx512)
 
 
+def _capability(capability: str | None) -> str:
+    if capability is not None:
+        return capability
+    from autofit.probe.device import cpu_capability
+
+    return cpu_capability()
+
+
+def _amd(capability: str, vendor: str | None) -> bool:
+    """An AMD EPYC's AVX512 (its own rules: MKL packs no fp32 weight, oneDNN keeps less)."""
+    return capability.startswith("AVX512") and _vendor(vendor) == "AMD"
+
+
 def _vendor(vendor: str | None) -> str:
     if vendor is not None:
         return vendor
@@ -217,11 +222,7 @@ def cpu_half_run_bytes(info: ModelInfo, config: TrainConfig, device: DeviceInfo,
     spec = config.precision_spec
     if not (spec.autocast or spec.param_dtype != "float32"):
         return 0
-    if capability is None:
-        from autofit.probe.device import cpu_capability
-
-        capability = cpu_capability()
-    if capability == "AVX2":
+    if _capability(capability) == "AVX2":
         return 0
     per_step = _half_matmul_shapes(info, _lm_head_matmul(info, config),
                                    forward_only=forward_only)

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -405,8 +406,6 @@ def _stealable(t: torch.Tensor) -> bool:
     gradient fewer alive until the other buffer is consumed. The zoo and the accuracy
     table show no such underestimate (benchmarks/results/zoo.md, accuracy.md).
     """
-    from torch._prims_common import is_non_overlapping_and_dense_or_false
-
     return (is_non_overlapping_and_dense_or_false(t)
             and torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= _SOLE_USE)
 
