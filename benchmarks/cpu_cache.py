@@ -14,8 +14,9 @@ order, each forward and backward: ``H -> H`` (attention), ``H -> I``, ``I -> H``
 (feed-forward), ``H -> V`` (head). All tensors freed, the residue is what the libraries
 keep (MKL's packing buffers for fp32, oneDNN's primitive cache and scratch for 16-bit).
 The rule is ``autofit.memory.analytic.cpu_library_cache_bytes`` for a model of those
-sizes on this CPU's instruction set: a row where the rule is below the residue is an
-underestimate.
+sizes on this CPU's instruction set, with, in fp32, what the process keeps from its first
+step (``cpu_library_once_bytes``: an AMD EPYC's rule tells it apart; the tiny warm-up here
+does not make it): a row where the rule is below the residue is an underestimate.
 
 ``--half`` measures the 16-bit side per matmul shape: ``n`` linears of distinct widths
 (256 -> 8, 16, ...) at 512 rows, and one 256 -> 256 linear at ``n`` row counts (a run's
@@ -195,6 +196,7 @@ def residue(shape: str, dtype: str) -> int:
 def rule(shape: str, dtype: str) -> int:
     from autofit.config import TrainConfig
     from autofit.memory.analytic import cpu_library_cache_bytes
+    from autofit.memory.analytic._cpu_cache import cpu_library_once_bytes
     from autofit.probe.device import resolve_device
     from autofit.probe.model import probe_model
 
@@ -209,8 +211,11 @@ def rule(shape: str, dtype: str) -> int:
     # the child's matmul shapes: per linear k -> n its forward, input and weight gradients
     shapes = {s for k, n in ((H, H), (H, ffn), (ffn, H)) + (((H, V),) if V else ())
               for s in (((N, k), (k, n)), ((N, n), (n, k)), ((n, N), (N, k)))}
-    return cpu_library_cache_bytes(info, TrainConfig(micro_batch_size=N, precision=precision), 1,
-                                   resolve_device("cpu"), half_matmuls=len(shapes))
+    config, cpu = TrainConfig(micro_batch_size=N, precision=precision), resolve_device("cpu")
+    # the child's warm-up is a tiny matmul: what the process keeps from its first full-size
+    # fp32 step is in the residue too (an AMD EPYC's rule tells it apart)
+    once = cpu_library_once_bytes(info, config, 1, cpu) if precision == "32-true" else 0
+    return cpu_library_cache_bytes(info, config, 1, cpu, half_matmuls=len(shapes)) + once
 
 
 _WARM_CHILD = _HALF_OPS + r"""
@@ -253,6 +258,10 @@ def warm() -> None:
 
 def main() -> None:
     from autofit.probe.device import cpu_capability
+
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return
 
     print(f"instruction set: {cpu_capability()}\n")
     if sys.argv[1:] == ["--growth"]:

@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                          "--setups), each "
                          "with its instruction set's rule; measure nothing")
     ap.add_argument("--vendor", default=None,
-                    help="with --reestimate: only the rows measured on this CPU maker (AMD)")
+                    help="with --reestimate: only the rows measured on this CPU maker (AMD; "
+                         "none: the rows from before the maker was recorded)")
     ap.add_argument("--out", default=str(RESULTS / "zoo"))
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = [(name, row) for name, row in sorted(data["rows"].items())
                 if "measured" in row and (fams is None or row["spec"]["model_type"] in fams)
                 and row["spec"]["task"] in tasks and row.get("setup") in setups
-                and (args.vendor is None or row.get("vendor") == args.vendor)]
+                and (args.vendor is None or (row.get("vendor") or "none") == args.vendor)]
         for n, (name, row) in enumerate(todo, 1):
             done[name] = reestimate(row, args.methods.split(","))
             print(f"[{n}/{len(todo)}]", name,

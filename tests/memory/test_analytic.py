@@ -7,6 +7,7 @@ tiny llama (conftest): hidden h=64, intermediate i=160, 2 layers, 4 heads, 2 KV 
   -> P = 32768 + 2*43136 + 64 + 32768 = 151872.
 """
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -184,28 +185,30 @@ def test_cpu_library_cache_rules(info):
     # feed-forward 64 x 160 -- its 160 x 64 output weight reuses that buffer -- head
     # 64 x 512), from ~400 rows up to 15 MiB each and the activations too from 1024 rows;
     # below, each up to 2 MiB x rows / 384 over half the floor
-    packed = 4 * (64 * 64 + 64 * 160 + 64 * 512)
+    # (0.75 MiB of the floor is what the process keeps from its first step: overhead)
+    packed = 4 * (64 * 64 + 64 * 160 + 64 * 512) - int(0.75 * (1 << 20))
     assert cache("AVX512", batch=12, seq=32) == (1 << 20) + packed  # 384 rows
     assert cache("AVX512", batch=14, seq=32) == (2 << 20) + packed  # 448 rows
     assert cache("AVX512", batch=64, seq=32) == (2 << 20) + packed + 4 * 2048 * 64
     assert cache("AVX512", batch=1, seq=8) == (1 << 20) + 4 * (64 * 64 + 64 * 160) + (
-        (2 << 20) * 8 // 384)  # 8 rows: the head's buffer at most 2 MiB x 8 / 384
-    # 16-bit: oneDNN's 5.5 MiB + 0.75 MiB per matmul shape + a sixth of the largest weight.
+        (2 << 20) * 8 // 384) - int(0.75 * (1 << 20))  # 8 rows: the head's at most 2 MiB x 8 / 384
+    # 16-bit: oneDNN's 5.5 MiB (2.5 of it the process's: overhead, below) + 0.75 MiB per
+    # matmul shape + a sixth of the largest weight.
     # Each trained weight runs its forward, input gradient and weight gradient; shapes met
     # twice count once: q/o 64 x 64 (forward = input gradient) 2, grouped-query k/v 32 x 64
     # 3, gate/up 160 x 64 3, down 64 x 160 1 (its forward and input gradient are up's), head
     # 512 x 64 3
     MiB = 1 << 20
     half = cache("AVX512", precision="bf16-mixed")
-    assert half == int(5.5 * MiB) + 12 * int(0.75 * MiB) + 2 * 64 * 512 // 6
+    assert half == int(5.5 * MiB) - int(2.5 * MiB) + 12 * int(0.75 * MiB) + 2 * 64 * 512 // 6
     # the simulation's count of the step's matmul shapes stands in for the weights' when given
     assert cpu_library_cache_bytes(info, TrainConfig(precision="bf16-mixed"), 32, cpu,
                                    capability="AVX512", half_matmuls=40, vendor="Intel") == (
         half + 28 * int(0.75 * MiB))
     assert cache("AVX512", precision="bf16-mixed", batch=64) == half  # not the rows
-    # an AMD EPYC's MKL packs no fp32 weight: 1.25 MiB + 1.25 KiB per unit of the widest
+    # an AMD EPYC's MKL packs no fp32 weight: 0.5 MiB + 1.25 KiB per unit of the widest
     # feed-forward + half the head's bytes (each part capped), whatever the rows
-    amd = int(1.25 * MiB) + 1280 * 160 + 4 * 64 * 512 // 2
+    amd = int(0.5 * MiB) + 1280 * 160 + 4 * 64 * 512 // 2
     for batch in (16, 64):  # 512 rows and more: the head's full part
         assert cache("AVX512", batch=batch, vendor="AMD") == amd
     assert cache("AVX512", batch=4, vendor="AMD") == amd - 4 * 64 * 512 // 2 * 3 // 4
@@ -227,15 +230,36 @@ def test_cpu_library_cache_rules(info):
     assert step(True) == step(False) + int(2.06 * MiB)
     assert step(True, vendor="Intel") == cache("AVX512", precision="bf16-mixed")
     assert step(True, precision="32-true") == cache("AVX512", vendor="AMD")
+    def once(config, device=cpu, vendor="AMD", half_step=(30, False), model=info, seq=32):
+        return cpu_library_once_bytes(model, config, seq, device, "AVX512", vendor=vendor,
+                                      half_step=half_step)
+
     bf16 = TrainConfig(precision="bf16-mixed")
-    assert cpu_library_once_bytes(bf16, cpu, "AVX512", vendor="AMD") == int(4.21 * MiB)
-    assert cpu_library_once_bytes(bf16, cpu, "AVX512", vendor="Intel") == 0
-    assert cpu_library_once_bytes(TrainConfig(), cpu, "AVX512", vendor="AMD") == 0
-    assert cpu_library_once_bytes(bf16, cuda, "AVX512", vendor="AMD") == 0
+    assert once(bf16) == int(4.21 * MiB)
+    assert once(bf16, half_step=None) == 0  # the 16-bit step's part keeps it then
+    assert once(bf16, vendor="Intel") == int(2.5 * MiB)  # a Xeon's, whatever was counted
+    assert once(bf16, vendor="Intel", half_step=None) == int(2.5 * MiB)
+    assert once(bf16, cuda) == 0
+    # fp32: 0.75 MiB MKL keeps from a process's first step, and the head's part above 2.75
+    # MiB (the step keeps at most that, the two together 3.5 as before)
+    fp32 = TrainConfig(micro_batch_size=16)
+    assert once(fp32) == int(0.75 * MiB)  # (a 128 KiB head: all the step's)
+    assert once(fp32, vendor="Intel") == int(0.75 * MiB)  # a Xeon's MKL: of its 2 MiB floor
+    assert once(fp32, cuda) == 0
+    big = dataclasses.replace(info, vocab_size=1 << 16)  # a 16 MiB head: 8 MiB, capped
+    assert cache("AVX512", batch=16, vendor="AMD") - amd == 0
+    assert cpu_library_cache_bytes(big, fp32, 32, cpu, capability="AVX512", vendor="AMD") == (
+        amd - 4 * 64 * 512 // 2 + int(2.75 * MiB))
+    assert once(fp32, model=big) == int(0.75 * MiB) + int(3.5 * MiB) - int(2.75 * MiB)
+    # ... scaled with the rows below 512, as the step's (256 rows: half of each)
+    assert once(fp32, model=big, seq=16) == int(0.75 * MiB) + (int(3.5 * MiB) - int(2.75 * MiB)) // 2
     assert cache("AVX2", vendor="AMD") == cache("AVX2")  # the AVX2 rule is either maker's
-    # an instruction set never measured: the larger rule
+    # an instruction set never measured: the larger rule (its step's part and the process's
+    # together: nothing is told apart)
     for kw in ({}, {"batch": 64, "seq": 1024}, {"precision": "bf16-mixed"}):
-        assert cache("SVE256", **kw) == max(cache("AVX2", **kw), cache("AVX512", **kw))
+        half = kw.get("precision") == "bf16-mixed"
+        whole = cache("AVX512", **kw) + int((2.5 if half else 0.75) * MiB)
+        assert cache("SVE256", **kw) == max(cache("AVX2", **kw), whole)
     assert cpu_library_cache_bytes(info, TrainConfig(), 1024, cuda) == 0
 
 

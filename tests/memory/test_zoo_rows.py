@@ -38,6 +38,11 @@ memory model, against the peaks the independent harness measured for them (commi
 - ``neomme`` (NeoBERT) with 8-bit AdamW: 1.7M trainable elements the loss never reaches,
   taken off at the cheapest state, not pro rata (its embedding's states are 32-bit under the
   Trainer: 3.5% under).
+- ``gpt_neox``'s token classifier with LoRA: the top block's backward as derived (what the
+  head's backward freed, the block's scratch), not the standard block's rule on top of all
+  activations (13.1% over);
+- ``albert``'s token classifier: one shared layer run twice, whose backward starts twice;
+  the top backward's moments fitted one by one (one fit of the highest points: 3.4% under).
 
 and, by simulation (no estimate below -3%, at most 5% above):
 
@@ -55,6 +60,11 @@ and, by simulation (no estimate below -3%, at most 5% above):
 - ``mamba`` (its scan reads one position of a tensor per step: 128 gradients meet at that
   tensor, which autograd sums in place and the fake step summed into a new one each
   time: 7.6% over).
+- ``gpt_neox``'s token classifier with LoRA on an AMD EPYC and ``olmo``'s classifier with
+  LoRA and ``glm4``'s in bf16 with checkpointing on a Xeon: what the CPU libraries keep
+  from a process's first step (MKL's fp32 state, oneDNN's first 16-bit matmul's) is
+  overhead, not the step's (the harness's warm-up makes it before its baseline: 6.3%,
+  6.2% and 5.8% over with it in the step).
 
 Each row is estimated with the rule of the instruction set it was measured on (the CPU
 math libraries' caches differ by it).
@@ -79,14 +89,16 @@ ROWS = ["zoo-afmoe-causal-lm-s-fp32", "zoo-bert-causal-lm-s-lora", "zoo-opt-caus
         "zoo-kimi_linear-causal-lm-s-lora", "zoo-qwen3_next-causal-lm-s-bf16-ckpt",
         "zoo-neomme-masked-lm-s-adamw8", "zoo-qwen3_next-seq-cls-s-fp32",
         "zoo-qwen3_next-causal-lm-s-lora",
-        "zoo-t5-token-cls-s-fp32", "zoo-t5-seq-cls-s-bf16-ckpt"]
+        "zoo-t5-token-cls-s-fp32", "zoo-t5-seq-cls-s-bf16-ckpt",
+        "zoo-gpt_neox-token-cls-s-lora", "zoo-albert-token-cls-s-fp32"]
 SIMULATED = ["zoo-m2m_100-seq2seq-s-fp32", "zoo-fnet-masked-lm-s-fp32",
              # (30 s: its 128-step recurrence; the graph's host bytes are also guarded by
              # tests/memory/test_sim_branches.py and the single-rank golden cases)
              pytest.param("zoo-rwkv-causal-lm-s-lora", marks=pytest.mark.slow),
              pytest.param("zoo-rwkv-causal-lm-s-bf16-ckpt", marks=pytest.mark.slow),
              "zoo-deepseek_v3-seq-cls-s-lora", "zoo-mamba-causal-lm-s-fp32",
-             "zoo-electra-token-cls-s-bf16-ckpt"]
+             "zoo-electra-token-cls-s-bf16-ckpt", "zoo-gpt_neox-token-cls-s-lora",
+             "zoo-olmo-seq-cls-s-lora", "zoo-glm4-seq-cls-s-bf16-ckpt"]
 
 
 def _rows() -> dict[str, dict]:
@@ -110,7 +122,7 @@ def _error(name: str, method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPat
 OVER = {
     # checkpointing recomputes one block: at most 2/3 of T5's fitted encoder + decoder pair
     # (+23.1% with the pair); what is left over is the CPU libraries' 16-bit caches
-    "zoo-t5-seq-cls-s-bf16-ckpt": 0.15,
+    "zoo-t5-seq-cls-s-bf16-ckpt": 0.12,
 }
 
 

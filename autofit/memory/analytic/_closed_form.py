@@ -253,6 +253,12 @@ def _fitted(c: dict[str, float], batch: int, T: int) -> float:
     return max(batch * T * (c["c0"] + c["T"] * T) + batch * c["s"], 0.0) + c["F"]
 
 
+def _signed(c: dict[str, float], batch: int, T: int) -> float:
+    """``F + B * (s + c0 * T + T_coef * T^2)`` of derived coefficients as it is: a difference,
+    below 0 where it is one (``_fitted`` holds a size: never below ``F``)."""
+    return c["F"] + batch * (c["s"] + T * (c["c0"] + c["T"] * T))
+
+
 def _lm(info: ModelInfo, config: TrainConfig) -> tuple[int, bool, bool]:
     """(V: the logits' width, 0 without a (B, T, V) loss; TRL's fused LM head; a chunked
     loss, which keeps no logits)."""
@@ -465,14 +471,21 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
     G_own = (min(G - G_late, _first_block_gradients(info, config))
              if A_transient and not G_held else 0)
     end = W + S + G + A_base // 2 + kept8 + block_bwd_temp + max(A_transient - G_late, 0)
+    # the top block's backward beside all activations: derived, what it makes above what
+    # was alive at the loss (the head's backward freed some: a classifier's input), else the
+    # standard block's rule (two of its widest activations' gradients, two of its inputs')
+    # (the highest of its moments at this shape, where they were told apart)
+    tops = c.get("top_backward_moments") or ([c["top_backward"]] if "top_backward" in c else [])
+    top_bwd = (max(_signed(m, config.micro_batch_size, T) for m in tops)
+               if tops and not config.gradient_checkpointing else block_bwd_temp)
     phases = {
         # all activations alive; the loss backward's fp32 (N, V) gradients
-        # (without a (B, T, V) loss, e.g. sequence classification, the first block's
-        # backward temporaries are the larger: all activations are still alive then)
-        "backward": (W + copies + S + A + G_held + max(loss_temp, block_bwd_temp),
+        # (without a (B, T, V) loss, e.g. sequence classification, the top block's
+        # backward is the larger: all activations are still alive then)
+        "backward": (W + copies + S + A + G_held + max(loss_temp, top_bwd),
                      {Component.WEIGHTS: W + copies, Component.OPTIMIZER_STATES: S,
                       Component.ACTIVATIONS: A, Component.GRADIENTS: G_held,
-                      Component.TEMPORARIES: max(loss_temp, block_bwd_temp)}),
+                      Component.TEMPORARIES: max(loss_temp, top_bwd)}),
         # gradients complete, the embedding side's activations and one block's temporaries
         # (an 8-bit base's layers still hold their inputs: the graph is freed after backward)
         "backward-end": (end,
@@ -571,7 +584,7 @@ def estimate_analytic(
     else:
         peak_reserved = peak_alloc
     # what the CPU's libraries keep once per process, where told apart: overhead
-    once = cpu_library_once_bytes(config, device) if terms.half_step is not None else 0
+    once = cpu_library_once_bytes(info, config, seq_len, device, half_step=terms.half_step)
     total = peak_reserved + device.overhead_bytes + once
     breakdown = {
         Component.WEIGHTS: parts[Component.WEIGHTS],

@@ -37,7 +37,13 @@ if TYPE_CHECKING:  # pragma: no cover
 #   feed-forward, +1.25 KiB per unit of its width (256 -> 3072: 5.1 MiB), at most ~8 MiB
 #   at real sizes (4096 -> 11008: 8.5 MiB), and the LM head half its weight's bytes more,
 #   at most 3.5 MiB (2048 -> 5632 and a 32k head: 11.4 MiB), scaled by rows / 512 below
-#   512 rows. oneDNN's 16-bit state is
+#   512 rows. Of that, the process keeps 0.75 MiB and 0.75 of the head's part from its
+#   first step at any size (after the same matmuls at 8 rows a step left 0.45-0.65 MiB
+#   less without a head, 2.35 less with a 16k one; the zoo's harness, whose warm-up step
+#   is at 8 tokens, measured the step's part 1.0 MiB median below the whole with a small
+#   feed-forward, 1.6 with a head: its fp32, LoRA and 8-bit rows 1.1% median over, +6.3%
+#   worst; with the step's part 0.3%, +4.4%, -1.6% lowest): overhead, as a CUDA context
+#   is (``cpu_library_once_bytes``). oneDNN's 16-bit state is
 #   smaller than on a Xeon: 4.16 MiB once + 0.56 MiB per matmul shape (1 to 100 linears, 3
 #   to 300 shapes: within 1 MiB), no reordered weight kept, but a block's larger matmuls
 #   leave ~1.6 MiB more (5 MiB once is taken: the zoo's bf16 rows 1.2% median, none under).
@@ -51,17 +57,34 @@ _CPU_LIB_CACHE_FULL_TOKENS = 1024  # tokens per micro batch from which the cache
 _AVX512_PACK_ROWS = 385  # rows from which MKL packs an fp32 weight (384: not; 448: packed)
 _AVX512_PACK_MAX = 15 << 20  # bytes of one packing buffer, at most
 _AVX512_SMALL_MAX = 2 << 20  # ... at 384 rows (less below: 128 rows kept 1.7 MiB in all)
-_AVX512_FLOOR = 2 << 20  # what any fp32 step leaves
+_AVX512_FLOOR = 2 << 20  # what any fp32 step leaves, with ...
+# ... what the process keeps from its first fp32 step at any size (overhead,
+# ``cpu_library_once_bytes``): the zoo's Xeon fp32, LoRA and 8-bit rows, whose harness's
+# warm-up step at 8 tokens makes it, measured 1.0-1.5 MiB (median by setup and task) below
+# the simulated tensors + the whole rule (1.4% median over, +6.2% worst; with 0.75 taken
+# 0.7%, +5.7%: FNet's classifier with LoRA, whose rule reads its linear weights alone, is
+# the lowest, -2.1%)
+_AVX512_ONCE = int(0.75 * (1 << 20))
 _AVX512_ACT_ROWS = 1024  # rows from which the activations are packed too
-_AVX512_HALF = int(5.5 * (1 << 20))  # oneDNN's state for 16-bit matmuls, once
+_AVX512_HALF = int(5.5 * (1 << 20))  # oneDNN's state for 16-bit matmuls, once ...
+# ... of which the process keeps this from its first 16-bit matmul at any size (overhead,
+# ``cpu_library_once_bytes``): the zoo's Xeon bf16 + checkpointing rows, whose harness's
+# warm-up step makes it, measured 3.6 MiB median below the simulated tensors + the whole
+# rule (2.7% median, +9.1% worst over); an EPYC's first matmul keeps 4.21 of its 5
+# (``cpu_cache.py --warm``). 2.5 is taken: the hybrids' rows (Qwen3.5, whose recurrences
+# run more shapes than the rule counts) were 2.1% under already (now 1.1% median, +5.9%
+# worst, -2.8% lowest)
+_AVX512_HALF_ONCE = int(2.5 * (1 << 20))
 _AVX512_HALF_SHAPE = int(0.75 * (1 << 20))  # + per matmul shape (a primitive, its kernels)
 _AVX512_HALF_REORDER = 6  # + the largest 16-bit weight's bytes / this ...
 _AVX512_HALF_REORDER_MAX = 5 << 20  # ... at most
-_AMD_FLOOR = int(1.25 * (1 << 20))  # fp32: what any step leaves
+_AMD_FLOOR = int(0.5 * (1 << 20))  # fp32: what any step leaves (beyond the process's)
+_AMD_ONCE = int(0.75 * (1 << 20))  # ... and the process keeps from its first step
 _AMD_PER_WIDTH = 1280  # + bytes per unit of the widest feed-forward ...
 _AMD_WIDTH_MAX = int(6.75 * (1 << 20))  # ... at most
 _AMD_HEAD_SHARE = 0.5  # + the LM head weight's bytes x this ...
-_AMD_HEAD_MAX = int(3.5 * (1 << 20))  # ... at most
+_AMD_HEAD_MAX = int(2.75 * (1 << 20))  # ... at most in the step (beyond the process's)
+_AMD_HEAD_ONCE_MAX = int(3.5 * (1 << 20))  # ... and with the process's
 _AMD_HEAD_FULL_ROWS = 512  # ... scaled by the rows below this many
 _AMD_HALF = 5 << 20  # oneDNN's 16-bit state, once (4.16 MiB, + what a step's larger weights keep)
 _AMD_HALF_SHAPE = int(0.56 * (1 << 20))  # + per matmul shape
@@ -75,15 +98,32 @@ _AMD_HALF_FLASH = int(2.06 * (1 << 20))
 _AMD_HALF_STEP = int(0.75 * (1 << 20))
 
 
-def cpu_library_once_bytes(config: TrainConfig, device: DeviceInfo,
-                           capability: str | None = None, *, vendor: str | None = None) -> int:
-    """What the CPU's math libraries keep once per process where ``cpu_library_cache_bytes``
-    with ``half_step`` leaves it out: oneDNN's state from its first 16-bit matmul on an AMD
-    EPYC (0 elsewhere: the other rules keep it in the step's part)."""
-    spec = config.precision_spec
-    if device.allocator == "cuda" or not (spec.autocast or spec.param_dtype != "float32"):
+def cpu_library_once_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
+                           device: DeviceInfo, capability: str | None = None, *,
+                           vendor: str | None = None,
+                           half_step: tuple[int, bool] | None = None) -> int:
+    """What the CPU's math libraries keep once per process that ``cpu_library_cache_bytes``
+    leaves out of the step (its arguments): on an AMD EPYC, MKL's from the first fp32 step
+    (at any size; the head's part from its first LM head matmul) and, where a simulation
+    counted the step's oneDNN primitives (``half_step``), oneDNN's state from its first
+    16-bit matmul; on another AVX512 CPU (a Xeon) part of oneDNN's state from its first
+    16-bit matmul, or of MKL's from its first fp32 step; 0 elsewhere (AVX2, an unknown
+    instruction set: kept in the step's part)."""
+    if device.allocator == "cuda":
         return 0
-    return _AMD_HALF_ONCE if _amd(_capability(capability), vendor) else 0
+    capability = _capability(capability)
+    spec = config.precision_spec
+    half = spec.autocast or spec.param_dtype != "float32"
+    if not _amd(capability, vendor):
+        # a Xeon's (AVX512, the maker's own rule): oneDNN's state from its first 16-bit
+        # matmul, MKL's from its first fp32 step
+        if not capability.startswith("AVX512"):
+            return 0
+        return _AVX512_HALF_ONCE if half else _AVX512_ONCE
+    if half:
+        return _AMD_HALF_ONCE if half_step is not None else 0
+    head = _amd_head(info, config, seq_len, _AMD_HEAD_ONCE_MAX)
+    return _AMD_ONCE + head - _amd_head(info, config, seq_len, _AMD_HEAD_MAX)
 
 
 def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
@@ -172,18 +212,25 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
                 _half_matmul_shapes(info, lm) if half_matmuls is None else half_matmuls)
         ffn = max([b.intermediate_size or b.hidden_size or 0 for b in info.blocks]
                   or [widest if not lm else info.hidden_size or 0])
-        # the head's part grows with the rows up to 512 (a 4-bit tiny-llama at 128 rows
-        # kept ~3 MiB less than 512 rows would: its trial 3% under the full part)
-        head = (min(_AMD_HEAD_MAX, int(_AMD_HEAD_SHARE * 4 * (info.head_numel or 0)))
-                * min(1.0, tokens / _AMD_HEAD_FULL_ROWS) if lm else 0)
         # a quantized base's linears run bitsandbytes' kernels (as above): no width part
         width = 0 if info.quant is not None else min(_AMD_WIDTH_MAX, _AMD_PER_WIDTH * ffn)
-        return _AMD_FLOOR + width + int(head)
+        return _AMD_FLOOR + width + _amd_head(info, config, seq_len, _AMD_HEAD_MAX)
     if capability == "AVX2":
         return avx2
-    if capability.startswith("AVX512"):
-        return avx512
+    if capability.startswith("AVX512"):  # (what the process keeps once: overhead)
+        return avx512 - (_AVX512_HALF_ONCE if half else _AVX512_ONCE)
     return max(avx2, avx512)
+
+
+def _amd_head(info: ModelInfo, config: TrainConfig, seq_len: int, most: int) -> int:
+    """An AMD EPYC's fp32 LM head part: half the head weight's bytes, at most ``most``,
+    growing with the rows up to 512 (a 4-bit tiny-llama at 128 rows kept ~3 MiB less than
+    512 rows would: its trial 3% under the full part); 0 without a full LM head matmul."""
+    if not _lm_head_matmul(info, config):
+        return 0
+    rows = config.micro_batch_size * seq_len
+    return int(min(most, int(_AMD_HEAD_SHARE * 4 * (info.head_numel or 0)))
+               * min(1.0, rows / _AMD_HEAD_FULL_ROWS))
 
 
 def _capability(capability: str | None) -> str:

@@ -27,7 +27,10 @@ determine. More terms of that form: the forward's transient above what it keeps
 moment's own fit, the highest at the step's shape taken, since the forward's highest
 point moves from one moment to another as the shape grows); per stack, a block's backward scratch above what is alive when it starts
 (``block_backward``, ``block_backward_decoder``: a linear-attention block's chunked
-recurrence makes more of it than a standard block's rule says), and for what
+recurrence makes more of it than a standard block's rule says); from the top block's
+backward on, the most held above what was alive at the loss (``top_backward``, its moments
+as the forward's: the backward's candidate without checkpointing, beside every
+activation, where the head's backward has freed what it kept); and for what
 checkpointing recomputes one block at a time, the largest kind of block's saved bytes
 (``layer_largest``: a hybrid's linear-attention block keeps ten times its full-attention
 block) and a block forward's highest point (``block_forward``). Results are cached per
@@ -160,6 +163,10 @@ class _AtShape(NamedTuple):
     # keeps made by then (_forward_transient)
     moments: tuple[str, list[int], list[float]]
     block_backward: list[int]  # per stack, a block backward's scratch (_block_backward)
+    # the top block's backward on, at its highest above what was alive at the loss, and its
+    # moments (_top_backward)
+    top_backward: int
+    top_moments: tuple[str, list[int]]
     half_matmuls: int  # the 16-bit matmuls of distinct shapes (StorageRecorder.half_matmuls)
     # the step's oneDNN primitives and whether a 16-bit flash attention ran
     # (StorageRecorder.half_primitives, half_attention)
@@ -218,7 +225,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 rec.track(t, Component.WEIGHTS)
             spans: list[list[int]] = [[0, 0] for _ in all_kept]
             back: list[int] = [-1 for _ in all_kept]  # where each block's backward starts
-            handles = _mark_blocks(all_kept, rec, spans, back)
+            fired: list[int] = []  # ... every start (a block run twice, ALBERT's, starts twice)
+            handles = _mark_blocks(all_kept, rec, spans, back, fired)
             ctx: Any = contextlib.nullcontext()
             if device.allocator == "cuda":
                 from autofit.memory.simulate._cuda import CudaSemantics
@@ -252,6 +260,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 grads = {id(r) for p in model.parameters() if p.grad is not None
                          and (r := rec.record_of(p.grad)) is not None}
                 block_bwd = _block_backward(rec.events(), back, grads, stacks)
+                top_bwd, top_moments = _top_backward(rec.events(), len(log), fired, grads)
                 model.zero_grad(set_to_none=True)
             for h in handles:
                 h.remove()
@@ -268,7 +277,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
             if step:
                 out.append(_AtShape(per_block, largest, highest,
                                     int(total - sum(per_kind) + blocks), transient, moments,
-                                    block_bwd, len(rec.half_matmuls), rec.half_step()))
+                                    block_bwd, top_bwd, top_moments, len(rec.half_matmuls),
+                                    rec.half_step()))
     return out, dead
 
 
@@ -288,9 +298,15 @@ def _one_block_per_kind(base: torch.nn.Module) -> list[tuple[Any, list[tuple[int
 
 
 def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
-                 spans: list[list[int]], back: list[int]) -> list[Any]:
+                 spans: list[list[int]], back: list[int], fired: list[int]) -> list[Any]:
     """Hooks that note, in ``spans``, where each block's forward starts and ends in
-    ``rec``'s log and, in ``back``, where its backward starts; their handles."""
+    ``rec``'s log, in ``back`` where its backward starts (the last time: a block run twice,
+    ALBERT's shared layer, starts twice) and in ``fired`` every block backward's start;
+    their handles."""
+    def started(i: int) -> None:
+        back[i] = len(rec._log)
+        fired.append(len(rec._log))
+
     handles = []
     for i, blk in enumerate(blocks):
         handles.append(blk.register_forward_pre_hook(
@@ -298,7 +314,7 @@ def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
         handles.append(blk.register_forward_hook(
             lambda _m, _a, _o, i=i: spans[i].__setitem__(1, len(rec._log))))
         handles.append(blk.register_full_backward_pre_hook(
-            lambda _m, _g, i=i: back.__setitem__(i, len(rec._log))))
+            lambda _m, _g, i=i: started(i)))
     return handles
 
 
@@ -345,6 +361,44 @@ def _block_backward(log: list[tuple[str, Record, str]], back: list[int], grads: 
         out.append(most)
         at += len(kept)
     return out
+
+
+def _top_backward(log: list[tuple[str, Record, str]], loss_at: int, fired: list[int],
+                  grads: set[int]) -> tuple[int, tuple[str, list[int]]]:
+    """What backward holds from the top block's backward on above what was alive at the
+    loss (``loss_at``: the log's length then), at its highest: weights and the parameters'
+    gradients apart, but for the gradients made from the loss to the end of the top block's
+    backward (the head's and its own: they stand beside every block's activations). At
+    the top block, the first to run: what the head's backward freed (a classifier's input,
+    the final norm's), then the block's scratch; a lower block's is beside less (the
+    blocks above it freed: in the clone some of them, an upper bound), but may be the
+    larger (Kimi-Linear's linear-attention first block: 25% under with the top block's
+    alone). ``fired``: every block backward's start (a shared block's each time, ALBERT's).
+    The standard block's rule (two of its widest activations' gradients and two of its
+    inputs', beside all the activations) put the zoo's small LoRA token classifiers 2-3 MiB
+    of ~30 high (8-13% over). Also the moments, as ``_forward_transient``'s: the events
+    from the top block's backward on (``"a"``/``"f"``) and at each the same difference
+    (ALBERT's classifier peaks at one moment at 2 x 32 tokens and at another at 2 x 64: one
+    fit of the highest points was 1 MiB low at 4 x 128). 0 where no block's backward ran."""
+    starts = sorted(a for a in fired if a > 0)
+    if not starts:
+        return 0, ("", [])
+    top_end = starts[1] if len(starts) > 1 else len(log)
+    live = at_loss = made = 0
+    kinds, series = [], []
+    for i, (kind, r, _) in enumerate(log):
+        if id(r) in grads:
+            if kind == "alloc" and loss_at <= i < top_end:
+                made += r.size
+        elif r.category != Component.WEIGHTS:
+            live += r.size if kind == "alloc" else -r.size
+        if i == loss_at - 1:
+            at_loss = live
+        if i >= starts[0] - 1:
+            kinds.append("a" if kind == "alloc" else "f")
+            series.append(live + made)
+    series = [v - at_loss for v in series]
+    return max(series), ("".join(kinds), series)
 
 
 def _unreached_numel(loss: torch.Tensor, model: torch.nn.Module, stacks: list[tuple]) -> int:
@@ -454,6 +508,22 @@ def _transient_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
             for i in highest]
 
 
+def _top_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
+    """The top block's backward on (``_top_backward``) as the highest of its moments, each
+    fitted on its own (signed: the head's backward frees more than it makes) and kept where
+    it is the highest somewhere on the grid of shapes, as ``_transient_moments`` does for
+    the forward. None where the backwards differ in their events."""
+    import numpy as np
+
+    if len({a.top_moments[0] for a in at}) != 1 or not at[0].top_moments[1]:
+        return None
+    fit = _solve([np.asarray(a.top_moments[1], dtype=np.float64) for a in at])
+    highest = sorted({int((fit["F"] + B * (fit["s"] + fit["a"] * T + fit["b"] * T * T))
+                          .argmax()) for B in _GRID_B for T in _GRID_T})
+    return [{"c0": float(fit["a"][i]), "T": float(fit["b"][i]), "s": float(fit["s"][i]),
+             "F": float(fit["F"][i])} for i in highest]
+
+
 def _solve(values: list[float]) -> dict[str, float]:
     """``F, s, a, b`` of ``F + B*(s + a*T + b*T^2)`` from the values at ``SHAPES``."""
     (b1, t1), (_, t2), (_, t3), (b2, _) = SHAPES
@@ -512,6 +582,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     bas = _solve(base_vals)
     fwd, share = _forward_fit(at, config)
     bwds = [_solve([float(a.block_backward[k]) for a in at]) for k in range(len(roles))]
+    top = _solve([float(a.top_backward) for a in at])
     # the share of the activations made by the forward's peak, the largest over the four
     # shapes: an encoder-decoder's peak in its encoder comes before any decoder activation
     # (Pegasus-X's padded blocks: 23% over with all of them), a hybrid's in its first,
@@ -549,6 +620,9 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         "forward": {**_form(fwd), "share": min(max(fwd["share"], 0.0), 1.0)},
         # a block backward's own scratch (``_block_backward``)
         "block_backward": _form(bwds[0]),
+        # the top block's backward above what was alive at the loss (``_top_backward``):
+        # signed, its constant too (the head's backward frees more than it makes)
+        "top_backward": {"c0": top["a"], "T": top["b"], "s": top["s"], "F": top["F"]},
         "derived": True,
         # the step's 16-bit matmuls of distinct shapes, at one shape (the CPU's oneDNN
         # caches: ``cpu_library_cache_bytes``; blocks alike run the same ones)
@@ -559,6 +633,8 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     }
     if (moments := _transient_moments(at)) is not None:
         coef["forward_moments"] = moments
+    if (moments := _top_moments(at)) is not None:
+        coef["top_backward_moments"] = moments
     if dead:  # trainable elements without a gradient (no state either)
         coef["no_grad_numel"] = int(dead)
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
@@ -603,12 +679,15 @@ def _valid(coef: object) -> bool:
     if not isinstance(coef, dict) or coef.get("derived") is not True:
         return False
     parts = ["layer", "base"] + [p for p in ("layer_decoder", "forward", "block_backward",
+                                             "top_backward",
                                              "block_backward_decoder", "layer_largest",
                                              "layer_largest_decoder", "block_forward",
                                              "block_forward_decoder") if p in coef]
     moments = coef.get("forward_moments", [])
-    if not isinstance(moments, list):
+    top_moments = coef.get("top_backward_moments", [])
+    if not isinstance(moments, list) or not isinstance(top_moments, list):
         return False
+    moments = moments + top_moments
     for d in [coef.get(part) for part in parts] + moments:
         names = ("c0", "T", "s", "F")
         if not isinstance(d, dict) or not all(

@@ -152,7 +152,7 @@ def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: D
     parts[Component.TEMPORARIES] = parts.get(Component.TEMPORARIES, 0) + lib_cache
     peak = int(peak) + lib_cache
     reserved = cuda_reserved_bytes(rank.phases, config) if device.allocator == "cuda" else peak
-    once = cpu_library_once_bytes(config, device) if terms.half_step is not None else 0
+    once = cpu_library_once_bytes(info, config, seq_len, device, half_step=terms.half_step)
     total = reserved + device.overhead_bytes + once
     breakdown = {k: parts.get(k, 0) for k in (Component.WEIGHTS, Component.GRADIENTS, Component.OPTIMIZER_STATES,
                                               Component.ACTIVATIONS, Component.TEMPORARIES)}

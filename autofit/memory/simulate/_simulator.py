@@ -444,7 +444,7 @@ class Simulator:
         info = describe(self.module, task=self.task, name=self.model_name)
         step = cpu_library_cache_bytes(info, config, seq_len, self.device,
                                        half_matmuls=half_matmuls, half_step=half_step)
-        once = cpu_library_once_bytes(config, self.device) if half_step is not None else 0
+        once = cpu_library_once_bytes(info, config, seq_len, self.device, half_step=half_step)
         return step, once
 
     def _compiled(self, est: MemoryEstimate, config: TrainConfig, seq_len: int,
