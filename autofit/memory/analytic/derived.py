@@ -594,13 +594,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     # only where they cannot be (the events differ with the shape: a chunked recurrence)
     fwd["share"] = share
     if config.precision_spec.autocast:
-        # autocast's 16-bit weight copies, alive at the loss, are counted apart (per block
-        # of a stack: its share of the blocks' matmul weights)
-        for role, count, *fits in zip(roles, counts, lays, largest, highest, strict=True):
-            for fit in fits:
-                fit["F"] -= 2 * _matmul_numel(info, role) / count
-        if not config.chunked_loss and (info.quant is None or info.dtype == "float32"):
-            bas["F"] -= info.head_numel * 2  # (a 16-bit head is used as it is)
+        _without_copies(info, config, roles, counts, [lays, largest, highest], bas)
 
     def layer(lay: dict[str, float]) -> dict[str, float]:
         return {"h": 0.0, "kv": 0.0, "i": 0.0, "H": 0.0, "HT": 0.0, "c0": lay["a"],
@@ -645,6 +639,20 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     memory[key] = coef
     _store(key, coef)
     return coef
+
+
+def _without_copies(info: ModelInfo, config: TrainConfig, roles: tuple[str | None, ...],
+                    counts: list[int], per_stack: list[list[dict[str, float]]],
+                    base: dict[str, float]) -> None:
+    """Take autocast's 16-bit weight copies, alive at the loss, out of the fits (in place):
+    the analytic model counts them apart. Per block of a stack (``per_stack``: each a fit
+    per stack) its share of the blocks' matmul weights; outside the blocks the LM head's
+    (a 16-bit head is used as it is; a chunked loss is not autocast)."""
+    for k, (role, count) in enumerate(zip(roles, counts, strict=True)):
+        for fits in per_stack:
+            fits[k]["F"] -= 2 * _matmul_numel(info, role) / count
+    if not config.chunked_loss and (info.quant is None or info.dtype == "float32"):
+        base["F"] -= info.head_numel * 2
 
 
 def _form(fit: dict[str, float]) -> dict[str, float]:
