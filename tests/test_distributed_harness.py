@@ -248,7 +248,10 @@ def test_two_process_ddp_measures_each_rank():
     for x in r["ranks"]:
         # DDP: the full fp32 model on every rank, measured above a pre-model baseline
         assert x["local_param_bytes"] >= 4 * params
-        assert x["model_resident_bytes"] >= 0.85 * 4 * params  # (0.899 measured on AVX512)
+        # (0.899 of it measured on a Xeon, 0.74-0.90 from run to run on an EPYC: parameters
+        # below glibc's 64 KiB mmap threshold reuse heap pages the imports left resident; a
+        # baseline after the model would read ~0)
+        assert x["model_resident_bytes"] >= 0.6 * 4 * params
         # weights + AdamW states (2 x fp32) stay; the peak adds gradients and activations
         assert x["steady_rss_after_step_bytes"] >= 0.9 * 12 * params
         assert x["peak_bytes"] > x["steady_rss_after_step_bytes"]
