@@ -259,6 +259,19 @@ def _signed(c: dict[str, float], batch: int, T: int) -> float:
     return c["F"] + batch * (c["s"] + T * (c["c0"] + c["T"] * T))
 
 
+def _share(moment: dict, c: dict, config: TrainConfig, T: int) -> float:
+    """The share of the activations a forward moment stands beside at this shape: what it
+    has made of them over all the forward keeps, both fitted (a moment's ``kept`` and
+    ``forward_kept``); else its largest share at the four probe shapes."""
+    if "kept" not in moment or "forward_kept" not in c:
+        return float(moment.get("share", 1.0))
+    B = config.micro_batch_size
+    total = _signed(c["forward_kept"], B, T)
+    if total <= 0:
+        return float(moment.get("share", 1.0))
+    return min(max(_signed(moment["kept"], B, T) / total, 0.0), 1.0)
+
+
 def _lm(info: ModelInfo, config: TrainConfig) -> tuple[int, bool, bool]:
     """(V: the logits' width, 0 without a (B, T, V) loss; TRL's fused LM head; a chunked
     loss, which keeps no logits)."""
@@ -513,7 +526,7 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
         # other tensors than derived); the highest of the forward's moments at this shape
         # where they were told apart (``forward_moments``)
         moments = [(_fitted(f, config.micro_batch_size, T),
-                    1.0 if config.gradient_checkpointing else f.get("share", 1.0))
+                    1.0 if config.gradient_checkpointing else _share(f, c, config, T))
                    for f in c.get("forward_moments") or [fwd_c]]
         fwd_temp, share = max(moments, key=lambda m: m[0] + m[1] * A)
         phases["forward"] = (W + copies + S + G_held + share * A + fwd_temp,

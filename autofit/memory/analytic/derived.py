@@ -500,11 +500,16 @@ def _transient_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
 
     fit = _solve([np.asarray(a.moments[1], dtype=np.float64) for a in at])
     share = np.max([a.moments[2] for a in at], axis=0)
-    total = _solve([float(a.total) for a in at])
+    # what backward keeps made by each moment, bytes, fitted (its share of all it keeps
+    # changes with the shape: Pegasus-X's block-padded encoder is 0.77 of it at 2 x 32
+    # tokens, less at 4 x 128, where the largest share put its LoRA step 10% over)
+    kept = _solve([np.asarray(a.moments[2], dtype=np.float64) * a.transient[2] for a in at])
     # a moment's height: its transient and what backward keeps made by then
-    highest = sorted({int((at_shape(fit, B, T) + share * at_shape(total, B, T)).argmax())
+    highest = sorted({int((at_shape(fit, B, T) + at_shape(kept, B, T)).argmax())
                       for B in _GRID_B for T in _GRID_T})
-    return [{**_form({k: float(v[i]) for k, v in fit.items()}), "share": float(share[i])}
+    return [{**_form({k: float(v[i]) for k, v in fit.items()}), "share": float(share[i]),
+             "kept": {"c0": float(kept["a"][i]), "T": float(kept["b"][i]),
+                      "s": float(kept["s"][i]), "F": float(kept["F"][i])}}
             for i in highest]
 
 
@@ -581,6 +586,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
                  for a in at]
     bas = _solve(base_vals)
     fwd, share = _forward_fit(at, config)
+    kept_all = _solve([float(a.transient[2]) for a in at])  # all the forward keeps
     bwds = [_solve([float(a.block_backward[k]) for a in at]) for k in range(len(roles))]
     top = _solve([float(a.top_backward) for a in at])
     # the share of the activations made by the forward's peak, the largest over the four
@@ -610,8 +616,11 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
                  "F": max(bas["F"], 0.0)},
         # the forward's transient above what it keeps (``_forward_transient``), and where
         # the forwards are alike, the moments that are its highest at some shape
-        # (``_transient_moments``)
+        # (``_transient_moments``), each moment's share at a shape its kept bytes over all
+        # the forward keeps (this)
         "forward": {**_form(fwd), "share": min(max(fwd["share"], 0.0), 1.0)},
+        "forward_kept": {k: v for k, v in zip(("F", "s", "c0", "T"), (
+            kept_all["F"], kept_all["s"], kept_all["a"], kept_all["b"]), strict=True)},
         # a block backward's own scratch (``_block_backward``)
         "block_backward": _form(bwds[0]),
         # the top block's backward above what was alive at the loss (``_top_backward``):
