@@ -696,7 +696,7 @@ def _valid(coef: object) -> bool:
     if not isinstance(coef, dict) or coef.get("derived") is not True:
         return False
     parts = ["layer", "base"] + [p for p in ("layer_decoder", "forward", "block_backward",
-                                             "top_backward",
+                                             "top_backward", "forward_kept",
                                              "block_backward_decoder", "layer_largest",
                                              "layer_largest_decoder", "block_forward",
                                              "block_forward_decoder") if p in coef]
@@ -704,7 +704,8 @@ def _valid(coef: object) -> bool:
     top_moments = coef.get("top_backward_moments", [])
     if not isinstance(moments, list) or not isinstance(top_moments, list):
         return False
-    moments = moments + top_moments
+    moments = moments + top_moments + [m["kept"] for m in moments
+                                       if isinstance(m, dict) and "kept" in m]
     for d in [coef.get(part) for part in parts] + moments:
         names = ("c0", "T", "s", "F")
         if not isinstance(d, dict) or not all(
