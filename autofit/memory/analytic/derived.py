@@ -508,8 +508,7 @@ def _transient_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
     highest = sorted({int((at_shape(fit, B, T) + at_shape(kept, B, T)).argmax())
                       for B in _GRID_B for T in _GRID_T})
     return [{**_form({k: float(v[i]) for k, v in fit.items()}), "share": float(share[i]),
-             "kept": {"c0": float(kept["a"][i]), "T": float(kept["b"][i]),
-                      "s": float(kept["s"][i]), "F": float(kept["F"][i])}}
+             "kept": _signed_form({k: float(v[i]) for k, v in kept.items()})}
             for i in highest]
 
 
@@ -525,8 +524,7 @@ def _top_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
     fit = _solve([np.asarray(a.top_moments[1], dtype=np.float64) for a in at])
     highest = sorted({int((fit["F"] + B * (fit["s"] + fit["a"] * T + fit["b"] * T * T))
                           .argmax()) for B in _GRID_B for T in _GRID_T})
-    return [{"c0": float(fit["a"][i]), "T": float(fit["b"][i]), "s": float(fit["s"][i]),
-             "F": float(fit["F"][i])} for i in highest]
+    return [_signed_form({k: float(v[i]) for k, v in fit.items()}) for i in highest]
 
 
 def _solve(values: list[float]) -> dict[str, float]:
@@ -619,13 +617,12 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         # (``_transient_moments``), each moment's share at a shape its kept bytes over all
         # the forward keeps (this)
         "forward": {**_form(fwd), "share": min(max(fwd["share"], 0.0), 1.0)},
-        "forward_kept": {k: v for k, v in zip(("F", "s", "c0", "T"), (
-            kept_all["F"], kept_all["s"], kept_all["a"], kept_all["b"]), strict=True)},
+        "forward_kept": _signed_form(kept_all),
         # a block backward's own scratch (``_block_backward``)
         "block_backward": _form(bwds[0]),
         # the top block's backward above what was alive at the loss (``_top_backward``):
         # signed, its constant too (the head's backward frees more than it makes)
-        "top_backward": {"c0": top["a"], "T": top["b"], "s": top["s"], "F": top["F"]},
+        "top_backward": _signed_form(top),
         "derived": True,
         # the step's 16-bit matmuls of distinct shapes, at one shape (the CPU's oneDNN
         # caches: ``cpu_library_cache_bytes``; blocks alike run the same ones)
@@ -666,7 +663,12 @@ def _without_copies(info: ModelInfo, config: TrainConfig, roles: tuple[str | Non
 
 def _form(fit: dict[str, float]) -> dict[str, float]:
     """A fitted ``F + B*(s + a*T + b*T^2)`` in the coefficients' names (F never below 0)."""
-    return {"c0": fit["a"], "T": fit["b"], "s": fit["s"], "F": max(fit["F"], 0.0)}
+    return {**_signed_form(fit), "F": max(fit["F"], 0.0)}
+
+
+def _signed_form(fit: dict[str, float]) -> dict[str, float]:
+    """``_form`` of a difference, which may be below 0 (its constant too)."""
+    return {"c0": fit["a"], "T": fit["b"], "s": fit["s"], "F": fit["F"]}
 
 
 def _disk_path(key: str):
