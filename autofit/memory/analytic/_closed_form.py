@@ -641,7 +641,7 @@ def estimate_analytic(
     parts = {k: int(v) for k, v in parts.items()}
     lib_cache = cpu_library_cache_bytes(info, config, seq_len, device,  # the whole step
                                         half_matmuls=terms.half_matmuls,
-                                        half_step=terms.half_step)
+                                        half_step=terms.half_step, probed=True)
     parts[Component.TEMPORARIES] += lib_cache
     peak_alloc = int(peak_alloc) + lib_cache
 

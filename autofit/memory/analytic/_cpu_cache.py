@@ -31,7 +31,10 @@ if TYPE_CHECKING:  # pragma: no cover
 #   at 100 lengths 216 MiB, tiny-gpt2's 15 shapes 11.2 MiB a new length: ``--growth``):
 #   0.75 is taken; and up to 5 MiB more for the largest weight it reorders (4096 x 4096:
 #   11.0 MiB in all). A hybrid's linear-attention block brings many shapes (OLMo-hybrid,
-#   Qwen3-Next: 4-7% under with a flat 10 MiB).
+#   Qwen3-Next: 4-7% under with a flat 10 MiB). Where a simulation counted the step's
+#   oneDNN primitives (``half_step``), they are counted as on an EPYC (below), which tells
+#   a 16-bit flash attention's kernels apart (the per-shape rule cannot: BERT's and GPT-2's
+#   classifiers, whose attention is not flash, 5.7-5.9% over with it).
 # * AVX512 on an AMD EPYC (Zen 4: ``benchmarks/cpu_cache.py`` there, and the zoo's 446 rows
 #   measured on one): MKL packs no fp32 weight; a step leaves ~1.2-2 MiB with a small
 #   feed-forward, +1.25 KiB per unit of its width (256 -> 3072: 5.1 MiB), at most ~8 MiB
@@ -78,6 +81,13 @@ _AVX512_HALF_ONCE = int(2.5 * (1 << 20))
 _AVX512_HALF_SHAPE = int(0.75 * (1 << 20))  # + per matmul shape (a primitive, its kernels)
 _AVX512_HALF_REORDER = 6  # + the largest 16-bit weight's bytes / this ...
 _AVX512_HALF_REORDER_MAX = 5 << 20  # ... at most
+# ... told apart where a simulation counted the step's oneDNN primitives (``half_step``), as
+# on an EPYC: its 0.56 MiB per primitive and 2.06 MiB for a 16-bit flash attention's
+# kernels, + the reordered weight, + this (fitted on the zoo's 76 Xeon rows in bf16 with
+# checkpointing, each measured less its simulated tensors: 0.75% median, +1.5% worst,
+# -2.4% lowest; with the per-shape rule, which cannot tell flash from math attention,
+# 1.1%, +5.9%: BERT's and GPT-2's classifiers, whose attention is not flash)
+_AVX512_HALF_STEP = int(1.5 * (1 << 20))
 _AMD_FLOOR = int(0.5 * (1 << 20))  # fp32: what any step leaves (beyond the process's)
 _AMD_ONCE = int(0.75 * (1 << 20))  # ... and the process keeps from its first step
 _AMD_PER_WIDTH = 1280  # + bytes per unit of the widest feed-forward ...
@@ -130,7 +140,8 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
                             device: DeviceInfo, capability: str | None = None,
                             half_matmuls: int | None = None, *,
                             vendor: str | None = None,
-                            half_step: tuple[int, bool] | None = None) -> int:
+                            half_step: tuple[int, bool] | None = None,
+                            probed: bool = False) -> int:
     """Bytes the CPU's math libraries keep cached through a training step (0 on CUDA), by
     this CPU's instruction set and maker (``capability``, ``vendor``:
     ``autofit.probe.device.cpu_capability()`` / ``cpu_vendor()`` when ``None``; the rules
@@ -140,8 +151,11 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
     shapes the step runs, as the simulation counts them (None: from the model's linear
     layers, ``_half_matmul_shapes``). ``half_step``: a simulation's count of the step's
     oneDNN primitives (by operand layout too) and whether it ran a 16-bit flash
-    attention; on an AMD EPYC the step's part is then told from what the process keeps
-    once (``cpu_library_once_bytes``, not included here).
+    attention, which then count the step's part on an AMD EPYC and a Xeon alike (what the
+    process keeps once is ``cpu_library_once_bytes``, not included here). ``probed``: that
+    count was made at a derivation's probe shapes, not the step's, so it may miss some (on
+    a Xeon the weight shapes' rule stands as a floor: LongT5's block-padded attention ran 22
+    primitives at the probes, 24 at 4 x 128 tokens; 3.7% under without it).
 
         >>> from autofit.probe.model import probe_model
         >>> from autofit.probe.device import resolve_device
@@ -187,9 +201,14 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
     if half:
         if half_matmuls is None:
             half_matmuls = _half_matmul_shapes(info, lm)
-        avx512 = (_AVX512_HALF + _AVX512_HALF_SHAPE * half_matmuls
-                  + min(_AVX512_HALF_REORDER_MAX, 2 * max(weights, default=0)
-                        // _AVX512_HALF_REORDER))
+        reorder = min(_AVX512_HALF_REORDER_MAX,
+                      2 * max(weights, default=0) // _AVX512_HALF_REORDER)
+        avx512 = _AVX512_HALF + _AVX512_HALF_SHAPE * half_matmuls + reorder
+        if half_step is not None and not amd:  # (the step's part: the process's is overhead)
+            primitives, flash = half_step
+            counted = (_AVX512_HALF_STEP + _AMD_HALF_SHAPE * primitives
+                       + (_AMD_HALF_FLASH if flash else 0) + reorder + _AVX512_HALF_ONCE)
+            avx512 = max(avx512, counted) if probed else counted
     else:
         if tokens >= _AVX512_PACK_ROWS:
             cap, avx512 = _AVX512_PACK_MAX, _AVX512_FLOOR
