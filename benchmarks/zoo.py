@@ -4,6 +4,7 @@
     python benchmarks/zoo.py --tasks causal-lm --sizes s --setups fp32 --workers 2
     python benchmarks/zoo.py --families llama,opt,bert     # a few families, every setup
     python benchmarks/zoo.py --report                      # zoo.{md,json,png} from the rows
+    python benchmarks/zoo.py --families emu3 --retry-failed  # rows whose attempt failed, again
 
 Families come from transformers' own auto mappings (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``,
 masked LM, seq2seq LM, sequence and token classification): every ``model_type`` there is built
@@ -336,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vendor", default=None,
                     help="with --reestimate: only the rows measured on this CPU maker (AMD; "
                          "none: the rows from before the maker was recorded)")
+    ap.add_argument("--retry-failed", action="store_true",
+                    help="measure again the rows whose last attempt failed (a harness or "
+                         "library fixed since), not only new rows")
     ap.add_argument("--out", default=str(RESULTS / "zoo"))
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -396,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for setup in args.setups.split(","):
                 spec = _spec(mt, task, size, setup, b["config"])
-                if _row_cpu(data["rows"].get(spec["name"])) != here:
+                old = data["rows"].get(spec["name"])
+                if _row_cpu(old) != here or (args.retry_failed and "error" in (old or {})):
                     todo.append((spec, setup))  # new, or measured on another instruction set
     todo = todo[: args.limit] if args.limit else todo
     print(f"{len(todo)} rows to measure ({args.workers} workers)", flush=True)

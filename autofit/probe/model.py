@@ -605,8 +605,16 @@ def _describe(module: torch.nn.Module, *, task: str, name: str | None = None) ->
 
     float_buffers, int_buffers = _own_buffer_bytes(module, adapter_buffers)
 
-    blocks, fields = _blocks_of(base, config, task) if config is not None else ([], {})
-    vocab = _first(config, "vocab_size") if config is not None else None
+    if (config is not None and _first(config, "hidden_size", "n_embd", "d_model") is None
+            and hasattr(config, "get_text_config")):
+        # a composite's widths are its text model's (Fuyu's Persimmon: its blocks were not
+        # recognised, the analytic estimate refused and the CPU caches' rule took the LM
+        # head for a feed-forward: 5.0% over simulated)
+        text = config.get_text_config()
+    else:
+        text = config
+    blocks, fields = _blocks_of(base, text, task) if text is not None else ([], {})
+    vocab = _first(text, "vocab_size") if text is not None else None
     tie = bool(getattr(config, "tie_word_embeddings", False)) if config is not None else False
     if tie:
         # trust the modules: tied only if the output head shares the input embedding

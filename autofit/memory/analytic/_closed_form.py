@@ -212,9 +212,18 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     saved = _saved_activations(info, config, seq_len, device, c, act, kept8)
     G_held, loss_temp, block_bwd_temp, opt_temp = _temporaries(info, config, seq_len, device,
                                                                act, G)
-    block_bwd_temp = max(block_bwd_temp, _derived_block_backward(info, config, seq_len, c))
+    derived_bwd = _derived_block_backward(info, config, seq_len, c)
+    block_bwd_temp = max(block_bwd_temp, derived_bwd)
+    # with checkpointing, a recomputed block's backward stands beside its recomputed
+    # activations: its own scratch as derived, where it is (the standard block's rule, two
+    # of its widest activations' gradients and two of its inputs', is an upper bound:
+    # ELECTRA's medium classifier's block makes 3.0 MiB above them, the rule says 12)
+    recompute_bwd_temp = (max(derived_bwd, _dequantized_bytes(info))
+                          if c.get("derived") and config.gradient_checkpointing
+                          else block_bwd_temp)
     phases = _phases(info, config, seq_len, c, saved, kept8, W=W, G=G, S=S, G_held=G_held,
-                     loss_temp=loss_temp, block_bwd_temp=block_bwd_temp, opt_temp=opt_temp)
+                     loss_temp=loss_temp, block_bwd_temp=block_bwd_temp, opt_temp=opt_temp,
+                     recompute_bwd_temp=recompute_bwd_temp)
     return AnalyticTerms(phases=phases, host=int(saved.host), W=W, copies=saved.copies,
                          copies_head=saved.copies_head, G=G, S=S, G_held=G_held,
                          opt_temp=opt_temp, A=saved.A, A_base=saved.A_base,
@@ -517,7 +526,8 @@ def _pair_moments(info: ModelInfo, config: TrainConfig, G: int,
 
 def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved, kept8: int,
             *, W: int, G: int, S: int, G_held: int, loss_temp: float, block_bwd_temp: float,
-            opt_temp: int) -> dict[str, tuple[float, dict[str, float]]]:
+            opt_temp: int, recompute_bwd_temp: float | None = None,
+            ) -> dict[str, tuple[float, dict[str, float]]]:
     """Step 4: the candidate peaks, phase -> (bytes, component -> bytes)."""
     A, A_base, A_transient = saved.A, saved.A_base, saved.A_transient
     copies, copies_head = saved.copies, saved.copies_head
@@ -532,7 +542,9 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
              if A_transient and not G_held else 0)
     # (the last block recomputed: an encoder's, where a fitted pair stands for both)
     A_last = _pair_encoder_share(A_transient) if _paired(info, c) else A_transient
-    end = W + S + G + A_base // 2 + kept8 + block_bwd_temp + max(A_last - G_late, 0)
+    # (a block's backward beside a recomputed block: its scratch, ``recompute_bwd_temp``)
+    end_bwd = block_bwd_temp if recompute_bwd_temp is None else recompute_bwd_temp
+    end = W + S + G + A_base // 2 + kept8 + end_bwd + max(A_last - G_late, 0)
     # the top block's backward beside all activations: derived, what it makes above what
     # was alive at the loss (the head's backward freed some: a classifier's input), else the
     # standard block's rule (two of its widest activations' gradients, two of its inputs')
@@ -553,8 +565,8 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
         "backward-end": (end,
                          {Component.WEIGHTS: W, Component.OPTIMIZER_STATES: S,
                           Component.GRADIENTS: G,
-                          Component.ACTIVATIONS: end - W - S - G - block_bwd_temp,
-                          Component.TEMPORARIES: block_bwd_temp}),
+                          Component.ACTIVATIONS: end - W - S - G - end_bwd,
+                          Component.TEMPORARIES: end_bwd}),
         # a tied head and embedding: their two gradients and the sum, the embedding's
         # backward being the last (the activations are gone by then)
         "embedding-sum": (W + S + G + kept8 + tied,
@@ -596,7 +608,7 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
         # encoder block's, each beside the gradients made by then)
         moments = (_pair_moments(info, config, G, A_transient) if _paired(info, c)
                    else [(G - G_late - G_own, A_transient)])
-        G_r, A_r, temp = max(((g, a, max(block_bwd_temp, high - a)) for g, a in moments),
+        G_r, A_r, temp = max(((g, a, max(end_bwd, high - a)) for g, a in moments),
                              key=lambda m: sum(m))
         phases["recompute"] = (
             W + copies_layer + S + G_r + saved.A_kept + A_r + temp,
