@@ -43,7 +43,7 @@ _FAMILY_OF = {
     "bert": "bert", "roberta": "bert", "xlm-roberta": "bert",
     # (not ELECTRA: its embeddings are narrower than its blocks and projected up, and its
     # classifier head is no pooler; fitted, the zoo's classifiers were +6.3..13.1%,
-    # derived +0.8..7.3%)
+    # derived +0.8..2.4%)
     # (not DistilBERT nor DeBERTa: fitted, the zoo's rows were 10.5-10.8% and 3.3% under;
     # DeBERTa's disentangled attention keeps its position scores too)
     "t5": "t5",  # (not mT5 / UMT5: their gated feed-forward keeps more; 9.1% under)
