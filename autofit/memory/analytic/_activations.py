@@ -143,7 +143,8 @@ def _needs_derived(info: ModelInfo, config: TrainConfig) -> bool:
     return info.model_type not in _FAMILY_OF
 
 
-def _coef(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> dict:
+def _coef(info: ModelInfo, config: TrainConfig, device: DeviceInfo,
+          seq_len: int | None = None) -> dict:
     if _needs_derived(info, config):
         from autofit.memory.analytic.derived import derived_coefficients
         from autofit.probe.model import module_of
@@ -152,7 +153,7 @@ def _coef(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> dict:
         if module is not None:
             if config.loss_impl == "trl":  # no logits kept, as autofit's chunked loss
                 config = config.replace(loss_impl="model", chunked_loss=True)
-            return derived_coefficients(module, info, config, device)
+            return derived_coefficients(module, info, config, device, seq_len)
         if swapped := patching(config):
             raise BadInputError(f"no analytic coefficients for {info.name} with "
                                 f"{', '.join(swapped)} from a description (they swap the "

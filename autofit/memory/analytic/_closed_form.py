@@ -207,7 +207,7 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     act = _bytes(info.dtype) if info.quant is not None else _bytes(spec.param_dtype)
     # what 8-bit layers hold past checkpointing
     kept8 = kept_input_bytes(info, N, act, _bytes(spec.compute_dtype) if spec.autocast else act)
-    c = _coef(info, config, device)
+    c = _coef(info, config, device, seq_len)
     W, G, S = _model_state(info, config, c)
     saved = _saved_activations(info, config, seq_len, device, c, act, kept8)
     G_held, loss_temp, block_bwd_temp, opt_temp = _temporaries(info, config, seq_len, device,

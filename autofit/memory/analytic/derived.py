@@ -6,7 +6,8 @@ PEFT method outside it â€” IA3, prefix tuning, DoRA, an OPT or GPT-NeoX block â€
 coefficients of the same form derived from its own forward: the model is cloned on
 fake tensors (``simulate._model``) and run, forward and backward, at four small shapes
 (micro batch 2 at ``T1 < T2 < T3`` tokens, and 4 at ``T1``; not 1: some steps take
-another path for one sample, AXK2's indexer among them; after one step at ``T1`` that is
+another path for one sample, AXK2's indexer among them; 32, 64 and 128 tokens, doubled
+until ``T3`` reaches the step's length: ``probe_shapes``; after one step at ``T1`` that is
 not kept, whose one-time allocations, a model's lazily built caches, would otherwise
 enter the first shape's fits), with each block's
 allocations told apart by forward hooks. The clone keeps one block of each kind
@@ -73,13 +74,35 @@ if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import BlockSpec, ModelInfo
 
-__all__ = ["derived_coefficients", "SHAPES"]
+__all__ = ["derived_coefficients", "probe_shapes", "SHAPES"]
 
 # (micro batch, tokens) of the four forwards: three lengths fix a quadratic per sample,
 # the second batch size separates what every micro batch shares. Not a micro batch of 1:
 # AXK2's sparse-attention indexer peaks elsewhere for one sample (its classifier's
 # forward transient fitted from 1 and 2 was 10 MiB at 4 x 128 tokens, 51 MiB simulated).
 SHAPES = ((2, 32), (2, 64), (2, 128), (4, 32))
+
+
+def probe_shapes(seq_len: int | None, limit: object = None) -> tuple[tuple[int, int], ...]:
+    """The shapes a step of ``seq_len`` tokens is derived at: ``SHAPES``, their lengths
+    doubled until the longest reaches ``seq_len`` (while within ``limit`` positions), so
+    that the fits interpolate at the step's length rather than extrapolate from 128 tokens.
+    A quadratic in the length is exact wherever the memory is one (every attention kept
+    whole or not at all: the lengths scaled give the same coefficients); where it is not
+    (a chunked linear attention, a block-padded encoder), the fit through 32, 64 and 128
+    tokens put Bailing's hybrid 47% over at 256 tokens (doubled: 0.7% under).
+
+        >>> probe_shapes(128) == SHAPES, probe_shapes(256)
+        (True, ((2, 64), (2, 128), (2, 256), (4, 64)))
+        >>> probe_shapes(4096, limit=1024)[2]
+        (2, 1024)
+    """
+    top = max(t for _, t in SHAPES)
+    k = 1
+    while (seq_len is not None and top * k < seq_len
+           and (not isinstance(limit, int) or top * k * 2 <= limit)):
+        k *= 2
+    return SHAPES if k == 1 else tuple((b, t * k) for b, t in SHAPES)
 
 
 class _Memory:
@@ -103,13 +126,15 @@ def _simulate() -> str:
 _log = logging.getLogger("autofit")
 
 
-def _key(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> str:
+def _key(info: ModelInfo, config: TrainConfig, device: DeviceInfo,
+         shapes: tuple[tuple[int, int], ...] = SHAPES) -> str:
     from autofit.knobs.registry import patch_key
     from autofit.probe.model import fingerprint
 
     target = device.name if device.allocator == "cuda" else "cpu"
+    scaled = [] if shapes == SHAPES else [shapes]  # (the base shapes' keys as they were)
     return json.dumps([fingerprint(info), config.precision, config.chunked_loss, target,
-                       *patch_key(config)], sort_keys=True, default=str)
+                       *patch_key(config), *scaled], sort_keys=True, default=str)
 
 
 def _kinds(blocks: list[torch.nn.Module]) -> list[tuple[int, int]]:
@@ -173,8 +198,8 @@ class _AtShape(NamedTuple):
     half_step: tuple[int, bool]
 
 
-def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, device: DeviceInfo
-                   ) -> tuple[list[_AtShape], int]:
+def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, device: DeviceInfo,
+                   shapes: tuple[tuple[int, int], ...] = SHAPES) -> tuple[list[_AtShape], int]:
     """What the forward keeps and makes (``_AtShape``) at each of ``SHAPES``, on one fake
     clone that keeps one block of each kind per stack; and the trainable elements no
     gradient reaches (``_unreached_numel``).
@@ -219,7 +244,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
         all_kept = [blk for kept, _, _ in stacks for blk in kept]
         # a first step at the first shape, not kept: one-time allocations (a model's
         # lazily built caches) would make its events other than the other shapes'
-        for step, (batch, seq_len) in enumerate((SHAPES[0], *SHAPES)):
+        for step, (batch, seq_len) in enumerate((shapes[0], *shapes)):
             rec = StorageRecorder()
             for t in weight_tensors(model):
                 rec.track(t, Component.WEIGHTS)
@@ -421,7 +446,8 @@ def _unreached_numel(loss: torch.Tensor, model: torch.nn.Module, stacks: list[tu
                if p.requires_grad and id(p) not in reached)
 
 
-def _forward_fit(at: list[_AtShape], config: TrainConfig) -> tuple[dict[str, float], float]:
+def _forward_fit(at: list[_AtShape], config: TrainConfig,
+                 shapes: tuple[tuple[int, int], ...] = SHAPES) -> tuple[dict[str, float], float]:
     """The forward's transient fitted over the shapes, and the share of the activations it
     stands beside (the largest of the shapes').
 
@@ -437,7 +463,7 @@ def _forward_fit(at: list[_AtShape], config: TrainConfig) -> tuple[dict[str, flo
     share = max(a.transient[1] for a in at)
     return _solve([float(a.transient[0]) if config.gradient_checkpointing
                    else a.transient[0] - (share - a.transient[1]) * a.transient[2]
-                   for a in at]), share
+                   for a in at], shapes), share
 
 
 def _forward_transient(log: list[tuple[str, Record, str]], alive: set[int]
@@ -477,7 +503,8 @@ _GRID_B = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _GRID_T = tuple(2 ** k for k in range(4, 18))
 
 
-def _transient_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
+def _transient_moments(at: list[_AtShape], shapes: tuple[tuple[int, int], ...] = SHAPES
+                       ) -> list[dict[str, float]] | None:
     """The forward's transient as the highest of several fitted moments: each moment of
     the forward (an event, the same one at every shape) makes a transient of the form
     ``F + B*(s + a*T + b*T^2)`` that the four shapes determine exactly, and the forward's
@@ -498,12 +525,13 @@ def _transient_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
         return np.maximum(B * (fit["s"] + fit["a"] * T + fit["b"] * T * T), 0.0) \
             + np.maximum(fit["F"], 0.0)
 
-    fit = _solve([np.asarray(a.moments[1], dtype=np.float64) for a in at])
+    fit = _solve([np.asarray(a.moments[1], dtype=np.float64) for a in at], shapes)
     share = np.max([a.moments[2] for a in at], axis=0)
     # what backward keeps made by each moment, bytes, fitted (its share of all it keeps
     # changes with the shape: Pegasus-X's block-padded encoder is 0.77 of it at 2 x 32
     # tokens, less at 4 x 128, where the largest share put its LoRA step 10% over)
-    kept = _solve([np.asarray(a.moments[2], dtype=np.float64) * a.transient[2] for a in at])
+    kept = _solve([np.asarray(a.moments[2], dtype=np.float64) * a.transient[2] for a in at],
+                  shapes)
     # a moment's height: its transient and what backward keeps made by then
     highest = sorted({int((at_shape(fit, B, T) + at_shape(kept, B, T)).argmax())
                       for B in _GRID_B for T in _GRID_T})
@@ -512,7 +540,8 @@ def _transient_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
             for i in highest]
 
 
-def _top_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
+def _top_moments(at: list[_AtShape], shapes: tuple[tuple[int, int], ...] = SHAPES
+                 ) -> list[dict[str, float]] | None:
     """The top block's backward on (``_top_backward``) as the highest of its moments, each
     fitted on its own (signed: the head's backward frees more than it makes) and kept where
     it is the highest somewhere on the grid of shapes, as ``_transient_moments`` does for
@@ -521,15 +550,15 @@ def _top_moments(at: list[_AtShape]) -> list[dict[str, float]] | None:
 
     if len({a.top_moments[0] for a in at}) != 1 or not at[0].top_moments[1]:
         return None
-    fit = _solve([np.asarray(a.top_moments[1], dtype=np.float64) for a in at])
+    fit = _solve([np.asarray(a.top_moments[1], dtype=np.float64) for a in at], shapes)
     highest = sorted({int((fit["F"] + B * (fit["s"] + fit["a"] * T + fit["b"] * T * T))
                           .argmax()) for B in _GRID_B for T in _GRID_T})
     return [_signed_form({k: float(v[i]) for k, v in fit.items()}) for i in highest]
 
 
-def _solve(values: list[float]) -> dict[str, float]:
-    """``F, s, a, b`` of ``F + B*(s + a*T + b*T^2)`` from the values at ``SHAPES``."""
-    (b1, t1), (_, t2), (_, t3), (b2, _) = SHAPES
+def _solve(values: list[Any], shapes: tuple[tuple[int, int], ...] = SHAPES) -> dict[str, Any]:
+    """``F, s, a, b`` of ``F + B*(s + a*T + b*T^2)`` from the values at ``shapes``."""
+    (b1, t1), (_, t2), (_, t3), (b2, _) = shapes
     v11, v12, v13, v21 = values
     p1 = (v21 - v11) / (b2 - b1)  # one sample at T1
     fixed = v11 - b1 * p1
@@ -544,11 +573,13 @@ def _solve(values: list[float]) -> dict[str, float]:
 
 
 def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: TrainConfig,
-                         device: DeviceInfo) -> dict[str, Any]:
+                         device: DeviceInfo, seq_len: int | None = None) -> dict[str, Any]:
     """Coefficients for ``estimate_analytic`` in the form of a ``coefficients.json``
     entry (``layer``: per block, ``base``: outside the blocks), derived from ``module``'s
-    own forward (see the module docstring)."""
-    key = _key(info, config, device)
+    own forward (see the module docstring), at the shapes for a step of ``seq_len`` tokens
+    (``probe_shapes``; None: ``SHAPES``)."""
+    shapes = probe_shapes(seq_len, info.max_position_embeddings)
+    key = _key(info, config, device, shapes)
     memory = _memory().coefficients
     hit = memory.get(key)
     if hit is None:
@@ -558,7 +589,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     if hit is not None:
         return hit
     limit = info.max_position_embeddings
-    if isinstance(limit, int) and max(t for _, t in SHAPES) > limit:
+    if isinstance(limit, int) and max(t for _, t in shapes) > limit:
         raise BadInputError(f"{info.name} takes at most {limit} positions; "
                             "use " + _simulate())
     roles: tuple[str | None, ...] = (("encoder", "decoder") if info.is_encoder_decoder
@@ -568,7 +599,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     if 0 in counts:
         raise BadInputError(f"{info.name}: no transformer blocks found; use " + _simulate())
     try:
-        at, dead = _forward_saved(module, config, info.task, device)
+        at, dead = _forward_saved(module, config, info.task, device, shapes)
     except ValueDependentShapeError as e:  # (the table's coefficients were 33% under: LED)
         raise ValueDependentShapeError(
             f"{info.name}: its step makes tensors whose shapes depend on values ({e.op}), "
@@ -577,16 +608,17 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     if any(len(a.per_block) != len(roles) for a in at):
         raise BadInputError(f"{info.name}: its stacks of blocks are not the ones it "
                             "describes; use " + _simulate())
-    lays = [_solve([a.per_block[k] for a in at]) for k in range(len(roles))]
-    largest = [_solve([a.largest[k] for a in at]) for k in range(len(roles))]
-    highest = [_solve([a.block_forward[k] for a in at]) for k in range(len(roles))]
+    lays = [_solve([a.per_block[k] for a in at], shapes) for k in range(len(roles))]
+    largest = [_solve([a.largest[k] for a in at], shapes) for k in range(len(roles))]
+    highest = [_solve([a.block_forward[k] for a in at], shapes) for k in range(len(roles))]
     base_vals = [a.total - sum(p * c for p, c in zip(a.per_block, counts, strict=True))
                  for a in at]
-    bas = _solve(base_vals)
-    fwd, share = _forward_fit(at, config)
-    kept_all = _solve([float(a.transient[2]) for a in at])  # all the forward keeps
-    bwds = [_solve([float(a.block_backward[k]) for a in at]) for k in range(len(roles))]
-    top = _solve([float(a.top_backward) for a in at])
+    bas = _solve(base_vals, shapes)
+    fwd, share = _forward_fit(at, config, shapes)
+    kept_all = _solve([float(a.transient[2]) for a in at], shapes)  # all the forward keeps
+    bwds = [_solve([float(a.block_backward[k]) for a in at], shapes)
+            for k in range(len(roles))]
+    top = _solve([float(a.top_backward) for a in at], shapes)
     # the share of the activations made by the forward's peak, the largest over the four
     # shapes: an encoder-decoder's peak in its encoder comes before any decoder activation
     # (Pegasus-X's padded blocks: 23% over with all of them), a hybrid's in its first,
@@ -631,9 +663,9 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         # EPYC's rule tells the step's state from the process's: ``half_step``)
         "half_step": [max(a.half_step[0] for a in at), any(a.half_step[1] for a in at)],
     }
-    if (moments := _transient_moments(at)) is not None:
+    if (moments := _transient_moments(at, shapes)) is not None:
         coef["forward_moments"] = moments
-    if (moments := _top_moments(at)) is not None:
+    if (moments := _top_moments(at, shapes)) is not None:
         coef["top_backward_moments"] = moments
     if dead:  # trainable elements without a gradient (no state either)
         coef["no_grad_numel"] = int(dead)
