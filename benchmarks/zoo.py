@@ -331,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="probe what builds; measure nothing")
     ap.add_argument("--report", action="store_true", help="only rewrite zoo.md / zoo.png")
     ap.add_argument("--reestimate", action="store_true",
-                    help="estimate the measured rows again (of --families, --tasks and "
-                         "--setups), each "
+                    help="estimate the measured rows again (of --families, --tasks, "
+                         "--sizes and --setups), each "
                          "with its instruction set's rule; measure nothing")
     ap.add_argument("--vendor", default=None,
                     help="with --reestimate: only the rows measured on this CPU maker (AMD; "
@@ -355,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         todo = [(name, row) for name, row in sorted(data["rows"].items())
                 if "measured" in row and (fams is None or row["spec"]["model_type"] in fams)
                 and row["spec"]["task"] in tasks and row.get("setup") in setups
+                and any(name.endswith(f"-{row['spec']['task']}-{size}-{row.get('setup')}")
+                        for size in args.sizes.split(","))
                 and (args.vendor is None or (row.get("vendor") or "none") == args.vendor)]
         for n, (name, row) in enumerate(todo, 1):
             done[name] = reestimate(row, args.methods.split(","))
