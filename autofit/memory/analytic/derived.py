@@ -556,7 +556,8 @@ def _top_moments(at: list[_AtShape], shapes: tuple[tuple[int, int], ...] = SHAPE
     return [_signed_form({k: float(v[i]) for k, v in fit.items()}) for i in highest]
 
 
-def _solve(values: list[Any], shapes: tuple[tuple[int, int], ...] = SHAPES) -> dict[str, Any]:
+def _solve(values: list[float], shapes: tuple[tuple[int, int], ...] = SHAPES
+           ) -> dict[str, float]:
     """``F, s, a, b`` of ``F + B*(s + a*T + b*T^2)`` from the values at ``shapes``."""
     (b1, t1), (_, t2), (_, t3), (b2, _) = shapes
     v11, v12, v13, v21 = values
@@ -578,8 +579,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     entry (``layer``: per block, ``base``: outside the blocks), derived from ``module``'s
     own forward (see the module docstring), at the shapes for a step of ``seq_len`` tokens
     (``probe_shapes``; None: ``SHAPES``)."""
-    shapes = probe_shapes(seq_len, info.max_position_embeddings)
-    key = _key(info, config, device, shapes)
+    key = _key(info, config, device, shapes := probe_shapes(seq_len, info.max_position_embeddings))
     memory = _memory().coefficients
     hit = memory.get(key)
     if hit is None:
@@ -616,8 +616,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     bas = _solve(base_vals, shapes)
     fwd, share = _forward_fit(at, config, shapes)
     kept_all = _solve([float(a.transient[2]) for a in at], shapes)  # all the forward keeps
-    bwds = [_solve([float(a.block_backward[k]) for a in at], shapes)
-            for k in range(len(roles))]
+    bwds = [_solve([float(a.block_backward[k]) for a in at], shapes) for k in range(len(roles))]
     top = _solve([float(a.top_backward) for a in at], shapes)
     # the share of the activations made by the forward's peak, the largest over the four
     # shapes: an encoder-decoder's peak in its encoder comes before any decoder activation
