@@ -163,3 +163,24 @@ def test_the_four_forwards_run_the_same_events(fresh):
                                      CPU)
     assert c["forward_moments"]
     assert c["layer"]["F"] == 0
+
+
+def test_a_block_backward_no_hook_saw_is_no_scratch():
+    """Where no block's backward hook fired (OpenAI-GPT's blocks; I-BERT's with LoRA), each
+    stack's block scratch is 0, not an internal error (``zip`` of the starts and ends)."""
+    from autofit.memory.breakdown import Component
+    from autofit.memory.simulate._recorder import Record
+
+    r = Record(0, 1 << 20, "backward", 0, Component.ACTIVATIONS)
+    log = [("alloc", r, "backward"), ("free", r, "backward")]
+    assert derived._block_backward(log, [-1, -1], set(), [([0, 1], [(0, 1), (1, 1)], 2)]) \
+        == [0]
+
+
+def test_the_probe_lengths_reach_the_step():
+    """The fits interpolate at the step's length: the base shapes up to 128 tokens, then the
+    lengths doubled until the longest reaches it, within the model's positions."""
+    assert derived.probe_shapes(None) == derived.probe_shapes(100) == derived.SHAPES
+    assert derived.probe_shapes(300) == ((2, 128), (2, 256), (2, 512), (4, 128))
+    assert max(t for _, t in derived.probe_shapes(4096, limit=512)) == 512
+    assert derived.probe_shapes(4096, limit=64) == derived.SHAPES  # (refused later, as before)

@@ -375,7 +375,9 @@ def _block_backward(log: list[tuple[str, Record, str]], back: list[int], grads: 
             live += r.size if kind == "alloc" else -r.size
         series.append(live)
     order = sorted((a, i) for i, a in enumerate(back) if a > 0)
-    ends = {i: e for (_, i), (e, _) in zip(order, order[1:] + [(len(series), -1)], strict=True)}
+    # (none where no block's backward hook fired: OpenAI-GPT's blocks)
+    nexts = [e for e, _ in order[1:]] + [len(series)] if order else []
+    ends = {i: e for (_, i), e in zip(order, nexts, strict=True)}
     out, at = [], 0
     for kept, _, _ in stacks:
         most = 0
