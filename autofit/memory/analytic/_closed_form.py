@@ -340,7 +340,7 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
     A_layer_max = max([x for x, _ in layer_costs]
                       + [_fitted(c[k], B, T) for k in ("layer_largest", "layer_largest_decoder")
                          if k in c], default=0)
-    if info.is_encoder_decoder and decoder_c is None:
+    if _paired(info, c):
         # T5's fitted cost is an encoder + decoder pair's; checkpointing recomputes one block
         # at a time, the larger its decoder block: self- and cross-attention beside the
         # encoder's one, the same feed-forward, so at most 2/3 of the pair (derived at 4 x
@@ -466,15 +466,25 @@ def _first_block_gradients(info: ModelInfo, config: TrainConfig) -> int:
     or frozen base's gradients are another's; an encoder-decoder's last recomputed block
     is its encoder's). ELECTRA's two-block classifier in bf16 with checkpointing counted
     both blocks' gradients beside the first's recompute (8.4 MB of 154.5 measured)."""
-    if (info.is_encoder_decoder or not info.blocks or info.quant is not None
-            or any(g.role in ("lora", "adapter", "prompt") or not g.trainable
-                   for g in info.params if g.role == "linear")):
+    if info.is_encoder_decoder or not info.blocks or not _full_fine_tune(info):
         return 0
     sizes = [k * n for _, k, n, _ in info.blocks[0].linears]
     if len(sizes) < 2:
         return 0
-    grad = 2 if config.precision_spec.param_dtype in ("bfloat16", "float16") else 4
-    return (sum(sizes) - max(sizes)) * grad
+    return (sum(sizes) - max(sizes)) * _grad_bytes(config)
+
+
+def _full_fine_tune(info: ModelInfo) -> bool:
+    """Whether every linear weight is trained in full (no adapter, no quantized or frozen
+    base): the blocks' gradients are then their linear weights'."""
+    return info.quant is None and not any(
+        g.role in ("lora", "adapter", "prompt") or not g.trainable
+        for g in info.params if g.role == "linear")
+
+
+def _grad_bytes(config: TrainConfig) -> int:
+    """Bytes of a gradient element: the parameters' dtype's."""
+    return 2 if config.precision_spec.param_dtype in ("bfloat16", "float16") else 4
 
 
 def _paired(info: ModelInfo, c: dict) -> bool:
@@ -501,11 +511,9 @@ def _pair_moments(info: ModelInfo, config: TrainConfig, G: int,
     encoder's beside 66 (357.1); the pair's block beside all of them put it 13.6% over.
     Every gradient stands where they are not a full fine-tune's, or accumulate."""
     A_encoder = _pair_encoder_share(A_decoder)
-    if (config.grad_accum_steps > 1 or info.quant is not None
-            or any(g.role in ("lora", "adapter", "prompt") or not g.trainable
-                   for g in info.params if g.role == "linear")):
+    if config.grad_accum_steps > 1 or not _full_fine_tune(info):
         return [(G, A_decoder), (G, A_encoder)]
-    grad = 2 if config.precision_spec.param_dtype in ("bfloat16", "float16") else 4
+    grad = _grad_bytes(config)
 
     def one(b: BlockSpec) -> int:
         return sum(i * o for _, i, o, _ in b.linears) * grad
