@@ -47,7 +47,12 @@ caching): each allocation is its own block and reserved == allocated == the
 resident bytes of the live blocks, see `cpu_block_bytes`: with
 ``MALLOC_MMAP_THRESHOLD_=65536`` a block of 64 KiB or more is ``mmap``-ed as whole
 4 KiB pages including glibc's header (``_int_memalign``, ``sysmalloc``); a smaller
-one is charged its size rounded to 64 B plus a 16 B header.
+one is charged its size rounded to 64 B plus a 16 B header. Reserved bytes are the
+resident ones: the mapped blocks and the heap up to its top, each heap block placed
+where glibc 2.36's ``_int_memalign`` puts it (best fit for the block plus 112 B of
+alignment padding, the lead and trailer given back), so that the holes a freed block
+leaves below a live one, and whether a later request fits them, are glibc's (checked
+against the real glibc on the same streams: ``tests/memory/test_allocator.py``).
 
 Both models take events (`AllocEvent`) through ``replay`` or calls to ``malloc``
 and ``free``, keep their state between calls (a second training step finds the

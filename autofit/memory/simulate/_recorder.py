@@ -109,6 +109,8 @@ class StorageRecorder(TorchDispatchMode):
         # a 16-bit flash attention ran (its brgemm kernels keep state per length)
         self.half_primitives: set[tuple[Any, ...]] = set()
         self.half_attention = False
+        # CPU, checkpointing: the most autograd nodes a checkpointed block's graph had
+        self.checkpointed_nodes = 0
 
     def __enter__(self) -> StorageRecorder:
         if self._depth == 0:
