@@ -67,7 +67,7 @@ y = run(n)
 gc.collect()
 forward = rss() - base
 y.sum().backward()
-print((forward) / n, (hwm() - base) / n)
+print(forward / n, (hwm() - base) / n)
 """
 
 

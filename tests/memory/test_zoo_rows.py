@@ -133,6 +133,12 @@ def _rows() -> dict[str, dict]:
 
 
 def _error(name: str, method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> float:
+    return _estimated(name, method, tmp_path, monkeypatch)[0]
+
+
+def _estimated(name: str, method: str, tmp_path: Path,
+               monkeypatch: pytest.MonkeyPatch) -> tuple[float, tuple[str, ...]]:
+    """A row's estimate: its error against the measured peak, and its notes."""
     row = _rows()[name]
     monkeypatch.setattr("autofit.probe.device.cpu_capability", lambda: row.get("cpu", "AVX2"))
     # the maker too (rows from before it was recorded: the Intel host's)
@@ -142,8 +148,7 @@ def _error(name: str, method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     from accuracy import _estimate
 
     est, _ = _estimate(row["spec"], method, tmp_path)
-    _LAST_NOTES[name] = est.notes
-    return (est.peak_allocated_bytes - row["measured"]) / row["measured"]
+    return (est.peak_allocated_bytes - row["measured"]) / row["measured"], est.notes
 
 
 # rows known to be more than 10% over, each with its bound and why (never a lower bound);
@@ -173,14 +178,11 @@ SIMULATED_BOUNDS: dict[str, tuple[float, float]] = {
 
 @pytest.mark.parametrize("name", SIMULATED)
 def test_a_zoo_family_is_simulated_within_its_measurement(name, tmp_path, monkeypatch):
-    err = _error(name, "simulate", tmp_path, monkeypatch)
+    err, notes = _estimated(name, "simulate", tmp_path, monkeypatch)
     low, high = SIMULATED_BOUNDS.get(name, (-0.03, 0.05))
     assert low <= err <= high, f"{name}: simulate {100 * err:+.1f}% of the measured peak"
     if low < -0.03:  # a known underestimate is never silent
-        assert any("checkpointed block" in n for n in _LAST_NOTES[name]), name
-
-
-_LAST_NOTES: dict[str, tuple[str, ...]] = {}
+        assert any("checkpointed block" in n for n in notes), name
 
 
 def test_a_family_neither_method_can_follow_is_refused_in_one_line(tmp_path, monkeypatch):

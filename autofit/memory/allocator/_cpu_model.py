@@ -62,14 +62,13 @@ class CpuAllocatorModel(_ModelBase):
         self._live_blocks = 0
         self._num_mmaps = 0
         self._num_munmaps = 0
-        # the heap: its top, its holes by (size, address), by address and by end, the
-        # kept span of each live heap block by address, and the bytes the top fell by
+        # the heap: its top, its holes by (size, address), by address and by end, and the
+        # kept span of each live heap block by address
         self._top = _HEAP_BASE
         self._holes = _SortedInts()
         self._hole_at: dict[int, int] = {}  # address -> size
         self._hole_to: dict[int, int] = {}  # end -> address
         self._span: dict[int, int] = {}
-        self._topped = 0
 
     def _malloc(self, size: int, category: str) -> _Block:
         nbytes = cpu_block_bytes(size, self.mmap_threshold)
@@ -83,7 +82,7 @@ class CpuAllocatorModel(_ModelBase):
         cap = self.capacity_bytes
         if cap is not None and self._stats.reserved + grown > cap:
             if small:
-                self._heap_give(addr, self._span.pop(addr))
+                self._release(addr, self._span.pop(addr))
             raise SimulatedOutOfMemoryError(
                 f"CPU out of memory (modelled): tried to allocate {size} B with "
                 f"{self._stats.allocated} B in use of {cap} B; try a smaller micro batch"
@@ -103,7 +102,7 @@ class CpuAllocatorModel(_ModelBase):
         if block.size:
             self._live_blocks -= 1
         self._stats.add_allocated(-block.size, -block.requested, block.category)
-        self._stats.add_reserved(-(self._heap_give(block.addr, self._span.pop(block.addr))
+        self._stats.add_reserved(-(self._release(block.addr, self._span.pop(block.addr))
                                    if block.small else block.size))
 
     # -- the heap ----------------------------------------------------------------------
@@ -111,7 +110,6 @@ class CpuAllocatorModel(_ModelBase):
         """Where ``_int_memalign`` keeps ``nb`` bytes (recorded in ``_span``), and by
         how much the heap grew for it; ``None`` when no hole holds ``need`` bytes and
         ``top`` is false (the request goes to ``mmap``)."""
-        self._topped = 0
         key = self._holes.ceiling(need << _ADDR_BITS)
         if key is not None:  # best fit
             hole, p = key >> _ADDR_BITS, key & _ADDR_MASK
@@ -135,21 +133,15 @@ class CpuAllocatorModel(_ModelBase):
                 lead += _ALIGN
         kept = nb if chunk - lead - nb > _MINSIZE else chunk - lead
         if lead:
-            self._release(p, lead)
+            grown -= self._release(p, lead)
         if p + lead + kept < end:
-            self._release(p + lead + kept, end - p - lead - kept)
+            grown -= self._release(p + lead + kept, end - p - lead - kept)
         self._span[p + lead] = kept
-        return p + lead, grown - self._topped
+        return p + lead, grown
 
-    def _heap_give(self, addr: int, nbytes: int) -> int:
-        """Frees ``nbytes`` at ``addr``. Returns the bytes the heap shrank by."""
-        self._topped = 0
-        self._release(addr, nbytes)
-        return self._topped
-
-    def _release(self, addr: int, nbytes: int) -> None:
-        """Frees a piece of the heap: merged with the holes beside it, given back
-        (``_topped``) when it reaches the top."""
+    def _release(self, addr: int, nbytes: int) -> int:
+        """Frees a piece of the heap: merged with the holes beside it, given back when it
+        reaches the top. Returns the bytes the heap shrank by."""
         after = self._hole_at.get(addr + nbytes)
         if after is not None:
             self._drop_hole(addr + nbytes, after)
@@ -161,9 +153,9 @@ class CpuAllocatorModel(_ModelBase):
             addr, nbytes = before, nbytes + size
         if addr + nbytes == self._top:
             self._top = addr
-            self._topped += nbytes
-        else:
-            self._add_hole(addr, nbytes)
+            return nbytes
+        self._add_hole(addr, nbytes)
+        return 0
 
     def _add_hole(self, addr: int, size: int) -> None:
         self._holes.add((size << _ADDR_BITS) | addr)

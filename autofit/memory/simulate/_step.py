@@ -372,16 +372,26 @@ def graph_host_bytes(loss: torch.Tensor, blocks: int = 0) -> int:
 
     With ``blocks`` checkpointed blocks: the slots hold the checkpoint's handles, and
     backward holds one block's rebuilt graph (a ``blocks``-th of the step's) beside it."""
+    return _host_bytes(*_graph_counts(loss), blocks)
+
+
+def _graph_counts(loss: torch.Tensor) -> tuple[int, int]:
+    """The nodes of ``loss``'s autograd graph and their saved-variable slots."""
     nodes = graph_nodes(loss)
     saved = 0
     for fn in nodes:
         for name in _saved_attributes(type(fn)):
             value = getattr(fn, name, None)
             saved += len(value) if isinstance(value, list | tuple) else value is not None
+    return len(nodes), saved
+
+
+def _host_bytes(nodes: int, saved: int, blocks: int) -> int:
+    """`graph_host_bytes` of a graph of ``nodes`` nodes and ``saved`` slots."""
     if not blocks:
-        return _NODE_HOST_BYTES * len(nodes) + _SAVED_HOST_BYTES * saved
-    rebuilt = _NODE_HOST_BYTES * len(nodes) + _RECOMPUTE_SAVED_HOST_BYTES * saved
-    return _NODE_HOST_BYTES * len(nodes) + _SAVED_CKPT_HOST_BYTES * saved + rebuilt // blocks
+        return _NODE_HOST_BYTES * nodes + _SAVED_HOST_BYTES * saved
+    rebuilt = _NODE_HOST_BYTES * nodes + _RECOMPUTE_SAVED_HOST_BYTES * saved
+    return _NODE_HOST_BYTES * nodes + _SAVED_CKPT_HOST_BYTES * saved + rebuilt // blocks
 
 
 def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, *, task: str,
@@ -420,10 +430,10 @@ def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
             rec.mark_live(Component.ACTIVATIONS, phase="forward", micro=rec.micro)
             graph = None
             if target.kind == "cpu":
-                graph = rec.hold(graph_host_bytes(loss, blocks), Component.ACTIVATIONS)
+                nodes, saved = _graph_counts(loss)
+                graph = rec.hold(_host_bytes(nodes, saved, blocks), Component.ACTIVATIONS)
                 if blocks:
-                    rec.checkpointed_nodes = max(rec.checkpointed_nodes,
-                                                 len(graph_nodes(loss)) // blocks)
+                    rec.checkpointed_nodes = max(rec.checkpointed_nodes, nodes // blocks)
             rec.phase = "backward"
             root = scaler.scale_loss(loss) if scaler is not None else loss
             with rec.eager_accumulation(graph_nodes(root)):
