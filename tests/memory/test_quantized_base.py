@@ -117,7 +117,7 @@ def test_estimates_match_a_real_quantized_step(saved, q, config, monkeypatch) ->
         monkeypatch.setattr(f"{where}.cpu_library_cache_bytes", lambda *a, **k: 0)
         monkeypatch.setattr(f"{where}.cpu_library_once_bytes", lambda *a, **k: 0)
     # nor the autograd graph's host memory (no tensor either: the real step counts tensors)
-    monkeypatch.setattr("autofit.memory.simulate._step.graph_host_bytes", lambda *a, **k: 0)
+    monkeypatch.setattr("autofit.memory.simulate._step._host_bytes", lambda *a, **k: 0)
     sim = estimate("tiny-llama", config, method="simulate", **kw)
     ana = estimate("tiny-llama", config, **kw)
     # the weights as loaded: packed / int8 values, their quantization states, the rest in
