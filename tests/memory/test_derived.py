@@ -97,7 +97,7 @@ def test_an_unwritable_folder_is_one_warning(ia3, fresh, monkeypatch, caplog):
 def _at(moments: tuple[str, list[int], list[float]],
         transient: tuple[int, float, int] | None = None) -> derived._AtShape:
     return derived._AtShape([0.0], [0.0], [0.0], 0, transient or (max(moments[1]), 1.0, 0),
-                            moments, [0], 0, ("", []), 0, (0, False))
+                            moments, [0], [1.0], 0, ("", []), 0, (0, False))
 
 
 def test_the_forward_transient_is_fitted_beside_the_share_it_is_used_with():

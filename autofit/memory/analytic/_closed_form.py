@@ -327,13 +327,16 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
     decoder_c = c.get("layer_decoder")  # derived for an encoder-decoder: its decoder's
     V, trl, chunked = _lm(info, config)
     h = info.hidden_size or 0
-    layer_costs = []  # (bytes per layer, count)
+    # the forward runs of a block (derived; a looped model's blocks run twice: Dory), per
+    # stack: each run keeps its activations, or with checkpointing its input
+    runs = c.get("layer_runs") or [1.0, 1.0]
+    layer_costs = []  # (bytes per layer run, runs of the layers)
     for b in info.blocks:
         if info.is_encoder_decoder and b.role != "encoder":
             if decoder_c is not None:
-                layer_costs.append((_layer_bytes(decoder_c, b, B, T), b.count))
+                layer_costs.append((_layer_bytes(decoder_c, b, B, T), b.count * runs[-1]))
             continue  # T5's fitted coefficients are per encoder+decoder pair (calibration)
-        layer_costs.append((_layer_bytes(layer_c, b, B, T), b.count))
+        layer_costs.append((_layer_bytes(layer_c, b, B, T), b.count * runs[0]))
     A_layers_full = sum(x * n for x, n in layer_costs)
     # the largest block: derived per kind of block where a stack mixes kinds (a hybrid's
     # linear-attention block keeps ten times its full-attention block: Qwen3-Next)
@@ -346,7 +349,9 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
         # encoder's one, the same feed-forward, so at most 2/3 of the pair (derived at 4 x
         # 128: 16.7 of 26.5 MiB; the pair put T5's classifier in bf16-mixed 23% over)
         A_layer_max *= _PAIR_DECODER_SHARE
-    num_layers = sum(n for _, n in layer_costs)
+    num_layers = sum(n for _, n in layer_costs)  # (block runs)
+    modules = sum(b.count for b in info.blocks  # (blocks: a fitted pair's encoder ones)
+                  if not info.is_encoder_decoder or b.role == "encoder" or decoder_c is not None)
     # the V term is the logits the loss keeps for backward; a chunked loss keeps none
     A_base = N * max(base_c["h"] * h + (0 if chunked else base_c["V"] * V) + base_c["c0"]
                      + base_c.get("T", 0.0) * T, 0.0)
@@ -370,7 +375,8 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
         # backward recomputes one block at a time
         A_layers = num_layers * N * h * act + kept8
         A_transient = A_layer_max
-        copies = copies_head + (copies_all - copies_head) // max(num_layers, 1)
+        # (one block's copies: autocast casts a weight once however often its block runs)
+        copies = copies_head + (copies_all - copies_head) // max(modules, 1)
         A_kept = A_layers  # the inputs on the device while backward recomputes
         if config.activation_offloading and device.allocator == "cuda":
             # the inputs are in pinned host memory; backward copies one back at a time

@@ -188,6 +188,8 @@ class _AtShape(NamedTuple):
     # keeps made by then (_forward_transient)
     moments: tuple[str, list[int], list[float]]
     block_backward: list[int]  # per stack, a block backward's scratch (_block_backward)
+    # per stack, the forward runs of a block (1; a looped model's blocks run twice: Dory)
+    runs: list[float]
     # the top block's backward on, at its highest above what was alive at the loss, and its
     # moments (_top_backward)
     top_backward: int
@@ -251,7 +253,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
             spans: list[list[int]] = [[0, 0] for _ in all_kept]
             back: list[int] = [-1 for _ in all_kept]  # where each block's backward starts
             fired: list[int] = []  # ... every start (a block run twice, ALBERT's, starts twice)
-            handles = _mark_blocks(all_kept, rec, spans, back, fired)
+            runs = [0 for _ in all_kept]  # each block's forward runs
+            handles = _mark_blocks(all_kept, rec, spans, back, fired, runs)
             ctx: Any = contextlib.nullcontext()
             if device.allocator == "cuda":
                 from autofit.memory.simulate._cuda import CudaSemantics
@@ -289,21 +292,25 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 model.zero_grad(set_to_none=True)
             for h in handles:
                 h.remove()
-            per_block, largest, highest, at = [], [], [], 0
+            per_block, largest, highest, stack_runs, at = [], [], [], [], 0
             blocks = 0.0
             for kept, kinds, n in stacks:
                 mine = per_kind[at:at + len(kept)]
+                ran = runs[at:at + len(kept)]
                 highest.append(float(max(heights[at:at + len(kept)])))
                 at += len(kept)
                 stack = sum(b * c for b, (_, c) in zip(mine, kinds, strict=True))
                 per_block.append(stack / n)  # the kept blocks stand for all of their kind
                 largest.append(float(max(mine)))
+                # a block's span is its last run's: its earlier runs' activations are in
+                # the total, outside the spans (a looped model's, Dory's, run twice)
+                stack_runs.append(sum(r * c for r, (_, c) in zip(ran, kinds, strict=True)) / n)
                 blocks += stack
             if step:
                 out.append(_AtShape(per_block, largest, highest,
                                     int(total - sum(per_kind) + blocks), transient, moments,
-                                    block_bwd, top_bwd, top_moments, len(rec.half_matmuls),
-                                    rec.half_step()))
+                                    block_bwd, stack_runs, top_bwd, top_moments,
+                                    len(rec.half_matmuls), rec.half_step()))
     return out, dead
 
 
@@ -323,19 +330,23 @@ def _one_block_per_kind(base: torch.nn.Module) -> list[tuple[Any, list[tuple[int
 
 
 def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
-                 spans: list[list[int]], back: list[int], fired: list[int]) -> list[Any]:
+                 spans: list[list[int]], back: list[int], fired: list[int],
+                 runs: list[int]) -> list[Any]:
     """Hooks that note, in ``spans``, where each block's forward starts and ends in
-    ``rec``'s log, in ``back`` where its backward starts (the last time: a block run twice,
-    ALBERT's shared layer, starts twice) and in ``fired`` every block backward's start;
-    their handles."""
+    ``rec``'s log (its last run), in ``runs`` how many times it runs forward, in ``back``
+    where its backward starts (the last time: a block run twice, ALBERT's shared layer,
+    starts twice) and in ``fired`` every block backward's start; their handles."""
     def started(i: int) -> None:
         back[i] = len(rec._log)
         fired.append(len(rec._log))
 
+    def entered(i: int) -> None:
+        spans[i][0] = len(rec._log)
+        runs[i] += 1
+
     handles = []
     for i, blk in enumerate(blocks):
-        handles.append(blk.register_forward_pre_hook(
-            lambda _m, _a, i=i: spans[i].__setitem__(0, len(rec._log))))
+        handles.append(blk.register_forward_pre_hook(lambda _m, _a, i=i: entered(i)))
         handles.append(blk.register_forward_hook(
             lambda _m, _a, _o, i=i: spans[i].__setitem__(1, len(rec._log))))
         handles.append(blk.register_full_backward_pre_hook(
@@ -613,7 +624,12 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     lays = [_solve([a.per_block[k] for a in at], shapes) for k in range(len(roles))]
     largest = [_solve([a.largest[k] for a in at], shapes) for k in range(len(roles))]
     highest = [_solve([a.block_forward[k] for a in at], shapes) for k in range(len(roles))]
-    base_vals = [a.total - sum(p * c for p, c in zip(a.per_block, counts, strict=True))
+    # each block's activations as often as it runs (a looped model's: Dory's run twice;
+    # its earlier runs' in the base put it 23% over with checkpointing, which keeps only
+    # each run's input)
+    runs = at[0].runs
+    base_vals = [a.total - sum(p * c * r for p, c, r in zip(a.per_block, counts, runs,
+                                                            strict=True))
                  for a in at]
     bas = _solve(base_vals, shapes)
     fwd, share = _forward_fit(at, config, shapes)
@@ -668,6 +684,8 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         coef["forward_moments"] = moments
     if (moments := _top_moments(at, shapes)) is not None:
         coef["top_backward_moments"] = moments
+    if any(r != 1 for r in runs):  # the forward runs of a block, per stack
+        coef["layer_runs"] = [float(r) for r in runs]
     if dead:  # trainable elements without a gradient (no state either)
         coef["no_grad_numel"] = int(dead)
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
@@ -735,6 +753,10 @@ def _valid(coef: object) -> bool:
                                              "block_backward_decoder", "layer_largest",
                                              "layer_largest_decoder", "block_forward",
                                              "block_forward_decoder") if p in coef]
+    runs = coef.get("layer_runs", [1.0])
+    if not isinstance(runs, list) or not all(
+            isinstance(r, int | float) and math.isfinite(r) and r > 0 for r in runs):
+        return False
     moments = coef.get("forward_moments", [])
     top_moments = coef.get("top_backward_moments", [])
     if not isinstance(moments, list) or not isinstance(top_moments, list):
