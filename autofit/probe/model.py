@@ -379,6 +379,11 @@ def _param_groups(module: torch.nn.Module) -> tuple[ParamGroup, ...]:
 
         tuner_layers = tuple(n + "." for n, m in module.named_modules()
                              if isinstance(m, BaseTunerLayer))
+    # an embedding's weight by identity: a tied head registered first names it (CamemBERT's
+    # lm_head.decoder), and the Trainer's 32-bit override for 8-bit optimizers goes by the
+    # module (10.9% under as a linear's)
+    embedding_weights = {id(m.weight) for m in module.modules()
+                         if isinstance(m, torch.nn.Embedding) and m.weight is not None}
     for name, p in module.named_parameters():
         leaf = name.rsplit(".", 1)
         if "lora_" in name:
@@ -387,7 +392,7 @@ def _param_groups(module: torch.nn.Module) -> tuple[ParamGroup, ...]:
             # a PEFT method's parameter: in an adapter layer (ia3_l.default, hada_w1...),
             # which peft keeps in fp32 on a 16-bit base, or a prompt encoder's, which it casts
             role = "adapter" if name.startswith(tuner_layers) else "prompt"
-        elif p.ndim >= 2 and isinstance(_owner(module, name), torch.nn.Embedding):
+        elif p.ndim >= 2 and id(p) in embedding_weights:
             role = "embedding"
         elif p.ndim >= 2:
             role = "linear"
@@ -401,14 +406,6 @@ def _param_groups(module: torch.nn.Module) -> tuple[ParamGroup, ...]:
         ParamGroup(shape=k[0], count=c, dtype=k[1], trainable=k[2], quantized=k[3], role=k[4])
         for k, c in groups.items()
     )
-
-
-def _owner(module: torch.nn.Module, param_name: str) -> Any:
-    path = param_name.rsplit(".", 1)[0] if "." in param_name else ""
-    try:
-        return module.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def _first(config: object, *names: str, default: object = None) -> Any:

@@ -210,8 +210,9 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     c = _coef(info, config, device, seq_len)
     W, G, S = _model_state(info, config, c)
     saved = _saved_activations(info, config, seq_len, device, c, act, kept8)
-    G_held, loss_temp, block_bwd_temp, opt_temp = _temporaries(info, config, seq_len, device,
-                                                               act, G)
+    G_held, loss_temp, block_bwd_temp, opt_temp = _temporaries(
+        info, config, seq_len, device, act, G,
+        frozenset(tuple(s) for s in c.get("no_grad_shapes", ())))
     derived_bwd = _derived_block_backward(info, config, seq_len, c)
     block_bwd_temp = max(block_bwd_temp, derived_bwd)
     # with checkpointing, a recomputed block's backward stands beside its recomputed
@@ -401,9 +402,11 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
 
 
 def _temporaries(info: ModelInfo, config: TrainConfig, T: int, device: DeviceInfo, act: int,
-                 G: int) -> tuple[int, float, float, int]:
+                 G: int, no_grad_shapes: frozenset[tuple[int, ...]] = frozenset()
+                 ) -> tuple[int, float, float, int]:
     """Step 3: (G_held, loss_temp, block_bwd_temp, opt_temp): the earlier micro batches'
-    gradients held, the loss's backward, one block's backward, the optimizer step's."""
+    gradients held, the loss's backward, one block's backward, the optimizer step's (of
+    the parameters a gradient reaches: not ``no_grad_shapes``)."""
     B = config.micro_batch_size
     N = B * T
     spec = config.precision_spec
@@ -416,7 +419,7 @@ def _temporaries(info: ModelInfo, config: TrainConfig, T: int, device: DeviceInf
     # one block's backward: grads of its widest activations (e.g. MLP: 2 x (N, i))
     inter = max((b.intermediate_size for b in info.blocks), default=0)
     block_bwd_temp = 2 * N * inter * act + 2 * N * h * act + _dequantized_bytes(info)
-    opt_temp = _optimizer_step_temporaries(info, config, device)
+    opt_temp = _optimizer_step_temporaries(info, config, device, no_grad_shapes)
 
     # with accumulation, the gradients of the earlier micro batches are held through
     # the next forward and backward

@@ -153,17 +153,26 @@ def optimizer_state_bytes(info: ModelInfo, config: TrainConfig) -> int:
     return total
 
 
-def _largest_trainable(info: ModelInfo) -> int:
-    return max((g.numel for g in info.params if g.trainable), default=0)
+def _stepped(info: ModelInfo, no_grad_shapes: frozenset[tuple[int, ...]] = frozenset()
+             ) -> list[ParamGroup]:
+    """The trainable groups the optimizer steps: not those of a shape no gradient reaches
+    (``no_grad_shapes``, derived: GLM-MoE-DSA's indexer)."""
+    return [g for g in info.params if g.trainable and tuple(g.shape) not in no_grad_shapes]
 
 
-def _optimizer_step_temporaries(info: ModelInfo, config: TrainConfig, device: DeviceInfo) -> int:
-    """Peak bytes the optimizer step allocates beyond states and gradients."""
+def _optimizer_step_temporaries(info: ModelInfo, config: TrainConfig, device: DeviceInfo,
+                                no_grad_shapes: frozenset[tuple[int, ...]] = frozenset()
+                                ) -> int:
+    """Peak bytes the optimizer step allocates beyond states and gradients (an optimizer
+    skips a parameter without a gradient: ``no_grad_shapes``, the shapes of the trainable
+    parameters the loss never reaches; GLM-MoE-DSA's indexer, its largest tensors: 8-bit
+    AdamW's CPU scratch of them put it 32% over)."""
     spec = config.optimizer_spec
-    largest = _largest_trainable(info)
+    stepped = _stepped(info, no_grad_shapes)
+    largest = max((g.numel for g in stepped), default=0)
     # a quantized base is never cast: its adapters stay fp32
     elem = 4 if info.quant is not None else _bytes(config.precision_spec.param_dtype)
-    trainable_bytes = sum(g.numel * g.count * elem for g in info.params if g.trainable)
+    trainable_bytes = sum(g.numel * g.count * elem for g in stepped)
     if spec.family == "adamw" and not spec.bnb:
         if spec.fused:
             return 0  # one kernel per tensor list, in place
@@ -184,9 +193,7 @@ def _optimizer_step_temporaries(info: ModelInfo, config: TrainConfig, device: De
         # with 32-bit states (embeddings, small tensors) — measured 5.2x and 3.0x on
         # llama-b4s256-bnb8 and gpt2-b1s128-bnb8; its CUDA kernels update in place
         eight = thirty_two = 0
-        for g in info.params:
-            if not g.trainable:
-                continue
+        for g in stepped:
             if _bnb_8bit_states(g, config):
                 eight = max(eight, g.numel)
             else:

@@ -201,10 +201,11 @@ class _AtShape(NamedTuple):
 
 
 def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, device: DeviceInfo,
-                   shapes: tuple[tuple[int, int], ...] = SHAPES) -> tuple[list[_AtShape], int]:
+                   shapes: tuple[tuple[int, int], ...] = SHAPES
+                   ) -> tuple[list[_AtShape], tuple[int, list[list[int]]]]:
     """What the forward keeps and makes (``_AtShape``) at each of ``SHAPES``, on one fake
     clone that keeps one block of each kind per stack; and the trainable elements no
-    gradient reaches (``_unreached_numel``).
+    gradient reaches (``_unreached``: their elements and shapes).
 
     The transient is what the forward holds at its highest beyond what it keeps for
     backward by then, with the share of all it keeps that it keeps by then
@@ -236,7 +237,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
     target = "cuda" if device.allocator == "cuda" else "cpu"
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     out: list[_AtShape] = []
-    dead = 0
+    dead: tuple[int, list[list[int]]] = (0, [])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with fake_mode:
@@ -278,7 +279,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 transient, moments = _forward_transient(log, alive)
                 heights = _block_heights(log, spans)
                 if step == 1:  # (the graph is the same at every shape)
-                    dead = _unreached_numel(loss, model, stacks)
+                    dead = _unreached(loss, model, stacks)
                 del data, kwargs
                 rec.phase = "backward"
                 if loss.requires_grad:
@@ -405,13 +406,14 @@ def _top_backward(log: list[tuple[str, Record, str]], loss_at: int, fired: list[
                   grads: set[int]) -> tuple[int, tuple[str, list[int]]]:
     """What backward holds from the top block's backward on above what was alive at the
     loss (``loss_at``: the log's length then), at its highest: weights and the parameters'
-    gradients apart, but for the gradients made from the loss to the end of the top block's
-    backward (the head's and its own: they stand beside every block's activations). At
-    the top block, the first to run: what the head's backward freed (a classifier's input,
-    the final norm's), then the block's scratch; a lower block's is beside less (the
-    blocks above it freed: in the clone some of them, an upper bound), but may be the
-    larger (Kimi-Linear's linear-attention first block: 25% under with the top block's
-    alone). ``fired``: every block backward's start (a shared block's each time, ALBERT's).
+    gradients apart, but for the gradients made from the loss on (the head's and the
+    blocks': they stand beside the activations not yet freed). At the top block, the first
+    to run: what the head's backward freed (a classifier's input, the final norm's), then
+    the block's scratch; a lower block's is beside fewer activations (the blocks above it
+    freed theirs: in the clone some of them) and more gradients, and may be the larger
+    (Kimi-Linear's linear-attention first block: 25% under with the top block's alone;
+    Ergo's dense first block below a mixture-of-experts one, whose own gradients its
+    32768-wide feed-forward's backward stands beside: 5.2% under without them). ``fired``: every block backward's start (a shared block's each time, ALBERT's).
     The standard block's rule (two of its widest activations' gradients and two of its
     inputs', beside all the activations) put the zoo's small LoRA token classifiers 2-3 MiB
     of ~30 high (8-13% over). Also the moments, as ``_forward_transient``'s: the events
@@ -421,12 +423,11 @@ def _top_backward(log: list[tuple[str, Record, str]], loss_at: int, fired: list[
     starts = sorted(a for a in fired if a > 0)
     if not starts:
         return 0, ("", [])
-    top_end = starts[1] if len(starts) > 1 else len(log)
     live = at_loss = made = 0
     kinds, series = [], []
     for i, (kind, r, _) in enumerate(log):
         if id(r) in grads:
-            if kind == "alloc" and loss_at <= i < top_end:
+            if kind == "alloc" and loss_at <= i:
                 made += r.size
         elif r.category != Component.WEIGHTS:
             live += r.size if kind == "alloc" else -r.size
@@ -439,11 +440,13 @@ def _top_backward(log: list[tuple[str, Record, str]], loss_at: int, fired: list[
     return max(series), ("".join(kinds), series)
 
 
-def _unreached_numel(loss: torch.Tensor, model: torch.nn.Module, stacks: list[tuple]) -> int:
+def _unreached(loss: torch.Tensor, model: torch.nn.Module, stacks: list[tuple]
+               ) -> tuple[int, list[list[int]]]:
     """Trainable elements the loss's graph does not reach: they get no gradient, so the
     optimizer keeps no state for them (DeepSeek sparse attention's indexer, which picks
     the keys by ``topk``: 57% of GLM-MoE-DSA's small model; its analytic estimate was
-    55% over). The kept blocks stand for all blocks of their kind."""
+    55% over), nor steps them. The kept blocks stand for all blocks of their kind. Also
+    the shapes no trainable parameter of which is reached (sorted)."""
     import torch
 
     from autofit.memory.simulate._step import graph_nodes
@@ -455,8 +458,11 @@ def _unreached_numel(loss: torch.Tensor, model: torch.nn.Module, stacks: list[tu
         for blk, (_, count) in zip(kept, kinds, strict=True):
             for p in blk.parameters():
                 times[id(p)] = count
-    return sum(p.numel() * times.get(id(p), 1) for p in model.parameters()
-               if p.requires_grad and id(p) not in reached)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    dead = [p for p in trainable if id(p) not in reached]
+    live_shapes = {tuple(p.shape) for p in trainable if id(p) in reached}
+    shapes = sorted({tuple(p.shape) for p in dead} - live_shapes)
+    return sum(p.numel() * times.get(id(p), 1) for p in dead), [list(s) for s in shapes]
 
 
 def _forward_fit(at: list[_AtShape], config: TrainConfig,
@@ -686,8 +692,10 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         coef["top_backward_moments"] = moments
     if any(r != 1 for r in runs):  # the forward runs of a block, per stack
         coef["layer_runs"] = [float(r) for r in runs]
-    if dead:  # trainable elements without a gradient (no state either)
-        coef["no_grad_numel"] = int(dead)
+    if dead[0]:  # trainable elements without a gradient (no state, no step either)
+        coef["no_grad_numel"] = int(dead[0])
+        if dead[1]:  # ... the shapes all of whose parameters are such
+            coef["no_grad_shapes"] = dead[1]
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
         coef["layer_decoder"] = layer(lays[1])
         coef["block_backward_decoder"] = _form(bwds[1])
@@ -753,6 +761,10 @@ def _valid(coef: object) -> bool:
                                              "block_backward_decoder", "layer_largest",
                                              "layer_largest_decoder", "block_forward",
                                              "block_forward_decoder") if p in coef]
+    shapes = coef.get("no_grad_shapes", [])
+    if not isinstance(shapes, list) or not all(
+            isinstance(s, list) and all(isinstance(d, int) for d in s) for s in shapes):
+        return False
     runs = coef.get("layer_runs", [1.0])
     if not isinstance(runs, list) or not all(
             isinstance(r, int | float) and math.isfinite(r) and r > 0 for r in runs):
