@@ -331,3 +331,21 @@ def test_token_limits():
             "roberta", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
             intermediate_size=32, vocab_size=100, max_position_embeddings=66))
     assert token_limits(roberta) == (100, 64)  # positions start after padding_idx (1)
+
+
+def test_a_tied_embedding_named_by_its_head_is_an_embedding():
+    """CamemBERT registers its LM head before its embeddings, so ``named_parameters``
+    names the tied weight ``lm_head.decoder.weight``; the Trainer's 32-bit states for
+    8-bit optimizers go by the ``nn.Embedding`` module, so its role is the embedding's
+    (as a linear's, 8-bit AdamW's states were 10.9% under)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("camembert", hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=256, is_decoder=True)
+    model = AutoModelForCausalLM.from_config(config)
+    first = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+    assert first == "lm_head.decoder.weight"  # (what the role once came from)
+    info = describe(model, task="causal-lm")
+    vocab = [g for g in info.params if tuple(g.shape) == (256, 32)]
+    assert [g.role for g in vocab] == ["embedding"]
