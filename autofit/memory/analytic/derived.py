@@ -413,7 +413,8 @@ def _top_backward(log: list[tuple[str, Record, str]], loss_at: int, fired: list[
     freed theirs: in the clone some of them) and more gradients, and may be the larger
     (Kimi-Linear's linear-attention first block: 25% under with the top block's alone;
     Ergo's dense first block below a mixture-of-experts one, whose own gradients its
-    32768-wide feed-forward's backward stands beside: 5.2% under without them). ``fired``: every block backward's start (a shared block's each time, ALBERT's).
+    32768-wide feed-forward's backward stands beside: 5.2% under without them).
+    ``fired``: every block backward's start (a shared block's each time, ALBERT's).
     The standard block's rule (two of its widest activations' gradients and two of its
     inputs', beside all the activations) put the zoo's small LoRA token classifiers 2-3 MiB
     of ~30 high (8-13% over). Also the moments, as ``_forward_transient``'s: the events
