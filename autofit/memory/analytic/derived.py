@@ -293,26 +293,36 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 model.zero_grad(set_to_none=True)
             for h in handles:
                 h.remove()
-            per_block, largest, highest, stack_runs, at = [], [], [], [], 0
-            blocks = 0.0
-            for kept, kinds, n in stacks:
-                mine = per_kind[at:at + len(kept)]
-                ran = runs[at:at + len(kept)]
-                highest.append(float(max(heights[at:at + len(kept)])))
-                at += len(kept)
-                stack = sum(b * c for b, (_, c) in zip(mine, kinds, strict=True))
-                per_block.append(stack / n)  # the kept blocks stand for all of their kind
-                largest.append(float(max(mine)))
-                # a block's span is its last run's: its earlier runs' activations are in
-                # the total, outside the spans (a looped model's, Dory's, run twice)
-                stack_runs.append(sum(r * c for r, (_, c) in zip(ran, kinds, strict=True)) / n)
-                blocks += stack
+            per_block, largest, highest, stack_runs, blocks = _per_stack(stacks, per_kind,
+                                                                          heights, runs)
             if step:
                 out.append(_AtShape(per_block, largest, highest,
                                     int(total - sum(per_kind) + blocks), transient, moments,
                                     block_bwd, stack_runs, top_bwd, top_moments,
                                     len(rec.half_matmuls), rec.half_step()))
     return out, dead
+
+
+def _per_stack(stacks: list[tuple], per_kind: list[int], heights: list[int], runs: list[int]
+               ) -> tuple[list[float], list[float], list[float], list[float], float]:
+    """Per stack, from its kept blocks' (``per_kind``: alive at the loss, ``heights``,
+    ``runs``): a block's mean alive at the loss, the largest kind's, a block forward's
+    highest point, a block's forward runs; and all the kept blocks stand for together."""
+    per_block, largest, highest, stack_runs, at = [], [], [], [], 0
+    blocks = 0.0
+    for kept, kinds, n in stacks:
+        mine = per_kind[at:at + len(kept)]
+        ran = runs[at:at + len(kept)]
+        highest.append(float(max(heights[at:at + len(kept)])))
+        at += len(kept)
+        stack = sum(b * c for b, (_, c) in zip(mine, kinds, strict=True))
+        per_block.append(stack / n)  # the kept blocks stand for all of their kind
+        largest.append(float(max(mine)))
+        # a block's span is its last run's: its earlier runs' activations are in the
+        # total, outside the spans (a looped model's, Dory's, run twice)
+        stack_runs.append(sum(r * c for r, (_, c) in zip(ran, kinds, strict=True)) / n)
+        blocks += stack
+    return per_block, largest, highest, stack_runs, blocks
 
 
 def _one_block_per_kind(base: torch.nn.Module) -> list[tuple[Any, list[tuple[int, int]], int]]:
@@ -631,12 +641,8 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     lays = [_solve([a.per_block[k] for a in at], shapes) for k in range(len(roles))]
     largest = [_solve([a.largest[k] for a in at], shapes) for k in range(len(roles))]
     highest = [_solve([a.block_forward[k] for a in at], shapes) for k in range(len(roles))]
-    # each block's activations as often as it runs (a looped model's: Dory's run twice;
-    # its earlier runs' in the base put it 23% over with checkpointing, which keeps only
-    # each run's input)
-    runs = at[0].runs
-    base_vals = [a.total - sum(p * c * r for p, c, r in zip(a.per_block, counts, runs,
-                                                            strict=True))
+    runs = at[0].runs  # a block's runs (Dory's twice: in the base, 23% over with checkpointing)
+    base_vals = [a.total - sum(p * c * r for p, c, r in zip(a.per_block, counts, runs, strict=True))
                  for a in at]
     bas = _solve(base_vals, shapes)
     fwd, share = _forward_fit(at, config, shapes)
@@ -691,12 +697,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         coef["forward_moments"] = moments
     if (moments := _top_moments(at, shapes)) is not None:
         coef["top_backward_moments"] = moments
-    if any(r != 1 for r in runs):  # the forward runs of a block, per stack
-        coef["layer_runs"] = [float(r) for r in runs]
-    if dead[0]:  # trainable elements without a gradient (no state, no step either)
-        coef["no_grad_numel"] = int(dead[0])
-        if dead[1]:  # ... the shapes all of whose parameters are such
-            coef["no_grad_shapes"] = dead[1]
+    _add_runs_and_dead(coef, runs, dead)
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
         coef["layer_decoder"] = layer(lays[1])
         coef["block_backward_decoder"] = _form(bwds[1])
@@ -705,6 +706,18 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     memory[key] = coef
     _store(key, coef)
     return coef
+
+
+def _add_runs_and_dead(coef: dict[str, object], runs: list[float],
+                       dead: tuple[int, list[list[int]]]) -> None:
+    """Put a block's forward runs per stack (where not 1) and the trainable parameters no
+    gradient reaches (``_unreached``) into ``coef``."""
+    if any(r != 1 for r in runs):
+        coef["layer_runs"] = [float(r) for r in runs]
+    if dead[0]:  # trainable elements without a gradient (no state, no step either)
+        coef["no_grad_numel"] = int(dead[0])
+        if dead[1]:  # ... the shapes all of whose parameters are such
+            coef["no_grad_shapes"] = dead[1]
 
 
 def _without_copies(info: ModelInfo, config: TrainConfig, roles: tuple[str | None, ...],
