@@ -97,7 +97,7 @@ def test_an_unwritable_folder_is_one_warning(ia3, fresh, monkeypatch, caplog):
 def _at(moments: tuple[str, list[int], list[float]],
         transient: tuple[int, float, int] | None = None) -> derived._AtShape:
     return derived._AtShape([0.0], [0.0], [0.0], 0, transient or (max(moments[1]), 1.0, 0),
-                            moments, [0], [1.0], 0, ("", []), 0, (0, False))
+                            moments, [0], [("", [])], [1.0], 0, ("", []), 0, (0, False))
 
 
 def test_the_forward_transient_is_fitted_beside_the_share_it_is_used_with():
@@ -174,7 +174,7 @@ def test_a_block_backward_no_hook_saw_is_no_scratch():
     r = Record(0, 1 << 20, "backward", 0, Component.ACTIVATIONS)
     log = [("alloc", r, "backward"), ("free", r, "backward")]
     assert derived._block_backward(log, [-1, -1], set(), [([0, 1], [(0, 1), (1, 1)], 2)]) \
-        == [0]
+        == ([0], [("", [])])
 
 
 def test_the_probe_lengths_reach_the_step():
@@ -184,3 +184,24 @@ def test_the_probe_lengths_reach_the_step():
     assert derived.probe_shapes(300) == ((2, 128), (2, 256), (2, 512), (4, 128))
     assert max(t for _, t in derived.probe_shapes(4096, limit=512)) == 512
     assert derived.probe_shapes(4096, limit=64) == derived.SHAPES  # (refused later, as before)
+
+
+def test_a_block_backward_is_the_highest_of_its_moments_at_the_step():
+    """Ergo's dense first block: at the probe shapes its backward peaks at its weight's
+    16-bit gradient (16 MiB, whatever the shape), at 4 x 128 tokens at its squared ReLU's
+    backward (three (N, 32768) 16-bit temporaries beside one more). One fit of the
+    highest points (the weight's at 64 and 128 tokens, a tie at 256) misses the second;
+    fitted moment by moment, the estimate takes the higher at the step's shape."""
+    from autofit.memory.analytic._closed_form import _signed
+
+    mib, per_token = 1 << 20, 4 * 32768 * 2  # four (N, 32768) bf16 tensors at the peak
+    shapes = derived.SHAPES
+    per_shape = [("aa", [16 * mib + b * t * 32768 * 2, b * t * per_token - 16 * mib])
+                 for b, t in shapes]
+    moments = derived._event_moments(per_shape, shapes)
+    at_step = max(_signed(m, 4, 128) for m in moments)
+    assert at_step == 4 * 128 * per_token - 16 * mib
+    one_fit = derived._solve([max(v) for _, v in per_shape], shapes)
+    assert _signed(derived._form(one_fit), 4, 128) < at_step
+    # events that differ from one shape to another are not told apart
+    assert derived._event_moments([("aa", [1, 2])] * 3 + [("af", [1, 2])], shapes) is None

@@ -188,6 +188,8 @@ class _AtShape(NamedTuple):
     # keeps made by then (_forward_transient)
     moments: tuple[str, list[int], list[float]]
     block_backward: list[int]  # per stack, a block backward's scratch (_block_backward)
+    # per stack, its kept blocks' backward events and at each the scratch (_block_backward)
+    block_moments: list[tuple[str, list[int]]]
     # per stack, the forward runs of a block (1; a looped model's blocks run twice: Dory)
     runs: list[float]
     # the top block's backward on, at its highest above what was alive at the loss, and its
@@ -288,7 +290,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 del loss
                 grads = {id(r) for p in model.parameters() if p.grad is not None
                          and (r := rec.record_of(p.grad)) is not None}
-                block_bwd = _block_backward(rec.events(), back, grads, stacks)
+                block_bwd, block_moments = _block_backward(rec.events(), back, grads, stacks)
                 top_bwd, top_moments = _top_backward(rec.events(), len(log), fired, grads)
                 model.zero_grad(set_to_none=True)
             for h in handles:
@@ -298,7 +300,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
             if step:
                 out.append(_AtShape(per_block, largest, highest,
                                     int(total - sum(per_kind) + blocks), transient, moments,
-                                    block_bwd, stack_runs, top_bwd, top_moments,
+                                    block_bwd, block_moments, stack_runs, top_bwd,
+                                    top_moments,
                                     len(rec.half_matmuls), rec.half_step()))
     return out, dead
 
@@ -355,11 +358,21 @@ def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
         spans[i][0] = len(rec._log)
         runs[i] += 1
 
+    import torch
+
+    def ended(i: int, out: object) -> None:
+        spans[i][1] = len(rec._log)
+        # a block that returns a list (OpenAI-GPT's) gets no full backward hook from torch:
+        # its backward starts where its output's gradient is made (3.1% under with the
+        # standard block's rule in its place)
+        if isinstance(out, list) and out and isinstance(out[0], torch.Tensor) \
+                and out[0].requires_grad:
+            out[0].register_hook(lambda _g: started(i))
+
     handles = []
     for i, blk in enumerate(blocks):
         handles.append(blk.register_forward_pre_hook(lambda _m, _a, i=i: entered(i)))
-        handles.append(blk.register_forward_hook(
-            lambda _m, _a, _o, i=i: spans[i].__setitem__(1, len(rec._log))))
+        handles.append(blk.register_forward_hook(lambda _m, _a, o, i=i: ended(i, o)))
         handles.append(blk.register_full_backward_pre_hook(
             lambda _m, _g, i=i: started(i)))
     return handles
@@ -383,14 +396,18 @@ def _block_heights(log: list[tuple[str, Record, str]], spans: list[list[int]]) -
 
 
 def _block_backward(log: list[tuple[str, Record, str]], back: list[int], grads: set[int],
-                    stacks: list[tuple]) -> list[int]:
+                    stacks: list[tuple]) -> tuple[list[int], list[tuple[str, list[int]]]]:
     """Per stack, the most bytes one of its blocks' backward adds above what is alive when
     it starts, weights and the parameters' gradients apart (those are counted as the model
     state): the block's scratch and its input's gradient. ``back``: per kept block, the
     log's index where its backward starts; a block's backward runs to the next block's
     start (they go in reverse), the first block's to the end (its full backward hook, an
     end, fires at once when its input needs no gradient). Kimi-Linear's chunked delta rule
-    makes 1.5 GiB of it at 4 x 128 tokens where a standard block's rule says 0.3 GiB."""
+    makes 1.5 GiB of it at 4 x 128 tokens where a standard block's rule says 0.3 GiB.
+    Also per stack its moments, as ``_top_backward``'s: the events of its kept blocks'
+    backwards (``"a"``/``"f"``) and at each the same difference (Ergo's dense first block
+    peaks at its weight's 16-bit gradient at 64 tokens and at its squared ReLU's backward,
+    three (N, 32768) temporaries, at 512: one fit of the highest points was 32 MiB low)."""
     live, series = 0, []
     for kind, r, _ in log:
         if r.category != Component.WEIGHTS and id(r) not in grads:
@@ -400,16 +417,19 @@ def _block_backward(log: list[tuple[str, Record, str]], back: list[int], grads: 
     # (none where no block's backward hook fired: OpenAI-GPT's blocks)
     nexts = [e for e, _ in order[1:]] + [len(series)] if order else []
     ends = {i: e for (_, i), e in zip(order, nexts, strict=True)}
-    out, at = [], 0
+    out, moments, at = [], [], 0
     for kept, _, _ in stacks:
-        most = 0
+        most, kinds, values = 0, [], []
         for i in range(at, at + len(kept)):
             a = back[i]
             if a > 0:
                 most = max(most, max(series[a:ends[i]], default=series[a - 1]) - series[a - 1])
+                kinds += ["a" if log[j][0] == "alloc" else "f" for j in range(a, ends[i])]
+                values += [v - series[a - 1] for v in series[a:ends[i]]]
         out.append(most)
+        moments.append(("".join(kinds), values))
         at += len(kept)
-    return out
+    return out, moments
 
 
 def _top_backward(log: list[tuple[str, Record, str]], loss_at: int, fired: list[int],
@@ -576,11 +596,21 @@ def _top_moments(at: list[_AtShape], shapes: tuple[tuple[int, int], ...] = SHAPE
     fitted on its own (signed: the head's backward frees more than it makes) and kept where
     it is the highest somewhere on the grid of shapes, as ``_transient_moments`` does for
     the forward. None where the backwards differ in their events."""
+    return _event_moments([a.top_moments for a in at], shapes)
+
+
+def _event_moments(per_shape: list[tuple[str, list[int]]],
+                   shapes: tuple[tuple[int, int], ...] = SHAPES
+                   ) -> list[dict[str, float]] | None:
+    """Values at the same events at each of ``shapes`` (per shape: the events' kinds, the
+    values) as the highest of their moments: each event's values fitted on their own
+    (signed) and kept where it is the highest somewhere on the grid of shapes. None where
+    the events differ from one shape to another, or there are none."""
     import numpy as np
 
-    if len({a.top_moments[0] for a in at}) != 1 or not at[0].top_moments[1]:
+    if len({kinds for kinds, _ in per_shape}) != 1 or not per_shape[0][1]:
         return None
-    fit = _solve([np.asarray(a.top_moments[1], dtype=np.float64) for a in at], shapes)
+    fit = _solve([np.asarray(values, dtype=np.float64) for _, values in per_shape], shapes)
     highest = sorted({int((fit["F"] + B * (fit["s"] + fit["a"] * T + fit["b"] * T * T))
                           .argmax()) for B in _GRID_B for T in _GRID_T})
     return [_signed_form({k: float(v[i]) for k, v in fit.items()}) for i in highest]
@@ -635,6 +665,13 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
             f"{info.name}: its step makes tensors whose shapes depend on values ({e.op}), "
             "which neither estimate can follow; measure it ("
             + fix("autofit measure", "autofit.measure") + ")", e.op) from None
+    except RuntimeError as e:  # xLSTM's step trains with checkpointing only (transformers')
+        if "modified by an inplace operation" not in str(e):
+            raise
+        raise BadInputError(f"{info.name}: its step without checkpointing fails in autograd "
+                            "(a tensor saved for backward is modified in place), so the "
+                            "analytic coefficients cannot be derived from it; use "
+                            + _simulate()) from None
     if any(len(a.per_block) != len(roles) for a in at):
         raise BadInputError(f"{info.name}: its stacks of blocks are not the ones it "
                             "describes; use " + _simulate())
@@ -697,6 +734,10 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         coef["forward_moments"] = moments
     if (moments := _top_moments(at, shapes)) is not None:
         coef["top_backward_moments"] = moments
+    for k, role in enumerate(roles):  # a block backward's scratch, moment by moment
+        if (moments := _event_moments([a.block_moments[k] for a in at], shapes)) is not None:
+            coef["block_backward_decoder_moments" if role == "decoder"
+                 else "block_backward_moments"] = moments
     _add_runs_and_dead(coef, runs, dead)
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
         coef["layer_decoder"] = layer(lays[1])
@@ -784,11 +825,12 @@ def _valid(coef: object) -> bool:
             isinstance(r, int | float) and math.isfinite(r) and r > 0 for r in runs):
         return False
     moments = coef.get("forward_moments", [])
-    top_moments = coef.get("top_backward_moments", [])
-    if not isinstance(moments, list) or not isinstance(top_moments, list):
+    more = [coef.get(k, []) for k in ("top_backward_moments", "block_backward_moments",
+                                      "block_backward_decoder_moments")]
+    if not isinstance(moments, list) or not all(isinstance(m, list) for m in more):
         return False
-    moments = moments + top_moments + [m["kept"] for m in moments
-                                       if isinstance(m, dict) and "kept" in m]
+    moments = moments + [m for ms in more for m in ms] + [
+        m["kept"] for m in moments if isinstance(m, dict) and "kept" in m]
     for d in [coef.get(part) for part in parts] + moments:
         names = ("c0", "T", "s", "F")
         if not isinstance(d, dict) or not all(
