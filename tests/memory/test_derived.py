@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from autofit import TrainConfig
-from autofit.memory.analytic import derived
+from autofit.memory.analytic import _moments, derived
 from autofit.probe.device import resolve_device
 from autofit.probe.model import build_model, describe
 
@@ -95,8 +95,8 @@ def test_an_unwritable_folder_is_one_warning(ia3, fresh, monkeypatch, caplog):
 # ------------------------------------------------ the forward's moments (phi-1.5 on 4 bits)
 
 def _at(moments: tuple[str, list[int], list[float]],
-        transient: tuple[int, float, int] | None = None) -> derived._AtShape:
-    return derived._AtShape([0.0], [0.0], [0.0], 0, transient or (max(moments[1]), 1.0, 0),
+        transient: tuple[int, float, int] | None = None) -> _moments._AtShape:
+    return _moments._AtShape([0.0], [0.0], [0.0], 0, transient or (max(moments[1]), 1.0, 0),
                             moments, [0], [("", [])], [1.0], 0, ("", []), 0, (0, False))
 
 
@@ -135,7 +135,7 @@ def test_the_forward_transient_is_the_highest_moment_at_the_shape():
     W, per_token = 32 * 2**20, 300 * 1024
     ats = [_at(("aa", [W + 1024 * b * t, per_token * b * t], [0.3, 1.0]))
            for b, t in derived.SHAPES]
-    moments = derived._transient_moments(ats)
+    moments = _moments._transient_moments(ats)
     assert moments is not None and len(moments) == 2
 
     def at(form, b, t):
@@ -146,10 +146,10 @@ def test_the_forward_transient_is_the_highest_moment_at_the_shape():
     assert max(at(m, 1, 16) for m in moments) == pytest.approx(W + 1024 * 16)
     assert sorted(m["share"] for m in moments) == [0.3, 1.0]
     # one fit of the highest points: the T^2 term (2.2 GiB at 1,044 tokens, 7x the loss's)
-    single = derived._solve([float(max(a.moments[1])) for a in ats])
-    assert at(derived._form(single), 1, 1044) > 7 * per_token * 1044
+    single = _moments._solve([float(max(a.moments[1])) for a in ats])
+    assert at(_moments._form(single), 1, 1044) > 7 * per_token * 1044
     # forwards whose events differ (another path at another shape): no moments
-    assert derived._transient_moments([ats[0], ats[1], ats[2], _at(("aaf", [1, 2, 3],
+    assert _moments._transient_moments([ats[0], ats[1], ats[2], _at(("aaf", [1, 2, 3],
                                                                    [1.0] * 3))]) is None
 
 
@@ -198,10 +198,10 @@ def test_a_block_backward_is_the_highest_of_its_moments_at_the_step():
     shapes = derived.SHAPES
     per_shape = [("aa", [16 * mib + b * t * 32768 * 2, b * t * per_token - 16 * mib])
                  for b, t in shapes]
-    moments = derived._event_moments(per_shape, shapes)
+    moments = _moments._event_moments(per_shape, shapes)
     at_step = max(_signed(m, 4, 128) for m in moments)
     assert at_step == 4 * 128 * per_token - 16 * mib
-    one_fit = derived._solve([max(v) for _, v in per_shape], shapes)
-    assert _signed(derived._form(one_fit), 4, 128) < at_step
+    one_fit = _moments._solve([max(v) for _, v in per_shape], shapes)
+    assert _signed(_moments._form(one_fit), 4, 128) < at_step
     # events that differ from one shape to another are not told apart
-    assert derived._event_moments([("aa", [1, 2])] * 3 + [("af", [1, 2])], shapes) is None
+    assert _moments._event_moments([("aa", [1, 2])] * 3 + [("af", [1, 2])], shapes) is None
