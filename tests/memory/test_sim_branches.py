@@ -1,7 +1,9 @@
 """What the simulator answers when a step reads a tensor's value (fake tensors have none):
 a mask's ``any()`` takes the branch that does the work, a sanity check (inf / NaN) the
 branch without the error, and a value-dependent shape or a number read is refused in one
-line (``ValueDependentShapeError``), never traced down the wrong branch."""
+line (``ValueDependentShapeError``), never traced down the wrong branch -- unless the
+values come from the batch the simulation made, or a factory (``_values``): then they are
+the real ones."""
 
 from __future__ import annotations
 
@@ -149,3 +151,43 @@ def test_a_checkpointed_recurrence_on_a_cpu_says_its_host_memory_can_be_low():
     nodes = re.search(r"of ([\d,]+) autograd nodes", notes[True][0])
     assert nodes is not None and int(nodes.group(1).replace(",", "")) > 1000
     assert notes[False] == []
+
+
+@pytest.fixture
+def recorded():
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake, StorageRecorder():
+        yield fake
+
+
+def test_shapes_from_the_batch_s_values_are_followed(recorded):
+    """Token ids the simulation made carry their values (``_values``): a mask of them, its
+    sums, a ``unique_consecutive`` of those and a boolean index by the mask get their real
+    shapes (BART's classifier's end-of-sequence pooling); a number read is the real one."""
+    from autofit.memory.simulate._values import values_of, with_values
+
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():  # (made as make_batch does)
+        real = torch.tensor([[1, 2, 3, 2], [0, 2, 1, 1]])
+    ids = with_values(recorded.from_tensor(real), real)
+    mask = ids.eq(2)
+    assert values_of(mask) is not None and int(mask.sum().item()) == 3
+    assert torch.unique_consecutive(mask.sum(1)).shape == (2,)
+    hidden = torch.randn(2, 4, 8)  # from the weights: no values
+    assert hidden[mask].shape == (3, 8) and torch.nonzero(mask).shape == (3, 2)
+    # a factory's values are its arguments' (Longformer's all-ones mask: no global token)
+    ones = torch.ones(2, 4)
+    assert bool((ones > 1).any()) is False and torch.nonzero(ones > 1).shape == (0, 2)
+
+
+def test_values_written_from_the_weights_are_forgotten(recorded):
+    """A tensor with values written in place from one without (a zeros mask filled from the
+    weights through a slice) has none any more, nor has its view: a value-dependent shape
+    there is refused, never answered with the old zeros."""
+    from autofit.memory.simulate._values import values_of
+
+    mask = torch.zeros(4, 8)
+    view = mask[:, :2]
+    view.copy_(torch.randn(4, 2) > 0)
+    assert values_of(mask) is None and values_of(view) is None
+    with pytest.raises(ValueDependentShapeError):
+        torch.nonzero(mask)

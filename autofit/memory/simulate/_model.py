@@ -219,6 +219,33 @@ def unpacked_batches() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = orig
 
 
+def _token_ids(config: object, task: str, batch: int, seq_len: int, vocab: int
+               ) -> torch.Tensor:
+    """Fake token ids carrying real ones (``autofit.memory.simulate._values``): random in
+    [0, vocab), from a generator of their own (the user's RNG untouched), and, for an
+    encoder-decoder's classifier, each sample closed by its end-of-sequence token and
+    holding no other, as a tokenizer writes it and BART's classifier requires (the
+    harness's batch, ``benchmarks/measure_cpu.py``, is made so)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from autofit.memory.simulate._values import with_values
+
+    mode = detect_fake_mode()
+    with unset_fake_temporarily():
+        real = torch.randint(0, vocab, (batch, seq_len), dtype=torch.long,
+                             generator=torch.Generator().manual_seed(0))
+        eos = getattr(config, "eos_token_id", None)
+        if task == "seq-cls" and isinstance(eos, int) and getattr(config, "is_encoder_decoder",
+                                                                    False):
+            body = real[:, :-1]
+            body[body == eos] = (eos + 1) % vocab
+            real[:, -1] = eos
+    if mode is None:  # (outside a fake mode: the real ids themselves)
+        return real
+    return with_values(mode.from_tensor(real), real)
+
+
 def make_batch(model: torch.nn.Module, task: str, batch: int, seq_len: int) -> dict[str, Any]:
     """The tensors a Trainer batch holds (fake; must run inside the fake mode).
 
@@ -232,7 +259,7 @@ def make_batch(model: torch.nn.Module, task: str, batch: int, seq_len: int) -> d
     config = getattr(unwrap(model), "config", None)
     vocab = int(getattr(config, "vocab_size", 2) or 2)
     out: dict[str, Any] = {}
-    ids = torch.randint(0, vocab, (batch, seq_len), dtype=torch.long)  # (B, T) int64
+    ids = _token_ids(config, task, batch, seq_len, vocab)  # (B, T) int64, with its values
     out["input_ids"] = ids
     out["attention_mask"] = torch.ones((batch, seq_len), dtype=torch.long)  # (B, T), not passed
     if task in ("causal-lm", "masked-lm"):

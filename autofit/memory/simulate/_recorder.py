@@ -39,6 +39,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autofit.memory.breakdown import Component
+from autofit.memory.simulate._values import (
+    faked,
+    forget,
+    made_from_nothing,
+    on_values,
+    real_index,
+    real_item,
+    values_of,
+    with_values,
+)
 
 __all__ = ["StorageRecorder", "Record"]
 
@@ -293,6 +303,19 @@ class StorageRecorder(TorchDispatchMode):
         return torch.ops.aten.add_.Tensor(old, new)
 
     # ------------------------------------------------------------------ dispatch
+    def _track_out(self, out: object) -> None:
+        """Track the tensors an op returned (in tuples and lists, nested)."""
+        if isinstance(out, torch.Tensor):
+            self.track(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self.track(o)
+                elif isinstance(o, (tuple, list)):
+                    for t in tree_flatten(o)[0]:
+                        if isinstance(t, torch.Tensor):
+                            self.track(t)
+
     def _workspace(self, size: int) -> Record:
         return self.hold(size, Component.TEMPORARIES)
 
@@ -309,10 +332,14 @@ class StorageRecorder(TorchDispatchMode):
             if summed is not None:
                 return summed
         if func is torch.ops.aten._local_scalar_dense.default:
+            if (known := values_of(args[0])) is not None:
+                return real_item(known)  # a value computed from the batch's ids alone
             try:
                 return func(*args, **kwargs)
             except DataDependentOutputException:
                 return _scalar_read(args[0])
+        if func is torch.ops.aten.index.Tensor and (positions := real_index(args)) is not None:
+            args = positions  # a boolean mask with values: its positions
         impl = self.decompositions.get(func) if self.decompositions else None
         if impl is not None and not self._decomposing:
             self._decomposing = True
@@ -327,6 +354,11 @@ class StorageRecorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DynamicOutputShapeException:
             from autofit.errors import ValueDependentShapeError, fix
+
+            if (real := on_values(func, args, kwargs)) is not None:
+                out = faked(real, args)  # its shape from the values: BART's eos pooling
+                self._track_out(out)
+                return out
 
             # e.g. Longformer's global attention (``nonzero`` of its mask): skipping the
             # branch instead was 9.7% under
@@ -346,18 +378,15 @@ class StorageRecorder(TorchDispatchMode):
                                            for a in operands))
         elif func in _FLASH_CPU and args[0].dtype in _HALF:
             self.half_attention = True
-        if isinstance(out, torch.Tensor):
-            self.track(out)
-            if out.dtype == torch.bool:
-                out._autofit_origin = _origin(func.overloadpacket.__name__, args)  # _scalar_read
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self.track(o)
-                elif isinstance(o, (tuple, list)):
-                    for t in tree_flatten(o)[0]:
-                        if isinstance(t, torch.Tensor):
-                            self.track(t)
+        self._track_out(out)
+        if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
+            out._autofit_origin = _origin(func.overloadpacket.__name__, args)  # _scalar_read
+        if _has_values(args, kwargs):
+            if (real := on_values(func, args, kwargs)) is None:
+                forget(func, args, kwargs)  # written without values: none known there
+            _carry(out, real)
+        elif made_from_nothing(func, out):
+            _carry(out, on_values(func, args, kwargs, factory=True))
         # In-place ops and out= variants return their (possibly resized) argument,
         # which the branches above re-check through `track`.
         if ws is not None:  # the kernel's internal workspace dies with the op
@@ -415,6 +444,29 @@ def _stealable(t: torch.Tensor) -> bool:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding ``t``'s storage: a DTensor's local shard, else ``t``."""
     return getattr(t, "_local_tensor", t)
+
+
+def _has_values(args: tuple, kwargs: dict) -> bool:
+    """Whether an op's arguments (or a list among them) hold a tensor with values."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            if any(values_of(x) is not None for x in a):
+                return True
+        elif values_of(a) is not None:
+            return True
+    return False
+
+
+def _carry(out: object, real: object) -> None:
+    """Give ``out``'s fake tensors the values of ``real``'s (None: it has none)."""
+    if real is None:
+        return
+    fakes, reals = tree_flatten(out)[0], tree_flatten(real)[0]
+    if len(fakes) != len(reals):
+        return
+    for f, r in zip(fakes, reals, strict=True):
+        if isinstance(f, torch.Tensor) and isinstance(r, torch.Tensor) and f.shape == r.shape:
+            with_values(f, r)
 
 
 def _has_subclass(types: Iterable[type]) -> bool:
