@@ -23,10 +23,13 @@ it runs on its fake tensors only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch._ops import OpOverload
 
 __all__ = ["with_values", "values_of", "on_values", "real_index", "real_item", "faked",
            "made_from_nothing", "forget"]
@@ -51,7 +54,7 @@ def values_of(x: object) -> torch.Tensor | None:
     return v
 
 
-def forget(func: Any, args: tuple, kwargs: dict) -> None:
+def forget(func: OpOverload, args: tuple, kwargs: dict) -> None:
     """The values of what ``func`` writes in place are no longer known (it ran on fake
     tensors only): its storage's, so that no view of it answers with the old ones (a zeros
     mask filled from the weights through a slice)."""
@@ -78,7 +81,7 @@ def _factories() -> frozenset:
                       aten.scalar_tensor.default})
 
 
-def made_from_nothing(func: Any, out: object) -> bool:
+def made_from_nothing(func: OpOverload, out: object) -> bool:
     """Whether ``func`` makes a small tensor whose values its arguments fix (``ones``,
     ``arange``: Longformer's all-ones attention mask, whose ``> 1`` picks the global
     tokens by ``nonzero``)."""
@@ -86,7 +89,8 @@ def made_from_nothing(func: Any, out: object) -> bool:
             and out.numel() <= _MAX_NUMEL)
 
 
-def on_values(func: Any, args: tuple, kwargs: dict, *, factory: bool = False) -> Any:
+def on_values(func: OpOverload, args: tuple, kwargs: dict, *, factory: bool = False
+              ) -> object:
     """``func`` run on the real values of its tensor arguments (a ``factory`` on none), on
     the CPU; None where one of them has none (or none is a tensor), the output is large,
     or the op does not run so."""
@@ -110,7 +114,7 @@ def on_values(func: Any, args: tuple, kwargs: dict, *, factory: bool = False) ->
     return out if all(o.numel() <= _MAX_NUMEL for o in outs) else None
 
 
-def faked(real: Any, like: tuple) -> Any:
+def faked(real: object, like: tuple) -> Any:
     """Fake tensors of ``real``'s (a tensor, or a tuple of them) in the fake mode of the
     fake tensors among ``like``, each carrying its values."""
     from torch._guards import detect_fake_mode
