@@ -72,8 +72,11 @@ class BadInputError(AutofitError, ValueError):
 
 
 class ValueDependentShapeError(BadInputError):
-    """The model's step makes a tensor whose shape depends on its values (``nonzero`` of a
-    mask: Longformer's and LED's global attention), which fake tensors cannot follow."""
+    """The model's step makes a tensor whose shape depends on values fake tensors do not
+    have (``nonzero`` of a mixture of experts' routing, from its weights). Values the
+    simulation knows -- its batch's token ids, what is computed from them alone, what a
+    factory makes: Longformer's and LED's global attention, BART's end-of-sequence
+    pooling -- are followed (``autofit.memory.simulate._values``)."""
 
     def __init__(self, message: str, op: str) -> None:
         super().__init__(message)

@@ -191,3 +191,14 @@ def test_values_written_from_the_weights_are_forgotten(recorded):
     assert values_of(mask) is None and values_of(view) is None
     with pytest.raises(ValueDependentShapeError):
         torch.nonzero(mask)
+
+
+def test_a_number_lifted_in_carries_its_value(recorded):
+    """``torch.tensor(0)`` in a step is a real tensor lifted into the fake mode: it keeps
+    its value, so filling a tensor with values by it keeps theirs (Longformer's masks were
+    forgotten, and refused, without it)."""
+    from autofit.memory.simulate._values import values_of
+
+    mask = torch.ones(4)
+    mask.fill_(torch.tensor(2))
+    assert values_of(mask) is not None and int(mask.sum().item()) == 8

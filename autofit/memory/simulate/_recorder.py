@@ -385,7 +385,7 @@ class StorageRecorder(TorchDispatchMode):
             if (real := on_values(func, args, kwargs)) is None:
                 forget(func, args, kwargs)  # written without values: none known there
             _carry(out, real)
-        elif made_from_nothing(func, out):
+        elif made_from_nothing(func, args, out):
             _carry(out, on_values(func, args, kwargs, factory=True))
         # In-place ops and out= variants return their (possibly resized) argument,
         # which the branches above re-check through `track`.

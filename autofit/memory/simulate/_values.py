@@ -81,12 +81,26 @@ def _factories() -> frozenset:
                       aten.scalar_tensor.default})
 
 
-def made_from_nothing(func: OpOverload, out: object) -> bool:
+def made_from_nothing(func: OpOverload, args: tuple, out: object) -> bool:
     """Whether ``func`` makes a small tensor whose values its arguments fix (``ones``,
     ``arange``: Longformer's all-ones attention mask, whose ``> 1`` picks the global
-    tokens by ``nonzero``)."""
-    return (func in _factories() and isinstance(out, torch.Tensor)
-            and out.numel() <= _MAX_NUMEL)
+    tokens by ``nonzero``; ``torch.tensor`` of a number, a real tensor lifted in)."""
+    if not isinstance(out, torch.Tensor) or out.numel() > _MAX_NUMEL:
+        return False
+    if func in _lifts():
+        return isinstance(args[0], torch.Tensor) and not _is_fake(args[0])
+    return func in _factories()
+
+
+def _lifts() -> frozenset:
+    aten = torch.ops.aten
+    return frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def on_values(func: OpOverload, args: tuple, kwargs: dict, *, factory: bool = False
@@ -96,6 +110,11 @@ def on_values(func: OpOverload, args: tuple, kwargs: dict, *, factory: bool = Fa
     or the op does not run so."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    if factory and func in _lifts():  # a real tensor lifted in: its own values
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return args[0].clone()
     tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
     if (not tensors and not factory) or any(values_of(t) is None for t in tensors):
         return None
