@@ -227,12 +227,12 @@ def _token_ids(config: object, task: str, batch: int, seq_len: int, vocab: int
     holding no other, as a tokenizer writes it and BART's classifier requires (the
     harness's batch, ``benchmarks/measure_cpu.py``, is made so)."""
     from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
 
     from autofit.memory.simulate._values import with_values
 
     mode = detect_fake_mode()
-    with unset_fake_temporarily():
+    with _disable_current_modes():
         real = torch.randint(0, vocab, (batch, seq_len), dtype=torch.long,
                              generator=torch.Generator().manual_seed(0))
         eos = getattr(config, "eos_token_id", None)

@@ -108,12 +108,12 @@ def on_values(func: OpOverload, args: tuple, kwargs: dict, *, factory: bool = Fa
     """``func`` run on the real values of its tensor arguments (a ``factory`` on none), on
     the CPU; None where one of them has none (or none is a tensor), the output is large,
     or the op does not run so."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
 
     if factory and func in _lifts():  # a real tensor lifted in: its own values
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._python_dispatch import _disable_current_modes
 
-        with unset_fake_temporarily():
+        with _disable_current_modes():
             return args[0].clone()
     tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
     if (not tensors and not factory) or any(values_of(t) is None for t in tensors):
@@ -125,7 +125,7 @@ def on_values(func: OpOverload, args: tuple, kwargs: dict, *, factory: bool = Fa
     if "device" in real_kwargs:  # (the values live on the CPU, whatever the target)
         real_kwargs = {**real_kwargs, "device": torch.device("cpu")}
     try:
-        with unset_fake_temporarily():
+        with _disable_current_modes():
             out = func(*real_args, **real_kwargs)
     except Exception:  # noqa: BLE001 - no values then; the fake op stands as it is
         return None
@@ -150,7 +150,7 @@ def real_index(args: tuple) -> tuple | None:
     """``aten.index.Tensor``'s arguments with each boolean index that carries values (on a
     tensor without them) replaced by the long indices of its positions, as torch's own
     boolean indexing does; None where there is none to replace."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
 
     self, indices = args[0], args[1]
     if values_of(self) is not None:
@@ -160,7 +160,7 @@ def real_index(args: tuple) -> tuple | None:
     for ix in indices:
         v = values_of(ix)
         if v is not None and v.dtype == torch.bool:
-            with unset_fake_temporarily():
+            with _disable_current_modes():
                 real = tuple(v.nonzero().unbind(1))
             positions = faked(real, (self,))
             new.extend(positions)
@@ -172,7 +172,7 @@ def real_index(args: tuple) -> tuple | None:
 
 def real_item(real: torch.Tensor) -> bool | int | float:
     """The Python number of a one-element real tensor, read outside the fake mode."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    with unset_fake_temporarily():
+    with _disable_current_modes():
         return real.item()
