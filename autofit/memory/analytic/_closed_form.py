@@ -529,22 +529,30 @@ def _last_recomputed(info: ModelInfo, config: TrainConfig, c: dict, T: int,
 
 def _recompute_moments(info: ModelInfo, config: TrainConfig, c: dict, T: int, G: int,
                        G_late: int, G_own: int, A_transient: float
-                       ) -> list[tuple[float, float]]:
-    """(gradients, recomputed block's activations) at the recomputes that can peak: an
-    encoder-decoder's top decoder block, then its top encoder block, each beside the
-    gradients made by then (``_pair_moments``; with derived coefficients each stack's
-    largest block, ``layer_largest_decoder`` and ``layer_largest``: UMT5's and mT5's
+                       ) -> list[tuple[float, float, float]]:
+    """(gradients, recomputed block's activations, the block forward's highest point) at
+    the recomputes that can peak: an encoder-decoder's top decoder block, then its top
+    encoder block, each beside the gradients made by then (``_pair_moments``; with derived
+    coefficients each stack's largest block, ``layer_largest_decoder`` and
+    ``layer_largest``, reaching its own stack's highest point: UMT5's and mT5's
     classifiers in bf16 with checkpointing were 10.6-12.8% over with the larger block
-    beside every gradient); else the largest block, recomputed last, beside all gradients
-    but the input embeddings' and its own."""
+    beside every gradient, and the decoder's highest point put the encoder's moment 43
+    MiB high); else the largest block, recomputed last, beside all gradients but the input
+    embeddings' and its own. The highest point is derived (0 with the fitted table)."""
+    B = config.micro_batch_size
+    high = max((_fitted(c[k], B, T)
+                for k in ("block_forward", "block_forward_decoder") if k in c), default=0.0)
     if _paired(info, c):
-        return _pair_moments(info, config, G, A_transient)
+        return [(g, a, high) for g, a in _pair_moments(info, config, G, A_transient)]
     if info.is_encoder_decoder and "layer_largest_decoder" in c and "layer_largest" in c:
-        B = config.micro_batch_size
         A_dec = min(A_transient, _fitted(c["layer_largest_decoder"], B, T))
         A_enc = min(A_transient, _fitted(c["layer_largest"], B, T))
-        return _stack_moments(info, config, G, A_dec, A_enc)
-    return [(G - G_late - G_own, A_transient)]
+        (g_dec, _), (g_enc, _) = _stack_moments(info, config, G, A_dec, A_enc)
+        return [(g_dec, A_dec, _fitted(c["block_forward_decoder"], B, T)
+                 if "block_forward_decoder" in c else high),
+                (g_enc, A_enc, _fitted(c["block_forward"], B, T)
+                 if "block_forward" in c else high)]
+    return [(G - G_late - G_own, A_transient, high)]
 
 
 def _pair_moments(info: ModelInfo, config: TrainConfig, G: int,
@@ -664,21 +672,11 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
         copies_layer = copies - copies_head
         # derived: the recompute reaches a block forward's highest point again, what the
         # block keeps and its scratch together (Qwen3-Next's chunked delta rule: 21% above
-        # what it keeps)
-        B = config.micro_batch_size
-        high = max((_fitted(c[k], B, T)
-                    for k in ("block_forward", "block_forward_decoder") if k in c), default=0.0)
-        # (an encoder-decoder: its top decoder block's recompute, then its top encoder
-        # block's, each beside the gradients made by then; with derived coefficients each
-        # reaches its own stack's highest point: the decoder's, higher, put UMT5's
-        # classifier's encoder moment 43 MiB high)
+        # what it keeps); an encoder-decoder's top decoder block, then its top encoder
+        # block, each beside the gradients made by then
         moments = _recompute_moments(info, config, c, T, G, G_late, G_own, A_transient)
-        own = ([_fitted(c["block_forward_decoder"], B, T), _fitted(c["block_forward"], B, T)]
-               if len(moments) == 2 and not _paired(info, c)
-               and "block_forward_decoder" in c and "block_forward" in c
-               else [high] * len(moments))
-        G_r, A_r, temp = max(((g, a, max(end_bwd, h - a)) for (g, a), h in
-                              zip(moments, own, strict=True)), key=lambda m: sum(m))
+        G_r, A_r, temp = max(((g, a, max(end_bwd, h - a)) for g, a, h in moments),
+                             key=lambda m: sum(m))
         phases["recompute"] = (
             W + copies_layer + S + G_r + saved.A_kept + A_r + temp,
             {Component.WEIGHTS: W + copies_layer, Component.OPTIMIZER_STATES: S,

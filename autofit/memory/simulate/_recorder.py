@@ -308,13 +308,9 @@ class StorageRecorder(TorchDispatchMode):
         if isinstance(out, torch.Tensor):
             self.track(out)
         elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self.track(o)
-                elif isinstance(o, (tuple, list)):
-                    for t in tree_flatten(o)[0]:
-                        if isinstance(t, torch.Tensor):
-                            self.track(t)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.track(t)
 
     def _workspace(self, size: int) -> Record:
         return self.hold(size, Component.TEMPORARIES)

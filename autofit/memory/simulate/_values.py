@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,6 +38,12 @@ __all__ = ["with_values", "values_of", "on_values", "real_index", "real_item", "
 # at most this many elements get values (the batch's ids are B x T; what is derived from
 # them is as small): an op on larger tensors runs on its fake tensors only
 _MAX_NUMEL = 1 << 22
+# ops whose output's values their arguments fix, and a real tensor lifted into the fake mode
+_FACTORIES = frozenset({torch.ops.aten.ones.default, torch.ops.aten.zeros.default,
+                        torch.ops.aten.full.default, torch.ops.aten.arange.default,
+                        torch.ops.aten.arange.start, torch.ops.aten.arange.start_step,
+                        torch.ops.aten.scalar_tensor.default})
+_LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
 
 
 def with_values(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -74,27 +81,15 @@ def _real(x: object) -> object:
     return x
 
 
-def _factories() -> frozenset:
-    aten = torch.ops.aten
-    return frozenset({aten.ones.default, aten.zeros.default, aten.full.default,
-                      aten.arange.default, aten.arange.start, aten.arange.start_step,
-                      aten.scalar_tensor.default})
-
-
 def made_from_nothing(func: OpOverload, args: tuple, out: object) -> bool:
     """Whether ``func`` makes a small tensor whose values its arguments fix (``ones``,
     ``arange``: Longformer's all-ones attention mask, whose ``> 1`` picks the global
     tokens by ``nonzero``; ``torch.tensor`` of a number, a real tensor lifted in)."""
     if not isinstance(out, torch.Tensor) or out.numel() > _MAX_NUMEL:
         return False
-    if func in _lifts():
+    if func in _LIFTS:
         return isinstance(args[0], torch.Tensor) and not _is_fake(args[0])
-    return func in _factories()
-
-
-def _lifts() -> frozenset:
-    aten = torch.ops.aten
-    return frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
+    return func in _FACTORIES
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -108,11 +103,7 @@ def on_values(func: OpOverload, args: tuple, kwargs: dict, *, factory: bool = Fa
     """``func`` run on the real values of its tensor arguments (a ``factory`` on none), on
     the CPU; None where one of them has none (or none is a tensor), the output is large,
     or the op does not run so."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    if factory and func in _lifts():  # a real tensor lifted in: its own values
-        from torch.utils._python_dispatch import _disable_current_modes
-
+    if factory and func in _LIFTS:  # a real tensor lifted in: its own values
         with _disable_current_modes():
             return args[0].clone()
     tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
@@ -150,8 +141,6 @@ def real_index(args: tuple) -> tuple | None:
     """``aten.index.Tensor``'s arguments with each boolean index that carries values (on a
     tensor without them) replaced by the long indices of its positions, as torch's own
     boolean indexing does; None where there is none to replace."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     self, indices = args[0], args[1]
     if values_of(self) is not None:
         return None
@@ -172,7 +161,5 @@ def real_index(args: tuple) -> tuple | None:
 
 def real_item(real: torch.Tensor) -> bool | int | float:
     """The Python number of a one-element real tensor, read outside the fake mode."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     with _disable_current_modes():
         return real.item()
