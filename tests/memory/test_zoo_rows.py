@@ -77,6 +77,11 @@ memory model, against the peaks the independent harness measured for them (commi
   moment at 512 tokens (its squared ReLU's three (N, 32768) temporaries) than at the probe
   shapes (its weight's 16-bit gradient): each moment fitted on its own (3.9% under with one
   fit of the highest points).
+- ``longformer``'s classifier in bf16 with checkpointing: its blocks take hidden states
+  padded to its attention window (512 at 128 tokens) and a 4-D mask, which the checkpoints
+  keep beside every recompute with the embeddings' saved tensors (derived: ``block_input``,
+  ``below_kept``; 11.2% under with one residual stream per block and neither), and its
+  kernels copy inside (``_cpu_kernels``).
 
 and, by simulation (no estimate below -3%, at most 5% above):
 
@@ -104,7 +109,11 @@ and, by simulation (no estimate below -3%, at most 5% above):
   counted per oneDNN primitive the step ran, which tells its math attention from a flash
   one (per weight shape: 5.7% over);
 - ``fuyu`` with LoRA: its text model's blocks (not recognised, the CPU libraries' rule took
-  its LM head for a feed-forward: 5.0% over).
+  its LM head for a feed-forward: 5.0% over);
+- ``longformer``'s classifier in bf16 with checkpointing: what CPU kernels copy inside and
+  free before they return (``_cpu_kernels``: its sliding-window chunks, overlapping views,
+  copied contiguous for oneDNN's 16-bit ``bmm``, 12 MiB each; fp32 copies of 16-bit inputs
+  added to the fp32 residual stream: 4.2% under without them).
 
 Each row is estimated with the rule of the instruction set it was measured on (the CPU
 math libraries' caches differ by it).
@@ -137,6 +146,7 @@ ROWS = ["zoo-afmoe-causal-lm-s-fp32", "zoo-bert-causal-lm-s-lora", "zoo-opt-caus
         "zoo-camembert-causal-lm-s-adamw8", "zoo-ergo-causal-lm-s-adamw8",
         "zoo-glm_moe_dsa-causal-lm-s-adamw8", "zoo-ergo-causal-lm-s-bf16-ckpt",
         "zoo-openai-gpt-seq-cls-s-adamw8", "zoo-umt5-seq-cls-m-bf16-ckpt",
+        "zoo-longformer-seq-cls-s-bf16-ckpt",
         # (25 s: its chunked linear attention's probes at 64-256 tokens)
         pytest.param("zoo-bailing_hybrid-causal-lm-m-fp32", marks=pytest.mark.slow)]
 SIMULATED = ["zoo-m2m_100-seq2seq-s-fp32", "zoo-fnet-masked-lm-s-fp32",
@@ -147,7 +157,8 @@ SIMULATED = ["zoo-m2m_100-seq2seq-s-fp32", "zoo-fnet-masked-lm-s-fp32",
              "zoo-deepseek_v3-seq-cls-s-lora", "zoo-mamba-causal-lm-s-fp32",
              "zoo-electra-token-cls-s-bf16-ckpt", "zoo-gpt_neox-token-cls-s-lora",
              "zoo-olmo-seq-cls-s-lora", "zoo-glm4-seq-cls-s-bf16-ckpt",
-             "zoo-bert-seq-cls-s-bf16-ckpt", "zoo-fuyu-causal-lm-s-lora"]
+             "zoo-bert-seq-cls-s-bf16-ckpt", "zoo-fuyu-causal-lm-s-lora",
+             "zoo-longformer-seq-cls-s-bf16-ckpt"]
 
 
 def _rows() -> dict[str, dict]:

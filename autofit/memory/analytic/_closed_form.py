@@ -290,6 +290,20 @@ def _share(moment: dict, c: dict, config: TrainConfig, T: int) -> float:
     return min(max(_signed(moment["kept"], B, T) / total, 0.0), 1.0)
 
 
+def _checkpointed_share(moment: dict, config: TrainConfig, T: int, A: float,
+                        A_base: float) -> float:
+    """With checkpointing, the share of the activations ``A`` (the blocks' inputs and
+    all outside them, ``A_base``) a forward moment stands beside: all but what the forward
+    keeps outside the blocks after it, where derived (``kept_base``: made outside the
+    blocks by then). A moment at the head precedes the loss's fp32 log-softmax: BART's
+    masked LM at 4 x 256 tokens in bf16, whose bf16 logits plus its fp32 bias make an
+    fp32 copy on a CPU, 8.7% over beside all of it; else all (1.0)."""
+    if "kept_base" not in moment or A <= 0:
+        return 1.0
+    after = max(A_base - _signed(moment["kept_base"], config.micro_batch_size, T), 0.0)
+    return min(max((A - after) / A, 0.0), 1.0)
+
+
 def _lm(info: ModelInfo, config: TrainConfig) -> tuple[int, bool, bool]:
     """(V: the logits' width, 0 without a (B, T, V) loss; TRL's fused LM head; a chunked
     loss, which keeps no logits)."""
@@ -340,12 +354,19 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
     # stack: each run keeps its activations, or with checkpointing its input
     runs = c.get("layer_runs") or [1.0, 1.0]
     layer_costs = []  # (bytes per layer run, layers, runs of a layer)
+    # what checkpointing keeps of a block run, where derived: the hidden states it takes
+    # in (Longformer pads them to its attention window: 4x the step's tokens at 128);
+    # else one residual stream
+    inputs: list[float] = []
     for b in info.blocks:
         if info.is_encoder_decoder and b.role != "encoder":
             if decoder_c is not None:
                 layer_costs.append((_layer_bytes(decoder_c, b, B, T), b.count, runs[-1]))
+                inputs.append(_block_input(c, "block_input_decoder", B, T, h * act) * b.count
+                              * runs[-1])
             continue  # T5's fitted coefficients are per encoder+decoder pair (calibration)
         layer_costs.append((_layer_bytes(layer_c, b, B, T), b.count, runs[0]))
+        inputs.append(_block_input(c, "block_input", B, T, h * act) * b.count * runs[0])
     A_layers_full = sum(x * n * r for x, n, r in layer_costs)
     # the largest block: derived per kind of block where a stack mixes kinds (a hybrid's
     # linear-attention block keeps ten times its full-attention block: Qwen3-Next)
@@ -358,7 +379,6 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
         # encoder's one, the same feed-forward, so at most 2/3 of the pair (derived at 4 x
         # 128: 16.7 of 26.5 MiB; the pair put T5's classifier in bf16-mixed 23% over)
         A_layer_max *= _PAIR_DECODER_SHARE
-    num_layers = sum(n * r for _, n, r in layer_costs)  # (block runs)
     modules = sum(n for _, n, _ in layer_costs)  # (blocks: a fitted pair's encoder ones)
     # the V term is the logits the loss keeps for backward; a chunked loss keeps none
     A_base = N * max(base_c["h"] * h + (0 if chunked else base_c["V"] * V) + base_c["c0"]
@@ -381,7 +401,7 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
     if config.gradient_checkpointing:
         # each checkpointed block keeps its input (and an 8-bit base's layers their inputs);
         # backward recomputes one block at a time
-        A_layers = num_layers * N * h * act + kept8
+        A_layers = sum(inputs) + kept8
         A_transient = A_layer_max
         # (one block's copies: autocast casts a weight once however often its block runs)
         copies = copies_head + (copies_all - copies_head) // max(modules, 1)
@@ -406,6 +426,13 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
     A_base -= fused_base  # masks (the causal one: more) and the loss's buffers
     return _Saved(A=A_layers + A_base, A_base=A_base, A_transient=A_transient, A_kept=A_kept,
                   copies=copies, copies_head=copies_head, host=host)
+
+
+def _block_input(c: dict, key: str, B: int, T: int, per_token: int) -> float:
+    """The bytes of the hidden states a block run takes in: derived (``c[key]``), else
+    one residual stream of ``per_token`` bytes a token (the fitted table's models)."""
+    fit = c.get(key)
+    return _fitted(fit, B, T) if fit is not None else float(B * T * per_token)
 
 
 def _temporaries(info: ModelInfo, config: TrainConfig, T: int, device: DeviceInfo, act: int,
@@ -658,7 +685,8 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
         # other tensors than derived); the highest of the forward's moments at this shape
         # where they were told apart (``forward_moments``)
         moments = [(_fitted(f, config.micro_batch_size, T),
-                    1.0 if config.gradient_checkpointing else _share(f, c, config, T))
+                    _checkpointed_share(f, config, T, A, A_base)
+                    if config.gradient_checkpointing else _share(f, c, config, T))
                    for f in c.get("forward_moments") or [fwd_c]]
         fwd_temp, share = max(moments, key=lambda m: m[0] + m[1] * A)
         phases["forward"] = (W + copies + S + G_held + share * A + fwd_temp,
@@ -677,10 +705,16 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
         moments = _recompute_moments(info, config, c, T, G, G_late, G_own, A_transient)
         G_r, A_r, temp = max(((g, a, max(end_bwd, h - a)) for g, a, h in moments),
                              key=lambda m: sum(m))
+        # beside every recompute, what stays below the blocks (derived: the embeddings'
+        # norm input and dropout mask, the blocks' 4-D mask, which the checkpoints keep;
+        # Longformer's classifier 8.1 MiB)
+        below = (_fitted(c["below_kept"], config.micro_batch_size, T)
+                 if "below_kept" in c else 0.0)
+        kept = saved.A_kept + A_r + below
         phases["recompute"] = (
-            W + copies_layer + S + G_r + saved.A_kept + A_r + temp,
+            W + copies_layer + S + G_r + kept + temp,
             {Component.WEIGHTS: W + copies_layer, Component.OPTIMIZER_STATES: S,
-             Component.GRADIENTS: G_r, Component.ACTIVATIONS: saved.A_kept + A_r,
+             Component.GRADIENTS: G_r, Component.ACTIVATIONS: kept,
              Component.TEMPORARIES: temp})
     return phases
 

@@ -25,9 +25,9 @@ class _AtShape(NamedTuple):
     total: int  # alive at the loss in all
     # the forward's transient, its share and what it keeps in all (_forward_transient)
     transient: tuple[int, float, int]
-    # the forward's events, and at each one the transient and the share of what backward
-    # keeps made by then (_forward_transient)
-    moments: tuple[str, list[int], list[float]]
+    # the forward's events, and at each one the transient, the share of what backward
+    # keeps made by then, and the bytes of it made outside the blocks (_forward_transient)
+    moments: tuple[str, list[int], list[float], list[int]]
     block_backward: list[int]  # per stack, a block backward's scratch (_block_backward)
     # per stack, its kept blocks' backward events and at each the scratch (_block_backward)
     block_moments: list[tuple[str, list[int]]]
@@ -41,6 +41,12 @@ class _AtShape(NamedTuple):
     # the step's oneDNN primitives and whether a 16-bit flash attention ran
     # (StorageRecorder.half_primitives, half_attention)
     half_step: tuple[int, bool]
+    # per stack, the hidden states a block takes in (its first kind's, last run):
+    # what checkpointing keeps of each block (Longformer pads them to its attention
+    # window: 4x the step's tokens at 128)
+    block_input: list[float]
+    # what the layers below the blocks keep through the blocks' backward (_below_kept)
+    below_kept: int
 
 
 # where a moment's transient is compared with the others': micro batches and lengths
@@ -78,11 +84,16 @@ def _transient_moments(at: list[_AtShape], shapes: tuple[tuple[int, int], ...] =
     # tokens, less at 4 x 128, where the largest share put its LoRA step 10% over)
     kept = _solve([np.asarray(a.moments[2], dtype=np.float64) * a.transient[2] for a in at],
                   shapes)
+    # ... of it made outside the blocks (checkpointing keeps the blocks' inputs only)
+    base = (_solve([np.asarray(a.moments[3], dtype=np.float64) for a in at], shapes)
+            if all(len(a.moments) > 3 for a in at) else None)
     # a moment's height: its transient and what backward keeps made by then
     highest = sorted({int((at_shape(fit, B, T) + at_shape(kept, B, T)).argmax())
                       for B in _GRID_B for T in _GRID_T})
     return [{**_form({k: float(v[i]) for k, v in fit.items()}), "share": float(share[i]),
-             "kept": _signed_form({k: float(v[i]) for k, v in kept.items()})}
+             "kept": _signed_form({k: float(v[i]) for k, v in kept.items()}),
+             **({"kept_base": _signed_form({k: float(v[i]) for k, v in base.items()})}
+                if base is not None else {})}
             for i in highest]
 
 

@@ -196,13 +196,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
 
     from autofit.knobs.registry import patched, recorded
     from autofit.memory.simulate._bnb import bnb_target
-    from autofit.memory.simulate._model import (
-        fake_clone,
-        prepare_for_training,
-        unwrap,
-        weight_tensors,
-    )
-    from autofit.memory.simulate._recorder import StorageRecorder
+    from autofit.memory.simulate._model import fake_clone, prepare_for_training, unwrap
     from autofit.memory.simulate._step import (
         forward_loss,
         graph_host_bytes,
@@ -224,14 +218,14 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
         # a first step at the first shape, not kept: one-time allocations (a model's
         # lazily built caches) would make its events other than the other shapes'
         for step, (batch, seq_len) in enumerate((shapes[0], *shapes)):
-            rec = StorageRecorder()
-            for t in weight_tensors(model):
-                rec.track(t, Component.WEIGHTS)
+            rec = _recorder(model, device)
             spans: list[list[int]] = [[0, 0] for _ in all_kept]
             back: list[int] = [-1 for _ in all_kept]  # where each block's backward starts
             fired: list[int] = []  # ... every start (a block run twice, ALBERT's, starts twice)
             runs = [0 for _ in all_kept]  # each block's forward runs
-            handles = _mark_blocks(all_kept, rec, spans, back, fired, runs)
+            # each block's hidden states in: bytes, their record's id, its other inputs'
+            inputs = [(0, 0, frozenset[int]()) for _ in all_kept]
+            handles = _mark_blocks(all_kept, rec, spans, back, fired, runs, inputs)
             ctx: Any = contextlib.nullcontext()
             if device.allocator == "cuda":
                 from autofit.memory.simulate._cuda import CudaSemantics
@@ -252,7 +246,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 total = sum(r.size for r in rec.live_records() if id(r) in alive)
                 if device.allocator != "cuda":  # the graph's own host memory, as simulated
                     total += graph_host_bytes(loss)
-                transient, moments = _forward_transient(log, alive)
+                transient, moments = _forward_transient(log, alive, spans)
                 heights = _block_heights(log, spans)
                 if step == 1:  # (the graph is the same at every shape)
                     dead = _unreached(loss, model, stacks)
@@ -266,6 +260,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                          and (r := rec.record_of(p.grad)) is not None}
                 block_bwd, block_moments = _block_backward(rec.events(), back, grads, stacks)
                 top_bwd, top_moments = _top_backward(rec.events(), len(log), fired, grads)
+                below = (_below_kept(rec.events(), spans[0][0], back[0], grads,
+                                     *inputs[0][1:]) if back[0] > 0 else 0)
                 model.zero_grad(set_to_none=True)
             for h in handles:
                 h.remove()
@@ -276,8 +272,25 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                                     int(total - sum(per_kind) + blocks), transient, moments,
                                     block_bwd, block_moments, stack_runs, top_bwd,
                                     top_moments,
-                                    len(rec.half_matmuls), rec.half_step()))
+                                    len(rec.half_matmuls), rec.half_step(),
+                                    _first_of_stacks(stacks, [b for b, _, _ in inputs]),
+                                    below))
     return out, dead
+
+
+def _recorder(model: torch.nn.Module, device: DeviceInfo) -> StorageRecorder:
+    """A recorder of one probe step: ``model``'s weights tracked, and on a CPU what its
+    kernels copy inside (as the simulation records them)."""
+    from autofit.memory.simulate._cpu_kernels import mkldnn_cpu
+    from autofit.memory.simulate._model import weight_tensors
+    from autofit.memory.simulate._recorder import StorageRecorder
+
+    rec = StorageRecorder()
+    if device.allocator != "cuda":
+        rec.cpu_kernels, rec.cpu_mkldnn = True, mkldnn_cpu()
+    for t in weight_tensors(model):
+        rec.track(t, Component.WEIGHTS)
+    return rec
 
 
 def _per_stack(stacks: list[tuple], per_kind: list[int], heights: list[int], runs: list[int]
@@ -302,6 +315,15 @@ def _per_stack(stacks: list[tuple], per_kind: list[int], heights: list[int], run
     return per_block, largest, highest, stack_runs, blocks
 
 
+def _first_of_stacks(stacks: list[tuple], values: list[int]) -> list[float]:
+    """Per stack, ``values``' entry of its first kept block."""
+    firsts, at = [], 0
+    for kept, _, _ in stacks:
+        firsts.append(float(values[at]))
+        at += len(kept)
+    return firsts
+
+
 def _one_block_per_kind(base: torch.nn.Module) -> list[tuple[Any, list[tuple[int, int]], int]]:
     """Keep one block of each kind in each of ``base``'s stacks (in place, on the fake
     clone); per stack: (the kept blocks, [(index, how many it stands for)], blocks)."""
@@ -319,18 +341,21 @@ def _one_block_per_kind(base: torch.nn.Module) -> list[tuple[Any, list[tuple[int
 
 def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
                  spans: list[list[int]], back: list[int], fired: list[int],
-                 runs: list[int]) -> list[Any]:
+                 runs: list[int], inputs: list[tuple[int, int, frozenset[int]]]
+                 ) -> list[Any]:
     """Hooks that note, in ``spans``, where each block's forward starts and ends in
-    ``rec``'s log (its last run), in ``runs`` how many times it runs forward, in ``back``
+    ``rec``'s log (its last run), in ``runs`` how many times it runs forward, in ``inputs``
+    the bytes of the hidden states it takes in (``_hidden_in``; its last run), in ``back``
     where its backward starts (the last time: a block run twice, ALBERT's shared layer,
     starts twice) and in ``fired`` every block backward's start; their handles."""
     def started(i: int) -> None:
         back[i] = len(rec._log)
         fired.append(len(rec._log))
 
-    def entered(i: int) -> None:
+    def entered(i: int, args: tuple, kwargs: dict) -> None:
         spans[i][0] = len(rec._log)
         runs[i] += 1
+        inputs[i] = _hidden_in(args, kwargs, rec)
 
     import torch
 
@@ -345,11 +370,67 @@ def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
 
     handles = []
     for i, blk in enumerate(blocks):
-        handles.append(blk.register_forward_pre_hook(lambda _m, _a, i=i: entered(i)))
+        handles.append(blk.register_forward_pre_hook(
+            lambda _m, a, kw, i=i: entered(i, a, kw), with_kwargs=True))
         handles.append(blk.register_forward_hook(lambda _m, _a, o, i=i: ended(i, o)))
         handles.append(blk.register_full_backward_pre_hook(
             lambda _m, _g, i=i: started(i)))
     return handles
+
+
+def _hidden_in(args: tuple, kwargs: dict, rec: StorageRecorder
+               ) -> tuple[int, int, frozenset[int]]:
+    """The hidden states a block is called with, its bytes and the id of its storage's
+    record (0: none): its first positional argument (a tensor, or the first floating one
+    of a tuple), else its ``hidden_states`` keyword, else its first floating tensor
+    keyword; and the ids of the records of the other tensors it takes (masks, position
+    embeddings, an encoder's output: the same for every block, which checkpointing keeps
+    until the first block's backward)."""
+    import torch
+
+    lead = args[0] if args else None
+    if isinstance(lead, (tuple, list)):  # (hidden states, residual, ...): the first
+        lead = next((t for t in lead if isinstance(t, torch.Tensor)
+                     and t.is_floating_point()), None)
+    first = lead if isinstance(lead, torch.Tensor) else kwargs.get("hidden_states")
+    if not isinstance(first, torch.Tensor):
+        first = next((v for v in kwargs.values()
+                      if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+    others = set()
+    for v in (*args, *kwargs.values()):
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor) and t is not first \
+                    and (r := rec.record_of(t)) is not None:
+                others.add(id(r))
+    if not isinstance(first, torch.Tensor):
+        return 0, 0, frozenset(others)
+    r = rec.record_of(first)
+    hidden = id(r) if r is not None else 0
+    return (int(first.numel() * first.element_size()), hidden,
+            frozenset(others - {hidden}))
+
+
+def _below_kept(log: list[tuple[str, Record, str]], start: int, at: int, grads: set[int],
+                hidden: int, others: frozenset[int]) -> int:
+    """Bytes made before the log's index ``start`` (the first block's forward) and alive
+    at ``at`` (its backward's start), or taken by the first block (``others``: the
+    checkpoint keeps them), weights, the parameters' gradients and the ``hidden`` record
+    (the first block's input: with checkpointing, kept as its input) apart: what stays
+    below the blocks through the blocks' backward with checkpointing (BERT's embedding
+    norm's input, its dropout's mask; an eager attention's 4-D mask). Checkpointing
+    recomputes every block beside them (Longformer's classifier: 8.1 of its 153 MiB)."""
+    made: dict[int, int] = {}
+    taken: dict[int, int] = {}
+    for i, (kind, r, _) in enumerate(log[:at]):
+        if kind == "alloc":
+            if i < start and r.category != Component.WEIGHTS and id(r) not in grads \
+                    and id(r) != hidden:
+                made[id(r)] = r.size
+                if id(r) in others:
+                    taken[id(r)] = r.size
+        else:
+            made.pop(id(r), None)
+    return sum({**made, **taken}.values())
 
 
 def _block_heights(log: list[tuple[str, Record, str]], spans: list[list[int]]) -> list[int]:
@@ -490,8 +571,10 @@ def _forward_fit(at: list[_AtShape], config: TrainConfig,
                    for a in at], shapes), share
 
 
-def _forward_transient(log: list[tuple[str, Record, str]], alive: set[int]
-                       ) -> tuple[tuple[int, float, int], tuple[str, list[int], list[float]]]:
+def _forward_transient(log: list[tuple[str, Record, str]], alive: set[int],
+                       spans: list[list[int]] = ()
+                       ) -> tuple[tuple[int, float, int], tuple[str, list[int], list[float],
+                                                                list[int]]]:
     """At the forward's highest point (weights apart), the bytes alive then that backward
     does not keep: an op's scratch, a block's intermediate results (an indexer's (T, T)
     scores over every head of AXK2's sparse attention, freed within the block). A model
@@ -502,23 +585,30 @@ def _forward_transient(log: list[tuple[str, Record, str]], alive: set[int]
     In the same walk, the moments: the forward's events (``"a"``/``"f"`` per allocation
     and free, weights apart: the same string at every shape when the forward runs the same
     ops) and, at each event, the same transient and share (at every moment, not only at
-    the highest)."""
-    kinds, series, made = [], [], []
-    live = kept = peak = peak_at = 0
-    for kind, r, _ in log:
+    the highest), and what backward keeps that was made outside the blocks (``spans``) by
+    then: with checkpointing the blocks keep their inputs only, and a moment at the head
+    stands beside all of them but beside none of what the loss keeps after it."""
+    in_block = bytearray(len(log))
+    for a, b in spans:
+        in_block[a:b] = b"\x01" * (b - a)
+    kinds, series, made, outside = [], [], [], []
+    live = kept = base = peak = peak_at = 0
+    for i, (kind, r, _) in enumerate(log):
         if r.category == Component.WEIGHTS:
             continue
         live += r.size if kind == "alloc" else -r.size
         if kind == "alloc" and id(r) in alive:
             kept += r.size
+            base += 0 if in_block[i] else r.size
         if live > peak:
             peak, peak_at = live, len(series)
         kinds.append("a" if kind == "alloc" else "f")
         series.append(live - kept)
         made.append(kept)
+        outside.append(base)
     shares = [k / kept if kept else 1.0 for k in made]
     highest = (max(series[peak_at], 0), shares[peak_at], kept) if series else (0, 1.0, 0)
-    return highest, ("".join(kinds), series, shares)
+    return highest, ("".join(kinds), series, shares, outside)
 
 
 def _probe(module: torch.nn.Module, info: ModelInfo, config: TrainConfig, device: DeviceInfo,
@@ -581,6 +671,8 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
     kept_all = _solve([float(a.transient[2]) for a in at], shapes)  # all the forward keeps
     bwds = [_solve([float(a.block_backward[k]) for a in at], shapes) for k in range(len(roles))]
     top = _solve([float(a.top_backward) for a in at], shapes)
+    ins = [_solve([a.block_input[k] for a in at], shapes) for k in range(len(roles))]
+    below = _solve([float(a.below_kept) for a in at], shapes)
     # the share of the activations made by the forward's peak, the largest over the four
     # shapes: an encoder-decoder's peak in its encoder comes before any decoder activation
     # (Pegasus-X's padded blocks: 23% over with all of them), a hybrid's in its first,
@@ -617,6 +709,11 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         # the top block's backward above what was alive at the loss (``_top_backward``):
         # signed, its constant too (the head's backward frees more than it makes)
         "top_backward": _signed_form(top),
+        # the hidden states a block takes in: what checkpointing keeps of it
+        "block_input": _form(ins[0]),
+        # what the layers below the blocks keep through the blocks' backward
+        # (``_below_kept``): checkpointing recomputes every block beside it
+        "below_kept": _form(below),
         "derived": True,
         # the step's 16-bit matmuls of distinct shapes, at one shape (the CPU's oneDNN
         # caches: ``cpu_library_cache_bytes``; blocks alike run the same ones)
@@ -632,6 +729,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         coef["block_backward_decoder"] = _form(bwds[1])
         coef["layer_largest_decoder"] = _form(largest[1])
         coef["block_forward_decoder"] = _form(highest[1])
+        coef["block_input_decoder"] = _form(ins[1])
     memory[key] = coef
     _store(key, coef)
     return coef

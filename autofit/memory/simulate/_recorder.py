@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autofit.memory.breakdown import Component
+from autofit.memory.simulate._cpu_kernels import cpu_kernel_temporaries
 from autofit.memory.simulate._values import (
     faked,
     forget,
@@ -118,6 +119,10 @@ class StorageRecorder(TorchDispatchMode):
         # linear's forward ``x @ W.t()`` and input gradient ``g @ W`` are two), and whether
         # a 16-bit flash attention ran (its brgemm kernels keep state per length)
         self.half_primitives: set[tuple[Any, ...]] = set()
+        # a CPU target's step: the copies its kernels make inside (``_cpu_kernels``), and
+        # whether its 16-bit matmuls go to oneDNN (an AVX512 CPU)
+        self.cpu_kernels = False
+        self.cpu_mkldnn = False
         self.half_attention = False
         # CPU, checkpointing: the most autograd nodes a checkpointed block's graph had
         self.checkpointed_nodes = 0
@@ -375,6 +380,10 @@ class StorageRecorder(TorchDispatchMode):
         elif func in _FLASH_CPU and args[0].dtype in _HALF:
             self.half_attention = True
         self._track_out(out)
+        if self.cpu_kernels and (
+                inside := cpu_kernel_temporaries(func, args, kwargs, out, self.cpu_mkldnn)):
+            # what the CPU kernel made beside its output and freed before it returned
+            self.release(self._workspace(inside))
         if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
             out._autofit_origin = _origin(func.overloadpacket.__name__, args)  # _scalar_read
         if _has_values(args, kwargs):
