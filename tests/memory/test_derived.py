@@ -97,7 +97,7 @@ def test_an_unwritable_folder_is_one_warning(ia3, fresh, monkeypatch, caplog):
 def _at(moments: tuple[str, list[int], list[float]],
         transient: tuple[int, float, int] | None = None) -> _moments._AtShape:
     return _moments._AtShape([0.0], [0.0], [0.0], 0, transient or (max(moments[1]), 1.0, 0),
-                            moments, [0], [("", [])], [1.0], 0, ("", []), 0, (0, False), [0.0], 0)
+                            moments, [0], [("", [])], [1.0], 0, ("", []), 0, (0, False), [0.0], 0, 0)
 
 
 def test_the_forward_transient_is_fitted_beside_the_share_it_is_used_with():

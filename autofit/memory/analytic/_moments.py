@@ -45,8 +45,11 @@ class _AtShape(NamedTuple):
     # what checkpointing keeps of each block (Longformer pads them to its attention
     # window: 4x the step's tokens at 128)
     block_input: list[float]
-    # what the layers below the blocks keep through the blocks' backward (_below_kept)
+    # what the layers below the blocks keep through the blocks' backward (_kept.below_kept)
     below_kept: int
+    # the gradients outside the blocks alive at the first stack's block's backward
+    # (an encoder-decoder's encoder block: _kept.grads_outside)
+    grads_outside: int
 
 
 # where a moment's transient is compared with the others': micro batches and lengths

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, ValueDependentShapeError, fix
+from autofit.memory.analytic._kept import below_kept, first_of_stacks, grads_outside, hidden_in
 from autofit.memory.analytic._moments import (
     SHAPES,
     _add_moments,
@@ -260,8 +261,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                          and (r := rec.record_of(p.grad)) is not None}
                 block_bwd, block_moments = _block_backward(rec.events(), back, grads, stacks)
                 top_bwd, top_moments = _top_backward(rec.events(), len(log), fired, grads)
-                below = (_below_kept(rec.events(), spans[0][0], back[0], grads,
-                                     *inputs[0][1:]) if back[0] > 0 else 0)
+                below = below_kept(rec.events(), spans[0][0], back[0], grads, *inputs[0][1:])
+                outside = grads_outside(rec, back[0], model, all_kept)
                 model.zero_grad(set_to_none=True)
             for h in handles:
                 h.remove()
@@ -273,8 +274,8 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                                     block_bwd, block_moments, stack_runs, top_bwd,
                                     top_moments,
                                     len(rec.half_matmuls), rec.half_step(),
-                                    _first_of_stacks(stacks, [b for b, _, _ in inputs]),
-                                    below))
+                                    first_of_stacks(stacks, [b for b, _, _ in inputs]),
+                                    below, outside))
     return out, dead
 
 
@@ -315,15 +316,6 @@ def _per_stack(stacks: list[tuple], per_kind: list[int], heights: list[int], run
     return per_block, largest, highest, stack_runs, blocks
 
 
-def _first_of_stacks(stacks: list[tuple], values: list[int]) -> list[float]:
-    """Per stack, ``values``' entry of its first kept block."""
-    firsts, at = [], 0
-    for kept, _, _ in stacks:
-        firsts.append(float(values[at]))
-        at += len(kept)
-    return firsts
-
-
 def _one_block_per_kind(base: torch.nn.Module) -> list[tuple[Any, list[tuple[int, int]], int]]:
     """Keep one block of each kind in each of ``base``'s stacks (in place, on the fake
     clone); per stack: (the kept blocks, [(index, how many it stands for)], blocks)."""
@@ -345,7 +337,7 @@ def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
                  ) -> list[Any]:
     """Hooks that note, in ``spans``, where each block's forward starts and ends in
     ``rec``'s log (its last run), in ``runs`` how many times it runs forward, in ``inputs``
-    the bytes of the hidden states it takes in (``_hidden_in``; its last run), in ``back``
+    the bytes of the hidden states it takes in (``hidden_in``; its last run), in ``back``
     where its backward starts (the last time: a block run twice, ALBERT's shared layer,
     starts twice) and in ``fired`` every block backward's start; their handles."""
     def started(i: int) -> None:
@@ -355,7 +347,7 @@ def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
     def entered(i: int, args: tuple, kwargs: dict) -> None:
         spans[i][0] = len(rec._log)
         runs[i] += 1
-        inputs[i] = _hidden_in(args, kwargs, rec)
+        inputs[i] = hidden_in(args, kwargs, rec)
 
     import torch
 
@@ -376,61 +368,6 @@ def _mark_blocks(blocks: list[torch.nn.Module], rec: StorageRecorder,
         handles.append(blk.register_full_backward_pre_hook(
             lambda _m, _g, i=i: started(i)))
     return handles
-
-
-def _hidden_in(args: tuple, kwargs: dict, rec: StorageRecorder
-               ) -> tuple[int, int, frozenset[int]]:
-    """The hidden states a block is called with, its bytes and the id of its storage's
-    record (0: none): its first positional argument (a tensor, or the first floating one
-    of a tuple), else its ``hidden_states`` keyword, else its first floating tensor
-    keyword; and the ids of the records of the other tensors it takes (masks, position
-    embeddings, an encoder's output: the same for every block, which checkpointing keeps
-    until the first block's backward)."""
-    import torch
-
-    lead = args[0] if args else None
-    if isinstance(lead, (tuple, list)):  # (hidden states, residual, ...): the first
-        lead = next((t for t in lead if isinstance(t, torch.Tensor)
-                     and t.is_floating_point()), None)
-    first = lead if isinstance(lead, torch.Tensor) else kwargs.get("hidden_states")
-    if not isinstance(first, torch.Tensor):
-        first = next((v for v in kwargs.values()
-                      if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
-    others = set()
-    for v in (*args, *kwargs.values()):
-        for t in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(t, torch.Tensor) and t is not first \
-                    and (r := rec.record_of(t)) is not None:
-                others.add(id(r))
-    if not isinstance(first, torch.Tensor):
-        return 0, 0, frozenset(others)
-    r = rec.record_of(first)
-    hidden = id(r) if r is not None else 0
-    return (int(first.numel() * first.element_size()), hidden,
-            frozenset(others - {hidden}))
-
-
-def _below_kept(log: list[tuple[str, Record, str]], start: int, at: int, grads: set[int],
-                hidden: int, others: frozenset[int]) -> int:
-    """Bytes made before the log's index ``start`` (the first block's forward) and alive
-    at ``at`` (its backward's start), or taken by the first block (``others``: the
-    checkpoint keeps them), weights, the parameters' gradients and the ``hidden`` record
-    (the first block's input: with checkpointing, kept as its input) apart: what stays
-    below the blocks through the blocks' backward with checkpointing (BERT's embedding
-    norm's input, its dropout's mask; an eager attention's 4-D mask). Checkpointing
-    recomputes every block beside them (Longformer's classifier: 8.1 of its 153 MiB)."""
-    made: dict[int, int] = {}
-    taken: dict[int, int] = {}
-    for i, (kind, r, _) in enumerate(log[:at]):
-        if kind == "alloc":
-            if i < start and r.category != Component.WEIGHTS and id(r) not in grads \
-                    and id(r) != hidden:
-                made[id(r)] = r.size
-                if id(r) in others:
-                    taken[id(r)] = r.size
-        else:
-            made.pop(id(r), None)
-    return sum({**made, **taken}.values())
 
 
 def _block_heights(log: list[tuple[str, Record, str]], spans: list[list[int]]) -> list[int]:
@@ -712,7 +649,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         # the hidden states a block takes in: what checkpointing keeps of it
         "block_input": _form(ins[0]),
         # what the layers below the blocks keep through the blocks' backward
-        # (``_below_kept``): checkpointing recomputes every block beside it
+        # (``below_kept``): checkpointing recomputes every block beside it
         "below_kept": _form(below),
         "derived": True,
         # the step's 16-bit matmuls of distinct shapes, at one shape (the CPU's oneDNN
@@ -730,6 +667,8 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         coef["layer_largest_decoder"] = _form(largest[1])
         coef["block_forward_decoder"] = _form(highest[1])
         coef["block_input_decoder"] = _form(ins[1])
+        # the gradients outside the blocks made by the encoder's backward (grads_outside)
+        coef["encoder_grads_outside"] = float(at[-1].grads_outside)
     memory[key] = coef
     _store(key, coef)
     return coef
