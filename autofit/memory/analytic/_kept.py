@@ -25,7 +25,7 @@ def first_of_stacks(stacks: list[tuple], values: list[int]) -> list[float]:
 
 
 def hidden_in(args: tuple, kwargs: dict, rec: StorageRecorder
-               ) -> tuple[int, int, frozenset[int]]:
+              ) -> tuple[int, int, frozenset[int]]:
     """The hidden states a block is called with, its bytes and the id of its storage's
     record (0: none): its first positional argument (a tensor, or the first floating one
     of a tuple), else its ``hidden_states`` keyword, else its first floating tensor
@@ -57,7 +57,7 @@ def hidden_in(args: tuple, kwargs: dict, rec: StorageRecorder
 
 
 def below_kept(log: list[tuple[str, Record, str]], start: int, at: int, grads: set[int],
-                hidden: int, others: frozenset[int]) -> int:
+               hidden: int, others: frozenset[int]) -> int:
     """Bytes made before the log's index ``start`` (the first block's forward) and alive
     at ``at`` (its backward's start), or taken by the first block (``others``: the
     checkpoint keeps them), weights, the parameters' gradients and the ``hidden`` record
@@ -83,7 +83,7 @@ def below_kept(log: list[tuple[str, Record, str]], start: int, at: int, grads: s
 
 
 def grads_outside(rec: StorageRecorder, at: int, model: torch.nn.Module,
-                   blocks: list[torch.nn.Module]) -> int:
+                  blocks: list[torch.nn.Module]) -> int:
     """Bytes of the gradients of the parameters outside ``blocks`` alive at the log's
     index ``at`` (the first stack's block's backward: an encoder-decoder's encoder block):
     the decoder's own parameters' by then, not a shared embedding's, which autograd gives
