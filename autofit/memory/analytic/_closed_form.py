@@ -353,24 +353,22 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
     # the forward runs of a block (derived; a looped model's blocks run twice: Dory), per
     # stack: each run keeps its activations, or with checkpointing its input
     runs = c.get("layer_runs") or [1.0, 1.0]
-    layer_costs = []  # (bytes per layer run, layers, runs of a layer)
-    # what checkpointing keeps of a block run, where derived: the hidden states it takes
-    # in (Longformer pads them to its attention window: 4x the step's tokens at 128);
-    # else one residual stream
-    inputs: list[float] = []
+    # (bytes per layer run, layers, runs of a layer, bytes checkpointing keeps of a run:
+    # where derived the hidden states it takes in -- Longformer pads them to its attention
+    # window, 4x the step's tokens at 128 --, else one residual stream)
+    layer_costs = []
     for b in info.blocks:
         if info.is_encoder_decoder and b.role != "encoder":
             if decoder_c is not None:
-                layer_costs.append((_layer_bytes(decoder_c, b, B, T), b.count, runs[-1]))
-                inputs.append(_block_input(c, "block_input_decoder", B, T, h * act) * b.count
-                              * runs[-1])
+                layer_costs.append((_layer_bytes(decoder_c, b, B, T), b.count, runs[-1],
+                                    _block_input(c, "block_input_decoder", B, T, h * act)))
             continue  # T5's fitted coefficients are per encoder+decoder pair (calibration)
-        layer_costs.append((_layer_bytes(layer_c, b, B, T), b.count, runs[0]))
-        inputs.append(_block_input(c, "block_input", B, T, h * act) * b.count * runs[0])
-    A_layers_full = sum(x * n * r for x, n, r in layer_costs)
+        layer_costs.append((_layer_bytes(layer_c, b, B, T), b.count, runs[0],
+                            _block_input(c, "block_input", B, T, h * act)))
+    A_layers_full = sum(x * n * r for x, n, r, _ in layer_costs)
     # the largest block: derived per kind of block where a stack mixes kinds (a hybrid's
     # linear-attention block keeps ten times its full-attention block: Qwen3-Next)
-    A_layer_max = max([x for x, _, _ in layer_costs]
+    A_layer_max = max([x for x, _, _, _ in layer_costs]
                       + [_fitted(c[k], B, T) for k in ("layer_largest", "layer_largest_decoder")
                          if k in c], default=0)
     if _paired(info, c):
@@ -379,7 +377,7 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
         # encoder's one, the same feed-forward, so at most 2/3 of the pair (derived at 4 x
         # 128: 16.7 of 26.5 MiB; the pair put T5's classifier in bf16-mixed 23% over)
         A_layer_max *= _PAIR_DECODER_SHARE
-    modules = sum(n for _, n, _ in layer_costs)  # (blocks: a fitted pair's encoder ones)
+    modules = sum(n for _, n, _, _ in layer_costs)  # (blocks: a fitted pair's encoder ones)
     # the V term is the logits the loss keeps for backward; a chunked loss keeps none
     A_base = N * max(base_c["h"] * h + (0 if chunked else base_c["V"] * V) + base_c["c0"]
                      + base_c.get("T", 0.0) * T, 0.0)
@@ -401,7 +399,7 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
     if config.gradient_checkpointing:
         # each checkpointed block keeps its input (and an 8-bit base's layers their inputs);
         # backward recomputes one block at a time
-        A_layers = sum(inputs) + kept8
+        A_layers = sum(i * n * r for _, n, r, i in layer_costs) + kept8
         A_transient = A_layer_max
         # (one block's copies: autocast casts a weight once however often its block runs)
         copies = copies_head + (copies_all - copies_head) // max(modules, 1)

@@ -69,23 +69,20 @@ def below_kept(log: list[tuple[str, Record, str]], start: int, at: int, grads: s
     if at <= 0:
         return 0
     made: dict[int, int] = {}
-    taken: dict[int, int] = {}
     for i, (kind, r, _) in enumerate(log[:at]):
         if kind == "alloc":
             if i < start and r.category != Component.WEIGHTS and id(r) not in grads \
                     and id(r) != hidden:
                 made[id(r)] = r.size
-                if id(r) in others:
-                    taken[id(r)] = r.size
-        else:
+        elif id(r) not in others:  # (what the first block takes, its checkpoint keeps)
             made.pop(id(r), None)
-    return sum({**made, **taken}.values())
+    return sum(made.values())
 
 
-def grads_outside(rec: StorageRecorder, at: int, model: torch.nn.Module,
-                  blocks: list[torch.nn.Module]) -> int:
-    """Bytes of the gradients of the parameters outside ``blocks`` alive at the log's
-    index ``at`` (the first stack's block's backward: an encoder-decoder's encoder block):
+def grads_outside(log: list[tuple[str, Record, str]], at: int, rec: StorageRecorder,
+                  model: torch.nn.Module, blocks: list[torch.nn.Module]) -> int:
+    """Bytes of the gradients of the parameters outside ``blocks`` (``rec``'s records of
+    them) alive at the log's index ``at`` (the first stack's block's backward: an encoder-decoder's encoder block):
     the decoder's own parameters' by then, not a shared embedding's, which autograd gives
     its gradient once both its uses are done (LED). 0 where ``at`` is not known."""
     if at <= 0:
@@ -94,7 +91,7 @@ def grads_outside(rec: StorageRecorder, at: int, model: torch.nn.Module,
     ids = {id(r) for p in model.parameters() if p.grad is not None and id(p) not in inside
            and (r := rec.record_of(p.grad)) is not None}
     made: dict[int, int] = {}
-    for kind, r, _ in rec.events()[:at]:
+    for kind, r, _ in log[:at]:
         if id(r) in ids:
             if kind == "alloc":
                 made[id(r)] = r.size

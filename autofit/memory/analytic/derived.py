@@ -259,10 +259,11 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                 del loss
                 grads = {id(r) for p in model.parameters() if p.grad is not None
                          and (r := rec.record_of(p.grad)) is not None}
-                block_bwd, block_moments = _block_backward(rec.events(), back, grads, stacks)
-                top_bwd, top_moments = _top_backward(rec.events(), len(log), fired, grads)
-                below = below_kept(rec.events(), spans[0][0], back[0], grads, *inputs[0][1:])
-                outside = grads_outside(rec, back[0], model, all_kept)
+                events = rec.events()  # (the forward's and the backward's)
+                block_bwd, block_moments = _block_backward(events, back, grads, stacks)
+                top_bwd, top_moments = _top_backward(events, len(log), fired, grads)
+                below = below_kept(events, spans[0][0], back[0], grads, *inputs[0][1:])
+                outside = grads_outside(events, back[0], rec, model, all_kept)
                 model.zero_grad(set_to_none=True)
             for h in handles:
                 h.remove()
@@ -282,13 +283,12 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
 def _recorder(model: torch.nn.Module, device: DeviceInfo) -> StorageRecorder:
     """A recorder of one probe step: ``model``'s weights tracked, and on a CPU what its
     kernels copy inside (as the simulation records them)."""
-    from autofit.memory.simulate._cpu_kernels import mkldnn_cpu
     from autofit.memory.simulate._model import weight_tensors
     from autofit.memory.simulate._recorder import StorageRecorder
 
     rec = StorageRecorder()
     if device.allocator != "cuda":
-        rec.cpu_kernels, rec.cpu_mkldnn = True, mkldnn_cpu()
+        rec.on_cpu()
     for t in weight_tensors(model):
         rec.track(t, Component.WEIGHTS)
     return rec

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autofit.memory.breakdown import Component
-from autofit.memory.simulate._cpu_kernels import cpu_kernel_temporaries
+from autofit.memory.simulate._cpu_kernels import cpu_kernel_temporaries, mkldnn_cpu
 from autofit.memory.simulate._values import (
     faked,
     forget,
@@ -316,6 +316,11 @@ class StorageRecorder(TorchDispatchMode):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.track(t)
+
+    def on_cpu(self) -> None:
+        """Record a CPU target's step: with the copies its kernels make inside
+        (``_cpu_kernels``), its 16-bit matmuls in oneDNN where this CPU's torch runs them."""
+        self.cpu_kernels, self.cpu_mkldnn = True, mkldnn_cpu()
 
     def _workspace(self, size: int) -> Record:
         return self.hold(size, Component.TEMPORARIES)

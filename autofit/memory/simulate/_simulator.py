@@ -296,7 +296,6 @@ class Simulator:
         import torch
 
         from autofit.memory.simulate._bnb import bnb_target
-        from autofit.memory.simulate._cpu_kernels import mkldnn_cpu
         from autofit.memory.simulate._model import fake_clone, prepare_for_training, weight_tensors
         from autofit.memory.simulate._recorder import StorageRecorder
         from autofit.memory.simulate._step import (
@@ -345,7 +344,7 @@ class Simulator:
                 ctx = cuda
                 rec.workspaces.update(cuda.workspaces())
             else:  # what its kernels copy inside (``_cpu_kernels``)
-                rec.cpu_kernels, rec.cpu_mkldnn = True, mkldnn_cpu()
+                rec.on_cpu()
             offload: Any = (offloaded_to_host(rec)
                             if config.activation_offloading and target.kind == "cuda"
                             else contextlib.nullcontext([]))
