@@ -2,7 +2,7 @@
 autofit's rule; and what MKL keeps after one fp32 product, by its widths.
 
     python benchmarks/cpu_kernel_copies.py          # both tables
-    python benchmarks/cpu_kernel_copies.py --ops    # the copies inside ops only
+    python benchmarks/cpu_kernel_copies.py --ops    # the copies inside ops only (printed)
 
 Each case runs in a fresh child under the measuring environment of
 ``benchmarks/measure_cpu.py`` (glibc's thresholds fixed: every block above 64 KiB is its
@@ -17,7 +17,7 @@ above the larger of the RSS before and after (its output included). The rule is
 ``(512, K) @ (K, N)``; what the process keeps after it beyond its output. Not in autofit's
 rule yet (``docs/accuracy.md``, MobileBERT): the table is the evidence for one.
 
-Writes ``benchmarks/results/cpu_kernel_copies.md``.
+Writes ``benchmarks/results/cpu_kernel_copies.md`` (both tables).
 """
 
 from __future__ import annotations
@@ -61,24 +61,40 @@ OPS = [
 MKL_K = (64, 128, 256, 512, 1024)
 MKL_N = (256, 1024, 4096, 8192, 16384)
 
-_OP_CHILD = r"""
+_INSIDE_CHILD = r"""
 import json, sys, torch
 torch.set_num_threads(1)
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
-exec(sys.argv[1])
-out = run(); del out
+exec(sys.argv[1])  # defines run() -> the op's output, after its operands exist
+out = run(); del out  # once first: the kernel's one-time state
 before = status("VmRSS")
 open("/proc/self/clear_refs", "w").write("5")
 out = run()
-measured = status("VmHWM") - max(before, status("VmRSS"))
-from autofit.memory.simulate._cpu_kernels import cpu_kernel_temporaries, mkldnn_cpu
-op = eval("torch.ops." + sys.argv[2])
-rule = cpu_kernel_temporaries(op, eval(sys.argv[3]), {}, eval(sys.argv[4]), mkldnn_cpu())
-print(json.dumps([measured, rule]))
+print(json.dumps(status("VmHWM") - max(before, status("VmRSS"))))
 """
+
+
+def measured_inside(setup: str) -> int:
+    """Bytes the op of ``setup`` (Python defining its operands and ``run()``) allocates
+    inside beyond its output, in a fresh child: the module docstring's ``--ops``."""
+    return int(_child(_INSIDE_CHILD, setup))
+
+
+def _rule(setup: str, op: str, args: str, out: str) -> int:
+    """``cpu_kernel_temporaries`` on the operands ``setup`` makes (here, in this process)."""
+    import torch
+
+    from autofit.memory.simulate._cpu_kernels import cpu_kernel_temporaries, mkldnn_cpu
+
+    scope: dict = {"torch": torch}
+    exec(setup, scope)  # noqa: S102 - this file's own cases
+    func = eval("torch.ops." + op, scope)  # noqa: S307
+    return cpu_kernel_temporaries(func, eval(args, scope), {}, eval(out, scope),  # noqa: S307
+                                  mkldnn_cpu())
+
 
 _MKL_CHILD = r"""
 import gc, json, sys, torch
@@ -117,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
              "(see its docstring). MiB.", "",
              "| op | measured inside | autofit's rule |", "|---|---|---|"]
     for label, setup, op, args, out in OPS:
-        measured, rule = _child(_OP_CHILD, setup, op, args, out)
+        measured, rule = measured_inside(setup), _rule(setup, op, args, out)
         lines.append(f"| {label} | {_mib(measured)} | {_mib(rule)} |")
         print(lines[-1], flush=True)
     if "--ops" not in argv:
@@ -128,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             kept = [_mib(float(_child(_MKL_CHILD, str(k), str(n)))) for n in MKL_N]
             lines.append(f"| {k} | " + " | ".join(kept) + " |")
             print(lines[-1], flush=True)
-    out_path = HERE / "results" / "cpu_kernel_copies.md"
-    out_path.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out_path}")
+        out_path = HERE / "results" / "cpu_kernel_copies.md"
+        out_path.write_text("\n".join(lines) + "\n")
+        print(f"wrote {out_path}")
     return 0
 
 

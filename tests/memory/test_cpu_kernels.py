@@ -4,9 +4,8 @@ the harness sets it: every block above 64 KiB is its own mapping, so a copy show
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,33 +20,15 @@ ADD_ = torch.ops.aten.add_.Tensor
 BMM = torch.ops.aten.bmm.default
 SILU_BACKWARD = torch.ops.aten.silu_backward.default
 MiB = 1 << 20
-
-# the real op's transient in a child: VmHWM around it above the larger of the RSS before
-# and after (the output included), bytes
-_CHILD = r"""
-import json, sys, torch
-torch.set_num_threads(1)
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-exec(sys.argv[1])  # defines run() -> the op's output, after its operands exist
-out = run(); del out  # once first: the kernel's one-time state
-before = status("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")
-out = run()
-print(json.dumps(status("VmHWM") - max(before, status("VmRSS"))))
-"""
-_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0",
-        "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _measured(setup: str) -> int:
-    import os
+    """The real op's transient in a fresh child (``benchmarks/cpu_kernel_copies.py``)."""
+    sys.path.insert(0, str(BENCH))
+    from cpu_kernel_copies import measured_inside
 
-    done = subprocess.run([sys.executable, "-c", _CHILD, setup], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **_ENV}, check=True)
-    return int(json.loads(done.stdout.strip().splitlines()[-1]))
+    return measured_inside(setup)
 
 
 def test_a_mixed_dtype_add_copies_its_16_bit_input_to_fp32():
