@@ -26,6 +26,8 @@ __all__ = [
     "on_command_line",
     "AutofitError",
     "BadInputError",
+    "ValueDependentShapeError",
+    "UnmodelledStepError",
     "UnknownModelError",
     "UnknownTaskError",
     "UnknownDeviceError",
@@ -81,6 +83,13 @@ class ValueDependentShapeError(BadInputError):
     def __init__(self, message: str, op: str) -> None:
         super().__init__(message)
         self.op = op
+
+
+class UnmodelledStepError(BadInputError):
+    """The step holds memory that the estimate does not model within its targets: on a
+    CPU, a checkpointed per-position recurrence (RWKV's CPU kernel), whose tens of
+    thousands of autograd objects and the heap's holes between them are host memory that
+    was 5-12% over the simulated step. Refused, never estimated low."""
 
 
 class UnknownModelError(BadInputError):

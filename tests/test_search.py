@@ -747,3 +747,26 @@ def test_an_optimizer_sibling_is_tried_only_when_its_optimizer_step_could_matter
     assert len(skipped) == 3 - tried
     for c in skipped:
         assert "but for its optimizer" in c.reason and "within the 5% measurement tie" in c.reason
+
+
+def test_a_combination_whose_memory_cannot_be_estimated_is_never_chosen():
+    """A simulated step the estimate refuses (``UnmodelledStepError``: RWKV's checkpointed
+    CPU recurrence) leaves its combination out with the refusal as its reason, where a
+    faster-predicted combination would otherwise have won; the others are planned as
+    before."""
+    from autofit.errors import UnmodelledStepError
+
+    def est(c):
+        if c.gradient_checkpointing:
+            raise UnmodelledStepError("simulate cannot estimate a checkpointed recurrence")
+        return true_bytes(c)
+
+    def speed(c):  # checkpointing predicted faster: without the refusal it would win
+        return true_speed(c) * (2.0 if c.gradient_checkpointing else 1.0)
+
+    out = Engine(space(), 10 * GiB, estimate=est, speed=speed, trial=None, seq_len=128).run()
+    assert out.config is not None and not out.config.gradient_checkpointing
+    assert out.config.micro_batch_size == 16
+    refused = [c for c in out.candidates if c.choice["gradient_checkpointing"]]
+    assert refused and all(c.status == "infeasible" and "recurrence" in c.reason
+                           for c in refused)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.config import TrainConfig
-from autofit.errors import BadInputError
+from autofit.errors import BadInputError, UnmodelledStepError
 from autofit.knobs import KNOBS, describe_choice
 from autofit.search.space import SearchSpace
 
@@ -306,7 +306,13 @@ class Engine:
         if c.status in ("confirmed", "rejected"):
             return
         upper = c.failed_micro_batch
-        b = self._largest_fitting(c, below=upper)
+        try:
+            b = self._largest_fitting(c, below=upper)
+        except UnmodelledStepError as e:  # its memory cannot be estimated: never chosen
+            c.micro_batch, c.status, c.predicted_tokens_per_s = None, "infeasible", None
+            c.estimate_bytes = c.raw_estimate_bytes = None
+            c.reason = str(e)
+            return
         c.micro_batch = b
         if b is None:
             c.status, c.predicted_tokens_per_s = "infeasible", None

@@ -124,8 +124,6 @@ class StorageRecorder(TorchDispatchMode):
         self.cpu_kernels = False
         self.cpu_mkldnn = False
         self.half_attention = False
-        # CPU, checkpointing: the most autograd nodes a checkpointed block's graph had
-        self.checkpointed_nodes = 0
 
     def __enter__(self) -> StorageRecorder:
         if self._depth == 0:

@@ -140,19 +140,6 @@ __all__ = ["simulate", "Simulator", "SimulationResult", "PeakLine"]
 
 _CATEGORIES = COMPONENTS[:-1]  # everything but "overhead"
 
-# A checkpointed block whose graph has more autograd nodes than this (a transformer
-# block: tens to a few hundred) is a per-position recurrence run op by op (RWKV's CPU
-# kernel): its host memory under checkpointing is modelled from small op chains only
-_RECURRENT_BLOCK_NODES = 1000
-
-
-def recurrent_checkpoint_note(block_nodes: int) -> str:
-    """The estimate's note for a checkpointed block of ``block_nodes`` autograd nodes."""
-    return (f"CPU host memory of a checkpointed block of {block_nodes:,} autograd nodes "
-            "(a per-position recurrence) is modelled from small op chains and can be low "
-            "(RWKV at 4 x 256 with checkpointing: 12% under); check it with autofit measure")
-
-
 @dataclass(frozen=True)
 class SimulationResult:
     """One simulated configuration: the estimate plus what produced it."""
@@ -365,12 +352,11 @@ class Simulator:
                            if kind == "alloc" and r.param >= 0}
             log_marks = list(rec.marks)
             host_bytes, host_tensors = host_peak_bytes(log, host)
-            block_nodes = rec.checkpointed_nodes
             del model, optimizer, host
         event_list, marks = _to_events(log, log_marks)
         events = tuple(event_list)
         replay = _replay(events, self.device)
-        notes = self._notes(cuda, host_bytes, host_tensors, block_nodes)
+        notes = self._notes(cuda, host_bytes, host_tensors)
         est = self._estimate(config, seq_len, replay, num_params, trainable, notes,
                              half_matmuls=len(rec.half_matmuls), half_step=rec.half_step())
         if host_bytes:
@@ -389,10 +375,10 @@ class Simulator:
             grad_params=grad_params,
         )
 
-    def _notes(self, cuda: CudaSemantics | None, host_bytes: int, host_tensors: int,
-               block_nodes: int) -> list[str]:
+    def _notes(self, cuda: CudaSemantics | None, host_bytes: int,
+               host_tensors: int) -> list[str]:
         """The estimate's notes: the target allocator, the SDPA backends a CUDA step ran,
-        what an offload keeps on the host, and a checkpointed recurrence's host memory."""
+        and what an offload keeps on the host."""
         notes = [f"target allocator: {self.device.allocator}"]
         if cuda is not None and cuda.backends:
             used = ", ".join(f"{k} x{v}" for k, v in sorted(cuda.backends.items()))
@@ -401,8 +387,6 @@ class Simulator:
             from autofit.memory.analytic._levers import offload_note
 
             notes.append(offload_note(host_bytes, host_tensors))
-        if block_nodes > _RECURRENT_BLOCK_NODES:
-            notes.append(recurrent_checkpoint_note(block_nodes))
         return notes
 
     def _estimate(

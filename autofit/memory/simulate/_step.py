@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from autofit.config import TrainConfig
-from autofit.errors import BadInputError, MissingDependencyError
+from autofit.errors import BadInputError, MissingDependencyError, UnmodelledStepError, fix
 from autofit.knobs.registry import recorded, step_loss
 from autofit.memory.breakdown import Component
 from autofit.memory.simulate._model import make_batch, unpacked_batches, unwrap
@@ -338,9 +338,30 @@ _SAVED_HOST_BYTES = 400
 # rebuilds a block's graph beside the step's, each of its saved tensors also entered in
 # the recompute's map (870 B a saved tensor): an exp chain's peak 2,757 B an op, not the
 # 1,113 B of the plain one. RWKV in bf16 with checkpointing at 4 x 256: 12.8% under
-# without it, 11.9% with (the rest: host objects beside its tensors, docs/accuracy.md).
+# without it, 11.9% with (the rest: host objects beside its tensors, docs/accuracy.md),
+# so such a recurrence is refused on a CPU (``_RECURRENT_BLOCK_NODES``).
 _SAVED_CKPT_HOST_BYTES = 630
 _RECOMPUTE_SAVED_HOST_BYTES = 870
+
+
+# A checkpointed block whose graph has more autograd nodes than this (a transformer
+# block: tens to a few hundred) is a per-position recurrence run op by op (RWKV's CPU
+# kernel): on a CPU target, its host memory under checkpointing (the rebuilt graphs' host
+# objects, the heap's holes between its thousands of small tensors) is not modelled
+# within the targets -- the zoo measured 4.8% and 11.9% above the simulated step (RWKV,
+# bf16, 4 x 128 and 4 x 256) -- so it is refused (``recurrent_checkpoint_refusal``)
+_RECURRENT_BLOCK_NODES = 1000
+
+
+def recurrent_checkpoint_refusal(block_nodes: int) -> UnmodelledStepError:
+    """The one-line refusal of a checkpointed block of ``block_nodes`` autograd nodes on a
+    CPU target."""
+    return UnmodelledStepError(
+        f"simulate cannot estimate a checkpointed per-position recurrence on a CPU "
+        f"({block_nodes:,} autograd nodes a block, e.g. RWKV's CPU kernel): its host "
+        "memory was up to 12% above the simulated step; train it without gradient "
+        f"checkpointing ({fix('--no-gradient-checkpointing', 'gradient_checkpointing=False')})"
+        ", or measure it (autofit.measure)")
 
 
 def graph_nodes(loss: torch.Tensor) -> list[Any]:
@@ -432,8 +453,8 @@ def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
             if target.kind == "cpu":
                 nodes, saved = _graph_counts(loss)
                 graph = rec.hold(_host_bytes(nodes, saved, blocks), Component.ACTIVATIONS)
-                if blocks:
-                    rec.checkpointed_nodes = max(rec.checkpointed_nodes, nodes // blocks)
+                if blocks and nodes // blocks > _RECURRENT_BLOCK_NODES:
+                    raise recurrent_checkpoint_refusal(nodes // blocks)
             rec.phase = "backward"
             root = scaler.scale_loss(loss) if scaler is not None else loss
             with rec.eager_accumulation(graph_nodes(root)):
