@@ -177,6 +177,12 @@ class ModelInfo:
     buffer_bytes: int = 0  # the model's own floating-point buffers (I-BERT's quantization state)
     int_buffer_bytes: int = 0  # ... and its other buffers (position ids), never cast
     quant: Any = None  # autofit.probe.quant.QuantSpec of a bitsandbytes-quantized base
+    # elements of the 2-D weights outside the blocks with a column per vocabulary token
+    # (MobileBERT's head multiplies by its tied embedding and such a weight stacked, not by
+    # a linear layer: its weight gradient is a (hidden, rows) @ (rows, vocabulary) product),
+    # and whether they train
+    head_columns: int = 0
+    head_columns_trained: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -198,7 +204,9 @@ class ModelInfo:
         """Elements of the LM head's weight (0 for a classifier or without a vocabulary):
         the largest 2-D parameter with a row per token of the vocabulary, else hidden x
         vocabulary; + a 2-D parameter with a column per token (MobileBERT's head multiplies
-        by its 128-wide tied embedding and a (hidden - 128, vocabulary) weight stacked).
+        by its 128-wide tied embedding and a (hidden - 128, vocabulary) weight stacked:
+        ``head_columns``; a block's weight that happens to be vocabulary-wide, as Ergo's
+        shared expert's 8192 -> 256, is not the head's).
         ConvBERT's, RemBERT's and DeBERTa's heads project from an embedding width other than
         the hidden size (768 x vocabulary beside a 256 hidden size), ALBERT's and ELECTRA's
         generator from a narrower one."""
@@ -207,9 +215,7 @@ class ModelInfo:
             return 0
         two_d = [g for g in self.params if len(g.shape) == 2 and g.quantized is None]
         rows = [g.shape[0] * g.shape[1] for g in two_d if g.shape[0] == vocab]
-        cols = [g.shape[0] * g.shape[1] for g in two_d
-                if g.shape[1] == vocab and g.shape[0] != vocab]
-        return max(rows, default=(self.hidden_size or 0) * vocab) + sum(cols)
+        return max(rows, default=(self.hidden_size or 0) * vocab) + self.head_columns
 
     @property
     def is_transformer(self) -> bool:
@@ -623,6 +629,7 @@ def _describe(module: torch.nn.Module, *, task: str, name: str | None = None) ->
             pass
     attn = getattr(config, "_attn_implementation", None) if config is not None else None
     num_layers = sum(b.count for b in blocks) if blocks else None
+    head_columns, head_trained = _head_columns(base, vocab, task)
     return ModelInfo(
         name=name or type(module).__name__,
         model_type=getattr(config, "model_type", "custom") if config is not None else "custom",
@@ -665,7 +672,22 @@ def _describe(module: torch.nn.Module, *, task: str, name: str | None = None) ->
         int_buffer_bytes=int_buffers,
         virtual_tokens=virtual,
         supports_gradient_checkpointing=bool(getattr(base, "supports_gradient_checkpointing", False)),
+        head_columns=head_columns,
+        head_columns_trained=head_trained,
     )
+
+
+def _head_columns(base: torch.nn.Module, vocab: Any, task: str) -> tuple[int, bool]:
+    """(elements, trained) of the 2-D weights outside the blocks with a column per
+    vocabulary token and not a row per token (``ModelInfo.head_columns``); adapters' own
+    weights are not the head's."""
+    if not vocab or task in CLASSIFIER_TASKS:
+        return 0, False
+    prefixes = tuple(n + "." for n, _ in _layer_lists(base))
+    found = [p for n, p in base.named_parameters()
+             if p.ndim == 2 and p.shape[1] == vocab and p.shape[0] != vocab
+             and _quant_kind(p) is None and "lora_" not in n and not n.startswith(prefixes)]
+    return sum(p.numel() for p in found), any(p.requires_grad for p in found)
 
 
 def _peft_of(module: torch.nn.Module) -> tuple[torch.nn.Module, str | None, int | None, tuple[str, ...], str, int, int]:

@@ -105,3 +105,24 @@ def test_the_recorder_holds_the_copy_while_the_op_runs_on_a_cpu_target_only():
         return high
 
     assert peak(True) - peak(False) == 256 * 256 * 4
+
+
+def test_what_mkl_keeps_per_fp32_product_follows_the_epyc_measurements():
+    """``_cpu_cache._amd_product`` (a stacked LM head's weight gradient on an AMD EPYC)
+    against every cell of the table ``benchmarks/cpu_kernel_copies.py`` measured there, one
+    (512, K) @ (K, N) product per fresh process: within 6% or 0.05 MiB."""
+    from autofit.memory.analytic._cpu_cache import _amd_product
+
+    text = (BENCH / "results" / "cpu_kernel_copies.md").read_text()
+    table = text[text.index("| K \\ N |"):].splitlines()
+    cols = [int(c) for c in table[0].strip("| ").split("|")[1:]]
+    cells = 0
+    for line in table[2:]:
+        if not line.startswith("|"):
+            break
+        k, *kept = [c.strip() for c in line.strip("|").split("|")]
+        for n, mib in zip(cols, kept, strict=True):
+            rule = _amd_product(512, int(k), n) / MiB
+            assert abs(rule - float(mib)) <= max(0.06 * float(mib), 0.05), (k, n, rule, mib)
+            cells += 1
+    assert cells == 25

@@ -120,6 +120,40 @@ def test_token_cls_task():
     assert info.num_labels == 2 and info.head_numel == 0 and not info.lm_logits
 
 
+def test_the_heads_vocabulary_wide_columns_are_its_own_not_a_blocks():
+    """MobileBERT's head multiplies by its tied embedding and a (hidden - 128, vocabulary)
+    weight stacked: that weight is the head's (``head_columns``, in ``head_numel``); a
+    block's linear that happens to be as wide as the vocabulary (a feed-forward 1024 ->
+    256 beside a 1024-token vocabulary) is not, and LoRA on the stacked weight adds no
+    head (its adapter never runs: the head reads the weight alone)."""
+    import torch
+    import transformers
+
+    from autofit.probe.model import describe
+    from autofit.probe.peft import apply_peft
+
+    mobile = transformers.AutoConfig.for_model(
+        "mobilebert", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+        num_hidden_layers=2, vocab_size=1024)
+    with torch.device("meta"):
+        m = transformers.AutoModelForMaskedLM.from_config(mobile)
+    info = describe(m, task="masked-lm")
+    assert info.head_columns == 128 * 1024 and info.head_columns_trained
+    assert info.head_numel == 1024 * 128 + 128 * 1024
+    from peft import LoraConfig
+
+    lora = describe(apply_peft(m, LoraConfig(r=8, target_modules="all-linear")),
+                    task="masked-lm")
+    assert lora.head_columns == 128 * 1024 and not lora.head_columns_trained
+    llama = transformers.AutoConfig.for_model(
+        "llama", hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+        num_hidden_layers=2, vocab_size=1024)
+    with torch.device("meta"):
+        m = transformers.AutoModelForCausalLM.from_config(llama)
+    info = describe(m, task="causal-lm")
+    assert info.head_columns == 0 and info.head_numel == 1024 * 256
+
+
 def test_t5s_token_classifier_is_its_encoder_alone():
     # T5ForTokenClassification runs T5EncoderModel under an encoder-decoder's config: read as
     # an encoder-decoder, the analytic estimate charged T5's encoder + decoder pair per

@@ -96,6 +96,18 @@ _AMD_HEAD_SHARE = 0.5  # + the LM head weight's bytes x this ...
 _AMD_HEAD_MAX = int(2.75 * (1 << 20))  # ... at most in the step (beyond the process's)
 _AMD_HEAD_ONCE_MAX = int(3.5 * (1 << 20))  # ... and with the process's
 _AMD_HEAD_FULL_ROWS = 512  # ... scaled by the rows below this many
+# What MKL keeps after one fp32 (M, K) @ (K, N) product on an EPYC (``_amd_product``;
+# ``benchmarks/cpu_kernel_copies.py``, one product per fresh process, any layout): about
+# 4 B x kc x (min(M, 384) + min(N, ~6,400)), kc the inner width's block (K up to 192: K;
+# below 384: K/2; else 192); a later product that needs more than every buffer before it
+# adds one (3.32 MiB then 4.97: 8.29). The linear head's rule above is its forward
+# product's; a head multiplied by a stacked weight (MobileBERT's: ``head_columns``) also
+# runs its weight gradient as a (hidden, rows) @ (rows, vocabulary) product, whose buffer
+# is added where it is the larger (MobileBERT's masked LM at 4 x 128: 4.9 MiB, the row
+# 3.9% under without it; at 4 x 256 the two are alike and the row was within 0.1%)
+_AMD_PRODUCT_ROWS = 384
+_AMD_PRODUCT_COLS = 6400
+_AMD_PRODUCT_BLOCK = 192
 _AMD_HALF = 5 << 20  # oneDNN's 16-bit state, once (4.16 MiB, + what a step's larger weights keep)
 _AMD_HALF_SHAPE = int(0.56 * (1 << 20))  # + per matmul shape
 # ... told apart where a simulation counted the step's oneDNN primitives (``half_step``):
@@ -244,12 +256,30 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
 def _amd_head(info: ModelInfo, config: TrainConfig, seq_len: int, most: int) -> int:
     """An AMD EPYC's fp32 LM head part: half the head weight's bytes, at most ``most``,
     growing with the rows up to 512 (a 4-bit tiny-llama at 128 rows kept ~3 MiB less than
-    512 rows would: its trial 3% under the full part); 0 without a full LM head matmul."""
+    512 rows would: its trial 3% under the full part); + a stacked head's weight gradient's
+    buffer where it outgrows the forward's (``_AMD_PRODUCT_ROWS``); 0 without a full LM
+    head matmul."""
     if not _lm_head_matmul(info, config):
         return 0
     rows = config.micro_batch_size * seq_len
-    return int(min(most, int(_AMD_HEAD_SHARE * 4 * (info.head_numel or 0)))
+    part = int(min(most, int(_AMD_HEAD_SHARE * 4 * (info.head_numel or 0)))
                * min(1.0, rows / _AMD_HEAD_FULL_ROWS))
+    if info.head_columns_trained and info.vocab_size and info.hidden_size:
+        forward = _amd_product(rows, info.hidden_size, info.vocab_size)
+        weight_grad = _amd_product(info.hidden_size, rows, info.vocab_size)
+        part += weight_grad if weight_grad > forward else 0
+    return part
+
+
+def _amd_product(m: int, k: int, n: int) -> int:
+    """Bytes MKL keeps after an fp32 (m, k) @ (k, n) product on an AMD EPYC."""
+    if k <= _AMD_PRODUCT_BLOCK:
+        block = k
+    elif k < 2 * _AMD_PRODUCT_BLOCK:
+        block = k // 2
+    else:
+        block = _AMD_PRODUCT_BLOCK
+    return 4 * block * (min(m, _AMD_PRODUCT_ROWS) + min(n, _AMD_PRODUCT_COLS))
 
 
 def _capability(capability: str | None) -> str:
