@@ -407,7 +407,7 @@ def autofit(
     """
     import time
 
-    from autofit.stages.result import fit_result, result_from_cache
+    from autofit.stages.result import fit_result, result_from_cache, simulator_of
     from autofit.trial.model import model_spec
 
     started_at = time.monotonic()
@@ -429,7 +429,8 @@ def autofit(
     recorder, key = _study(probed, scope.space, kept.fraction, objective, runner, options)
     cached = recorder.cached_result() if recorder is not None else None
     if cached is not None:
-        return result_from_cache(cached, recorder, probed, scope.base_args, scope.trainer)
+        return result_from_cache(cached, recorder, probed, scope.base_args, scope.trainer,
+                                 simulator_of(probed, runner, options))
     outcome, engine = _search(probed, scope.space, estimator, runner, recorder, options,
                               margin=kept.fraction, time_budget_s=time_budget_s,
                               add_fragmentation=margin is None,  # the default margin reports it

@@ -221,6 +221,32 @@ def test_simulated_estimate_on_a_present_device(tiny_llama, data, count_trials):
     assert chosen and chosen[-1].fits and r.ooms <= 1 and len(count_trials) <= 3
 
 
+def test_a_model_only_the_simulation_estimates_is_tuned_on_a_present_cpu():
+    """RWKV is no transformer the closed form recognises: with method='simulate' its
+    result quotes the simulated step (it was the closed form's refusal, "use
+    method='simulate'", after the search), the same from the cache, and its checkpointed
+    combinations, whose CPU recurrence the simulation refuses, are left out with that
+    refusal as their reason."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        "rwkv", hidden_size=32, attention_hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, vocab_size=128, context_length=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    rng = random.Random(0)
+    rows = [{"input_ids": [rng.randrange(128) for _ in range(32)]} for _ in range(16)]
+    kw = dict(device="cpu:1GiB", method="simulate", target_batch_size=4,
+              precision=["bf16-mixed"], optimizer=["adamw_torch"])
+    r = autofit(model, rows, **kw)
+    assert r.confirmed and not r.config.gradient_checkpointing
+    assert r.estimate.notes and r.estimate.notes[0].startswith("target allocator")
+    refused = [c for c in r.candidates if c["status"] == "infeasible"]
+    assert refused and all("per-position recurrence" in c["reason"] for c in refused)
+    again = autofit(model, rows, **kw)
+    assert again.from_cache
+    assert again.estimate.device_total_bytes == r.estimate.device_total_bytes
+
+
 @pytest.mark.slow  # 31 s (the fast suite's ten minutes)
 def test_nothing_fits_for_a_lora_model_suggests_its_base_in_bf16_or_4_bits():
     # LoRA on an 8B model with its frozen base in fp32 (the Trainer's default) does not fit

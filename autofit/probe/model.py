@@ -677,7 +677,7 @@ def _describe(module: torch.nn.Module, *, task: str, name: str | None = None) ->
     )
 
 
-def _head_columns(base: torch.nn.Module, vocab: Any, task: str) -> tuple[int, bool]:
+def _head_columns(base: torch.nn.Module, vocab: int | None, task: str) -> tuple[int, bool]:
     """(elements, trained) of the 2-D weights outside the blocks with a column per
     vocabulary token and not a row per token (``ModelInfo.head_columns``); adapters' own
     weights are not the head's."""

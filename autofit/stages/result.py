@@ -17,6 +17,7 @@ from autofit.stages.run import WholeRun, eval_from_trial, whole_run
 
 if TYPE_CHECKING:
     from autofit.memory.breakdown import MemoryEstimate
+    from autofit.memory.simulate import Simulator
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import ModelInfo
     from autofit.result import FitResult
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from autofit.search.space import SearchSpace
     from autofit.search.study import TrialRecorder
 
-__all__ = ["fit_result", "result_from_cache", "candidate_row"]
+__all__ = ["fit_result", "result_from_cache", "candidate_row", "simulator_of"]
 
 
 def fit_result(probed: Probed, space: SearchSpace, engine: Engine, outcome: SearchOutcome,
@@ -48,17 +49,17 @@ def fit_result(probed: Probed, space: SearchSpace, engine: Engine, outcome: Sear
         raise nothing_fits(info, space, engine, seq, dev)
     config = outcome.config
     simulated = runner is not None and not dev.present
+    simulator = simulator_of(probed, runner, options)
     if simulated:
-        est = runner.simulator.simulate(config, seq_len=seq)  # memoised: no new run
         reasons.append(f"{len(outcome.trials)} configurations simulated; no trial on hardware")
-    else:
-        est = estimate_analytic(info, config, seq, dev, options.layout_fields)
+    est = (simulator.simulate(config, seq_len=seq) if simulator is not None  # memoised
+           else estimate_analytic(info, config, seq, dev, options.layout_fields))
     confirmed = outcome.confirmed and not simulated
     reasons = outcome.reasons + reasons
     reasons += notes(config, trainer)
     if confirmed and config.world_size > 1:
         reasons += _ranks_line(outcome, config)
-    reasons += reason_lines(config, ClosedForm(info, seq, dev))
+    reasons += reason_lines(config, ClosedForm(info, seq, dev, simulator))
     kwargs = training_arguments_dict(config, base=base_args, use_cpu=dev.kind == "cpu")
     _recipe_fields(kwargs, options.recipe, config, base_args)
     eval_micro = whole.eval_batch(config, margin, reasons)
@@ -119,8 +120,10 @@ class ClosedForm:
     form's peaks and the speed model, for one model, sequence length and device (each
     configuration estimated once)."""
 
-    def __init__(self, info: ModelInfo, seq: int, dev: DeviceInfo) -> None:
+    def __init__(self, info: ModelInfo, seq: int, dev: DeviceInfo,
+                 simulator: Simulator | None = None) -> None:
         self.info, self.seq, self.dev = info, seq, dev
+        self.simulator = simulator  # method='simulate': its estimates, not the closed form's
         self._estimates: list[tuple[TrainConfig, MemoryEstimate]] = []  # a few, by equality
 
     def _estimate(self, config: TrainConfig) -> MemoryEstimate:
@@ -129,7 +132,8 @@ class ClosedForm:
                 return est
         from autofit.memory.ranks import estimate_analytic
 
-        est = estimate_analytic(self.info, config, self.seq, self.dev)
+        est = (self.simulator.simulate(config, seq_len=self.seq) if self.simulator is not None
+               else estimate_analytic(self.info, config, self.seq, self.dev))
         self._estimates.append((config, est))
         return est
 
@@ -148,6 +152,20 @@ class ClosedForm:
         from autofit.memory.analytic import compile_saving_bytes
 
         return compile_saving_bytes(self.info, config, self.seq)
+
+
+def simulator_of(probed: Probed, runner: Any, options: Any) -> Simulator | None:
+    """With ``method='simulate'``: the simulator whose estimates the result quotes (the
+    trials' own for an absent card, whose runs it memoised); None for the closed form."""
+    if options.method != "simulate":
+        return None
+    own = getattr(runner, "simulator", None)
+    if own is not None:
+        return own
+    from autofit.memory.simulate import Simulator
+
+    return Simulator(probed.module, task=probed.task, device=probed.device,
+                     model_name=probed.info.name, sharding=options.layout_fields)
 
 
 def _recipe_fields(kwargs: dict[str, object], recipe: Any, config: TrainConfig,
@@ -201,8 +219,10 @@ def candidate_row(c: object) -> dict[str, Any]:
 
 
 def result_from_cache(cached: dict, recorder: TrialRecorder | None, probed: Probed,
-                      base_args: dict[str, object] | None, trainer: str = "plain"):
-    """The ``FitResult`` of the same question answered before (no trial)."""
+                      base_args: dict[str, object] | None, trainer: str = "plain",
+                      simulator: Simulator | None = None):
+    """The ``FitResult`` of the same question answered before (no trial); its estimate by
+    ``simulator`` where given (``method='simulate'``), else the closed form's."""
     from autofit.emit import training_arguments_dict
     from autofit.memory.ranks import estimate_analytic
     from autofit.result import FitResult
@@ -218,7 +238,8 @@ def result_from_cache(cached: dict, recorder: TrialRecorder | None, probed: Prob
         kwargs["per_device_eval_batch_size"] = eval_micro
     return FitResult(
         config=config,
-        estimate=estimate_analytic(probed.info, config, probed.seq_len, dev),
+        estimate=(simulator.simulate(config, seq_len=probed.seq_len) if simulator is not None
+                  else estimate_analytic(probed.info, config, probed.seq_len, dev)),
         trials=tuple(recorder.all_trials()),
         reasons=tuple(reasons),
         confirmed=True,
