@@ -330,7 +330,8 @@ def run_steps(
 # ``benchmarks/autograd_host.py`` (637 B a node, 474 B more with a saved output, of which
 # 80 B the data). Negligible for a transformer's few hundred nodes; RWKV's CPU recurrence
 # runs a dozen ops per token and layer (7,300 nodes, 5,700 saved tensors at 4 x 128
-# tokens: 6.6 MiB, the zoo's rows 3.7-5.5% under without it). On CUDA it is host memory.
+# tokens: 6.6 MiB, the zoo's rows 3.7-5.5% under without it), held node by node in the
+# heap's holes (``_graph_held``). On CUDA it is host memory.
 _NODE_HOST_BYTES = 640
 _SAVED_HOST_BYTES = 400
 # With non-reentrant checkpointing (``benchmarks/autograd_host.py``'s checkpointed chains):
@@ -399,12 +400,16 @@ def graph_host_bytes(loss: torch.Tensor, blocks: int = 0) -> int:
 def _graph_counts(loss: torch.Tensor) -> tuple[int, int]:
     """The nodes of ``loss``'s autograd graph and their saved-variable slots."""
     nodes = graph_nodes(loss)
-    saved = 0
-    for fn in nodes:
-        for name in _saved_attributes(type(fn)):
-            value = getattr(fn, name, None)
-            saved += len(value) if isinstance(value, list | tuple) else value is not None
-    return len(nodes), saved
+    return len(nodes), sum(_saved_slots(fn) for fn in nodes)
+
+
+def _saved_slots(fn: Any) -> int:
+    """An autograd node's saved-variable slots, used or not (its ``_raw_saved_*``)."""
+    slots = 0
+    for name in _saved_attributes(type(fn)):
+        value = getattr(fn, name, None)
+        slots += len(value) if isinstance(value, list | tuple) else value is not None
+    return slots
 
 
 def _host_bytes(nodes: int, saved: int, blocks: int) -> int:
@@ -413,6 +418,23 @@ def _host_bytes(nodes: int, saved: int, blocks: int) -> int:
         return _NODE_HOST_BYTES * nodes + _SAVED_HOST_BYTES * saved
     rebuilt = _NODE_HOST_BYTES * nodes + _RECOMPUTE_SAVED_HOST_BYTES * saved
     return _NODE_HOST_BYTES * nodes + _SAVED_CKPT_HOST_BYTES * saved + rebuilt // blocks
+
+
+def _graph_held(rec: StorageRecorder, loss: torch.Tensor, blocks: int) -> list[Any]:
+    """Record the host memory of ``loss``'s autograd graph as held from the end of the
+    forward (``graph_host_bytes``): a block per node, its saved slots with it, as the
+    heap holds them -- small chunks that fill the holes the forward's freed tensors left
+    (one block beside them put RWKV's small steps 3.6-5.5% over: its 7,300 nodes sit in
+    the holes of its thousands of 4 KiB tensors; now within 1.7%) -- or, with ``blocks``
+    checkpointed blocks, one block of the handles and a block's rebuilt graph (a
+    per-position recurrence there is refused: ``recurrent_checkpoint_refusal``)."""
+    if blocks:
+        nodes, saved = _graph_counts(loss)
+        if nodes // blocks > _RECURRENT_BLOCK_NODES:
+            raise recurrent_checkpoint_refusal(nodes // blocks)
+        return [rec.hold(_host_bytes(nodes, saved, blocks), Component.ACTIVATIONS)]
+    return [rec.hold(_host_bytes(1, _saved_slots(fn), 0), Component.ACTIVATIONS)
+            for fn in graph_nodes(loss)]
 
 
 def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, *, task: str,
@@ -449,19 +471,14 @@ def _run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
             if config.grad_accum_steps > 1:
                 loss = loss / config.grad_accum_steps
             rec.mark_live(Component.ACTIVATIONS, phase="forward", micro=rec.micro)
-            graph = None
-            if target.kind == "cpu":
-                nodes, saved = _graph_counts(loss)
-                graph = rec.hold(_host_bytes(nodes, saved, blocks), Component.ACTIVATIONS)
-                if blocks and nodes // blocks > _RECURRENT_BLOCK_NODES:
-                    raise recurrent_checkpoint_refusal(nodes // blocks)
+            graph = _graph_held(rec, loss, blocks) if target.kind == "cpu" else []
             rec.phase = "backward"
             root = scaler.scale_loss(loss) if scaler is not None else loss
             with rec.eager_accumulation(graph_nodes(root)):
                 root.backward()
             del loss, root
-            if graph is not None:
-                rec.release(graph)
+            for held in graph:
+                rec.release(held)
             for j, p in enumerate(params):
                 if p.grad is not None:
                     r = rec.record_of(p.grad)
