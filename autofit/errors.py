@@ -87,9 +87,10 @@ class ValueDependentShapeError(BadInputError):
 
 class UnmodelledStepError(BadInputError):
     """The step holds memory that the estimate does not model within its targets: on a
-    CPU, a checkpointed per-position recurrence (RWKV's CPU kernel), whose tens of
-    thousands of autograd objects and the heap's holes between them are host memory that
-    was 5-12% over the simulated step. Refused, never estimated low."""
+    CPU, a checkpointed per-position recurrence of a family not measured within them
+    (RWKV's CPU kernel, whose thousands of autograd objects a block and the heap's holes
+    between them are host memory that was 5-12% over the simulated step; Mamba's scan is
+    measured and estimated). Refused, never estimated low."""
 
 
 class UnknownModelError(BadInputError):
