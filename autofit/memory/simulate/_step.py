@@ -408,7 +408,7 @@ def _graph_counts(loss: torch.Tensor) -> tuple[int, int]:
     return len(nodes), sum(_saved_slots(fn) for fn in nodes)
 
 
-def _saved_slots(fn: Any) -> int:
+def _saved_slots(fn: torch.autograd.graph.Node) -> int:
     """An autograd node's saved-variable slots, used or not (its ``_raw_saved_*``)."""
     slots = 0
     for name in _saved_attributes(type(fn)):
