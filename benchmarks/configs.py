@@ -357,6 +357,11 @@ CONFIGS: list[dict[str, Any]] = [
     spec("llamas-b8s512-compile", "llama", LLAMA_SMALL, "causal-lm", 8, 512, compiled=True),
     _gpt2("gpt2-b2s256-compile", batch=2, compiled=True),
     _gpt2("gpt2-b4s256-bf16m-gc-compile", precision="bf16-mixed", gc=True, compiled=True),
+    # ... with 16-bit weights (bf16-true): the 16-bit logits' fp32 upcast is fused too (the
+    # rule's fp32 coefficient put these 30-33% over); llama's eager row is above
+    _llama("llama-b4s256-bf16t-compile", precision="bf16-true", compiled=True),
+    _gpt2("gpt2-b4s256-bf16t", precision="bf16-true"),
+    _gpt2("gpt2-b4s256-bf16t-compile", precision="bf16-true", compiled=True),
     # issue 25: an independent harness found these under-estimated (small llama, seconds each)
     # LoRA on sequence classification: peft's SEQ_CLS task adds the head as a trainable copy
     spec("llamas-cls-lora-b4s256", "llama", LLAMA_SMALL, "seq-cls", 4, 256,
