@@ -360,6 +360,7 @@ CONFIGS: list[dict[str, Any]] = [
     # ... with 16-bit weights (bf16-true): the 16-bit logits' fp32 upcast is fused too (the
     # rule's fp32 coefficient put these 30-33% over); llama's eager row is above
     _llama("llama-b4s256-bf16t-compile", precision="bf16-true", compiled=True),
+    _llama("llama-b4s256-bf16t-gc-compile", precision="bf16-true", gc=True, compiled=True),
     _gpt2("gpt2-b4s256-bf16t", precision="bf16-true"),
     _gpt2("gpt2-b4s256-bf16t-compile", precision="bf16-true", compiled=True),
     # issue 25: an independent harness found these under-estimated (small llama, seconds each)
