@@ -363,6 +363,8 @@ CONFIGS: list[dict[str, Any]] = [
     _llama("llama-b4s256-bf16t-gc-compile", precision="bf16-true", gc=True, compiled=True),
     _gpt2("gpt2-b4s256-bf16t", precision="bf16-true"),
     _gpt2("gpt2-b4s256-bf16t-compile", precision="bf16-true", compiled=True),
+    _gpt2("gpt2-b4s256-bf16m", precision="bf16-mixed"),
+    _gpt2("gpt2-b4s256-bf16m-compile", precision="bf16-mixed", compiled=True),
     # issue 25: an independent harness found these under-estimated (small llama, seconds each)
     # LoRA on sequence classification: peft's SEQ_CLS task adds the head as a trainable copy
     spec("llamas-cls-lora-b4s256", "llama", LLAMA_SMALL, "seq-cls", 4, 256,

@@ -61,6 +61,7 @@ def _estimate(spec: dict, method: str, tmp_path: Path) -> int:
     # torch.compile with 16-bit weights: the logits' upcast is fused (was +32.6% / +30.2%)
     ("llama-b4s256-bf16t-compile", "analytic"),
     ("gpt2-b4s256-bf16t-compile", "analytic"),
+    ("gpt2-b4s256-bf16m-compile", "analytic"),  # was +9.6%: it peaks at the forward's end
 ])
 def test_no_underestimate_of_a_measured_row(name, method, tmp_path):
     spec = _configs()[name]
