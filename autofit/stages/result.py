@@ -123,17 +123,24 @@ class ClosedForm:
     def __init__(self, info: ModelInfo, seq: int, dev: DeviceInfo,
                  simulator: Simulator | None = None) -> None:
         self.info, self.seq, self.dev = info, seq, dev
-        self.simulator = simulator  # method='simulate': its estimates, not the closed form's
+        # method='simulate': where the closed form refuses the model (RWKV), the simulated
+        # step's estimates (seconds each, so only there)
+        self.simulator = simulator
         self._estimates: list[tuple[TrainConfig, MemoryEstimate]] = []  # a few, by equality
 
     def _estimate(self, config: TrainConfig) -> MemoryEstimate:
         for seen, est in self._estimates:
             if seen == config:
                 return est
+        from autofit.errors import BadInputError
         from autofit.memory.ranks import estimate_analytic
 
-        est = (self.simulator.simulate(config, seq_len=self.seq) if self.simulator is not None
-               else estimate_analytic(self.info, config, self.seq, self.dev))
+        try:
+            est = estimate_analytic(self.info, config, self.seq, self.dev)
+        except BadInputError:
+            if self.simulator is None:
+                raise
+            est = self.simulator.simulate(config, seq_len=self.seq)
         self._estimates.append((config, est))
         return est
 
