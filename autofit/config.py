@@ -38,6 +38,7 @@ __all__ = [
     "strategy_conflict",
     "one_process_strategy",
     "LOSS_IMPLS",
+    "COMPILE_MODES",
     "QuantRequest",
     "ModelSpec",
     "Batch",
@@ -184,6 +185,9 @@ _STRATEGY_ALIASES = {"fsdp2": "fsdp", "full_shard": "fsdp", "full-shard": "fsdp"
                      "zero-1": "zero1", "zero-2": "zero2", "zero-3": "zero3"}
 # whose loss the step computes: the model's (or autofit's chunked one), or TRL's fused LM head
 LOSS_IMPLS: tuple[str, ...] = ("model", "trl")
+# torch.compile's modes (TrainingArguments.torch_compile_mode); None: inductor's default
+COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune",
+                                  "max-autotune-no-cudagraphs")
 # what a sharded strategy keeps in host memory
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
 _OFFLOAD_ALIASES = {"": "none", "no": "none", "false": "none", "cpu": "optimizer+params",
@@ -299,6 +303,11 @@ class TrainConfig:
             what checkpointing keeps).
         torch_compile: run the step through ``torch.compile`` (inductor), as
             ``TrainingArguments(torch_compile=True)`` does.
+        torch_compile_mode: its mode (``COMPILE_MODES``; None: the default), as
+            ``TrainingArguments.torch_compile_mode``. Not searched: the user's (their
+            ``training_args``, ``--torch-compile-mode``). On a CUDA card the modes that
+            capture CUDA graphs (``reduce-overhead``, ``max-autotune``) keep a private memory
+            pool that the estimates do not model: refused there (``UnmodelledStepError``).
         liger_kernels: liger-kernel's RMSNorm, SwiGLU and RoPE kernels in the model's place
             (``use_liger_kernel`` with ``liger_kernel_config``; ``autofit.knobs.liger``):
             CUDA only, llama / mistral / qwen2 / qwen3 decoders.
@@ -323,6 +332,7 @@ class TrainConfig:
     chunked_loss: bool = False
     activation_offloading: bool = False
     torch_compile: bool = False
+    torch_compile_mode: str | None = None
     liger_kernels: bool = False
     nproc_per_node: int = 1
     nnodes: int = 1
@@ -347,6 +357,13 @@ class TrainConfig:
         for name in ("chunked_loss", "torch_compile", "liger_kernels"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.torch_compile_mode is not None:
+            if self.torch_compile_mode not in COMPILE_MODES:
+                problems.append(f"torch_compile_mode must be one of {', '.join(COMPILE_MODES)}, "
+                                f"got {self.torch_compile_mode!r}")
+            elif self.torch_compile is not True:
+                problems.append(f"torch_compile_mode={self.torch_compile_mode!r} needs "
+                                "torch_compile=True")
         if self.loss_impl not in LOSS_IMPLS:
             problems.append(f"loss_impl must be one of {', '.join(LOSS_IMPLS)}, "
                             f"got {self.loss_impl!r}")

@@ -32,6 +32,7 @@ Spec (a JSON-able dict; the project-wide format)::
      "torch_compile": false,  # optional: the step's forward through
                               # torch.compile(model, backend="inductor"), as the Trainer's
                               # accelerate does for TrainingArguments(torch_compile=True)
+     "torch_compile_mode": null,  # optional: its mode (TrainingArguments.torch_compile_mode)
      "peft": {"peft_type": "IA3", ...},  # optional, instead of "lora": any peft method, a
                               # dict as in adapter_config.json (task_type from "task")
      "trl_loss": false,      # optional: TRL's SFT loss as trl.SFTTrainer computes it
@@ -166,7 +167,8 @@ SPEC_KEYS = (
     "attn_implementation",
     "lora",
 )
-OPTIONAL_KEYS = ("chunked_loss", "torch_compile", "peft", "trl_loss", "quantization")
+OPTIONAL_KEYS = ("chunked_loss", "torch_compile", "torch_compile_mode", "peft", "trl_loss",
+                 "quantization")
 
 TASK_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",
@@ -609,7 +611,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     model, config = _build_model(spec)
     # the module the steps call: the Trainer's accelerate wraps the prepared model last,
     # torch.compile(model, backend="inductor") (TorchDynamoPlugin.to_kwargs())
-    stepped = torch.compile(model, backend="inductor") if spec.get("torch_compile") else model
+    stepped = (torch.compile(model, backend="inductor", mode=spec.get("torch_compile_mode"))
+               if spec.get("torch_compile") else model)
     rss_after_build = _rss_bytes()  # bytes; for the warm-up residue below
     params = [p for p in model.parameters() if p.requires_grad]
     _, autocast_dtype, use_scaler = PRECISIONS[spec["precision"]]

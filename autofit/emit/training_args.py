@@ -88,10 +88,13 @@ def config_from_arguments(args: dict[str, object], seq_len: int | None = None, *
     from autofit.emit.validate import check_training_arguments
 
     check_training_arguments(args, source=source, extra=extra)
+    knobs = {k.name: k.read(args) for k in KNOBS}
+    mode = args.get("torch_compile_mode") if knobs.get("torch_compile") else None
     return TrainConfig(
         micro_batch_size=int(args.get("per_device_train_batch_size", 8)),
         grad_accum_steps=int(args.get("gradient_accumulation_steps", 1)),
         optim_args=args.get("optim_args") or None,
         seq_len=seq_len,
-        **{k.name: k.read(args) for k in KNOBS},
+        torch_compile_mode=str(mode) if mode else None,
+        **knobs,
     )

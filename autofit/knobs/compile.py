@@ -91,7 +91,8 @@ if TYPE_CHECKING:
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import ModelInfo
 
-__all__ = ["TORCH_COMPILE", "TorchCompileKnob", "FIELD", "compiled_saving_parts"]
+__all__ = ["TORCH_COMPILE", "TorchCompileKnob", "FIELD", "compiled_saving_parts",
+           "check_compile_mode", "CUDA_GRAPH_MODES"]
 
 FIELD = "torch_compile"
 # the fields that also turn it on in TrainingArguments.__post_init__ (backend, mode)
@@ -249,6 +250,9 @@ class TorchCompileKnob(OnOffKnob):
     def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         if getattr(config, self.name, False):
             args[FIELD] = True
+            mode = getattr(config, "torch_compile_mode", None)
+            if mode is not None:
+                args["torch_compile_mode"] = mode
         else:
             # a backend or a mode would turn compilation back on (TrainingArguments)
             for f in (FIELD, *_ALSO):
@@ -259,3 +263,25 @@ class TorchCompileKnob(OnOffKnob):
 
 
 TORCH_COMPILE = TorchCompileKnob()
+
+# the modes that capture CUDA graphs on a CUDA card (inductor's cudagraph trees): their
+# private memory pool (every captured graph's static inputs, outputs and intermediates,
+# kept between steps) is not modelled
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_compile_mode(config: TrainConfig, device: DeviceInfo) -> None:
+    """Refuse, in one line, a compile mode whose memory the estimates do not model on
+    ``device``: CUDA graphs' private pool on a CUDA card. On a CPU a mode captures no CUDA
+    graph and the step's memory is the default mode's."""
+    mode = getattr(config, "torch_compile_mode", None)
+    if (config.torch_compile and mode in CUDA_GRAPH_MODES
+            and getattr(device, "allocator", None) == "cuda"):
+        from autofit.errors import UnmodelledStepError
+
+        raise UnmodelledStepError(
+            f"torch_compile_mode={mode!r} captures CUDA graphs, whose private memory pool "
+            "autofit does not model (an estimate would be low); use "
+            + fix("--torch-compile-mode max-autotune-no-cudagraphs",
+                  "torch_compile_mode='max-autotune-no-cudagraphs'")
+            + " or the default mode, or measure it on the card (autofit measure)")

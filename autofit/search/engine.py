@@ -230,6 +230,8 @@ class Engine:
             loss_impl=self.space.loss_impl,
             nproc_per_node=self.space.nproc_per_node,
             nnodes=self.space.nnodes,
+            torch_compile_mode=(self.space.compile_mode if c.choice.get("torch_compile")
+                                else None),
             **c.choice,
         )
 

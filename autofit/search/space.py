@@ -52,6 +52,8 @@ class SearchSpace:
     optim_args: str | None = None
     loss_impl: str = "model"  # TrainConfig.loss_impl, fixed: from the user's training_args
     nnodes: int = 1  # world_size = nproc_per_node x nnodes
+    # TrainConfig.torch_compile_mode of the compiled candidates, fixed: the user's
+    compile_mode: str | None = None
 
     @property
     def nproc_per_node(self) -> int:
@@ -166,6 +168,7 @@ def build_space(
     reasons: list[str] | None = None,
     loss_impl: str = "model",
     nnodes: int = 1,
+    compile_mode: str | None = None,
     **allowed: Any,
 ) -> SearchSpace:
     """The space the caller allows on ``device``, with a reason for every default.
@@ -186,4 +189,4 @@ def build_space(
         reasons.append(note)
     return SearchSpace(choices, micro, target_batch_size=target_batch_size,
                        world_size=world_size, optim_args=optim_args, loss_impl=loss_impl,
-                       nnodes=nnodes)
+                       nnodes=nnodes, compile_mode=compile_mode)

@@ -471,7 +471,8 @@ class _Steps:
         raw = self.raw
         prepare_model(model, plan)
         raw.notes.extend(plan.notes)
-        forward = compile_model(model) if plan.torch_compile else None
+        forward = (compile_model(model, getattr(plan.config, "torch_compile_mode", None))
+                   if plan.torch_compile else None)
         stepper = self.stepper = Stepper(model, plan, self.device, forward)
         if forward is None:
             stepper.step(setup_batch(batch))

@@ -402,12 +402,13 @@ def _forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor],
 COMPILE_BACKEND = "inductor"  # TrainingArguments' default torch_compile_backend (CPU, CUDA)
 
 
-def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+def compile_model(model: torch.nn.Module, mode: str | None = None) -> torch.nn.Module:
     """What the Trainer's accelerate does last to the prepared model for
     ``torch_compile=True``: ``torch.compile(model, **TorchDynamoPlugin.to_kwargs())``, i.e.
-    ``backend="inductor"``, default mode, ``dynamic=None`` (a second shape recompiles with
-    symbolic ones). The result wraps ``model`` (``_orig_mod``); ``model`` is not changed."""
-    return torch.compile(model, backend=COMPILE_BACKEND)
+    ``backend="inductor"``, ``mode`` (``TrainingArguments.torch_compile_mode``; None: the
+    default), ``dynamic=None`` (a second shape recompiles with symbolic ones). The result
+    wraps ``model`` (``_orig_mod``); ``model`` is not changed."""
+    return torch.compile(model, backend=COMPILE_BACKEND, mode=mode)
 
 
 class Stepper:

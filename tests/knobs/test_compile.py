@@ -211,3 +211,57 @@ def test_a_real_trainer_step_with_the_emitted_fields(tmp_path):
     assert trainer.args.torch_compile is True
     assert any("loss" in h for h in trainer.state.log_history)
     assert _compiled_graphs() > start  # the step ran compiled
+
+
+def test_the_users_compile_mode_is_estimated_written_and_read_back():
+    """A mode the user states (``torch_compile_mode``, a TrainingArguments field) goes
+    into the estimate, the tuned file and back; a mode that captures CUDA graphs is
+    refused on a card in one line (their private pool is not modelled: an estimate would
+    be low), estimated on a CPU (no CUDA graphs there); a mode without compiling, or an
+    unknown one, is an InvalidConfigError."""
+    from autofit.emit.training_args import config_from_arguments
+    from autofit.errors import InvalidConfigError, UnmodelledStepError
+
+    cfg = TrainConfig(micro_batch_size=2, precision="bf16-mixed", torch_compile=True,
+                      torch_compile_mode="reduce-overhead")
+    for method in ("analytic", "simulate"):
+        with pytest.raises(UnmodelledStepError) as e:
+            estimate("tiny-llama", cfg, seq_len=64, device="A100-80GB", method=method)
+        assert "\n" not in str(e.value) and "max-autotune-no-cudagraphs" in str(e.value)
+    on_cpu = estimate("tiny-llama", cfg, seq_len=64, device="cpu")
+    default = estimate("tiny-llama", cfg.replace(torch_compile_mode=None), seq_len=64,
+                       device="cpu")
+    assert on_cpu.peak_allocated_bytes == default.peak_allocated_bytes > 0
+    safe = cfg.replace(torch_compile_mode="max-autotune-no-cudagraphs")
+    assert estimate("tiny-llama", safe, seq_len=64, device="A100-80GB").peak_allocated_bytes > 0
+    args = training_arguments_dict(safe)
+    assert args["torch_compile"] is True
+    assert args["torch_compile_mode"] == "max-autotune-no-cudagraphs"
+    assert config_from_arguments(args).torch_compile_mode == "max-autotune-no-cudagraphs"
+    # a mode alone turns compiling on, as TrainingArguments does
+    assert config_from_arguments({"torch_compile_mode": "max-autotune"}).torch_compile
+    for bad in (dict(torch_compile_mode="reduce-overhead"),
+                dict(torch_compile=True, torch_compile_mode="fastest")):
+        with pytest.raises(InvalidConfigError):
+            TrainConfig(**bad)
+
+
+def test_the_search_gives_the_compiled_candidates_the_users_mode():
+    """The space's compile mode (the user's training_args) is every compiled candidate's;
+    on a card, CUDA graphs' modes leave those candidates out with the refusal as reason."""
+    from autofit.search import Engine, SearchSpace
+
+    def est(c):
+        from autofit.knobs.compile import check_compile_mode
+
+        check_compile_mode(c, resolve_device("A100-80GB"))
+        assert c.torch_compile_mode == ("reduce-overhead" if c.torch_compile else None)
+        return (1 << 30) + (1 << 20) * c.micro_batch_size
+
+    space = SearchSpace({"torch_compile": (False, True)}, (1, 2, 4),
+                        compile_mode="reduce-overhead")
+    out = Engine(space, 8 << 30, estimate=est, speed=lambda c: 2.0 if c.torch_compile else 1.0,
+                 trial=None, seq_len=64).run()
+    assert out.config is not None and not out.config.torch_compile
+    refused = [c for c in out.candidates if c.choice["torch_compile"]]
+    assert refused and all("CUDA graphs" in c.reason for c in refused)

@@ -39,6 +39,9 @@ def estimate_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
     """One training step's memory in closed form: the rank that peaks (with ``per_rank``)
     when ``config`` has several processes, else the one device's. ``layout_fields``: how
     the ranks run beyond the config (``Layout`` fields: a user's recipe)."""
+    from autofit.knobs.compile import check_compile_mode
+
+    check_compile_mode(config, device)
     if config.world_size > 1:
         layout = Layout.of(config, **layout_fields) if layout_fields else None
         return estimate_ranks_analytic(info, config, seq_len, device, layout)

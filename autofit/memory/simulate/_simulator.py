@@ -253,6 +253,9 @@ class Simulator:
 
     def run(self, config: TrainConfig, *, seq_len: int | None = None) -> SimulationResult:
         """Simulate ``config`` (memoised) and return the estimate with its event stream."""
+        from autofit.knobs.compile import check_compile_mode
+
+        check_compile_mode(config, self.device)  # CUDA graphs' pool: refused
         s = self._seq(config, seq_len)
         key = (config, s)
         hit = self._cache.get(key)
