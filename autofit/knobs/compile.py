@@ -273,7 +273,8 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 def check_compile_mode(config: TrainConfig, device: DeviceInfo) -> None:
     """Refuse, in one line, a compile mode whose memory the estimates do not model on
     ``device``: CUDA graphs' private pool on a CUDA card. On a CPU a mode captures no CUDA
-    graph and the step's memory is the default mode's."""
+    graph and is estimated as the default mode (measured 3.5% above it on a small llama,
+    ``reduce-overhead`` and ``max-autotune`` alike: the estimate 2.0% under)."""
     mode = getattr(config, "torch_compile_mode", None)
     if (config.torch_compile and mode in CUDA_GRAPH_MODES
             and getattr(device, "allocator", None) == "cuda"):
