@@ -67,6 +67,8 @@ def test_lora_and_checkpointing_options(capsys):
     (["estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "-4"], "seq_len"),
     (["estimate", "tiny-llama", "--seq-len", "8"], "--batch-size"),
     (["estimate", "tiny-llama", "--batch-size", "x", "--seq-len", "8"], "invalid int"),
+    (["estimate", "tiny-llama", "--batch-size", "1", "--seq-len", "8", "--device", "A100-80GB",
+      "--torch-compile-mode", "reduce-overhead"], "captures CUDA graphs"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, needle):
     with pytest.raises(SystemExit) if "--batch-size" not in argv or "x" in argv else _nullcontext():
@@ -300,3 +302,14 @@ def test_measure_exits_4_for_a_trial_that_crashed(capsys, monkeypatch):
                  "cpu", "--isolation", "in-process"])
     out = capsys.readouterr().out
     assert code == 4 and "trial failed" in out and "shapes cannot be multiplied" in out
+
+
+def test_a_compile_mode_reaches_the_estimate(capsys):
+    """``--torch-compile-mode`` implies ``--torch-compile`` and goes into the estimated
+    configuration; on a CPU a CUDA-graph mode is estimated (no CUDA graphs there)."""
+    for mode in ("max-autotune-no-cudagraphs", "reduce-overhead"):
+        code, out, err = run(capsys, "estimate", "tiny-llama", "--batch-size", "1", "--seq-len",
+                             "8", "--device", "cpu", "--torch-compile-mode", mode, "--json")
+        assert code == 0, err
+        config = json.loads(out)["config"]
+        assert config["torch_compile"] is True and config["torch_compile_mode"] == mode

@@ -48,8 +48,19 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     for k in KNOBS:
         k.add_option(p)
     p.add_argument("--optim-args", default=None, help='e.g. "momentum=0.9"')
+    add_compile_mode_option(p)
     add_rank_options(p)
     add_trainer_option(p)
+
+
+def add_compile_mode_option(p: argparse.ArgumentParser) -> None:
+    """``--torch-compile-mode MODE``: TrainingArguments' ``torch_compile_mode`` (implies
+    ``--torch-compile``, as the field turns compiling on)."""
+    from autofit.config import COMPILE_MODES
+
+    p.add_argument("--torch-compile-mode", choices=COMPILE_MODES, default=None,
+                   help="torch.compile's mode (implies --torch-compile); reduce-overhead and "
+                        "max-autotune capture CUDA graphs: refused for a CUDA card")
 
 
 def add_trainer_option(p: argparse.ArgumentParser, default: str = "plain") -> None:
@@ -189,13 +200,18 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def train_config(args: argparse.Namespace):
     from autofit.config import TrainConfig
 
+    knobs = {k.name: k.option_value(args) for k in KNOBS}
+    mode = getattr(args, "torch_compile_mode", None)
+    if mode is not None:  # the mode turns compiling on, as TrainingArguments does
+        knobs["torch_compile"] = True
     return TrainConfig(
         micro_batch_size=args.batch_size,
         grad_accum_steps=args.grad_accum,
         optim_args=args.optim_args,
         seq_len=args.seq_len,
+        torch_compile_mode=mode,
         **rank_kwargs(args),
-        **{k.name: k.option_value(args) for k in KNOBS},
+        **knobs,
     )
 
 
