@@ -475,9 +475,12 @@ def _space(probed: Probed, target_batch_size: int | None, options: TuneOptions,
                                   loss_impl_of(training_args), reasons)
     allowed = registry.narrow(allowed, Scope(probed.module, probed.task, dev, trainer,
                                              loss_impl, training_args, reasons))
-    # the user's compile mode (TrainingArguments.torch_compile_mode), for the compiled
-    # candidates: estimated, tried and written as given (CUDA graphs' modes refused on a card)
-    mode = (base_args or {}).get("torch_compile_mode") or None
+    # the user's compile mode (TrainingArguments.torch_compile_mode, an accelerate config's
+    # dynamo_mode), for the compiled candidates: estimated, tried and written as given
+    # (CUDA graphs' modes refused on a card)
+    recipe = options.recipe
+    mode = ((base_args or {}).get("torch_compile_mode")
+            or (recipe.torch_compile_mode if recipe is not None else None))
     space = build_space(probed.device, max_micro_batch=max_micro,
                         target_batch_size=target_batch_size, world_size=world_size,
                         nnodes=dev.nnodes, optim_args=options.optim_args, reasons=reasons,

@@ -121,6 +121,8 @@ class Recipe:
             the same states (None: the Trainer's ``optim``).
         micro_batch_size, grad_accum_steps: DeepSpeed's batch numbers (None: ``"auto"``).
         nproc_per_node, nnodes: the accelerate config's ranks.
+        torch_compile, torch_compile_mode: the accelerate config's ``dynamo_config``
+            (``dynamo_backend`` INDUCTOR: compiled, its ``dynamo_mode``).
         sharding: ``Layout`` fields of its sizes (``zero_sizes``, ``zero_overrides``,
             ``zero_optimizer``), as ``estimate(sharding=)`` takes them.
         deepspeed: the DeepSpeed config as given (for trials and the tuned file).
@@ -139,6 +141,8 @@ class Recipe:
     grad_accum_steps: int | None = None
     nproc_per_node: int | None = None
     nnodes: int | None = None
+    torch_compile: bool | None = None
+    torch_compile_mode: str | None = None
     sharding: tuple[tuple[str, Any], ...] = ()
     deepspeed: dict[str, Any] | None = field(default=None, compare=False)
     deepspeed_file: str | None = None
@@ -175,12 +179,15 @@ class Recipe:
         """The ``TrainConfig`` fields the recipe fixes (those it says)."""
         out: dict[str, Any] = {}
         for name in ("strategy", "offload", "precision", "optimizer", "optim_args",
-                     "micro_batch_size", "grad_accum_steps", "nproc_per_node", "nnodes"):
+                     "micro_batch_size", "grad_accum_steps", "nproc_per_node", "nnodes",
+                     "torch_compile", "torch_compile_mode"):
             v = getattr(self, name)
             if v is not None:
                 out[name] = v
         if self.optimizer is not None and self.optim_args is None:
             out["optim_args"] = None
+        if self.torch_compile is False:
+            out["torch_compile_mode"] = None
         return out
 
     def apply(self, config: TrainConfig) -> TrainConfig:
@@ -204,7 +211,7 @@ class Recipe:
     def search_constraints(self) -> dict[str, Any]:
         """What ``autofit()`` keeps fixed: one value per knob the recipe says."""
         out: dict[str, Any] = {}
-        for name in ("strategy", "offload", "precision", "optimizer"):
+        for name in ("strategy", "offload", "precision", "optimizer", "torch_compile"):
             v = getattr(self, name)
             if v is not None:
                 out[name] = [v]
@@ -672,7 +679,8 @@ def _accelerate(acc: dict[str, object] | str | os.PathLike[str]) -> dict[str, An
         str(acc.get("mixed_precision", "")).lower())
     out: dict[str, Any] = {"name": name, "base": base, "type": kind, "nproc": nproc,
                            "nnodes": machines if total is not None or machines > 1 else None,
-                           "precision": precision, "deepspeed": None}
+                           "precision": precision, "deepspeed": None,
+                           "compile": _dynamo(name, acc.get("dynamo_config"))}
     if kind == "DEEPSPEED":
         dsc = acc.get("deepspeed_config") or {}
         if dsc.get("deepspeed_config_file"):
@@ -699,6 +707,28 @@ def _accelerate(acc: dict[str, object] | str | os.PathLike[str]) -> dict[str, An
             wrap=cfg.get("auto_wrap_policy"), layer_cls=cfg.get("transformer_layer_cls_to_wrap"),
             mixed=cfg.get("mixed_precision_policy"), hsdp=replicate > 1)
     return out
+
+
+def _dynamo(name: str, dynamo: object) -> tuple[bool, str | None] | None:
+    """(compiled, mode) of an accelerate config's ``dynamo_config`` (accelerate's
+    ``TorchDynamoPlugin``: ``torch.compile(model, backend=, mode=)``); None when it says
+    nothing. A backend other than inductor is not modelled: refused in one line."""
+    if not isinstance(dynamo, dict) or not dynamo:
+        return None
+    backend = str(dynamo.get("dynamo_backend", "NO")).upper().split(".")[-1]
+    if backend == "NO":
+        return False, None
+    if backend != "INDUCTOR":
+        raise BadInputError(f"{name}: dynamo_backend {backend} is not modelled; autofit "
+                            "models torch.compile's inductor (or NO)")
+    from autofit.config import COMPILE_MODES
+
+    mode = dynamo.get("dynamo_mode")
+    mode = None if mode in (None, "", "default") else str(mode)
+    if mode is not None and mode not in COMPILE_MODES:
+        raise BadInputError(f"{name}: dynamo_mode {mode!r} is not one of "
+                            f"{', '.join(COMPILE_MODES)}")
+    return True, mode
 
 
 def _with_accelerate(recipe: Recipe | None, acc: dict[str, object]) -> Recipe:
@@ -734,5 +764,11 @@ def _with_accelerate(recipe: Recipe | None, acc: dict[str, object]) -> Recipe:
     if recipe.strategy == "hsdp" and (nnodes or 1) < 2:
         raise BadInputError(f"{name}: a replicated FSDP (parallelism_config dp_replicate_size "
                             "> 1) is modelled across nodes: set num_machines > 1")
+    compiled = acc.get("compile")
+    if compiled is not None:
+        details.append("torch.compile" + (f" ({compiled[1]})" if compiled[1] else "")
+                       if compiled[0] else "not compiled")
     return dataclasses.replace(recipe, precision=precision, nproc_per_node=nproc,
-                               nnodes=nnodes, details=tuple(details))
+                               nnodes=nnodes, details=tuple(details),
+                               torch_compile=compiled[0] if compiled is not None else None,
+                               torch_compile_mode=compiled[1] if compiled is not None else None)

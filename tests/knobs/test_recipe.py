@@ -333,3 +333,30 @@ def test_tune_training_args_file_with_its_own_deepspeed(tmp_path, capsys, monkey
     d = json.loads(stdout)
     assert d["config"]["strategy"] == "zero2"
     assert any(r.startswith("recipe: ZeRO-2 from ds.json") for r in d["reasons"])
+
+
+def test_an_accelerate_configs_dynamo_settings_fix_compiling_and_its_mode():
+    """accelerate's ``dynamo_config`` compiles the model (its TorchDynamoPlugin): INDUCTOR
+    fixes ``torch_compile`` and its ``dynamo_mode`` the mode, which the search keeps and the
+    estimate refuses on a card where it captures CUDA graphs; NO fixes it off; another
+    backend, or an unknown mode, is one line."""
+    from autofit import TrainConfig, estimate
+    from autofit.errors import BadInputError, UnmodelledStepError
+    from autofit.knobs.recipe import read_recipe
+
+    acc = {"distributed_type": "NO", "mixed_precision": "bf16",
+           "dynamo_config": {"dynamo_backend": "INDUCTOR", "dynamo_mode": "reduce-overhead"}}
+    recipe = read_recipe(accelerate=acc)
+    assert recipe.search_constraints()["torch_compile"] == [True]
+    assert "torch.compile (reduce-overhead)" in recipe.describe()
+    config = recipe.apply(TrainConfig(micro_batch_size=2))
+    assert config.torch_compile and config.torch_compile_mode == "reduce-overhead"
+    with pytest.raises(UnmodelledStepError):
+        estimate("tiny-llama", config, seq_len=64, device="A100-80GB")
+    off = read_recipe(accelerate={**acc, "dynamo_config": {"dynamo_backend": "NO"}})
+    assert off.search_constraints()["torch_compile"] == [False]
+    assert not off.apply(TrainConfig()).torch_compile
+    for bad in ({"dynamo_backend": "EAGER"}, {"dynamo_backend": "INDUCTOR", "dynamo_mode": "x"}):
+        with pytest.raises(BadInputError) as e:
+            read_recipe(accelerate={**acc, "dynamo_config": bad})
+        assert "\n" not in str(e.value)
