@@ -165,6 +165,20 @@ def test_check_does_not_fit_exits_3_with_reasons(tmp_path, capsys, monkeypatch):
     assert code == 3 and "does NOT fit" in out
 
 
+def test_check_of_a_compile_mode_with_cuda_graphs_says_why_it_cannot_tell(tmp_path, capsys):
+    """A file whose ``torch_compile_mode`` captures CUDA graphs, checked for a card: the
+    estimate refuses it (their private pool is not modelled), and the verdict says so
+    instead of "no estimate for this model"."""
+    cfg = tmp_path / "args.yaml"
+    cfg.write_text(yaml.safe_dump({"per_device_train_batch_size": 2, "bf16": True,
+                                   "torch_compile_mode": "reduce-overhead"}))
+    code, out, _ = run(capsys, "check", cfg, "--model", "tiny-llama", "--seq-len", 64,
+                       "--device", "A100-80GB", "--json")
+    d = json.loads(out)
+    assert code == 3 and d["fits"] is False
+    assert len(d["problems"]) == 1 and "captures CUDA graphs" in d["problems"][0]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["check", "{tmp}/missing.yaml"], "no such file"),
     (["check", "{tmp}/plain.yaml", "--seq-len", "8"], "give --model"),

@@ -125,6 +125,7 @@ class _Checker:
         self.timeout_s = timeout_s
         self.progress = progress or (lambda _: None)
         self.recipe = recipe  # the user's launch recipe (autofit.knobs.recipe), or None
+        self.refusal: str | None = None  # why the estimate refused the step, where it did
         self.versions = library_versions()
         # the PEFT config a tune put on a model given by reference (its file's metadata)
         self.adapter = (self.tune_meta.get("adapter")
@@ -249,11 +250,15 @@ class _Checker:
         return _Assessment(config, est, trial, from_cache, static, eval_est, notes)
 
     def _estimate(self, config: TrainConfig) -> MemoryEstimate | None:
+        from autofit.errors import UnmodelledStepError
         from autofit.memory.ranks import estimate_analytic
 
         try:
             return estimate_analytic(self.info, config, self.seq_len, self.dev,
                                      self.recipe.layout_fields if self.recipe else None)
+        except UnmodelledStepError as e:  # memory it does not model (CUDA graphs): say so
+            self.refusal = str(e)
+            return None
         except BadInputError:
             return None  # not a transformer autofit recognises: the trial decides
 
@@ -338,6 +343,8 @@ class _Checker:
             return f"the trial failed ({a.trial.error}); the configuration is not confirmed"
         need, source = self.need(a)
         if need is None:
+            if self.refusal:
+                return f"cannot tell: {self.refusal}"
             return "cannot tell: no estimate for this model and no trial"
         if need > self.budget:
             kept = f" less a {self.margin:.0%} margin" if self.margin else ""
