@@ -363,6 +363,12 @@ CONFIGS: list[dict[str, Any]] = [
     _llama("llama-b4s256-bf16t-gc-compile", precision="bf16-true", gc=True, compiled=True),
     _gpt2("gpt2-b4s256-bf16t", precision="bf16-true"),
     _gpt2("gpt2-b4s256-bf16t-compile", precision="bf16-true", compiled=True),
+    # torch.compile's modes on the CPU (no CUDA graphs here): beside the default mode
+    spec("llamas-b4s256-compile", "llama", LLAMA_SMALL, "causal-lm", 4, 256, compiled=True),
+    {**spec("llamas-b4s256-compile-ro", "llama", LLAMA_SMALL, "causal-lm", 4, 256,
+            compiled=True), "torch_compile_mode": "reduce-overhead"},
+    {**spec("llamas-b4s256-compile-ma", "llama", LLAMA_SMALL, "causal-lm", 4, 256,
+            compiled=True), "torch_compile_mode": "max-autotune"},
     _gpt2("gpt2-b4s256-bf16m", precision="bf16-mixed"),
     _gpt2("gpt2-b4s256-bf16m-compile", precision="bf16-mixed", compiled=True),
     # issue 25: an independent harness found these under-estimated (small llama, seconds each)

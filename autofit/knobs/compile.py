@@ -273,8 +273,9 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 def check_compile_mode(config: TrainConfig, device: DeviceInfo) -> None:
     """Refuse, in one line, a compile mode whose memory the estimates do not model on
     ``device``: CUDA graphs' private pool on a CUDA card. On a CPU a mode captures no CUDA
-    graph and is estimated as the default mode (measured 3.5% above it on a small llama,
-    ``reduce-overhead`` and ``max-autotune`` alike: the estimate 2.0% under)."""
+    graph and is estimated as the default mode (measured 3.1-3.3% above it on a small
+    llama, ``reduce-overhead`` and ``max-autotune`` alike: the estimate 1.4-1.6% over;
+    ``llamas-b4s256-compile*`` in ``benchmarks/results/accuracy.md``)."""
     mode = getattr(config, "torch_compile_mode", None)
     if (config.torch_compile and mode in CUDA_GRAPH_MODES
             and getattr(device, "allocator", None) == "cuda"):

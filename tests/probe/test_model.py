@@ -128,29 +128,26 @@ def test_the_heads_vocabulary_wide_columns_are_its_own_not_a_blocks():
     head (its adapter never runs: the head reads the weight alone)."""
     import torch
     import transformers
+    from peft import LoraConfig
 
     from autofit.probe.model import describe
     from autofit.probe.peft import apply_peft
 
-    mobile = transformers.AutoConfig.for_model(
-        "mobilebert", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-        num_hidden_layers=2, vocab_size=1024)
-    with torch.device("meta"):
-        m = transformers.AutoModelForMaskedLM.from_config(mobile)
+    def on_meta(model_type: str, auto: type, intermediate: int) -> torch.nn.Module:
+        cfg = transformers.AutoConfig.for_model(
+            model_type, hidden_size=256, intermediate_size=intermediate, num_attention_heads=4,
+            num_hidden_layers=2, vocab_size=1024)
+        with torch.device("meta"):
+            return auto.from_config(cfg)
+
+    m = on_meta("mobilebert", transformers.AutoModelForMaskedLM, 512)
     info = describe(m, task="masked-lm")
     assert info.head_columns == 128 * 1024 and info.head_columns_trained
     assert info.head_numel == 1024 * 128 + 128 * 1024
-    from peft import LoraConfig
-
     lora = describe(apply_peft(m, LoraConfig(r=8, target_modules="all-linear")),
                     task="masked-lm")
     assert lora.head_columns == 128 * 1024 and not lora.head_columns_trained
-    llama = transformers.AutoConfig.for_model(
-        "llama", hidden_size=256, intermediate_size=1024, num_attention_heads=4,
-        num_hidden_layers=2, vocab_size=1024)
-    with torch.device("meta"):
-        m = transformers.AutoModelForCausalLM.from_config(llama)
-    info = describe(m, task="causal-lm")
+    info = describe(on_meta("llama", transformers.AutoModelForCausalLM, 1024), task="causal-lm")
     assert info.head_columns == 0 and info.head_numel == 1024 * 256
 
 

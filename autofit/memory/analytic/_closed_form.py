@@ -738,9 +738,6 @@ def estimate_analytic(
     """
     if seq_len <= 0:
         raise BadInputError(f"seq_len must be positive, got {seq_len}")
-    from autofit.knobs.compile import check_compile_mode
-
-    check_compile_mode(config, device)  # CUDA graphs' pool: refused, never estimated low
     if info.trainable_params == 0:
         raise NoTrainableParametersError(
             f"{info.name} has no trainable parameter; unfreeze some or add LoRA "

@@ -41,7 +41,7 @@ def estimate_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
     the ranks run beyond the config (``Layout`` fields: a user's recipe)."""
     from autofit.knobs.compile import check_compile_mode
 
-    check_compile_mode(config, device)
+    check_compile_mode(config, device)  # CUDA graphs' pool: refused, never estimated low
     if config.world_size > 1:
         layout = Layout.of(config, **layout_fields) if layout_fields else None
         return estimate_ranks_analytic(info, config, seq_len, device, layout)
