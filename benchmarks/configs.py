@@ -371,6 +371,16 @@ CONFIGS: list[dict[str, Any]] = [
             compiled=True), "torch_compile_mode": "max-autotune"},
     _gpt2("gpt2-b4s256-bf16m", precision="bf16-mixed"),
     _gpt2("gpt2-b4s256-bf16m-compile", precision="bf16-mixed", compiled=True),
+    # torch.compile by MLP activation (benchmarks/compile_saved.py): torch's one-op tanh GELU
+    # keeps what the compiled step keeps (the gelu_new rule took 3 (B, T, i) tensors off:
+    # ~12% under), relu's compiled step keeps a bool mask more
+    spec("gpt2t-b4s256-bf16t", "gpt2", {**GPT2, "activation_function": "gelu_pytorch_tanh"},
+         "causal-lm", 4, 256, "bf16-true"),
+    spec("gpt2t-b4s256-bf16t-compile", "gpt2",
+         {**GPT2, "activation_function": "gelu_pytorch_tanh"}, "causal-lm", 4, 256, "bf16-true",
+         compiled=True),
+    spec("gpt2r-b2s256-compile", "gpt2", {**GPT2, "activation_function": "relu"},
+         "causal-lm", 2, 256, compiled=True),
     # issue 25: an independent harness found these under-estimated (small llama, seconds each)
     # LoRA on sequence classification: peft's SEQ_CLS task adds the head as a trainable copy
     spec("llamas-cls-lora-b4s256", "llama", LLAMA_SMALL, "seq-cls", 4, 256,

@@ -112,10 +112,20 @@ _ALSO = ("torch_compile_backend", "torch_compile_mode")
 #   and rotary embedding's hidden-sized outputs are recomputed); the graph materialises
 #   the causal mask once, (B, 1, T, T) in the compute dtype, which eager SDPA gets as
 #   ``is_causal`` (``mask``: elements per token and key position, once per step);
-# * gpt2: of the MLP's five (B, T, i) tensors (fc output, GELU's inner terms, its output,
-#   c_proj's input) two are kept (-3i).
-# Every dropout keeps a bool mask (1 byte) instead of eager's mask in the activation dtype
-# (its hidden-sized dropouts, attention's heads x T per token, the embeddings').
+# * gpt2: the MLP keeps its fc output and c_proj's input compiled; what eager keeps besides
+#   depends on the activation (``_MLP_FUSED``).
+# The MLP's activation, measured for each (benchmarks/compile_saved.py: the bytes the eager
+# and compiled steps save for backward, per block and token, at two depths and widths):
+# GPT-2's gelu_new is written out in Python ops, each keeping a (B, T, i) tensor (-3i);
+# gelu_fast -6i, quick_gelu -1i; a one-op gelu / gelu_pytorch_tanh keeps the same two
+# tensors either way (0), and relu's compiled step keeps a bool mask more (+1 byte per
+# unit); a gated MLP's act(gate) * up is recomputed with silu and the GELUs (-i), not with
+# relu (0). An activation not measured: no saving and relu's extra mask (the safe side).
+# Dropout: on the CPU eager keeps each dropout's noise in the activation dtype (its
+# ``_dropout`` path) where the compiled step keeps a bool mask (1 byte): its hidden-sized
+# dropouts, attention's heads x T per token, the embeddings'. On a CUDA target nothing: eager
+# dropout there is ``native_dropout``, which keeps a bool mask already, and the fused SDPA
+# kernels drop out inside (no (T, T) tensor in either step).
 # The loss: eager keeps the fp32 log-softmax and makes two fp32 (B, T, V) gradients at the
 # start of backward; the compiled graph fuses the upcast, the log-softmax and the loss's
 # backward. ``loss`` / ``loss_mixed`` / ``loss_half``: how many fp32 (B, T, V) buffers
@@ -131,34 +141,48 @@ _ALSO = ("torch_compile_backend", "torch_compile_mode")
 # NB: families without a measured rule (BERT, T5, ...) get no saving (the eager estimate,
 # on the safe side).
 _COMPILE_FUSED: dict[str, dict[str, float]] = {
-    "llama": {"h": 0.0, "kv": 2.0, "i": 1.0, "mask": 1.0, "loss": 0.0, "loss_mixed": 1.75,
+    "llama": {"h": 0.0, "kv": 2.0, "mask": 1.0, "loss": 0.0, "loss_mixed": 1.75,
               "loss_half": 1.65},
-    "gpt2": {"h": 0.0, "kv": 0.0, "i": 3.0, "mask": 0.0, "loss": 1.0, "loss_mixed": 2.05,
+    "gpt2": {"h": 0.0, "kv": 0.0, "mask": 0.0, "loss": 1.0, "loss_mixed": 2.05,
              "loss_half": 2.2},
 }
+# per block family and MLP activation: (B, T, i) elements eager keeps that the compiled step
+# does not (the rule's ``i``), and bytes per intermediate unit the compiled step keeps more
+_MLP_FUSED: dict[str, dict[str, tuple[float, int]]] = {
+    "llama": {"silu": (1.0, 0), "swish": (1.0, 0), "gelu": (1.0, 0),
+              "gelu_pytorch_tanh": (1.0, 0), "relu": (0.0, 0)},
+    "gpt2": {"gelu_new": (3.0, 0), "gelu_fast": (6.0, 0), "quick_gelu": (1.0, 0),
+             "gelu": (0.0, 0), "gelu_pytorch_tanh": (0.0, 0), "relu": (0.0, 1)},
+}
+_MLP_UNMEASURED = (0.0, 1)  # another activation: no saving, a bool mask more
 
 
 def compiled_saving_parts(info: ModelInfo, config: TrainConfig, seq_len: int, *, family: str,
-                          element: int) -> tuple[int, int]:
+                          element: int, cuda: bool = False) -> tuple[int, int]:
     """torch.compile's memory rule: (blocks, the rest) of the activation bytes a compiled
     step does not keep at its backward peak, for a model of block ``family`` whose saved
-    activations have ``element`` bytes each: what the blocks' saved activations lose (one
-    block with checkpointing), and the masks and loss buffers outside them (a family
-    without a measured rule: nothing, the eager estimate)."""
+    activations have ``element`` bytes each, on a CUDA target (``cuda``) or the CPU: what
+    the blocks' saved activations lose (one block with checkpointing), and the masks and
+    loss buffers outside them (a family without a measured rule: nothing, the eager
+    estimate)."""
     c = _COMPILE_FUSED.get(family)
     if c is None:
         return 0, 0
     e = element  # element size of the saved activations
-    mask = e - 1  # a dropout's bool mask instead of one in the activation dtype
+    # a dropout's bool mask instead of the CPU's noise in the activation dtype (CUDA's eager
+    # dropout keeps a bool mask too)
+    mask = 0 if cuda else e - 1
     per_layer = []
     for b in info.blocks:
         if info.is_encoder_decoder and b.role != "encoder":
             continue
         kv = b.num_kv_heads * b.head_dim
-        el = c["h"] * b.hidden_size + c["kv"] * kv + c["i"] * b.intermediate_size
+        mlp, more = _MLP_FUSED[family].get(b.activation.lower(), _MLP_UNMEASURED)
+        el = c["h"] * b.hidden_size + c["kv"] * kv + mlp * b.intermediate_size
         masks = (b.num_dropouts * b.hidden_size
                  + (b.num_heads * seq_len if b.attention_dropout > 0 else 0))
-        per_layer.append((max(el, 0.0) * e + mask * masks, b.count))
+        per_layer.append((max(el, 0.0) * e + mask * masks - more * b.intermediate_size,
+                          b.count))
     if not per_layer:
         return 0, 0
     tokens = config.micro_batch_size * seq_len

@@ -158,7 +158,7 @@ class ClosedForm:
     def compile_saving_bytes(self, config: TrainConfig) -> int:
         from autofit.memory.analytic import compile_saving_bytes
 
-        return compile_saving_bytes(self.info, config, self.seq)
+        return compile_saving_bytes(self.info, config, self.seq, self.dev)
 
 
 def simulator_of(probed: Probed, runner: Any, options: Any) -> Simulator | None:

@@ -416,7 +416,7 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
         copies = copies_all
     # torch.compile: what the partitioner recomputes instead of saving (the block
     # recomputed at a time with checkpointing, every block without)
-    fused, fused_base = _compile_parts(info, config, T)
+    fused, fused_base = _compile_parts(info, config, T, device)
     if config.gradient_checkpointing:
         A_transient = max(A_transient - fused, 0)
     else:

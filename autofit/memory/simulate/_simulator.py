@@ -469,7 +469,7 @@ class Simulator:
         from autofit.probe.model import describe
 
         info = describe(self.module, task=self.task, name=self.model_name)
-        fused = compile_saving_bytes(info, config, seq_len)
+        fused = compile_saving_bytes(info, config, seq_len, self.device)
         delta, phase = _compiled_peak_drop(events, fused)
         if not delta:
             return est
