@@ -38,6 +38,24 @@ QWEN2 = {  # llama-like with q/k/v biases, ~56 M params
     "vocab_size": 32000,
     "max_window_layers": 8,
 }
+OPT = {  # ~42 M params, relu, tied embeddings, dropout 0.1 (the default)
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "ffn_dim": 2048,
+    "word_embed_proj_dim": 512,
+    "vocab_size": 32000,
+    "max_position_embeddings": 1024,
+}
+GEMMA2 = {  # ~33 M params, gated GELU, logit soft-capping, sliding + global layers
+    "hidden_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 1376,
+    "vocab_size": 32000,
+}
 GPT2 = {  # ~51 M params, tied embeddings, dropout 0.1 (the default) kept
     "n_embd": 512,
     "n_layer": 8,
@@ -381,6 +399,19 @@ CONFIGS: list[dict[str, Any]] = [
          compiled=True),
     spec("gpt2r-b2s256-compile", "gpt2", {**GPT2, "activation_function": "relu"},
          "causal-lm", 2, 256, compiled=True),
+    # ... and on families the rule was not fitted on (its llama and GPT-2 coefficients by
+    # block structure): Qwen2 (q/k/v biases), OPT (relu, learned positions), Gemma 2 (logit
+    # soft-capping, eager attention), each beside its eager step
+    spec("qwen2-b4s256-bf16t", "qwen2", QWEN2, "causal-lm", 4, 256, "bf16-true"),
+    spec("qwen2-b4s256-bf16t-compile", "qwen2", QWEN2, "causal-lm", 4, 256, "bf16-true",
+         compiled=True),
+    spec("opt-b4s256-bf16t", "opt", OPT, "causal-lm", 4, 256, "bf16-true"),
+    spec("opt-b4s256-bf16t-compile", "opt", OPT, "causal-lm", 4, 256, "bf16-true",
+         compiled=True),
+    spec("gemma2-b4s256-bf16t", "gemma2", GEMMA2, "causal-lm", 4, 256, "bf16-true",
+         attn="eager"),
+    spec("gemma2-b4s256-bf16t-compile", "gemma2", GEMMA2, "causal-lm", 4, 256, "bf16-true",
+         attn="eager", compiled=True),
     # issue 25: an independent harness found these under-estimated (small llama, seconds each)
     # LoRA on sequence classification: peft's SEQ_CLS task adds the head as a trainable copy
     spec("llamas-cls-lora-b4s256", "llama", LLAMA_SMALL, "seq-cls", 4, 256,

@@ -226,7 +226,8 @@ def test_a_model_only_the_simulation_estimates_is_tuned_on_a_present_cpu():
     result quotes the simulated step (it was the closed form's refusal, "use
     method='simulate'", after the search), the same from the cache, and its checkpointed
     combinations, whose CPU recurrence the simulation refuses, are left out with that
-    refusal as their reason."""
+    refusal as their reason; its evaluation, which no closed form estimates, runs at the
+    training micro batch."""
     import transformers
 
     cfg = transformers.AutoConfig.for_model(
@@ -242,6 +243,12 @@ def test_a_model_only_the_simulation_estimates_is_tuned_on_a_present_cpu():
     assert r.estimate.notes and r.estimate.notes[0].startswith("target allocator")
     refused = [c for c in r.candidates if c["status"] == "infeasible"]
     assert refused and all("per-position recurrence" in c["reason"] for c in refused)
+    # its evaluation step has no closed form: evaluated at the training micro batch (not
+    # the Trainer's default 8), measured by the trial
+    assert r.eval_micro_batch == r.config.micro_batch_size
+    assert r.training_arguments.per_device_eval_batch_size == r.config.micro_batch_size
+    assert any(line.startswith(f"eval micro batch {r.config.micro_batch_size}: the training "
+                               "micro batch") for line in r.reasons)
     again = autofit(model, rows, **kw)
     assert again.from_cache
     assert again.estimate.device_total_bytes == r.estimate.device_total_bytes

@@ -86,8 +86,10 @@ class RunPlan:
 
 def eval_working_set(info: ModelInfo, config: TrainConfig, seq_len: int, dev: DeviceInfo,
                      eval_micro: int | None, generate_max_new_tokens: int | None) -> int:
-    """Bytes an evaluation with ``eval_micro`` adds between the training steps of ``config``."""
-    if eval_micro is None:
+    """Bytes an evaluation with ``eval_micro`` adds between the training steps of ``config``
+    (0 for a model whose evaluation step is not estimated: its eval batch is the training
+    micro batch, whose forward under no_grad holds less than the training step's)."""
+    if eval_micro is None or not info.is_transformer:
         return 0
     from autofit.memory.analytic import weights_bytes
     from autofit.memory.eval import estimate_eval
@@ -290,9 +292,10 @@ def whole_run(probed: Probed, engine: Engine, outcome: SearchOutcome, est: Memor
     growth, shapes = whole.half_growth(config)
     step = measured if measured is not None else (
         engine.estimated(best, b) if best is not None else est.device_total_bytes + growth)
+    estimable = eval_micro is not None and info.is_transformer  # (else: the training batch)
     evaluation = (estimate_eval(info, eval_micro, seq, dev, training=config,
                                 generate_max_new_tokens=whole.options.generate_max_new_tokens)
-                  .device_total_bytes if eval_micro is not None else 0)
+                  .device_total_bytes if estimable else 0)
     evaluation += growth if evaluation else 0
     predicted = max(step + extra, eval_need if eval_need is not None else evaluation)
     total = max(est.device_total_bytes + growth + extra, evaluation)
@@ -308,7 +311,8 @@ def whole_run(probed: Probed, engine: Engine, outcome: SearchOutcome, est: Memor
                    f"{format_bytes(dev.capacity_bytes)} ({' '.join(parts)}"
                    + (f"; an evaluation at eval batch {eval_micro} "
                       + (eval_how if eval_need is not None
-                         else f"needs ~{format_bytes(evaluation)}")
+                         else f"needs ~{format_bytes(evaluation)}" if estimable
+                         else "not estimated, within about the training step")
                       if eval_micro is not None else "")
                    + ")")
     return est, int(predicted)
@@ -367,6 +371,16 @@ def eval_micro_batch(info: ModelInfo, config: TrainConfig, seq_len: int, dev: De
     from autofit.errors import DoesNotFitError
     from autofit.memory.eval import tune_eval_batch
 
+    if not info.is_transformer and not generate_max_new_tokens:
+        # no closed form of its evaluation step (RWKV): the training micro batch, whose
+        # step fits, where the Trainer's default (8) may not
+        b = config.micro_batch_size
+        reasons.append(f"eval micro batch {b}: the training micro batch ({info.name}'s "
+                       "evaluation step is not estimated: not a transformer autofit "
+                       "recognises; its forward under no_grad keeps no gradients or saved "
+                       "activations: about the training step that fits, or less; a trial "
+                       "measures it)")
+        return b
     try:
         b = tune_eval_batch(info, seq_len, dev, margin, training=config,
                             max_micro_batch=max_micro,
