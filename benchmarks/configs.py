@@ -56,6 +56,14 @@ GEMMA2 = {  # ~33 M params, gated GELU, logit soft-capping, sliding + global lay
     "intermediate_size": 1376,
     "vocab_size": 32000,
 }
+STABLELM = {  # ~38 M params, LayerNorm, gated MLP, rotary on a quarter of each head
+    "hidden_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "intermediate_size": 1376,
+    "vocab_size": 32000,
+}
 GPT2 = {  # ~51 M params, tied embeddings, dropout 0.1 (the default) kept
     "n_embd": 512,
     "n_layer": 8,
@@ -408,6 +416,10 @@ CONFIGS: list[dict[str, Any]] = [
     spec("opt-b4s256-bf16t", "opt", OPT, "causal-lm", 4, 256, "bf16-true"),
     spec("opt-b4s256-bf16t-compile", "opt", OPT, "causal-lm", 4, 256, "bf16-true",
          compiled=True),
+    # StableLM, whose compiled blocks saved less than the llama rule: its blocks as eager
+    spec("stablelm-b4s256-bf16t", "stablelm", STABLELM, "causal-lm", 4, 256, "bf16-true"),
+    spec("stablelm-b4s256-bf16t-compile", "stablelm", STABLELM, "causal-lm", 4, 256,
+         "bf16-true", compiled=True),
     spec("gemma2-b4s256-bf16t", "gemma2", GEMMA2, "causal-lm", 4, 256, "bf16-true",
          attn="eager"),
     spec("gemma2-b4s256-bf16t-compile", "gemma2", GEMMA2, "causal-lm", 4, 256, "bf16-true",
