@@ -27,13 +27,18 @@ partitioner (inductor's default) saves for backward what is costly to recompute
 (matmul and attention inputs and outputs, norm statistics) and recomputes pointwise
 chains inside the backward's fused kernels, so, per block and token:
 
-* llama-like (gated MLP, RMSNorm, rotary): ``silu(gate) * up`` (down_proj's input) is
-  not kept (-i elements), nor are the norms' and the rotary embedding's outputs, while
-  the key/value heads are kept repeated to all heads: -2 kv elements net;
-* GPT-2-like (GELU MLP, LayerNorm): of the MLP's five (B, T, i) tensors two are kept
-  (-3 i elements);
-* every dropout keeps a bool mask (1 byte) instead of one in the activation dtype:
-  its hidden-sized dropouts, attention's (heads x T per token), the embeddings';
+* llama-like (gated MLP, RMSNorm, rotary): ``act(gate) * up`` (down_proj's input) is
+  not kept (-i elements; not with relu), nor are the norms' and the rotary embedding's
+  outputs, while the key/value heads are kept repeated to all heads: -2 kv elements net;
+* GPT-2-like (LayerNorm, ungated MLP): by the MLP's activation (``benchmarks/
+  compile_saved.py``): gelu_new's Python ops -3 i elements, gelu_fast -6 i, quick_gelu
+  -1 i, a one-op GELU nothing, relu a bool mask more;
+* the blocks' part only for the model types measured to save at least it
+  (``_BLOCKS_CHECKED``, ``compile_saved.py --zoo``: 26 families; StableLM not), another's
+  blocks as eager;
+* on the CPU every dropout keeps a bool mask (1 byte) instead of eager's noise in the
+  activation dtype: its hidden-sized dropouts, attention's (heads x T per token), the
+  embeddings' (on a CUDA target nothing: eager dropout keeps a bool mask there too);
 * the compiled graph materialises the causal mask, (B, 1, T, T) in the compute dtype,
   once per step, which eager SDPA gets as ``is_causal`` (on a long sequence and a narrow
   model compiling costs memory);
@@ -43,7 +48,8 @@ chains inside the backward's fused kernels, so, per block and token:
   measured, not derived: llama 0 in fp32 (its compiled backward still holds two), 1.75
   in bf16-mixed (it keeps the bf16 logits instead of the fp32 log-softmax), 1.65 in
   bf16-true (its 16-bit logits' upcast fused too); GPT-2 1 in fp32, 2.05 with autocast
-  and 2.2 in bf16-true.
+  and 2.2 in bf16-true; another model type the least of the two; Gemma 2's soft-capped
+  logits 0.9 more in bf16-true.
 
 With gradient checkpointing only the block being recomputed gains. The simulator
 takes the saving off every forward and backward event of its replayed eager step (so
@@ -65,9 +71,9 @@ Known limitations (what the rule does not model):
       memory and is excluded, as trials exclude the warm-up step that compiles;
     * CUDA graphs (``torch_compile_mode="reduce-overhead"``) keep a private memory pool
       of the graph's static buffers: not modelled; autofit emits the default mode;
-    * on a CUDA target the rule is the one measured on the CPU (same partitioner;
-      inductor's Triton kernels may choose other fusions, and CUDA's fused SDPA kernels
-      keep no (T, T) tensors in either mode);
+    * on a CUDA target the rule is the one measured on the CPU less its dropout masks
+      (same partitioner; inductor's Triton kernels may choose other fusions, and CUDA's
+      fused SDPA kernels keep no (T, T) tensors in either mode): not measured on a GPU;
     * block families without a measured rule (BERT, T5, ...) are estimated as eager;
     * with the chunked loss nothing is saved: ``ChunkedLossTrainer``'s loss runs the
       backbone itself, past the compiled wrapper;
