@@ -148,8 +148,8 @@ _ALSO = ("torch_compile_backend", "torch_compile_mode")
 # OPT, ...) takes the least loss coefficient of any family; the blocks' rule is applied to
 # the model types whose compiled blocks were measured to save at least what it takes off
 # (``_BLOCKS_CHECKED``: benchmarks/compile_saved.py --zoo, results/compile_saved_zoo.md),
-# another's blocks are estimated as eager (StableLM's saved half of the llama rule's: its
-# partial rotary keeps the attention's inputs).
+# another's blocks are estimated as eager (StableLM's saved half of what the llama rule
+# takes off: 1024 B a block and token over at the zoo's small size).
 # NB: families without a measured rule (BERT, T5, ...) get no saving (the eager estimate,
 # on the safe side).
 _COMPILE_FUSED: dict[str, dict[str, float]] = {

@@ -88,7 +88,8 @@ def eval_working_set(info: ModelInfo, config: TrainConfig, seq_len: int, dev: De
                      eval_micro: int | None, generate_max_new_tokens: int | None) -> int:
     """Bytes an evaluation with ``eval_micro`` adds between the training steps of ``config``
     (0 for a model whose evaluation step is not estimated: its eval batch is the training
-    micro batch, whose forward under no_grad holds less than the training step's)."""
+    micro batch, whose forward under no_grad holds about what the training step does, or
+    less, between whose steps it runs)."""
     if eval_micro is None or not info.is_transformer:
         return 0
     from autofit.memory.analytic import weights_bytes

@@ -32,9 +32,10 @@ def compile_saving_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
                          device: DeviceInfo | None = None) -> int:
     """Bytes of activations a ``torch_compile`` step does not keep at its backward peak,
     against the eager step's on ``device`` (None: the CPU's rule), 0 without
-    ``torch_compile`` (see ``autofit.knobs.compile`` for the rule and its limits). With gradient checkpointing only the block recomputed
-    at a time gains (the checkpointed inputs are kept either way). With the chunked loss
-    nothing: ``ChunkedLossTrainer``'s loss runs the backbone itself, uncompiled.
+    ``torch_compile`` (see ``autofit.knobs.compile`` for the rule and its limits). With
+    gradient checkpointing only the block recomputed at a time gains (the checkpointed
+    inputs are kept either way). With the chunked loss nothing: ``ChunkedLossTrainer``'s
+    loss runs the backbone itself, uncompiled.
 
         >>> from autofit.probe.model import probe_model
         >>> info = probe_model("tiny-llama")
