@@ -87,9 +87,8 @@ class RunPlan:
 def eval_working_set(info: ModelInfo, config: TrainConfig, seq_len: int, dev: DeviceInfo,
                      eval_micro: int | None, generate_max_new_tokens: int | None) -> int:
     """Bytes an evaluation with ``eval_micro`` adds between the training steps of ``config``
-    (0 for a model whose evaluation step is not estimated: its eval batch is the training
-    micro batch, whose forward under no_grad holds about what the training step does, or
-    less, between whose steps it runs)."""
+    (0 for a model whose evaluation step is not estimated: evaluated at the training micro
+    batch, its forward under no_grad holds about what a training step does, or less)."""
     if eval_micro is None or not info.is_transformer:
         return 0
     from autofit.memory.analytic import weights_bytes
