@@ -80,6 +80,7 @@ def _estimate(spec: dict, method: str, tmp: Path):
     lora = lora_spec(spec.get("lora"))
     config = TrainConfig(
         micro_batch_size=spec["batch"],
+        grad_accum_steps=int(spec.get("grad_accum_steps", 1)),
         precision=spec["precision"],
         gradient_checkpointing=spec.get("gradient_checkpointing", False),
         optimizer=spec["optimizer"],

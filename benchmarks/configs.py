@@ -29,6 +29,14 @@ LLAMA_SMALL = {  # ~7 M params, for the long batches (8 x 512)
     "intermediate_size": 688,
     "vocab_size": 8000,
 }
+LLAMA_WIDE = {  # ~100 M params, a narrow vocabulary: the weights outweigh the logits
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "intermediate_size": 2048,
+    "vocab_size": 8000,
+}
 QWEN2 = {  # llama-like with q/k/v biases, ~56 M params
     "hidden_size": 512,
     "num_hidden_layers": 8,
@@ -181,6 +189,7 @@ def spec(
     peft: dict[str, Any] | None = None,
     trl: bool = False,
     quantization: dict[str, Any] | None = None,
+    accum: int = 1,
 ) -> dict[str, Any]:
     """One spec dict with exactly the project-wide keys (``chunked_loss``, ``torch_compile``,
     ``trl_loss`` only when on, ``peft`` and ``quantization`` only when given)."""
@@ -208,6 +217,8 @@ def spec(
         out["trl_loss"] = True
     if quantization is not None:
         out["quantization"] = dict(quantization)
+    if accum > 1:
+        out["grad_accum_steps"] = accum
     return out
 
 
@@ -416,6 +427,17 @@ CONFIGS: list[dict[str, Any]] = [
     spec("opt-b4s256-bf16t", "opt", OPT, "causal-lm", 4, 256, "bf16-true"),
     spec("opt-b4s256-bf16t-compile", "opt", OPT, "causal-lm", 4, 256, "bf16-true",
          compiled=True),
+    # gradient accumulation under autocast with checkpointing: the forward's end holds the
+    # earlier micro batches' gradients beside every block's cached 16-bit weight copy
+    _llama("llama-b1s512-bf16m-gc-fused", batch=1, seq=512, precision="bf16-mixed", gc=True,
+           optimizer="adamw_torch_fused"),
+    _llama("llama-b1s512-bf16m-gc-ga4-fused", batch=1, seq=512, precision="bf16-mixed",
+           gc=True, optimizer="adamw_torch_fused", accum=4),
+    _gpt2("gpt2-b1s512-bf16m-gc-ga4-adafactor", batch=1, seq=512, precision="bf16-mixed",
+          gc=True, optimizer="adafactor", accum=4),
+    # ... which dominate where the weights outweigh the logits (a narrow vocabulary)
+    spec("llamaw-b1s256-bf16m-gc-ga4-adafactor", "llama", LLAMA_WIDE, "causal-lm", 1, 256,
+         "bf16-mixed", gc=True, optimizer="adafactor", accum=4),
     # StableLM, whose compiled blocks saved less than the llama rule: its blocks as eager
     spec("stablelm-b4s256-bf16t", "stablelm", STABLELM, "causal-lm", 4, 256, "bf16-true"),
     spec("stablelm-b4s256-bf16t-compile", "stablelm", STABLELM, "causal-lm", 4, 256,

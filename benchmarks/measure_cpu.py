@@ -38,10 +38,13 @@ Spec (a JSON-able dict; the project-wide format)::
      "trl_loss": false,      # optional: TRL's SFT loss as trl.SFTTrainer computes it
                               # (trl.trainer.utils.add_fused_lm_head with SFTTrainer's
                               # outputs, model(..., fused_lm_head=True), loss_type "nll")
-     "quantization": {"load_in_4bit": true, "bnb_4bit_quant_type": "nf4", ...}}
+     "quantization": {"load_in_4bit": true, "bnb_4bit_quant_type": "nf4", ...},
                               # optional: a bitsandbytes base, the BitsAndBytesConfig
                               # fields; the base is saved and loaded back quantized with
                               # dtype = bnb_4bit_compute_dtype (default float32)
+     "grad_accum_steps": 4}  # optional (1): micro batches a step, each forward and
+                              # backward, then the optimizer (its loss / 4, as the
+                              # Trainer divides it)
 
 Protocol (one configuration per fresh child process, so nothing leaks between runs):
 
@@ -168,7 +171,7 @@ SPEC_KEYS = (
     "lora",
 )
 OPTIONAL_KEYS = ("chunked_loss", "torch_compile", "torch_compile_mode", "peft", "trl_loss",
-                 "quantization")
+                 "quantization", "grad_accum_steps")
 
 TASK_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",
@@ -215,6 +218,9 @@ def check_spec(spec: dict[str, Any]) -> None:
     if spec.get("trl_loss") and (spec.get("task") != "causal-lm" or spec.get("chunked_loss")
                                  or spec.get("torch_compile")):
         problems.append("trl_loss needs task causal-lm, without chunked_loss or torch_compile")
+    accum = spec.get("grad_accum_steps", 1)
+    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+        problems.append("grad_accum_steps must be a positive integer")
     if spec.get("torch_compile") and spec.get("chunked_loss"):
         problems.append("torch_compile with chunked_loss is not measured here")
     lora = spec.get("lora")
@@ -491,8 +497,9 @@ class _PhaseMarks:
         self.peaks: dict[str, int] = {}
 
     def __call__(self, phase: str | None) -> None:
-        if self.current is not None:
-            self.peaks[self.current] = _hwm_bytes() - self.baseline
+        if self.current is not None:  # (a phase run again, a micro batch's: its highest)
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0),
+                                           _hwm_bytes() - self.baseline)
         elif self.before is None:
             self.before = _hwm_bytes() - self.baseline
         self.current = phase
@@ -542,12 +549,35 @@ def _trl_loss(model, batch):
 
 
 def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None,
-          chunked=False, trl=False) -> float:
-    """One Trainer training step + optimizer step; returns the loss. ``mark(phase)`` hooks.
-    ``model`` may be the ``torch.compile`` wrapper of the model (its forward compiled)."""
+          chunked=False, trl=False, accum=1) -> float:
+    """One Trainer optimizer step: ``accum`` micro batches' training steps (gradient
+    accumulation: the gradients of the earlier ones held through the next), then the
+    optimizer step; returns the loss. ``mark(phase)`` hooks. ``model`` may be the
+    ``torch.compile`` wrapper of the model (its forward compiled)."""
     import torch
 
     mark = mark or (lambda phase: None)
+    for _ in range(accum):
+        value = _micro_step(model, batch, autocast_dtype, scaler, mark, chunked, trl, accum)
+    mark("optimizer")
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)  # Trainer default max_grad_norm
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mark(None)
+    return value
+
+
+def _micro_step(model, batch, autocast_dtype, scaler, mark, chunked, trl, accum) -> float:
+    """One Trainer training_step: forward under the Trainer's autocast, the loss (divided
+    by the accumulation steps, as the Trainer does), backward."""
+    import torch
+
     mark("forward")
     ctx = (
         torch.autocast("cpu", dtype=getattr(torch, autocast_dtype))
@@ -569,6 +599,8 @@ def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None,
             outputs = _half_to_fp32(outputs)
         loss = outputs["loss"]
         del outputs  # compute_loss returns the loss only: logits etc. are dropped here
+    if accum > 1:
+        loss = loss / accum
     mark("backward")
     if scaler is not None:
         scaler.scale(loss).backward()
@@ -576,17 +608,6 @@ def _step(model, batch, optimizer, params, autocast_dtype, scaler, mark=None,
         loss.backward()
     value = float(loss.detach())
     del loss  # Trainer.training_step returns loss.detach(): the graph is freed here
-    mark("optimizer")
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(params, 1.0)  # Trainer default max_grad_norm
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    mark(None)
     return value
 
 
@@ -634,8 +655,9 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model,
                           outputs=("log_probs", "entropy", "is_top1"))
     t_warm = time.perf_counter()
+    accum = int(spec.get("grad_accum_steps", 1))
     _step(stepped, warm_batch, warm_opt, params, autocast_dtype, new_scaler(), chunked=chunked,
-          trl=trl)
+          trl=trl, accum=accum)
     model.zero_grad(set_to_none=True)
     warm_opt.state.clear()
     del warm_opt, warm_batch
@@ -650,15 +672,16 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     baseline = _rss_bytes()  # bytes; weights, batch and imports already resident
     _reset_hwm()
     _step(stepped, batch, optimizer, params, autocast_dtype, scaler,
-          chunked=chunked, trl=trl)  # optimizer state appears
+          chunked=chunked, trl=trl, accum=accum)  # optimizer state appears
     first_step_peak = _hwm_bytes() - baseline
 
     _reset_hwm()
     t0 = time.perf_counter()
-    _step(stepped, batch, optimizer, params, autocast_dtype, scaler, chunked=chunked, trl=trl)
+    _step(stepped, batch, optimizer, params, autocast_dtype, scaler, chunked=chunked, trl=trl,
+          accum=accum)
     marks = _PhaseMarks(baseline)
     loss = _step(stepped, batch, optimizer, params, autocast_dtype, scaler, mark=marks,
-                 chunked=chunked, trl=trl)
+                 chunked=chunked, trl=trl, accum=accum)
     step_time_s = (time.perf_counter() - t0) / 2
     # VmHWM is a running max, so the peak over both steps is the high-water mark up to
     # the last step's first reset (read by `marks`) or any phase peak after it.

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CHUNKED_LOSS", "ChunkedLossKnob", "TRAINER_NAME", "chunked_loss_bytes",
            "chunked_loss_kernels", "liger_carries", "liger_moment_bytes", "liger_offered",
-           "liger_weight_grad_transient", "loss_chunk_rows", "mixed_inplace_workspace"]
+           "liger_weight_grad_transient", "loss_chunk_rows"]
 
 TRAINER_NAME = "autofit.ChunkedLossTrainer"
 _LIGER = "use_liger_kernel"
@@ -182,20 +182,6 @@ def chunked_loss_kernels() -> dict[object, Callable[..., object]]:
                 compute_linear_weight_grad, compute_linear_bias_grad)
 
     return {op: run}
-
-
-def mixed_inplace_workspace(args: tuple, kwargs: dict) -> int:
-    """CPU ``add_`` / ``sub_`` of an fp32 tensor into a 16-bit one (the chunked loss's
-    ``grad_linear_weight.sub_(weight_grad_chunk)`` with 16-bit inputs): the kernel works
-    in fp32 through two fp32 temporaries the size of ``self`` (measured: a bf16 (32000,
-    512) ``add_`` of an fp32 one peaks 125 MiB above its operands), freed at once."""
-    import torch
-
-    self, other = args[0], args[1] if len(args) > 1 else None
-    if (not isinstance(other, torch.Tensor) or self.dtype not in (torch.bfloat16, torch.float16)
-            or other.dtype != torch.float32 or other.shape != self.shape):
-        return 0
-    return 2 * self.numel() * 4
 
 
 @contextlib.contextmanager
@@ -431,8 +417,9 @@ class ChunkedLossKnob(OnOffKnob):
     def recorded(self, config: TrainConfig, recorder: object, target: object) -> None:
         """The simulated step's memory rule when on: torch's chunked op recorded as its
         Python implementation (``chunked_loss_kernels``: every chunk's logits and the
-        gradients it accumulates), and on a CPU the fp32 temporaries of its mixed-dtype
-        ``sub_`` (``mixed_inplace_workspace``); on a CUDA step where liger's field carries
+        gradients it accumulates; on a CPU the fp32 temporaries of its mixed-dtype ``sub_``
+        are the recorder's type-promotion rule's, ``simulate._cpu_kernels``: counted here
+        too, they were twice, 16% over); on a CUDA step where liger's field carries
         it, liger's weight-gradient moment held at the op's end (``_with_liger_moment``).
         ``recorder``: the simulation's ``StorageRecorder`` (its ``decompositions``,
         ``workspaces``, ``hold``); ``target``: the step's (``kind``, ``sm``) or a kind."""
@@ -445,11 +432,6 @@ class ChunkedLossKnob(OnOffKnob):
             kernels = {op: _with_liger_moment(run, recorder, config, sm)
                        for op, run in kernels.items()}
         recorder.decompositions.update(kernels)
-        if target == "cpu":
-            import torch
-
-            for op in (torch.ops.aten.add_.Tensor, torch.ops.aten.sub_.Tensor):
-                recorder.workspaces.setdefault(op, mixed_inplace_workspace)
 
     def emit(self, config: TrainConfig, args: dict[str, object]) -> None:
         from autofit.knobs.liger import CONFIG, liger_keys

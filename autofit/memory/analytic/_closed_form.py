@@ -30,6 +30,12 @@ at its three candidate peaks and reports the largest:
   block's backward temporaries instead of the loss gradients;
 * **optimizer step** — weights + gradients + optimizer states + the step's own
   temporaries (e.g. ``foreach`` AdamW's full copy of ``sqrt(v)`` on CUDA).
+* **forward end**, with checkpointing under autocast — weights + the 16-bit copy of
+  every block's weights (autocast caches them until the forward leaves it; the backward
+  recomputes one block at a time) + optimizer states + the earlier micro batches'
+  gradients + all the forward keeps + the loss's 16-bit logits and their fp32 upcast:
+  with gradient accumulation often the step's peak (a derived forward moment, where
+  there is one, stands beside the same copies).
 * with ``torch_compile`` the blocks keep fewer activations: the eager estimate less
   ``compile_saving_bytes`` (the rule of ``autofit.knobs.compile``: inductor's min-cut
   partitioner recomputes pointwise chains in the backward instead of saving them).
@@ -135,9 +141,11 @@ def cuda_reserved_bytes(phases: dict[str, tuple[float, dict[str, float]]],
     interleave with gradients in a checkpointed backward (``_CUDA_FRAGMENTATION_CHECKPOINTING``);
     the optimizer step does not (a bert-large full fine-tune with checkpointing peaks in
     it: simulate's allocator replay +0.3%, the step's 20% applied there +17.8% over a
-    published V100 measurement)."""
+    published V100 measurement), nor does the forward (checkpointed under autocast, a
+    1B llama's, GPT-2 medium's and bert-large's forward ends with 4 micro batches: the
+    replay 2.6-5.5%)."""
     def frag(phase: str) -> float:
-        if config.gradient_checkpointing and phase != "optimizer":
+        if config.gradient_checkpointing and phase not in ("optimizer", "forward"):
             return _CUDA_FRAGMENTATION_CHECKPOINTING
         return _CUDA_FRAGMENTATION
 
@@ -193,6 +201,7 @@ class _Saved:
     copies: int  # autocast's 16-bit weight copies alive at the backward start
     copies_head: int  # ... of the output head
     host: int  # pinned host bytes (activation offloading)
+    copies_all: int = 0  # ... of every matmul weight (the forward's, until it leaves autocast)
 
 
 def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
@@ -423,7 +432,7 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
         A_layers = max(A_layers - fused, 0)
     A_base -= fused_base  # masks (the causal one: more) and the loss's buffers
     return _Saved(A=A_layers + A_base, A_base=A_base, A_transient=A_transient, A_kept=A_kept,
-                  copies=copies, copies_head=copies_head, host=host)
+                  copies=copies, copies_head=copies_head, host=host, copies_all=copies_all)
 
 
 def _block_input(c: dict, key: str, B: int, T: int, per_token: int) -> float:
@@ -680,23 +689,9 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
                        Component.GRADIENTS: G, Component.ACTIVATIONS: 0,
                        Component.TEMPORARIES: opt_temp}),
     }
-    fwd_c = c.get("forward")  # derived: the forward's transient above what it keeps
-    if fwd_c is not None:
-        # the forward's highest point: an op's or a block's scratch (AXK2's indexer scores
-        # on a sequence classifier: 9.3% under without it) above the activations made by
-        # then (all of them, or an encoder-decoder's encoder's share: see
-        # ``autofit.memory.analytic.derived``; all with checkpointing, whose forward keeps
-        # other tensors than derived); the highest of the forward's moments at this shape
-        # where they were told apart (``forward_moments``)
-        moments = [(_fitted(f, config.micro_batch_size, T),
-                    _checkpointed_share(f, config, T, A, A_base)
-                    if config.gradient_checkpointing else _share(f, c, config, T))
-                   for f in c.get("forward_moments") or [fwd_c]]
-        fwd_temp, share = max(moments, key=lambda m: m[0] + m[1] * A)
-        phases["forward"] = (W + copies + S + G_held + share * A + fwd_temp,
-                             {Component.WEIGHTS: W + copies, Component.OPTIMIZER_STATES: S,
-                              Component.GRADIENTS: G_held, Component.ACTIVATIONS: share * A,
-                              Component.TEMPORARIES: fwd_temp})
+    forward = _forward_phase(info, config, T, c, saved, W=W, S=S, G_held=G_held)
+    if forward is not None:
+        phases["forward"] = forward
     if config.gradient_checkpointing:
         # after the loss and head backward, each block is recomputed in turn: its full
         # activations and autocast copies exist again while the gradients accumulate
@@ -721,6 +716,51 @@ def _phases(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved
              Component.GRADIENTS: G_r, Component.ACTIVATIONS: kept,
              Component.TEMPORARIES: temp})
     return phases
+
+
+def _forward_phase(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved: _Saved,
+                   *, W: int, S: int, G_held: int) -> tuple[float, dict[str, float]] | None:
+    """The forward's highest point (None where no rule gives one): a derived forward
+    moment, and with checkpointing under autocast the forward's end."""
+    A, A_base, copies = saved.A, saved.A_base, saved.copies
+    # autocast caches each weight's 16-bit copy until the forward leaves autocast: with
+    # checkpointing the forward casts every block's (the backward start keeps the head's
+    # and its recompute one block's at a time), beside the gradients of earlier micro
+    # batches with accumulation (bf16-mixed, checkpointing, 4 micro batches: measured on
+    # the CPU 16.0% under without this, llamaw-b1s256-bf16m-gc-ga4-adafactor, -1.2% with
+    # it; simulated 1B llama / GPT-2 / BERT-large steps on a card 6.9-15.7% under)
+    fwd_copies = saved.copies_all if config.gradient_checkpointing else copies
+    fwd_c = c.get("forward")  # derived: the forward's transient above what it keeps
+    forward = None
+    if fwd_c is not None:
+        # the forward's highest point: an op's or a block's scratch (AXK2's indexer scores
+        # on a sequence classifier: 9.3% under without it) above the activations made by
+        # then (all of them, or an encoder-decoder's encoder's share: see
+        # ``autofit.memory.analytic.derived``; all with checkpointing, whose forward keeps
+        # other tensors than derived); the highest of the forward's moments at this shape
+        # where they were told apart (``forward_moments``)
+        moments = [(_fitted(f, config.micro_batch_size, T),
+                    _checkpointed_share(f, config, T, A, A_base)
+                    if config.gradient_checkpointing else _share(f, c, config, T))
+                   for f in c.get("forward_moments") or [fwd_c]]
+        fwd_temp, share = max(moments, key=lambda m: m[0] + m[1] * A)
+        forward = (W + fwd_copies + S + G_held + share * A + fwd_temp,
+                   {Component.WEIGHTS: W + fwd_copies, Component.OPTIMIZER_STATES: S,
+                    Component.GRADIENTS: G_held, Component.ACTIVATIONS: share * A,
+                    Component.TEMPORARIES: fwd_temp})
+    if fwd_copies > copies:
+        # the forward's end (fitted coefficients have no forward moment of their own): the
+        # checkpointed blocks' copies still cached beside all it keeps for backward, and the
+        # loss's 16-bit logits with their fp32 upcast while it makes the log-softmax it keeps
+        V, _, chunked = _lm(info, config)
+        logits = (0 if chunked
+                  else config.micro_batch_size * (T + info.virtual_tokens) * V * (2 + 4))
+        end_fwd = W + fwd_copies + S + G_held + A + logits
+        if forward is None or end_fwd > forward[0]:
+            forward = (end_fwd, {Component.WEIGHTS: W + fwd_copies,
+                                 Component.OPTIMIZER_STATES: S, Component.GRADIENTS: G_held,
+                                 Component.ACTIVATIONS: A, Component.TEMPORARIES: logits})
+    return forward
 
 
 def estimate_analytic(
