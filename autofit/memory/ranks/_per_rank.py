@@ -161,7 +161,7 @@ def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: D
         peak_allocated_bytes=peak, peak_reserved_bytes=reserved, device_total_bytes=total,
         capacity_bytes=device.capacity_bytes, fits=total <= device.capacity_bytes,
         breakdown=breakdown, method="analytic", device=device.name,
-        peak_phase="optimizer" if phase == "optimizer" else "backward", model=info.name,
+        peak_phase=phase if phase in ("optimizer", "forward") else "backward", model=info.name,
         num_params=info.num_params, trainable_params=info.trainable_params, seq_len=seq_len,
         config=config.to_dict(), notes=rank.notes, host_bytes=int(rank.host))
 
