@@ -132,6 +132,7 @@ _CUDA_FRAGMENTATION = 0.06
 TRL_CPU_TILE_TEMPS = 7.25
 TRL_SAVED_PER_TOKEN = 4 + 4 + 8 + 8
 _CUDA_FRAGMENTATION_CHECKPOINTING = 0.20
+_CUDA_FRAGMENTATION_FORWARD = 0.10  # the forward's end with checkpointing
 
 
 def cuda_reserved_bytes(phases: dict[str, tuple[float, dict[str, float]]],
@@ -141,11 +142,15 @@ def cuda_reserved_bytes(phases: dict[str, tuple[float, dict[str, float]]],
     interleave with gradients in a checkpointed backward (``_CUDA_FRAGMENTATION_CHECKPOINTING``);
     the optimizer step does not (a bert-large full fine-tune with checkpointing peaks in
     it: simulate's allocator replay +0.3%, the step's 20% applied there +17.8% over a
-    published V100 measurement), nor does the forward (checkpointed under autocast, a
-    1B llama's, GPT-2 medium's and bert-large's forward ends with 4 micro batches: the
-    replay 2.6-5.5%)."""
+    published V100 measurement); a checkpointed forward interleaves less
+    (``_CUDA_FRAGMENTATION_FORWARD``: a 1B llama's, GPT-2 medium's and bert-large's
+    forward ends under autocast with 4 micro batches, the replay 2.6-5.5% with fused
+    AdamW, 6.7-9.1% with Adafactor; the checkpointed 20% put bert-large's fp16 row on
+    the V100 13% over)."""
     def frag(phase: str) -> float:
-        if config.gradient_checkpointing and phase not in ("optimizer", "forward"):
+        if config.gradient_checkpointing and phase == "forward":
+            return _CUDA_FRAGMENTATION_FORWARD
+        if config.gradient_checkpointing and phase != "optimizer":
             return _CUDA_FRAGMENTATION_CHECKPOINTING
         return _CUDA_FRAGMENTATION
 
@@ -201,7 +206,9 @@ class _Saved:
     copies: int  # autocast's 16-bit weight copies alive at the backward start
     copies_head: int  # ... of the output head
     host: int  # pinned host bytes (activation offloading)
-    copies_all: int = 0  # ... of every matmul weight (the forward's, until it leaves autocast)
+    # ... at the forward's end with checkpointing: the head's and every block weight's that
+    # autocast caches until the forward leaves it (``_cached_copies``)
+    copies_fwd: int = 0
 
 
 def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
@@ -432,7 +439,22 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
         A_layers = max(A_layers - fused, 0)
     A_base -= fused_base  # masks (the causal one: more) and the loss's buffers
     return _Saved(A=A_layers + A_base, A_base=A_base, A_transient=A_transient, A_kept=A_kept,
-                  copies=copies, copies_head=copies_head, host=host, copies_all=copies_all)
+                  copies=copies, copies_head=copies_head, host=host,
+                  copies_fwd=copies_head + _cached_copies(info, copies_all - copies_head))
+
+
+def _cached_copies(info: ModelInfo, block_copies: int) -> int:
+    """Of the blocks' 16-bit weight copies (``block_copies``: every matmul weight's), those
+    autocast caches through a checkpointed forward: it caches a copy of a weight that
+    requires grad, and casts a frozen one again at each use (a LoRA base's: the forward's
+    end was 36% over with them), + the trainable fp32 adapters' matrices' copies."""
+    linear = [g for g in info.params if g.role == "linear" and len(g.shape) == 2
+              and g.quantized is None]
+    total = sum(g.numel * g.count for g in linear)
+    frozen = sum(g.numel * g.count for g in linear if not g.trainable)
+    adapters = sum(g.numel * g.count for g in info.params if g.role == "lora" and g.trainable
+                   and len(g.shape) == 2 and g.dtype == "float32")
+    return int(block_copies * (1 - frozen / total if total else 1.0)) + 2 * adapters
 
 
 def _block_input(c: dict, key: str, B: int, T: int, per_token: int) -> float:
@@ -729,7 +751,7 @@ def _forward_phase(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved:
     # batches with accumulation (bf16-mixed, checkpointing, 4 micro batches: measured on
     # the CPU 16.0% under without this, llamaw-b1s256-bf16m-gc-ga4-adafactor, -1.2% with
     # it; simulated 1B llama / GPT-2 / BERT-large steps on a card 6.9-15.7% under)
-    fwd_copies = saved.copies_all if config.gradient_checkpointing else copies
+    fwd_copies = saved.copies_fwd if config.gradient_checkpointing else copies
     fwd_c = c.get("forward")  # derived: the forward's transient above what it keeps
     forward = None
     if fwd_c is not None:
