@@ -329,9 +329,8 @@ def check_compile_mode(config: TrainConfig, device: DeviceInfo) -> None:
     graph and is estimated as the default mode (measured 3.1-3.3% above it on a small
     llama, ``reduce-overhead`` and ``max-autotune`` alike: the estimate 1.4-1.6% over;
     ``llamas-b4s256-compile*`` in ``benchmarks/results/accuracy.md``)."""
-    mode = getattr(config, "torch_compile_mode", None)
-    if (config.torch_compile and mode in CUDA_GRAPH_MODES
-            and getattr(device, "allocator", None) == "cuda"):
+    mode = config.torch_compile_mode
+    if config.torch_compile and mode in CUDA_GRAPH_MODES and device.allocator == "cuda":
         from autofit.errors import UnmodelledStepError
 
         raise UnmodelledStepError(

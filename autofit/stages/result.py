@@ -132,13 +132,14 @@ class ClosedForm:
         for seen, est in self._estimates:
             if seen == config:
                 return est
-        from autofit.errors import BadInputError
+        from autofit.errors import BadInputError, UnmodelledStepError
         from autofit.memory.ranks import estimate_analytic
 
         try:
             est = estimate_analytic(self.info, config, self.seq, self.dev)
-        except BadInputError:
-            if self.simulator is None:
+        except BadInputError as e:
+            # (a step the estimates refuse, a CUDA graph's pool: the simulation refuses it too)
+            if self.simulator is None or isinstance(e, UnmodelledStepError):
                 raise
             est = self.simulator.simulate(config, seq_len=self.seq)
         self._estimates.append((config, est))

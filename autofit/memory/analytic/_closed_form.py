@@ -440,7 +440,8 @@ def _saved_activations(info: ModelInfo, config: TrainConfig, T: int, device: Dev
     A_base -= fused_base  # masks (the causal one: more) and the loss's buffers
     return _Saved(A=A_layers + A_base, A_base=A_base, A_transient=A_transient, A_kept=A_kept,
                   copies=copies, copies_head=copies_head, host=host,
-                  copies_fwd=copies_head + _cached_copies(info, copies_all - copies_head))
+                  copies_fwd=(copies_head + _cached_copies(info, copies_all - copies_head)
+                              if cast and config.gradient_checkpointing else 0))
 
 
 def _cached_copies(info: ModelInfo, block_copies: int) -> int:
