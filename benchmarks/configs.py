@@ -435,6 +435,10 @@ CONFIGS: list[dict[str, Any]] = [
            gc=True, optimizer="adamw_torch_fused", accum=4),
     _gpt2("gpt2-b1s512-bf16m-gc-ga4-adafactor", batch=1, seq=512, precision="bf16-mixed",
           gc=True, optimizer="adafactor", accum=4),
+    # ... and without checkpointing, the head's backward makes its weight's gradient anew
+    # beside the held one and the logits' (untied; tied to the input embedding)
+    _llama("llama-b1s512-ga4-adafactor", batch=1, seq=512, optimizer="adafactor", accum=4),
+    _gpt2("gpt2-b1s512-ga4-adafactor", batch=1, seq=512, optimizer="adafactor", accum=4),
     # ... which dominate where the weights outweigh the logits (a narrow vocabulary)
     spec("llamaw-b1s256-bf16m-gc-ga4-adafactor", "llama", LLAMA_WIDE, "causal-lm", 1, 256,
          "bf16-mixed", gc=True, optimizer="adafactor", accum=4),
