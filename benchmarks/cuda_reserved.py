@@ -88,7 +88,7 @@ def least_capacity(events: list[Any], lo: int, hi: int) -> int:
 def simulate_rows(rows: dict[str, Any], tmp: Path) -> None:
     """The simulated figures of every grid row not in ``rows`` (saved as they come)."""
     from autofit.memory.allocator import replay
-    from autofit.memory.simulate._simulator import Simulator
+    from autofit.memory.simulate import Simulator
     from autofit.probe.device import resolve_device
     from autofit.probe.model import build_model
 

@@ -8,11 +8,12 @@ tiny llama (conftest): hidden h=64, intermediate i=160, 2 layers, 4 heads, 2 KV 
 """
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
-from autofit import TrainConfig
+from autofit import TrainConfig, estimate
 from autofit.errors import BadInputError, NoTrainableParametersError
 from autofit.memory.analytic import (
     cpu_library_cache_bytes,
@@ -365,10 +366,6 @@ def test_accumulation_keeps_the_new_head_gradient_beside_the_held_one(tmp_path):
     before autograd adds it to the held ``.grad``: a 1B llama's 128k x 2048 tied head at
     1 x 512 tokens outweighs the loss's two fp32 logits buffers (the closed form that took
     it as the held one was 3.4% under the simulated step on a card)."""
-    import json
-
-    from autofit import estimate
-
     path = tmp_path / "llama-1b.json"
     path.write_text(json.dumps({
         "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,

@@ -757,7 +757,7 @@ def _forward_phase(info: ModelInfo, config: TrainConfig, T: int, c: dict, saved:
     # the CPU 16.0% under without this, llamaw-b1s256-bf16m-gc-ga4-adafactor, -1.2% with
     # it; simulated 1B llama / GPT-2 / BERT-large steps on a card 6.9-15.7% under)
     # (a frozen weight's copy, made at its use, is one block's at a time: ``copies``)
-    fwd_copies = max(copies, saved.copies_fwd) if config.gradient_checkpointing else copies
+    fwd_copies = max(copies, saved.copies_fwd)  # (copies_fwd: 0 without checkpointing)
     fwd_c = c.get("forward")  # derived: the forward's transient above what it keeps
     forward = None
     if fwd_c is not None:
