@@ -116,7 +116,7 @@ def run_check_command(args: argparse.Namespace) -> int:
         eval_batch_size=int(eval_batch) if eval_batch else None, eval_required=evaluates,
         seq_len_source=s.seq_len_source, max_seq_len=s.max_seq_len, progress=progress,
         tokenizer=s.tokenizer, block_size=s.block_size, packing=s.packing,
-        recipe=recipe,
+        recipe=recipe, liger_loss=config.chunked_loss and trainer != "autofit",
     )
     from dataclasses import replace
 

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["FLAGS", "LIGER", "LigerKnob", "MODEL_TYPES", "emulated", "liger_keys",
-           "unsupported_reason"]
+           "patches_loss", "unsupported_reason"]
 
 USE, CONFIG = "use_liger_kernel", "liger_kernel_config"
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # liger patches each alike (monkey_patch.py)
@@ -128,6 +128,26 @@ def unsupported_reason(module: torch.nn.Module) -> str | None:
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         return f"liger's SwiGLU needs a silu activation, not {config.hidden_act!r}"
     return None
+
+
+def patches_loss(module: torch.nn.Module) -> bool:
+    """Whether ``use_liger_kernel`` swaps ``module``'s loss for liger's fused linear cross
+    entropy: liger patches a model type of its own table
+    (``liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN``, where
+    liger-kernel is installed; else the types autofit models liger for, the safe side) and
+    leaves any other as it is, computing the model's own loss over the full logits
+    (GPT-2's, BERT's).
+
+        >>> from autofit.probe.model import build_model
+        >>> patches_loss(build_model("tiny-llama")[0]), patches_loss(build_model("tiny-gpt2")[0])
+        (True, False)
+    """
+    model_type = getattr(getattr(_base(module), "config", None), "model_type", None)
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        return model_type in MODEL_TYPES
+    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
 @contextlib.contextmanager

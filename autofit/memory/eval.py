@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, DoesNotFitError
 from autofit.memory.analytic._activations import _dequantized_bytes
-from autofit.memory.analytic._closed_form import _CUDA_FRAGMENTATION
+from autofit.memory.analytic._reserved import _CUDA_FRAGMENTATION
 from autofit.memory.analytic._states import _bytes, _linear_weight_numel, optimizer_state_bytes
 from autofit.memory.analytic._states import weights_bytes as _train_weights_bytes
 from autofit.memory.breakdown import Component, MemoryEstimate

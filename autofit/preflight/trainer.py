@@ -331,6 +331,8 @@ def preflight(
         config = trainer_loss(config, trainer, args)
     elif declared is not None:
         config = trainer_loss(config, declared, args)
+    # (the chunked loss of a trainer other than ChunkedLossTrainer is liger's: its field)
+    runs = trainer_of(trainer) if trainer is not None else declared
     packing = None
     if block_size is None and max_seq_len is None and isinstance(d.get("max_length"), int):
         if d.get("packing") and given is not None:  # SFTTrainer packs into max_length rows
@@ -349,7 +351,7 @@ def preflight(
                        eval_seq_len=eval_seq, generate_max_new_tokens=gen, fix=fix,
                        max_seq_len=max_seq_len, tokenizer=tokenizer, collator=collator,
                        timeout_s=timeout_s, block_size=block_size, packing=packing,
-                       recipe=recipe)
+                       recipe=recipe, liger_loss=config.chunked_loss and runs != "autofit")
     if report.changes:
         _apply(args, trainer, report.changes)
         what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in report.changes.items())

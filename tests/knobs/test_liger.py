@@ -183,6 +183,44 @@ def test_a_trial_of_the_chunked_loss_liger_carries_runs_liger_s_loss(monkeypatch
                         "rms_norm": False, "swiglu": False, "rope": False}]
 
 
+def test_use_liger_kernel_on_a_model_liger_leaves_alone_checks_the_full_logits(tmp_path, capsys,
+                                                                               monkeypatch):
+    """A plain Trainer's ``use_liger_kernel`` on a model liger patches nothing in (GPT-2)
+    runs the model's own loss over the full logits: ``autofit check`` estimates that, not
+    the chunked loss (at 8 x 512 tokens in bf16 it said 0.6 GiB where the step holds 2.9),
+    and says why; on a model liger patches (llama) the fused loss stays."""
+    import json
+
+    from autofit.cli import main
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+
+    def check(model: str, fields: dict) -> tuple[str, str]:
+        path = tmp_path / f"{model}-{len(fields)}.json"
+        path.write_text(json.dumps({"output_dir": "out", "per_device_train_batch_size": 8,
+                                    "bf16": True, **fields}))
+        rc = main(["check", str(path), "--model", model, "--device", "H100-80GB",
+                   "--seq-len", "512", "--json"])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        report = json.loads(out)
+        return report["estimate"]["device_total_bytes"], " ".join(report["reasons"])
+
+    (liger, why), (plain, _) = (check("tiny-gpt2", f) for f in ({"use_liger_kernel": True}, {}))
+    assert liger == plain and "liger patches nothing in tiny-gpt2" in why
+    (liger, why), (plain, _) = (check("tiny-llama", f) for f in ({"use_liger_kernel": True}, {}))
+    assert liger < plain and "liger patches nothing" not in why
+    # the Python pre-flight of the same arguments, as a script calls it before train()
+    from autofit import preflight
+
+    args = {"output_dir": "out", "per_device_train_batch_size": 8, "bf16": True}
+    liger, plain = (preflight({**args, **f}, model="tiny-gpt2", device="H100-80GB",
+                              seq_len=512, cache=False)
+                    for f in ({"use_liger_kernel": True}, {}))
+    assert liger.estimate.device_total_bytes == plain.estimate.device_total_bytes
+    assert any("liger patches nothing" in r for r in liger.reasons)
+
+
 def test_a_model_liger_is_not_modelled_for_is_estimated_as_it_is(tmp_path, capsys, monkeypatch):
     """Asked for a model autofit does not model liger for, liger is refused in one line; a
     user's file with use_liger_kernel for such a model (GPT-2: liger applies nothing to it)

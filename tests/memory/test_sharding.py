@@ -277,7 +277,9 @@ def test_one_process_is_byte_identical_to_main(monkeypatch):
     # (tiny-gpt2's CPU simulation at micro batch 1 x 2 recorded again when the simulated
     # batch's ids took real values: two 512 B batch tensors die in another order, +1,088 B
     # of heap in the allocator model; both CPU simulations recorded again when the autograd
-    # graph's host memory was held node by node, in the heap's holes: +325 KB and +92 KB)
+    # graph's host memory was held node by node, in the heap's holes: +325 KB and +92 KB;
+    # tiny-llama's analytic A100 case when the CUDA reserved rule became what the caching
+    # allocator can strand: 941 -> 1,075 MB, the simulated stream's least capacity 950)
     monkeypatch.setattr("autofit.probe.device.cpu_capability", lambda: "AVX2")
     for case in json.loads(DATA.read_text()):
         est = estimate(case["model"], TrainConfig(**case["config"]), seq_len=case["seq_len"],

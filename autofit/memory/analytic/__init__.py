@@ -5,19 +5,15 @@ training step, what the parameters hold (``_states``: weights, gradients, optimi
 states), the activations the blocks save (``_activations``: the fitted
 ``coefficients.json``, or coefficients ``derived`` from the model's own forward), the
 levers' terms (``_levers``: chunked loss, offloading, ``torch_compile``) and the CPU math
-libraries' caches (``_cpu_cache``).
+libraries' caches (``_cpu_cache``); on a CUDA card, what the caching allocator reserves
+above them (``_reserved``).
 
     >>> from autofit.memory.analytic import estimate_analytic, weights_bytes
 """
 
 from autofit.memory.allocator._common import pinned_bytes
 from autofit.memory.analytic._activations import kept_input_bytes, offloaded_bytes
-from autofit.memory.analytic._closed_form import (
-    AnalyticTerms,
-    analytic_phases,
-    cuda_reserved_bytes,
-    estimate_analytic,
-)
+from autofit.memory.analytic._closed_form import AnalyticTerms, analytic_phases, estimate_analytic
 from autofit.memory.analytic._cpu_cache import cpu_half_run_bytes, cpu_library_cache_bytes
 from autofit.memory.analytic._levers import (
     chunked_loss_bytes,
@@ -25,6 +21,7 @@ from autofit.memory.analytic._levers import (
     loss_chunk_rows,
     offload_note,
 )
+from autofit.memory.analytic._reserved import cuda_reserved_bytes
 from autofit.memory.analytic._states import (
     gradients_bytes,
     optimizer_state_bytes,

@@ -66,9 +66,11 @@ Known limitations:
     * NB: block families other than llama-like, GPT-2, BERT and T5 use the
       coefficients of the closest family (same norm, gated MLP or not); the
       ``simulate`` method has no such approximation.
-    * NB: CUDA reserved memory is allocated + a fragmentation allowance (6%, 20%
-      with checkpointing, fitted to the simulate method's allocator replays, which
-      ranged 1.6-28%); the simulate method replays the real allocation stream.
+    * NB: CUDA reserved memory is allocated + 2-3% + what the caching allocator can
+      strand (``cuda_reserved_bytes``: the step's largest transient buffers and a few
+      shared segments), fitted to the least capacity the simulate method's allocator
+      replays run in (``benchmarks/cuda_reserved.py``); the simulate method replays the
+      real allocation stream.
     * On a CUDA target, grouped-query attention in SDPA runs in flash attention
       (16-bit, sm80+) or else in the math kernel ((T, T) scores: fp32, or a T4 /
       V100 in fp16), which is estimated with the eager coefficients (within 0.3% of
@@ -101,6 +103,7 @@ from autofit.memory.analytic._activations import (
 )
 from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes, cpu_library_once_bytes
 from autofit.memory.analytic._levers import _compile_parts, chunked_loss_bytes, offload_note
+from autofit.memory.analytic._reserved import cuda_reserved_bytes, stranded_bytes
 from autofit.memory.analytic._states import (
     _bytes,
     _linear_weight_numel,
@@ -116,14 +119,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import BlockSpec, ModelInfo
 
-__all__ = ["estimate_analytic", "analytic_phases", "AnalyticTerms", "cuda_reserved_bytes"]
+__all__ = ["estimate_analytic", "analytic_phases", "AnalyticTerms"]
 
-# CUDA: reserved above allocated for a training step's mix of sizes (best-fit
-# caching allocator, 20 MiB segments for 1-10 MiB requests, no merging across
-# segments). Calibrated against the simulate method's allocator replay (Llama-3.2-1B,
-# GPT-2, BERT, T5 and tiny models on an H100 target: 1.6-12.5% without
-# checkpointing, 16-28% with it: recomputed activations interleave with gradients).
-_CUDA_FRAGMENTATION = 0.06
 # TRL's fused loss (autofit.knobs.trl_loss): fp32 (rows, cols) temporaries of TRL's torch
 # fallback (CPU) alive at once in a tile's backward (TRL 1.16 _backward_tile at
 # ``grad += g * (is_target.float() - p)``: y, z, log_p, p, grad, the difference and the
@@ -131,32 +128,6 @@ _CUDA_FRAGMENTATION = 0.06
 # saves besides the hidden states (fp32 log Z and entropy, int64 labels, the clamped copy)
 TRL_CPU_TILE_TEMPS = 7.25
 TRL_SAVED_PER_TOKEN = 4 + 4 + 8 + 8
-_CUDA_FRAGMENTATION_CHECKPOINTING = 0.20
-_CUDA_FRAGMENTATION_FORWARD = 0.10  # the forward's end with checkpointing
-
-
-def cuda_reserved_bytes(phases: dict[str, tuple[float, dict[str, float]]],
-                        config: TrainConfig) -> int:
-    """The caching allocator's reserved peak over a step's candidate phases: each phase's
-    allocated bytes with the fragmentation of what it interleaves. Recomputed activations
-    interleave with gradients in a checkpointed backward (``_CUDA_FRAGMENTATION_CHECKPOINTING``);
-    the optimizer step does not (a bert-large full fine-tune with checkpointing peaks in
-    it: simulate's allocator replay +0.3%, the step's 20% applied there +17.8% over a
-    published V100 measurement); a checkpointed forward interleaves less
-    (``_CUDA_FRAGMENTATION_FORWARD``: a 1B llama's, GPT-2 medium's and bert-large's
-    forward ends under autocast with 4 micro batches, the replay 2.6-5.5% with fused
-    AdamW, 6.7-9.1% with Adafactor; the checkpointed 20% put bert-large's fp16 row on
-    the V100 13% over)."""
-    def frag(phase: str) -> float:
-        if config.gradient_checkpointing and phase == "forward":
-            return _CUDA_FRAGMENTATION_FORWARD
-        if config.gradient_checkpointing and phase != "optimizer":
-            return _CUDA_FRAGMENTATION_CHECKPOINTING
-        return _CUDA_FRAGMENTATION
-
-    return int(max(b * (1 + frag(p)) for p, (b, _) in phases.items()))
-
-
 @dataclass(frozen=True)
 class AnalyticTerms:
     """The closed form's pieces for one rank holding everything (``analytic_phases``).
@@ -193,6 +164,8 @@ class AnalyticTerms:
     # derived: the step's oneDNN primitives and whether it runs a 16-bit flash attention
     # (``cpu_library_cache_bytes``'s ``half_step``); None: not known
     half_step: tuple[int, bool] | None = None
+    # what the CUDA caching allocator can strand above the live bytes (``_reserved.stranded_bytes``)
+    stranded: int = 0
 
 
 @dataclass(frozen=True)
@@ -248,7 +221,8 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
                          block_bwd_temp=block_bwd_temp, derived=bool(c.get("derived")),
                          half_matmuls=c.get("half_matmuls"),
                          half_step=(int(c["half_step"][0]), bool(c["half_step"][1]))
-                         if c.get("half_step") else None)
+                         if c.get("half_step") else None,
+                         stranded=stranded_bytes(info, config, seq_len, _full_logits(info, config)))
 
 
 def _derived_block_backward(info: ModelInfo, config: TrainConfig, T: int, c: dict) -> float:
@@ -327,6 +301,12 @@ def _lm(info: ModelInfo, config: TrainConfig) -> tuple[int, bool, bool]:
     trl = config.loss_impl == "trl" and lm  # TRL's fused LM head (SFTTrainer)
     chunked = (config.chunked_loss or trl) and lm
     return (info.vocab_size if lm else 0), trl, chunked
+
+
+def _full_logits(info: ModelInfo, config: TrainConfig) -> int:
+    """The width of the (B, T, V) logits the step's loss makes whole (0: none, or chunked)."""
+    V, _, chunked = _lm(info, config)
+    return 0 if chunked else V
 
 
 def _model_state(info: ModelInfo, config: TrainConfig, c: dict) -> tuple[int, int, int]:
@@ -831,7 +811,7 @@ def estimate_analytic(
     peak_alloc = int(peak_alloc) + lib_cache
 
     if device.allocator == "cuda":
-        peak_reserved = cuda_reserved_bytes(phases, config)
+        peak_reserved = cuda_reserved_bytes(phases, terms.stranded)
     else:
         peak_reserved = peak_alloc
     # what the CPU's libraries keep once per process, where told apart: overhead

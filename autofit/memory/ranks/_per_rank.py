@@ -139,8 +139,8 @@ def estimate_ranks_analytic(info: ModelInfo, config: TrainConfig, seq_len: int,
 def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: DeviceInfo,
                    rank: _Rank, terms: AnalyticTerms) -> MemoryEstimate:
     """One rank's MemoryEstimate from its phases (as ``estimate_analytic`` builds one)."""
-    from autofit.memory.analytic._closed_form import cuda_reserved_bytes
     from autofit.memory.analytic._cpu_cache import cpu_library_cache_bytes, cpu_library_once_bytes
+    from autofit.memory.analytic._reserved import cuda_reserved_bytes
 
     phase, (peak, parts) = max(rank.phases.items(), key=lambda kv: kv[1][0])
     parts = {k: int(v) for k, v in parts.items()}
@@ -151,7 +151,8 @@ def _rank_estimate(info: ModelInfo, config: TrainConfig, seq_len: int, device: D
                                         half_step=terms.half_step)
     parts[Component.TEMPORARIES] = parts.get(Component.TEMPORARIES, 0) + lib_cache
     peak = int(peak) + lib_cache
-    reserved = cuda_reserved_bytes(rank.phases, config) if device.allocator == "cuda" else peak
+    reserved = (cuda_reserved_bytes(rank.phases, terms.stranded)
+                if device.allocator == "cuda" else peak)
     once = cpu_library_once_bytes(info, config, seq_len, device, half_step=terms.half_step)
     total = reserved + device.overhead_bytes + once
     breakdown = {k: parts.get(k, 0) for k in (Component.WEIGHTS, Component.GRADIENTS, Component.OPTIMIZER_STATES,
