@@ -65,9 +65,10 @@ def _overrides(args: argparse.Namespace) -> bool:
 
 
 def _estimated(args: argparse.Namespace, fields: dict[str, object], meta: dict[str, object],
-               config: Any, source: Any = None) -> Any:
+               config: Any, source: Any = None, liger_loss: bool = False) -> Any:
     """ReportData of the file's configuration (``config``: as the declared trainer runs the
-    fields), estimated for the model, data and device."""
+    fields), estimated for the model, data and device. ``liger_loss``: the chunked loss in
+    ``config`` is liger's (``use_liger_kernel``), which runs only on a model liger patches."""
     from autofit.api import estimate
     from autofit.report.files import ReportData
 
@@ -86,6 +87,13 @@ def _estimated(args: argparse.Namespace, fields: dict[str, object], meta: dict[s
     else:
         reasons.append(f"sequence length {seq_len}: {s.seq_len_source}")
     config = config.replace(seq_len=seq_len)
+    if (liger_loss and config.chunked_loss) or config.liger_kernels:
+        from autofit.knobs.liger import liger_as_run
+        from autofit.probe.model import build_model
+
+        module, _ = build_model(s.model, task=s.task)  # (on the meta device; cached)
+        config, why = liger_as_run(config, module, str(s.model), liger_loss=liger_loss)
+        reasons += [why] if why else []
     est = estimate(s.model, config, seq_len=seq_len, device=s.device, method=args.method,
                    task=s.task)
     reasons.append(f"{est.method} estimate of the file's configuration; no trial "
@@ -136,7 +144,8 @@ def run_report_command(args: argparse.Namespace) -> int:
     else:  # the file's notes first (a tuned file's metadata holds them already)
         from dataclasses import replace
 
-        data = _estimated(args, fields, meta, config, source)
+        data = _estimated(args, fields, meta, config, source,
+                          liger_loss=trainer != "autofit")
         data = replace(data, reasons=(*source.notes, *data.reasons))
     png, page = write_report(data, out)
     console = Console()

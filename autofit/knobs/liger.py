@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["FLAGS", "LIGER", "LigerKnob", "MODEL_TYPES", "emulated", "liger_keys",
-           "patches_loss", "unsupported_reason"]
+           "liger_as_run", "patches_loss", "unsupported_reason"]
 
 USE, CONFIG = "use_liger_kernel", "liger_kernel_config"
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # liger patches each alike (monkey_patch.py)
@@ -148,6 +148,23 @@ def patches_loss(module: torch.nn.Module) -> bool:
     except ImportError:
         return model_type in MODEL_TYPES
     return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
+def liger_as_run(config: TrainConfig, module: torch.nn.Module, name: str, *,
+                 liger_loss: bool) -> tuple[TrainConfig, str | None]:
+    """``config`` as a file's ``use_liger_kernel`` runs on ``module`` (named ``name``), and
+    why it differs (None: it does not). ``liger_loss``: ``config``'s chunked loss is liger's
+    fused loss (under a plain or TRL trainer; ChunkedLossTrainer's runs on any model). On a
+    model liger patches nothing in, neither liger's kernels nor its loss run: the model's
+    own loss over the full logits does (GPT-2 in bf16 at 8 x 512 tokens: 2.9 GiB, where the
+    chunked loss would hold 0.6)."""
+    loss = liger_loss and config.chunked_loss
+    if not (loss or config.liger_kernels) or patches_loss(module):
+        return config, None
+    model_type = getattr(getattr(_base(module), "config", None), "model_type", None)
+    return config.replace(chunked_loss=config.chunked_loss and not loss, liger_kernels=False), (
+        f"use_liger_kernel: liger patches nothing in {name} (model type {model_type!r}), "
+        "so its own loss over the full logits runs: estimated so")
 
 
 @contextlib.contextmanager

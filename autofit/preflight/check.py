@@ -217,20 +217,14 @@ class _Checker:
     # -- one configuration ---------------------------------------------------------------
     def as_run(self, config: TrainConfig) -> tuple[TrainConfig, str | None]:
         """``config`` as the file's trainer runs it on this model, and why it differs (None:
-        it does not): liger's fused loss (``use_liger_kernel``) only where liger patches the
-        model; on another model type liger applies nothing and the model computes its own
-        loss over the full logits (GPT-2 in bf16 at 8 x 512 tokens: 2.9 GiB, where the
-        chunked loss would hold 0.6)."""
-        if not (self.liger_loss and config.chunked_loss):
+        it does not): liger's kernels and fused loss only where liger patches the model
+        (``autofit.knobs.liger.liger_as_run``)."""
+        if not ((self.liger_loss and config.chunked_loss) or config.liger_kernels):
             return config, None
-        self.info  # noqa: B018 -- builds the model
-        from autofit.knobs.liger import patches_loss
+        from autofit.knobs.liger import liger_as_run
 
-        if patches_loss(self._module):
-            return config, None
-        return config.replace(chunked_loss=False), (
-            f"use_liger_kernel: liger patches nothing in {self.info.name} (model type "
-            f"{self.info.model_type!r}), so its own loss over the full logits runs: checked so")
+        info = self.info  # (builds the model: self._module)
+        return liger_as_run(config, self._module, info.name, liger_loss=self.liger_loss)
 
     def assess(self, config: TrainConfig) -> _Assessment:
         key = self.key(config)

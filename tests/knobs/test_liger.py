@@ -219,6 +219,19 @@ def test_use_liger_kernel_on_a_model_liger_leaves_alone_checks_the_full_logits(t
                     for f in ({"use_liger_kernel": True}, {}))
     assert liger.estimate.device_total_bytes == plain.estimate.device_total_bytes
     assert any("liger patches nothing" in r for r in liger.reasons)
+    # and the report of the file (its picture and page)
+    pytest.importorskip("matplotlib")
+    totals = []
+    for f in ({"use_liger_kernel": True}, {}):
+        path = tmp_path / f"report-{len(f)}.json"
+        path.write_text(json.dumps({**args, **f}))
+        rc = main(["report", str(path), "--model", "tiny-gpt2", "--device", "H100-80GB",
+                   "--seq-len", "512", "-o", str(tmp_path / f"report-{len(f)}.html")])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        totals.append([ln for ln in out.splitlines() if "device total" in ln])
+        assert ("liger patches nothing in tiny-gpt2" in " ".join(out.split())) == bool(f)
+    assert totals[0] == totals[1] and totals[0]
 
 
 def test_a_model_liger_is_not_modelled_for_is_estimated_as_it_is(tmp_path, capsys, monkeypatch):

@@ -280,4 +280,6 @@ def test_nothing_fits_offers_it_on_a_cuda_card():
     import re
 
     offered = re.search(r"activations offloaded \(.*?\) ~([0-9.]+) GiB", msg)
-    assert offered and 16 < float(offered.group(1)) < 19.8  # under the 90% budget
+    # under the 90% budget, and about what the simulated step needs (the least capacity its
+    # allocation stream runs in, 14.95 GiB, + the context)
+    assert offered and 15 < float(offered.group(1)) < 19.8

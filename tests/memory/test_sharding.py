@@ -279,7 +279,7 @@ def test_one_process_is_byte_identical_to_main(monkeypatch):
     # of heap in the allocator model; both CPU simulations recorded again when the autograd
     # graph's host memory was held node by node, in the heap's holes: +325 KB and +92 KB;
     # tiny-llama's analytic A100 case when the CUDA reserved rule became what the caching
-    # allocator can strand: 941 -> 1,075 MB, the simulated stream's least capacity 950)
+    # allocator can strand: 941 -> 1,076 MB, the simulated stream's least capacity 950)
     monkeypatch.setattr("autofit.probe.device.cpu_capability", lambda: "AVX2")
     for case in json.loads(DATA.read_text()):
         est = estimate(case["model"], TrainConfig(**case["config"]), seq_len=case["seq_len"],

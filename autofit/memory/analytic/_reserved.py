@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from autofit.config import TrainConfig
 from autofit.memory.allocator import K_LARGE_BUFFER
-from autofit.memory.analytic._states import _param_dtype_bytes
+from autofit.memory.analytic._states import _bytes, _param_dtype_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from autofit.probe.model import ModelInfo
@@ -25,8 +25,10 @@ _CUDA_FRAGMENTATION = 0.06
 # least capacity (below which its own free-and-retry fails: an OOM) of 64 real-size steps
 # (Llama-3.2-1B, GPT-2 medium, bert-large, Qwen2-0.5B on an H100: checkpointing,
 # precision, micro batch x accumulation, optimizer; ``benchmarks/cuda_reserved.py``):
-# none under it by more than 3% (lowest -1.2%), +7.3% median over; on 32 held out
-# (SmolLM2-360M, Gemma-2B) none under, +6.8% median. The flat allowance it replaces (6%,
+# none under it by more than 3% (lowest -0.9%), +7.5% median over; on 32 held out
+# (SmolLM2-360M, Gemma-2B) none under (lowest +0.2%), +6.9% median; on long sequences
+# (a 1B llama at 8k-49k tokens, full and LoRA, offloaded; Qwen2-0.5B LoRA at 16k) -0.2%
+# lowest. The flat allowance it replaces (6%,
 # 20% with checkpointing, 10% at a checkpointed forward's end) was 8.9% under on a
 # big-vocabulary step, whose (tokens, vocabulary) and (vocabulary, hidden) buffers
 # fragment the cache 10-16% above the live bytes, and 19% over where a step's peak is
@@ -55,13 +57,23 @@ def cuda_reserved_bytes(phases: dict[str, tuple[float, dict[str, float]]],
 def stranded_bytes(info: ModelInfo, config: TrainConfig, T: int, logits_width: int) -> int:
     """What the caching allocator can strand above a step's live bytes: the loss's fp32
     (tokens, ``logits_width``) buffer (0: none, or a chunked or fused loss, whose buffers
-    are a chunk's) and the largest trainable parameter's gradient, each allocated in a
-    segment of its own and, once freed, split by smaller blocks that keep it (what the 96
-    simulated real-size steps of ``benchmarks/cuda_reserved.py`` needed above their live
-    bytes grew with these two: a 152k vocabulary's 10-23%), + a few shared segments
-    (``_CUDA_STRANDED_SEGMENTS``)."""
-    loss = config.micro_batch_size * (T + info.virtual_tokens) * logits_width * 4
+    are a chunk's), the largest trainable parameter's gradient and the widest activation
+    of a block, each allocated in a segment of its own and, once freed, split by smaller
+    blocks that keep it (what the 96 simulated real-size steps of
+    ``benchmarks/cuda_reserved.py`` needed above their live bytes grew with the first two:
+    a 152k vocabulary's 10-23%), + a few shared segments (``_CUDA_STRANDED_SEGMENTS``)."""
+    tokens = config.micro_batch_size * (T + info.virtual_tokens)
     quantized = info.quant is not None
     grad = max((g.numel * _param_dtype_bytes(g, config, quantized)
                 for g in info.params if g.trainable), default=0)
-    return loss + grad + _CUDA_STRANDED_SEGMENTS * K_LARGE_BUFFER
+    # (all of the loss's buffer: how much of it a step strands varies with what its
+    # backward carves out of it, 0.04x Qwen2-0.5B's with LoRA at 16k tokens, 0.57x a 1B
+    # llama's with LoRA at 4 x 512, more than its gradients on tiny models: taking the
+    # gradients as the bound put tiny-gpt2 at 8 x 512 12.5% under)
+    loss = tokens * logits_width * 4
+    # the widest activation a block makes (its feed-forward's): at long sequences the
+    # largest buffer of all (a 1B llama at 49k tokens: 768 MiB; LoRA with the chunked loss,
+    # 3.3-5.3% under the simulated least capacity without it)
+    widest = max([b.intermediate_size or 0 for b in info.blocks] + [info.hidden_size or 0])
+    act = tokens * widest * _bytes(config.precision_spec.compute_dtype)
+    return loss + grad + act + _CUDA_STRANDED_SEGMENTS * K_LARGE_BUFFER
