@@ -16,7 +16,6 @@ distributed_measure.py), so it includes the rank's weights.
 
     python benchmarks/distributed_accuracy.py                  # both methods, all rows
     python benchmarks/distributed_accuracy.py --methods analytic --names ddp2-fp32
-    python benchmarks/distributed_accuracy.py --published-only  # the published table
 
 Strategy names: ``fsdp`` with ``reshard_after_forward`` false is autofit's
 ``"fsdp-shard-grad-op"``; the others keep their names. DDP's ``bucket_cap_mb`` and
