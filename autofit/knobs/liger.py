@@ -118,6 +118,11 @@ def _base(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, getattr(model, "base_model_prefix", ""), model)
 
 
+def _model_type(module: torch.nn.Module) -> str | None:
+    """The model type of the decoder liger patches (None: no config says)."""
+    return getattr(getattr(_base(module), "config", None), "model_type", None)
+
+
 def unsupported_reason(module: torch.nn.Module) -> str | None:
     """Why autofit cannot model liger's kernels for ``module`` (None: it can)."""
     config = getattr(_base(module), "config", None)
@@ -142,7 +147,7 @@ def patches_loss(module: torch.nn.Module) -> bool:
         >>> patches_loss(build_model("tiny-llama")[0]), patches_loss(build_model("tiny-gpt2")[0])
         (True, False)
     """
-    model_type = getattr(getattr(_base(module), "config", None), "model_type", None)
+    model_type = _model_type(module)
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError:
@@ -161,7 +166,7 @@ def liger_as_run(config: TrainConfig, module: torch.nn.Module, name: str, *,
     loss = liger_loss and config.chunked_loss
     if not (loss or config.liger_kernels) or patches_loss(module):
         return config, None
-    model_type = getattr(getattr(_base(module), "config", None), "model_type", None)
+    model_type = _model_type(module)
     return config.replace(chunked_loss=config.chunked_loss and not loss, liger_kernels=False), (
         f"use_liger_kernel: liger patches nothing in {name} (model type {model_type!r}), "
         "so its own loss over the full logits runs: estimated so")
