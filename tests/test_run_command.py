@@ -359,15 +359,12 @@ EVALUATING = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "the evaluation sits at the budget's edge: bf16's per-length oneDNN kernels are counted "
-    "now (cpu_half_run_bytes), so 32-true is tuned, with eval batch 8 measured at 988 MiB in "
-    "the trial; the Trainer's evaluation in this script measures 1011 MiB (1.024 of the "
-    "promise; 1.12 before, in bf16) and its address space passes the 1 GiB RLIMIT_AS"))
 def test_an_evaluating_run_stays_within_the_tuned_promise(tmp_path):
     # the whole-run figure counts the evaluation at the tuned eval batch as the trial
-    # measured it (its ratio to the estimate), not the raw estimate: 837 MiB promised and
-    # 949 measured (1.13x) before
+    # measured it (its ratio to the estimate), not the raw estimate (837 MiB promised and
+    # 949 measured, 1.13x, before), and what the first step's one-time set-up leaves
+    # resident, which the trial measures apart and the run counts (978 MiB promised and
+    # 1011 measured, 1.034x, before: eval batch 8, now 7)
     env = dict(os.environ, PYTHONPATH=str(ROOT), AUTOFIT_CACHE_DIR=str(tmp_path / "cache"),
                OMP_NUM_THREADS="1")
     tuned = tmp_path / "tuned.yaml"
@@ -386,4 +383,5 @@ def test_an_evaluating_run_stays_within_the_tuned_promise(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     out = last_json(p.stdout)
     assert out["survived"]
-    assert out["measured_bytes"] <= out["predicted_bytes"] * 1.05, out
+    # within the CPU's stated 3% safety (the Trainer's own objects are not modelled)
+    assert out["measured_bytes"] <= out["predicted_bytes"] * 1.03, out

@@ -334,7 +334,9 @@ class _Checker:
     def need(self, a: _Assessment) -> tuple[int | None, str]:
         """(bytes needed, where the number comes from)."""
         if a.trial is not None and a.trial.fits and a.trial.device_total_bytes is not None:
-            return int(a.trial.device_total_bytes), "measured"
+            # + what the trial's set-up step left resident on a CPU: the run counts it
+            return (int(a.trial.device_total_bytes) + int(getattr(a.trial, "setup_bytes", 0)
+                                                          or 0), "measured")
         if a.trial is not None and a.trial.oom:
             return None, "out of memory in a trial"
         if a.estimate is not None:

@@ -89,7 +89,9 @@ class PreflightReport:
 
         c, t = self.config, self.trial
         if t is not None and t.fits and t.device_total_bytes is not None:
-            need = f"measured {format_bytes(t.device_total_bytes)}"
+            once = int(getattr(t, "setup_bytes", 0) or 0)  # (the checker's need counts it)
+            need = f"measured {format_bytes(t.device_total_bytes + once)}" + (
+                f" (with {format_bytes(once)} of one-time set-up)" if once else "")
         elif t is not None and t.oom:
             need = "out of memory in a trial"
         elif self.estimate is not None:

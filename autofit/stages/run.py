@@ -297,8 +297,9 @@ def whole_run(probed: Probed, engine: Engine, outcome: SearchOutcome, est: Memor
                                 generate_max_new_tokens=whole.options.generate_max_new_tokens)
                   .device_total_bytes if estimable else 0)
     evaluation += growth if evaluation else 0
-    predicted = max(step + extra, eval_need if eval_need is not None else evaluation)
-    total = max(est.device_total_bytes + growth + extra, evaluation)
+    once = setup_residue(outcome)  # a CPU run counts its one-time set-up; a trial's peaks not
+    predicted = max(step + extra, eval_need if eval_need is not None else evaluation) + once
+    total = max(est.device_total_bytes + growth + extra, evaluation) + once
     est = dataclasses.replace(est, run_device_total_bytes=total,
                               run_peak_reserved_bytes=total - dev.overhead_bytes,
                               fits=total <= est.capacity_bytes)
@@ -307,6 +308,9 @@ def whole_run(probed: Probed, engine: Engine, outcome: SearchOutcome, est: Memor
     if growth:
         parts.append(f"with {format_bytes(growth)} of oneDNN's 16-bit kernels for the run's "
                      f"{shapes} other micro-batch shapes, kept for good on this CPU")
+    if once:
+        parts.append(f"+ {format_bytes(once)} that the first step's one-time set-up leaves "
+                     "resident, measured by the trial")
     reasons.append(f"whole run: needs ~{format_bytes(predicted)} of "
                    f"{format_bytes(dev.capacity_bytes)} ({' '.join(parts)}"
                    + (f"; an evaluation at eval batch {eval_micro} "
@@ -316,6 +320,17 @@ def whole_run(probed: Probed, engine: Engine, outcome: SearchOutcome, est: Memor
                       if eval_micro is not None else "")
                    + ")")
     return est, int(predicted)
+
+
+def setup_residue(outcome: SearchOutcome) -> int:
+    """What the first step's one-time set-up left resident in the trials of ``outcome``
+    (their most; 0 where none measured it: trials on an accelerator, on several ranks, or
+    none ran). A trial on the CPU runs its set-up step before its baseline (autograd's and
+    the math libraries' one-time set-up, the first-touch pages of their code: 20 MiB for
+    tiny-gpt2), so its peaks leave it out, while ``autofit run`` counts a process from its
+    model's construction: the whole-run figure adds it once."""
+    return max((int(t.setup_bytes) for t in outcome.trials
+                if getattr(t, "setup_bytes", None)), default=0)
 
 
 def eval_from_trial(outcome: SearchOutcome, config: TrainConfig, eval_micro: int | None,
@@ -338,18 +353,21 @@ def eval_from_trial(outcome: SearchOutcome, config: TrainConfig, eval_micro: int
         return eval_micro, None, ""
     t = ran[-1]
     measured = int(t.eval_device_total_bytes)
+    once = setup_residue(outcome)  # counted by the run besides the step (whole_run adds it)
     budget = int(dev.capacity_bytes * (1 - margin))
-    if not t.eval_oom and measured <= budget:
+    with_once = f" + {format_bytes(once)} of one-time set-up" if once else ""
+    if not t.eval_oom and measured + once <= budget:
         reasons.append(f"eval micro batch {eval_micro}: its evaluation step measured "
-                       f"{format_bytes(measured)} in the trial, inside the run "
+                       f"{format_bytes(measured)}{with_once} in the trial, inside the run "
                        f"(≤ budget {format_bytes(budget)})")
         return eval_micro, measured, f"measured {format_bytes(measured)}"
     estimated = estimate_eval(info, eval_micro, seq, dev, training=config).device_total_bytes
     # what the trial saw, as a ratio to the estimate (an OOM: at least the capacity)
     ratio = max(1.0, (dev.capacity_bytes * 1.05 if t.eval_oom else measured) / estimated)
-    scaled = 1 - (1 - margin) / ratio  # need x ratio <= budget  <=>  need <= cap x (1 - scaled)
-    what = ("ran out of memory" if t.eval_oom else f"measured {format_bytes(measured)} > "
-            f"budget {format_bytes(budget)}")
+    # need x ratio + once <= budget  <=>  need <= cap x (1 - scaled)
+    scaled = 1 - (1 - margin - once / dev.capacity_bytes) / ratio
+    what = ("ran out of memory" if t.eval_oom else f"measured {format_bytes(measured)}"
+            f"{with_once} > budget {format_bytes(budget)}")
     smaller = eval_micro_batch(info, config, seq, dev, min(scaled, 0.99),
                                min(eval_micro - 1, max_micro) if eval_micro > 1 else 1, None, [])
     if smaller is None or smaller >= eval_micro:

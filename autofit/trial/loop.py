@@ -6,7 +6,9 @@ Shared by the in-process runner (``trial.py``) and the trial child
 1. prepare the model as the Trainer does; one set-up step on one sample at the
    batch's full length (``step.setup_batch``) and free it: autograd and kernel
    one-time set-up, lazy imports, first-touch pages and the mappings a process
-   keeps after its first real-size step happen here, not in the measurement;
+   keeps after its first real-size step happen here, not in the measurement
+   (on the CPU what they leave resident is kept apart, ``RawTrial.setup_bytes``: a run
+   counts it, ``autofit.stages.run.whole_run``);
    with ``torch_compile`` the set-up steps are one at every shape the trial will
    step instead (the batch, the run's lengths, the evaluation step): compilation, its
    memory and the compiled code a run keeps happen here, neither measured nor timed
@@ -92,6 +94,9 @@ class RawTrial:
     over_budget: bool = False  # stopped once the peak passed RunSpec.stop_above_bytes
     outpaced: bool = False  # stopped after its first timed step: slower than a rival (RunSpec)
     phase_s: dict[str, float] = field(default_factory=dict)  # where the trial's time went
+    # CPU: resident memory the set-up step left for good (trimmed), which a run counts from
+    # its model's construction and the measured steps do not (``setup_bytes``)
+    setup_bytes: int | None = None
 
     @property
     def step_time_s(self) -> float | None:
@@ -275,6 +280,14 @@ class _AccelMeter:
     tolerance = ACCEL_LEAK_TOLERANCE
 
 
+def _resident_now() -> int | None:
+    """RSS now, measured as ``_CpuMeter.baseline`` measures it (young garbage collected,
+    glibc's free pages given back), so that the two readings differ only by what stays."""
+    gc.collect(1)
+    procmem.malloc_trim()
+    return procmem.rss_bytes()
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     head = text[0] if text else ""
@@ -428,9 +441,12 @@ def run_steps(
     error: str | None = None
     oom = False
     try:
+        before = _resident_now() if device.type == "cpu" else None
         forward = trial.set_up(model, batch, plan, run)
         if not trial.baseline(model, batch, plan, forward, cap_bytes, excluded_bytes):
             return raw
+        if before is not None and raw.baseline_bytes is not None:
+            raw.setup_bytes = max(0, raw.baseline_bytes - before)
         trial.steps(batch, warmup_steps=warmup_steps, measure_steps=measure_steps, run=run)
     except Exception as exc:  # noqa: BLE001 - every failure becomes part of the result
         oom = is_oom(exc)

@@ -64,6 +64,11 @@ class TrialResult:
     # the optimizer step's share of the run's optimizer step (its accumulation amortising
     # it; None where it was not timed apart: a trial on several ranks)
     optimizer_share: float | None = None
+    # CPU: resident memory the trial's set-up step left for good (autograd's and the math
+    # libraries' one-time set-up, first-touch pages of their code), outside the peaks above,
+    # which start after it; a run counts it once (autofit run's baseline is its model's
+    # construction), so the whole-run figure adds it (None: not a CPU trial)
+    setup_bytes: int | None = None
 
     @property
     def fits(self) -> bool:

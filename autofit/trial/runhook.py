@@ -47,8 +47,10 @@ Known limitations:
     NB: what the process does between the first ``nn.Module`` and the first step
     and a trial does before its baseline (lazy imports of the Trainer's modules,
     the first step's one-time autograd and kernel set-up, the pages of library
-    code touched first) is counted here and not in a trial, so a run measures a
-    few tens of MiB more than the trial of the same step.
+    code touched first) is counted here and not in a trial's peaks. The set-up
+    step's part a CPU trial measures apart (``TrialResult.setup_bytes``, 20 MiB for
+    tiny-gpt2) and the tuned whole-run figure adds it; the Trainer's own (its
+    objects, the data loader: a few MiB for tiny-gpt2) is not counted.
     NB: a module the script builds before the model (e.g. a loss ``nn.Module``
     constructed first) takes the baseline earlier; what the script allocates and
     imports between the two is counted too. A model built by a module's body

@@ -785,6 +785,7 @@ def _trial_result(raw: RawTrial, config: TrainConfig, dev: DeviceInfo, b: int, t
         over_budget=bool(getattr(raw, "over_budget", False)),
         outpaced=bool(getattr(raw, "outpaced", False)),
         phase_s=dict(getattr(raw, "phase_s", None) or {}),
+        setup_bytes=getattr(raw, "setup_bytes", None),
         **fields,
     )
 
