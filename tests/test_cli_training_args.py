@@ -215,6 +215,47 @@ def test_a_trl_file_is_tuned_as_an_sft_config_with_its_lora(here, capsys):
     assert sft.per_device_train_batch_size == d["config"]["micro_batch_size"]
 
 
+def test_a_trl_file_whose_data_is_a_datasets_mixture_is_tuned_and_checked_on_it(here, capsys):
+    """``trl sft --config`` reads local data through its ``datasets`` mixture
+    (``DatasetMixtureConfig``; ``dataset_name`` cannot name data files): autofit loads it as
+    ``trl.get_dataset`` does (columns and fractions applied, the train split), where it said
+    "no dataset" before."""
+    pytest.importorskip("trl")
+    rows = [{"input_ids": list(range(1, 9 + 7 * (i % 5))), "other": "x" * i} for i in range(40)]
+    (here / "data").mkdir()
+    (here / "data" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (here / "data" / "b.jsonl").write_text("".join(json.dumps({"input_ids": [1] * 80,
+                                                               "other": ""}) + "\n"
+                                                   for _ in range(40)))
+    text = TRL_YAML.replace("dataset_name: tiny-samples\n", (
+        "datasets:\n"
+        "  - path: json\n    data_files: data/a.jsonl\n    split: train\n"
+        "    columns: [input_ids]\n    fraction: 0.75\n"
+        "  - path: json\n    data_files: [data/b.jsonl]\n    columns: [input_ids]\n"
+        "    fraction: 0.25\n"))
+    (here / "sft.yaml").write_text(text)
+    code, out, err = run(capsys, "tune", "--training-args", "sft.yaml", "--device", "T4",
+                         "--precision", "32-true", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    # 40 of a and 13 of b (trl's shares: no dataset oversampled); b's 80 tokens the longest
+    taken = [r for r in d["reasons"] if r.startswith("dataset: the file's datasets")]
+    assert taken and "json data/a.jsonl; json data/b.jsonl" in taken[0], d["reasons"]
+    assert "53 training samples" in taken[0]
+    assert any(r.startswith("sequence length 80:") for r in d["reasons"]), d["reasons"]
+    code, out, err = run(capsys, "check", "sft-tuned.yaml", "--device", "T4", "--json")
+    assert code == 0, err
+    assert any(r.startswith("sequence length 80:") for r in json.loads(out)["reasons"])
+    # a mixture that cannot be read here: one line, exit 2
+    (here / "bad.yaml").write_text(text.replace("data/a.jsonl", "data/missing.jsonl"))
+    code, _, err = run(capsys, "tune", "--training-args", "bad.yaml", "--device", "T4")
+    assert code == 2 and "datasets mixture could not be loaded" in err
+    (here / "bad.yaml").write_text(text.replace("    columns: [input_ids]\n    fraction: 0.75",
+                                                "    colums: [input_ids]"))
+    code, _, err = run(capsys, "tune", "--training-args", "bad.yaml", "--device", "T4")
+    assert code == 2 and "datasets[0] has unknown key 'colums'" in err
+
+
 def test_a_script_that_evaluates_after_training_is_planned_with_that_evaluation():
     from autofit.stages import RunPlan
 

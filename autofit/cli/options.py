@@ -304,6 +304,8 @@ def file_subject(args: argparse.Namespace, meta: dict[str, object],
     dataset = None
     if args.dataset:
         dataset = load_dataset_ref(args.dataset)
+    elif getattr(source, "mixture", None) and args.seq_len is None:
+        dataset = source.load_mixture()  # a TRL file's datasets, as trl sft loads them
     elif getattr(source, "dataset", None) and args.seq_len is None:
         try:
             dataset = load_dataset_ref(source.dataset)

@@ -208,6 +208,10 @@ def _arguments_file(args: argparse.Namespace) -> Any:
         if args.dataset is None and source.dataset:
             args.dataset = source.dataset
             taken.append(f"dataset {source.dataset}: the file's {source.dataset_key}")
+        elif args.dataset is None and source.mixture:
+            args.dataset = source.load_mixture()  # as trl sft loads it
+            taken.append(f"dataset: the file's datasets ({_mixture_line(source.mixture)}), "
+                         f"{len(args.dataset)} training samples as trl.get_dataset loads them")
         # the script's own lengths: run_clm's block_size, run_ner's max_seq_length, ...
         script = script_lengths(source.keys)
         if getattr(args, "block_size", None) is None and args.max_seq_len is None:
@@ -233,8 +237,17 @@ def _arguments_file(args: argparse.Namespace) -> Any:
                             "model_name_or_path")
     if args.dataset is None:
         raise BadInputError("no dataset: give --dataset, or a --training-args file with "
-                            "train_file")
+                            "train_file (transformers' examples) or datasets (trl sft)")
     return source
+
+
+def _mixture_line(entries: tuple[dict[str, Any], ...]) -> str:
+    """A TRL mixture in a few words: ``json train.jsonl; json more.jsonl``."""
+    def one(e: dict[str, Any]) -> str:
+        files = e.get("data_files")
+        files = ", ".join(map(str, files)) if isinstance(files, list) else files
+        return " ".join(str(x) for x in (e["path"], files) if x)
+    return "; ".join(one(e) for e in entries)
 
 
 def _fields_of(source: Any) -> Any:

@@ -74,7 +74,7 @@ model_name_or_path model_revision dtype attn_implementation use_peft lora_r lora
 lora_dropout lora_target_modules lora_target_parameters lora_modules_to_save lora_task_type
 use_rslora use_dora load_in_8bit load_in_4bit bnb_4bit_quant_type use_bnb_nested_quant
 bnb_4bit_quant_storage dataset_name dataset_config dataset_train_split dataset_test_split
-dataset_streaming ignore_bias_buffers
+dataset_streaming ignore_bias_buffers datasets streaming test_split_size
 """))
 
 # a key only a TRL file has (ModelConfig / ScriptArguments; SFTConfig's own fields are
@@ -101,6 +101,9 @@ class ArgsFile:
         model: ``model_name_or_path``, as a path when it names one, else as written.
         dataset: ``train_file`` (else ``dataset_name`` when it names a local file or
             folder), resolved as a path; None when the file names no local data.
+        mixture: a TRL file's ``datasets`` (``DatasetMixtureConfig``: what ``trl sft``
+            loads instead of ``dataset_name``), each entry's ``data_files`` resolved as
+            paths; empty otherwise. ``load_mixture`` loads its train split.
     """
 
     path: Path
@@ -114,10 +117,22 @@ class ArgsFile:
     model: str | None = None
     dataset: str | None = None
     dataset_key: str | None = None
+    mixture: tuple[dict[str, Any], ...] = ()
 
     @property
     def is_yaml(self) -> bool:
         return self.path.suffix.lower() in (".yaml", ".yml")
+
+    def load_mixture(self) -> Any:
+        """The train split of ``mixture`` as ``trl sft`` loads it (``autofit.cli.datasets.
+        load_trl_mixture``)."""
+        from autofit.cli.datasets import load_trl_mixture
+
+        k = self.keys
+        return load_trl_mixture(self.mixture, streaming=bool(k.get("streaming")),
+                                test_split_size=k.get("test_split_size"),
+                                split=str(k.get("dataset_train_split") or "train"),
+                                name=self.path.name)
 
     @property
     def peft_config(self) -> dict[str, Any] | None:
@@ -162,12 +177,13 @@ def _trl_fields_now() -> tuple[frozenset[str], frozenset[str]]:
         return frozenset(), _TRL_SCRIPT_KEYS
     try:
         from transformers import Seq2SeqTrainingArguments
-        from trl import ModelConfig, ScriptArguments, SFTConfig
+        from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
     except Exception:  # noqa: BLE001 - a broken TRL install must not stop reading a file
         return frozenset(), _TRL_SCRIPT_KEYS
     base = {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
     sft_only = {f.name for f in dataclasses.fields(SFTConfig) if f.init} - base
-    script = {f.name for c in (ModelConfig, ScriptArguments) for f in dataclasses.fields(c)}
+    script = {f.name for c in (ModelConfig, ScriptArguments, DatasetMixtureConfig)
+              for f in dataclasses.fields(c)}
     return frozenset(sft_only), frozenset(script) | _TRL_SCRIPT_KEYS
 
 
@@ -204,9 +220,48 @@ def read_args_file(path: str | Path) -> ArgsFile:
     dataset, why_data = _path_key(keys, _DATA_KEYS, p, must_exist=True)
     notes += [w for w in (why_model, why_data) if w]
     data_key = next((k for k in _DATA_KEYS if keys.get(k) and dataset is not None), None)
+    mixture: tuple[dict[str, Any], ...] = ()
+    if sft and keys.get("datasets") is not None:  # trl sft loads it over dataset_name
+        mixture, why_mix = _mixture(keys["datasets"], p)
+        notes += why_mix
+        dataset, data_key = None, "datasets"
     return ArgsFile(path=p, keys=keys, fields=fields, other=other, meta=meta,
                     text=_read_text(p), sft=sft, notes=tuple(notes), model=model,
-                    dataset=dataset, dataset_key=data_key)
+                    dataset=dataset, dataset_key=data_key, mixture=mixture)
+
+
+_MIXTURE_KEYS = frozenset(("path", "name", "data_dir", "data_files", "split", "columns",
+                           "fraction"))  # trl.scripts.utils.DatasetConfig's fields
+
+
+def _mixture(value: object, p: Path) -> tuple[tuple[dict[str, Any], ...], list[str]]:
+    """A TRL file's ``datasets`` list checked as ``DatasetConfig`` takes it, with each local
+    path (``data_files``, a ``path`` naming a file or folder) resolved as ``_path_key``
+    resolves one: from the working directory, else beside the file (with why)."""
+    if not isinstance(value, list) or not value or not all(isinstance(e, dict) for e in value):
+        raise BadInputError(f"{p.name}: datasets must be a list of mappings with a path each "
+                            "(TRL's DatasetMixtureConfig), got "
+                            f"{type(value).__name__}")
+    out, notes = [], []
+    for i, entry in enumerate(value):
+        unknown = sorted(set(entry) - _MIXTURE_KEYS)
+        if unknown or not isinstance(entry.get("path"), str):
+            what = (f"unknown key {unknown[0]!r}" if unknown else "no path")
+            raise BadInputError(f"{p.name}: datasets[{i}] has {what} (TRL's DatasetConfig takes "
+                                f"{', '.join(sorted(_MIXTURE_KEYS))})")
+        entry = dict(entry)
+        for key in ("path", "data_dir", "data_files"):
+            v = entry.get(key)
+            values = v if isinstance(v, list) else [v]
+            resolved = []
+            for one in values:
+                found, why = _path_key({key: one}, (key,), p, must_exist=False)
+                resolved.append(found if found is not None else one)
+                if why:
+                    notes.append(f"datasets[{i}] {why}")
+            entry[key] = resolved if isinstance(v, list) else resolved[0]
+        out.append(entry)
+    return tuple(out), notes
 
 
 _LISTED = 24  # keys named in the note; the rest counted
