@@ -256,6 +256,46 @@ def test_a_trl_file_whose_data_is_a_datasets_mixture_is_tuned_and_checked_on_it(
     assert code == 2 and "datasets[0] has unknown key 'colums'" in err
 
 
+def test_check_and_report_of_a_trl_file_see_the_data_as_sfttrainer_prepares_it(here, capsys):
+    """SFTTrainer ends every text in the EOS token before it truncates or packs: the tune
+    planned for that, and check and report judge the same rows. They skipped SFTTrainer's
+    preparation (the tuned file's max_seq_len read as a plain truncation): a TRL file on
+    text was checked a token short, so the tuning run's trial was not found and the check
+    measured a step without the run's growth (TRL's own sft.py on a tiny Qwen2, CPU bf16:
+    733 MiB said where the tune had measured 965)."""
+    pytest.importorskip("trl")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from autofit.probe.model import load_config
+
+    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(40)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>",
+                            eos_token="</s>").save_pretrained(here / "m")
+    AutoModelForCausalLM.from_config(load_config("tiny-llama")).save_pretrained(here / "m")
+    (here / "train.jsonl").write_text("".join(
+        json.dumps({"text": " ".join(f"w{(i + j) % 40}" for j in range(5 + i % 16))}) + "\n"
+        for i in range(48)))  # 5..20 words
+    (here / "sft.yaml").write_text(
+        "model_name_or_path: m\ndatasets:\n  - path: json\n    data_files: train.jsonl\n"
+        "max_length: 512\nper_device_train_batch_size: 4\nmax_steps: 5\n")
+    code, out, err = run(capsys, "tune", "--training-args", "sft.yaml", "--device", "T4",
+                         "--precision", "32-true", "--json")
+    assert code == 0, err
+    assert any(r.startswith("sequence length 21:") for r in json.loads(out)["reasons"])
+    code, out, err = run(capsys, "check", "sft-tuned.yaml", "--device", "T4", "--json")
+    assert code == 0, err
+    reasons = json.loads(out)["reasons"]
+    assert any(r.startswith("sequence length 21:") for r in reasons), reasons
+    assert any("each text ending in '</s>'" in r for r in reasons), reasons
+    code, _, err = run(capsys, "report", "sft-tuned.yaml", "--device", "T4", "-o",
+                       str(here / "r.png"))
+    assert code == 0, err
+    assert "sequence length 21" in (here / "r.html").read_text()
+
+
 def test_a_script_that_evaluates_after_training_is_planned_with_that_evaluation():
     from autofit.stages import RunPlan
 

@@ -114,9 +114,13 @@ def run_check_command(args: argparse.Namespace) -> int:
         s.model, config, seq_len=s.seq_len, dataset=s.dataset, device=s.device, task=s.task,
         margin=args.margin, trial=not args.no_trial, cache=not args.no_cache, tune_meta=meta,
         eval_batch_size=int(eval_batch) if eval_batch else None, eval_required=evaluates,
-        seq_len_source=s.seq_len_source, max_seq_len=s.max_seq_len, progress=progress,
+        seq_len_source=s.seq_len_source, progress=progress,
+        # SFTTrainer truncates at the SFTConfig's max_length (the tune recorded it as the
+        # file's max_seq_len): its data preparation decides, unless --max-seq-len is given
+        max_seq_len=s.max_seq_len if trainer != "trl" or args.max_seq_len else None,
         tokenizer=s.tokenizer, block_size=s.block_size, packing=s.packing,
         recipe=recipe, liger_loss=config.chunked_loss and trainer != "autofit",
+        sft=fields if trainer == "trl" else None,  # SFTTrainer prepares the data
     )
     from dataclasses import replace
 

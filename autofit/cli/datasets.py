@@ -13,7 +13,7 @@ from typing import Any
 
 from autofit.errors import BadInputError
 
-__all__ = ["bundled_datasets", "load_dataset_ref", "load_dataset_file", "load_trl_mixture"]
+__all__ = ["bundled_datasets", "load_dataset_ref", "load_dataset_file"]
 
 _DIR = Path(__file__).resolve().parent.parent / "data" / "datasets"
 
@@ -119,36 +119,3 @@ def _columns(data: dict[str, object]) -> bool:
     ids = data.get("input_ids")
     return ids is None or not ids or isinstance(ids[0], (list, tuple))
 
-
-def load_trl_mixture(entries: tuple[dict[str, Any], ...], *, streaming: bool = False,
-                     test_split_size: object = None, split: str = "train",
-                     name: str = "the file") -> Any:
-    """The ``split`` of a TRL file's ``datasets`` mixture, loaded by ``trl.get_dataset`` as
-    ``trl sft`` loads it (each entry through ``datasets.load_dataset``, its ``columns`` and
-    ``fraction`` applied, concatenated, split by ``test_split_size``).
-
-    Raises:
-        BadInputError: TRL is not installed, the mixture streams (no lengths to read), or
-            an entry cannot be loaded here (a missing file; a hub dataset offline).
-    """
-    if streaming:
-        raise BadInputError(f"{name}: streaming: true, a streamed dataset has no lengths to "
-                            "plan for: give --dataset (a sample of it as .jsonl) or --seq-len")
-    try:
-        from trl import DatasetMixtureConfig, get_dataset
-        from trl.scripts.utils import DatasetConfig
-    except ImportError:
-        raise BadInputError(f"{name}: reading its datasets mixture needs TRL "
-                            "(`pip install trl`), as trl sft does; or give --dataset") from None
-    mixture = DatasetMixtureConfig(datasets=[DatasetConfig(**e) for e in entries],
-                                   test_split_size=test_split_size)
-    try:
-        data = get_dataset(mixture)
-    except Exception as e:  # noqa: BLE001 - datasets raises many types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BadInputError(f"{name}: its datasets mixture could not be loaded here "
-                            f"({first[:300]}); give --dataset") from None
-    if split not in data:
-        raise BadInputError(f"{name}: the datasets mixture has no {split!r} split "
-                            f"(dataset_train_split; it has {', '.join(data)})")
-    return data[split]

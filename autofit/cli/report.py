@@ -65,10 +65,13 @@ def _overrides(args: argparse.Namespace) -> bool:
 
 
 def _estimated(args: argparse.Namespace, fields: dict[str, object], meta: dict[str, object],
-               config: Any, source: Any = None, liger_loss: bool = False) -> Any:
+               config: Any, source: Any = None, liger_loss: bool = False,
+               sft: bool = False) -> Any:
     """ReportData of the file's configuration (``config``: as the declared trainer runs the
     fields), estimated for the model, data and device. ``liger_loss``: the chunked loss in
-    ``config`` is liger's (``use_liger_kernel``), which runs only on a model liger patches."""
+    ``config`` is liger's (``use_liger_kernel``), which runs only on a model liger patches.
+    ``sft``: SFTTrainer runs it, and prepares the data as the fields say (EOS, max_length,
+    packing)."""
     from autofit.api import estimate
     from autofit.report.files import ReportData
 
@@ -78,8 +81,11 @@ def _estimated(args: argparse.Namespace, fields: dict[str, object], meta: dict[s
         from autofit.probe.data import probe_data
         from autofit.probe.packing import as_script_sees
 
-        seen = as_script_sees(s.dataset, block_size=s.block_size, max_seq_len=s.max_seq_len,
-                              packing=s.packing, tokenizer=s.tokenizer)
+        # SFTTrainer truncates at the SFTConfig's max_length (recorded as max_seq_len)
+        max_seq = s.max_seq_len if not sft or args.max_seq_len else None
+        seen = as_script_sees(s.dataset, block_size=s.block_size, max_seq_len=max_seq,
+                              packing=s.packing, sft=fields if sft else None,
+                              tokenizer=s.tokenizer)
         reasons += seen.reasons
         data = probe_data(seen.dataset, max_seq_len=seen.max_seq_len, tokenizer=s.tokenizer)
         seq_len = data.length_max
@@ -145,7 +151,7 @@ def run_report_command(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         data = _estimated(args, fields, meta, config, source,
-                          liger_loss=trainer != "autofit")
+                          liger_loss=trainer != "autofit", sft=trainer == "trl")
         data = replace(data, reasons=(*source.notes, *data.reasons))
     png, page = write_report(data, out)
     console = Console()

@@ -124,9 +124,9 @@ class ArgsFile:
         return self.path.suffix.lower() in (".yaml", ".yml")
 
     def load_mixture(self) -> Any:
-        """The train split of ``mixture`` as ``trl sft`` loads it (``autofit.cli.datasets.
+        """The train split of ``mixture`` as ``trl sft`` loads it (``autofit.probe.mixture.
         load_trl_mixture``)."""
-        from autofit.cli.datasets import load_trl_mixture
+        from autofit.probe.mixture import load_trl_mixture
 
         k = self.keys
         return load_trl_mixture(self.mixture, streaming=bool(k.get("streaming")),

@@ -456,6 +456,7 @@ def run_check(
     recipe: Recipe | None = None,
     trainer: str | None = None,
     liger_loss: bool = False,
+    sft: Any = None,
 ) -> Any:
     """Check one configuration (see the module docstring); returns a ``PreflightReport``.
 
@@ -469,6 +470,9 @@ def run_check(
     where ``seq_len`` came from, for the reasons. ``trainer`` (``"plain"``, ``"autofit"``,
     ``"trl"``; default: the one ``config`` implies) is what will run it: a lever it does not
     run (the chunked loss outside ``autofit``) is bad input (``autofit.knobs.trainer``).
+    ``sft``: an ``SFTConfig`` (or a ``trl sft --config`` file's fields) whose trainer
+    prepares ``dataset`` (each text ending in EOS, truncated at ``max_length`` or packed),
+    as the tune planned it (``autofit.probe.packing.as_script_sees``).
     ``liger_loss``: ``config``'s chunked loss is liger's fused loss (a file's
     ``use_liger_kernel`` under a plain or TRL trainer), which runs only on the model types
     liger patches: on another the model's own loss is checked (``_Checker.as_run``).
@@ -481,7 +485,7 @@ def run_check(
     config, trainer, dev, reasons = _checked_request(config, margin, trainer, device, recipe)
     seen, dataset, max_seq_len, seq_len = _sequence_length(
         dataset, seq_len, reasons, block_size=block_size, max_seq_len=max_seq_len,
-        packing=packing, tokenizer=tokenizer, seq_len_source=seq_len_source)
+        packing=packing, tokenizer=tokenizer, seq_len_source=seq_len_source, sft=sft)
     store = None
     if cache:
         from autofit.preflight.cache import CheckCache
@@ -577,7 +581,7 @@ def _checked_request(config: TrainConfig, margin: float, trainer: str | None,
 def _sequence_length(dataset: object, seq_len: int | None, reasons: list[str], *,
                      block_size: int | None, max_seq_len: int | None, packing: str | None,
                      tokenizer: PreTrainedTokenizerBase | None, seq_len_source: str,
-                     ) -> tuple[ScriptData | None, object, int | None, int]:
+                     sft: Any = None) -> tuple[ScriptData | None, object, int | None, int]:
     """Step 2 of ``run_check``: the sequence length checked, the longest sample of the
     dataset as the script sees it (packed, truncated) or ``seq_len`` as given, its reason
     appended: ``(what the script sees, the dataset, max_seq_len, seq_len)``."""
@@ -587,7 +591,7 @@ def _sequence_length(dataset: object, seq_len: int | None, reasons: list[str], *
         from autofit.probe.packing import as_script_sees
 
         seen = as_script_sees(dataset, block_size=block_size, max_seq_len=max_seq_len,
-                              packing=packing, tokenizer=tokenizer)
+                              packing=packing, sft=sft, tokenizer=tokenizer)
         dataset, max_seq_len = seen.dataset, seen.max_seq_len
         reasons += seen.reasons
         data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=tokenizer)

@@ -40,10 +40,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from autofit.errors import BadInputError
 
-__all__ = ["RunOrder", "run_order", "eval_order", "SAMPLINGS"]
+if TYPE_CHECKING:
+    from autofit.config import TrainConfig
+
+__all__ = ["RunOrder", "RunPlan", "run_order", "eval_order", "SAMPLINGS"]
 
 SAMPLINGS = ("random", "sequential", "group_by_length", "batch_rebalance")
 
@@ -210,3 +214,55 @@ def eval_order(sample_lengths: Sequence[int], *, eval_batch_size: int,
     """An evaluation pass: the eval dataset in order (the Trainer's eval sampler is sequential)."""
     return run_order(sample_lengths, micro_batch_size=eval_batch_size, sampling="sequential",
                      pad_to_multiple_of=pad_to_multiple_of, max_seq_len=max_seq_len)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the Trainer's arguments say of the run beyond one step: its order and its
+    evaluations and saves (the defaults when no ``training_args`` are given)."""
+
+    epochs: float = 1.0
+    max_steps: int | None = None
+    seed: int = 42
+    data_seed: int | None = None
+    sampling: str = "random"
+    drop_last: bool = False
+    eval_steps: int | None = None  # None: the run does not evaluate
+    save_steps: int | None = None  # None: the run does not save
+    assumed: bool = True  # no training_args: one evaluation and one save assumed
+
+    @classmethod
+    def of(cls, base_args: dict[str, object] | None) -> RunPlan:
+        if base_args is None:  # autofit writes an eval batch: assume the run evaluates
+            return cls(eval_steps=10**9, save_steps=10**9)
+        a = base_args
+
+        def every(strategy_key: str, steps_key: str) -> int | None:
+            strategy = str(a.get(strategy_key) or "no").split(".")[-1].lower()
+            if strategy in ("no", "none"):
+                return None
+            if strategy == "steps":
+                n = a.get(steps_key) or a.get("logging_steps") or 500
+                return max(1, int(n)) if float(n) >= 1 else None  # a fraction: at the end
+            return 10**9  # epoch / best: at the end of the (first) epoch, modelled once
+        max_steps = a.get("max_steps")
+        evals = every("eval_strategy", "eval_steps")
+        if evals is None and a.get("do_eval"):  # a script's trainer.evaluate() after training
+            evals = 10**9
+        return cls(epochs=float(a.get("num_train_epochs") or 1.0),
+                   max_steps=int(max_steps) if max_steps and int(max_steps) > 0 else None,
+                   seed=int(a.get("seed") or 42), data_seed=a.get("data_seed"),
+                   sampling=str(a.get("train_sampling_strategy") or "random"),
+                   drop_last=bool(a.get("dataloader_drop_last")),
+                   eval_steps=evals, save_steps=every("save_strategy", "save_steps"),
+                   assumed=False)
+
+    def order(self, lengths: Sequence[int], config: TrainConfig, max_seq_len: int | None
+              ) -> RunOrder:
+        return run_order(lengths, micro_batch_size=config.micro_batch_size,
+                         grad_accum_steps=config.grad_accum_steps, epochs=self.epochs,
+                         max_steps=self.max_steps, seed=self.seed, data_seed=self.data_seed,
+                         sampling=self.sampling if self.sampling in ("random", "sequential",
+                                                                     "group_by_length")
+                         else "random",
+                         drop_last=self.drop_last, max_seq_len=max_seq_len)

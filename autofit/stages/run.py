@@ -1,5 +1,5 @@
 """The run around the step, for ``autofit()``: the Trainer's plan of the run
-(``RunPlan``), the eval batch, the short run a trial replays besides its worst-case steps
+(``RunPlan``, from ``autofit.probe.run``, where ``autofit check`` reads it too), the eval batch, the short run a trial replays besides its worst-case steps
 (``trial_run``), and the chosen configuration's whole-run need (``whole_run``).
 
     >>> RunPlan.of({"eval_strategy": "steps", "eval_steps": 50}).eval_steps
@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import TrainConfig
@@ -17,6 +16,7 @@ from autofit.errors import BadInputError
 from autofit.knobs import KNOBS
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import DeviceInfo
+from autofit.probe.run import RunPlan
 from autofit.stages.options import TuneOptions
 from autofit.stages.probed import Probed
 
@@ -29,59 +29,6 @@ if TYPE_CHECKING:
 __all__ = ["RunPlan", "WholeRun", "trial_run", "whole_run", "eval_from_trial",
            "eval_micro_batch", "eval_working_set", "RUN_TRIAL_STEPS", "RUN_TRIAL_REPLAY_S",
            "RUN_TRIAL_REPLAY_WITHIN"]
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """What the Trainer's arguments say of the run beyond one step: its order and its
-    evaluations and saves (the defaults when no ``training_args`` are given)."""
-
-    epochs: float = 1.0
-    max_steps: int | None = None
-    seed: int = 42
-    data_seed: int | None = None
-    sampling: str = "random"
-    drop_last: bool = False
-    eval_steps: int | None = None  # None: the run does not evaluate
-    save_steps: int | None = None  # None: the run does not save
-    assumed: bool = True  # no training_args: one evaluation and one save assumed
-
-    @classmethod
-    def of(cls, base_args: dict[str, object] | None) -> RunPlan:
-        if base_args is None:  # autofit writes an eval batch: assume the run evaluates
-            return cls(eval_steps=10**9, save_steps=10**9)
-        a = base_args
-
-        def every(strategy_key: str, steps_key: str) -> int | None:
-            strategy = str(a.get(strategy_key) or "no").split(".")[-1].lower()
-            if strategy in ("no", "none"):
-                return None
-            if strategy == "steps":
-                n = a.get(steps_key) or a.get("logging_steps") or 500
-                return max(1, int(n)) if float(n) >= 1 else None  # a fraction: at the end
-            return 10**9  # epoch / best: at the end of the (first) epoch, modelled once
-        max_steps = a.get("max_steps")
-        evals = every("eval_strategy", "eval_steps")
-        if evals is None and a.get("do_eval"):  # a script's trainer.evaluate() after training
-            evals = 10**9
-        return cls(epochs=float(a.get("num_train_epochs") or 1.0),
-                   max_steps=int(max_steps) if max_steps and int(max_steps) > 0 else None,
-                   seed=int(a.get("seed") or 42), data_seed=a.get("data_seed"),
-                   sampling=str(a.get("train_sampling_strategy") or "random"),
-                   drop_last=bool(a.get("dataloader_drop_last")),
-                   eval_steps=evals, save_steps=every("save_strategy", "save_steps"),
-                   assumed=False)
-
-    def order(self, lengths: Any, config: TrainConfig, max_seq_len: int | None) -> Any:
-        from autofit.probe.run import run_order
-
-        return run_order(lengths, micro_batch_size=config.micro_batch_size,
-                         grad_accum_steps=config.grad_accum_steps, epochs=self.epochs,
-                         max_steps=self.max_steps, seed=self.seed, data_seed=self.data_seed,
-                         sampling=self.sampling if self.sampling in ("random", "sequential",
-                                                                     "group_by_length")
-                         else "random",
-                         drop_last=self.drop_last, max_seq_len=max_seq_len)
 
 
 def eval_working_set(info: ModelInfo, config: TrainConfig, seq_len: int, dev: DeviceInfo,
