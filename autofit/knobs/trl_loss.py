@@ -42,13 +42,19 @@ if TYPE_CHECKING:
     from autofit.config import Batch
 
 __all__ = ["SFT_CONFIG", "SFTConfigFields", "TRL_OUTPUTS", "TOKEN_TILE", "VOCAB_TILE", "is_sft_config", "trl_loss_type",
-           "loss_impl_of", "fused_lm_head", "trl_sft_loss", "triton_folds", "trl_loss_reason", "trl_loss_bytes"]
+           "loss_impl_of", "fused_lm_head", "trl_sft_loss", "triton_folds", "trl_loss_reason", "trl_loss_bytes",
+           "trl_forward_bytes"]
 
 TRL_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what SFTTrainer asks add_fused_lm_head for
 TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE (TRL 1.16)
 VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE (TRL 1.16)
 LOSS_TYPES = ("nll", "dft")
 SFT_CONFIG = "trl.SFTConfig"  # FitResult.meta["arguments_class"]: emit the user's class
+# fp32 (rows, cols) temporaries of TRL's torch fallback (CPU) alive at once in a tile's
+# forward (TRL 1.16 _forward_tile: z, z - max and its exp, with is_top1's bool masks): a tiny
+# Qwen2's fused forward under no_grad (V 32,000, 8-24 x 115 tokens) held 4.25 fp32 (N, V)
+# in fp32 (the fp32 tile buffer + 3.25), 3.75 under bf16 autocast (a bf16 buffer + 3.25)
+TRL_CPU_FORWARD_TILE_TEMPS = 3.25
 
 
 class SFTConfigFields(dict):
@@ -170,6 +176,19 @@ def trl_sft_loss(model: torch.nn.Module, inputs: Batch, loss_type: str = "nll", 
     loss = per_token.sum() / out.label_mask.sum().clamp(min=1)
     del out, per_token
     return loss
+
+
+def trl_forward_bytes(tokens: int, vocab: int, act: int, *, cuda: bool) -> int:
+    """Bytes TRL's fused loss holds in its forward (the peak of an evaluation step under
+    ``no_grad``, which ``SFTTrainer.prediction_step`` runs through the same fused head): one
+    (rows, cols) tile buffer in the compute dtype (``act``; VOCAB_TILE wide on CUDA, only
+    the vocabulary's columns resident on a CPU), the torch fallback's fp32 tile temporaries
+    on a CPU (``TRL_CPU_FORWARD_TILE_TEMPS``; none on CUDA: the Triton kernel folds in
+    place) and its seven fp32 per-token accumulators. No (N, V) logits exist."""
+    rows, cols = min(tokens, TOKEN_TILE), min(vocab, VOCAB_TILE)
+    tile = rows * (VOCAB_TILE if cuda else cols) * act
+    temps = 0 if cuda else int(TRL_CPU_FORWARD_TILE_TEMPS * rows * cols * 4)
+    return tile + temps + 7 * tokens * 4
 
 
 def trl_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, *, cuda: bool,

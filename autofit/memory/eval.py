@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 from autofit.config import TrainConfig
 from autofit.errors import BadInputError, DoesNotFitError
+from autofit.knobs.trl_loss import trl_forward_bytes
 from autofit.memory.analytic._activations import _dequantized_bytes
 from autofit.memory.analytic._reserved import _CUDA_FRAGMENTATION
 from autofit.memory.analytic._states import _bytes, _linear_weight_numel, optimizer_state_bytes
@@ -114,6 +115,16 @@ def _logits_bytes(tokens: int, vocab: int, logit_bytes: int, loss: bool) -> int:
         if logit_bytes != 4:
             out += tokens * vocab * 4  # logits.float() in the loss
     return out
+
+
+def _head_bytes(tokens: int, vocab: int, cb: int, loss: bool, training: TrainConfig | None,
+                device: DeviceInfo) -> int:
+    """The LM head's and the loss's bytes in an evaluation step: the logits in the compute
+    dtype (``_logits_bytes``), or where SFTTrainer evaluates (``training.loss_impl`` "trl")
+    TRL's fused LM head: its tiles, no full logits (``trl_forward_bytes``)."""
+    if loss and training is not None and training.loss_impl == "trl":
+        return trl_forward_bytes(tokens, vocab, cb, cuda=device.allocator == "cuda")
+    return _logits_bytes(tokens, vocab, cb, loss)
 
 
 def estimate_eval(
@@ -184,7 +195,7 @@ def estimate_eval(
     fwd_cache = kv_cache_bytes(info, B, T, cb) if info.task in _GEN_TASKS else 0
     block = max(_block_working_set(b, N, T, B, act, cb, eager) for b in info.blocks)
     logit_bytes = cb if lm else 0
-    logits = _logits_bytes(N, V, logit_bytes, with_loss) if lm else 0
+    logits = _head_bytes(N, V, cb, with_loss, training, device) if lm else 0
     kept = kept_logit_batches * N * V * (4 if spec.autocast else logit_bytes)
     A_fwd = encoder_out + fwd_cache + max(block, N * h * act + logits)
     phases = {"forward": (A_fwd, kept)}

@@ -335,8 +335,7 @@ class _Checker:
         """(bytes needed, where the number comes from)."""
         if a.trial is not None and a.trial.fits and a.trial.device_total_bytes is not None:
             # + what the trial's set-up step left resident on a CPU: the run counts it
-            return (int(a.trial.device_total_bytes) + int(getattr(a.trial, "setup_bytes", 0)
-                                                          or 0), "measured")
+            return int(a.trial.device_total_bytes) + _setup_left_out(a.trial), "measured"
         if a.trial is not None and a.trial.oom:
             return None, "out of memory in a trial"
         if a.estimate is not None:
@@ -539,6 +538,14 @@ def run_check(
         eval_batch_size=eval_batch,
         trials_run=checker.trials_run,
     )
+
+
+def _setup_left_out(trial: Any) -> int:
+    """What a CPU trial's set-up step left resident, where its device totals leave it out (a
+    check's own trial; a tuning run's holds it: ``setup_counted``): the run counts it."""
+    if getattr(trial, "setup_counted", False):
+        return 0
+    return int(getattr(trial, "setup_bytes", None) or 0)
 
 
 def _checked_request(config: TrainConfig, margin: float, trainer: str | None,

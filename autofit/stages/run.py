@@ -91,43 +91,61 @@ class WholeRun:
         return lambda config: step(config) + self.half_growth(config)[0]
 
     def with_growth(self, result: Any, config: TrainConfig) -> Any:
-        """A trial's ``TrialResult`` with ``half_growth`` added to its device totals (step
-        and evaluation): the run's shapes the trial did not run itself (its replayed
-        lengths ran theirs), with a note saying so."""
+        """A trial's ``TrialResult`` as the run counts it, with a note for each addition to
+        its device totals (step and evaluation): ``half_growth``, the run's shapes the
+        trial did not run itself (its replayed lengths ran theirs), and on a CPU what its
+        set-up step left resident (``setup_bytes``: ``autofit run`` counts a process from
+        its model's construction; ``setup_counted`` says it is in)."""
         import dataclasses
 
         from autofit.memory.analytic import cpu_half_run_bytes
         from autofit.probe.device import format_bytes
 
         extra, shapes = self.half_growth(config)
-        if not extra or result.device_total_bytes is None:
+        once = 0 if getattr(result, "setup_counted", False) else int(
+            getattr(result, "setup_bytes", None) or 0)
+        if (not extra and not once) or result.device_total_bytes is None:
             return result
-        order = self.order(config)
-        ran = len(set(zip(order.sizes[:result.run_steps], order.lengths[:result.run_steps],
-                          strict=True)) - {order.distinct()[0]})
-        if ran:
-            p = self.probed
-            extra = max(0, extra - cpu_half_run_bytes(p.info, config, p.device, ran))
-        note = (f"+ {format_bytes(extra)} for the run's {shapes - ran} micro-batch shapes "
-                "the trial did not run: on this CPU oneDNN keeps its 16-bit kernels of every "
-                "matmul shape for good")
+        notes = []
+        if extra:
+            order = self.order(config)
+            ran = len(set(zip(order.sizes[:result.run_steps], order.lengths[:result.run_steps],
+                              strict=True)) - {order.distinct()[0]})
+            if ran:
+                p = self.probed
+                extra = max(0, extra - cpu_half_run_bytes(p.info, config, p.device, ran))
+            notes.append(f"+ {format_bytes(extra)} for the run's {shapes - ran} micro-batch "
+                         "shapes the trial did not run: on this CPU oneDNN keeps its 16-bit "
+                         "kernels of every matmul shape for good")
+        if once:
+            notes.append(f"+ {format_bytes(once)} that its set-up step left resident (autograd's "
+                         "and the math libraries' one-time set-up), which a run counts")
         ev = result.eval_device_total_bytes
         return dataclasses.replace(
-            result, device_total_bytes=result.device_total_bytes + extra,
-            eval_device_total_bytes=ev + extra if ev is not None else None,
-            notes=(*result.notes, note))
+            result, device_total_bytes=result.device_total_bytes + extra + once,
+            eval_device_total_bytes=ev + extra + once if ev is not None else None,
+            notes=(*result.notes, *notes), setup_counted=bool(once) or result.setup_counted)
 
     def eval_batch(self, config: TrainConfig, margin: float,
                    reasons: list[str] | None = None) -> int | None:
         """``eval_micro_batch`` of ``config`` at ``margin``; its reason line goes to
-        ``reasons`` when given. None when evaluating by generation is not sized here."""
+        ``reasons`` when given. None when evaluating by generation is not sized here. On a
+        CPU whose 16-bit matmuls keep their kernels (``half_growth``), the evaluation runs
+        beside what the run's shapes left: the budget it is sized to is that much smaller."""
         key = (config, float(margin))
         if key not in self._eval:
             lines: list[str] = []
             p = self.probed
-            b = eval_micro_batch(p.info, config, p.seq_len, p.device, margin,
+            growth, shapes = self.half_growth(config)
+            kept = min(0.99, margin + growth / p.device.capacity_bytes)
+            b = eval_micro_batch(p.info, config, p.seq_len, p.device, kept,
                                  int(self.options.max_micro_batch),
                                  self.options.generate_max_new_tokens, lines)
+            if growth and b is not None and lines:
+                from autofit.probe.device import format_bytes
+
+                lines[-1] += (f", beside the {format_bytes(growth)} of oneDNN's 16-bit kernels "
+                              f"the run's {shapes} other micro-batch shapes leave")
             self._eval[key] = (b, lines)
         b, lines = self._eval[key]
         if reasons is not None:
@@ -244,9 +262,13 @@ def whole_run(probed: Probed, engine: Engine, outcome: SearchOutcome, est: Memor
                                 generate_max_new_tokens=whole.options.generate_max_new_tokens)
                   .device_total_bytes if estimable else 0)
     evaluation += growth if evaluation else 0
-    once = setup_residue(outcome)  # a CPU run counts its one-time set-up; a trial's peaks not
-    predicted = max(step + extra, eval_need if eval_need is not None else evaluation) + once
-    total = max(est.device_total_bytes + growth + extra, evaluation) + once
+    # a CPU run counts its one-time set-up: in the tune's trial totals already (folded),
+    # added where a trial's peaks leave it out (once); the estimates never hold it
+    once, folded = setup_residue(outcome), setup_residue(outcome, counted=True)
+    setup = max(once, folded)
+    predicted = max(step + extra + once,
+                    eval_need + once if eval_need is not None else evaluation + setup)
+    total = max(est.device_total_bytes + growth + extra, evaluation) + setup
     est = dataclasses.replace(est, run_device_total_bytes=total,
                               run_peak_reserved_bytes=total - dev.overhead_bytes,
                               fits=total <= est.capacity_bytes)
@@ -255,8 +277,9 @@ def whole_run(probed: Probed, engine: Engine, outcome: SearchOutcome, est: Memor
     if growth:
         parts.append(f"with {format_bytes(growth)} of oneDNN's 16-bit kernels for the run's "
                      f"{shapes} other micro-batch shapes, kept for good on this CPU")
-    if once:
-        parts.append(f"+ {format_bytes(once)} that the first step's one-time set-up leaves "
+    if setup:
+        parts.append(f"{'with' if measured is not None and not once else '+'} "
+                     f"{format_bytes(setup)} that the first step's one-time set-up leaves "
                      "resident, measured by the trial")
     reasons.append(f"whole run: needs ~{format_bytes(predicted)} of "
                    f"{format_bytes(dev.capacity_bytes)} ({' '.join(parts)}"
@@ -269,15 +292,16 @@ def whole_run(probed: Probed, engine: Engine, outcome: SearchOutcome, est: Memor
     return est, int(predicted)
 
 
-def setup_residue(outcome: SearchOutcome) -> int:
+def setup_residue(outcome: SearchOutcome, *, counted: bool = False) -> int:
     """What the first step's one-time set-up left resident in the trials of ``outcome``
     (their most; 0 where none measured it: trials on an accelerator, on several ranks, or
-    none ran). A trial on the CPU runs its set-up step before its baseline (autograd's and
-    the math libraries' one-time set-up, the first-touch pages of their code: 20 MiB for
-    tiny-gpt2), so its peaks leave it out, while ``autofit run`` counts a process from its
-    model's construction: the whole-run figure adds it once."""
-    return max((int(t.setup_bytes) for t in outcome.trials
-                if getattr(t, "setup_bytes", None)), default=0)
+    none ran), among those whose device totals leave it out (``counted``: those that hold
+    it, ``WholeRun.with_growth``). A trial on the CPU runs its set-up step before its
+    baseline (autograd's and the math libraries' one-time set-up, the first-touch pages of
+    their code: 20 MiB for tiny-gpt2), so its peaks leave it out, while ``autofit run``
+    counts a process from its model's construction: the whole-run figure holds it once."""
+    return max((int(t.setup_bytes) for t in outcome.trials if getattr(t, "setup_bytes", None)
+                and bool(getattr(t, "setup_counted", False)) == counted), default=0)
 
 
 def eval_from_trial(outcome: SearchOutcome, config: TrainConfig, eval_micro: int | None,

@@ -69,6 +69,7 @@ class TrialResult:
     # which start after it; a run counts it once (autofit run's baseline is its model's
     # construction), so the whole-run figure adds it (None: not a CPU trial)
     setup_bytes: int | None = None
+    setup_counted: bool = False  # the device totals above hold setup_bytes (a tune's trial)
 
     @property
     def fits(self) -> bool:

@@ -195,3 +195,25 @@ def test_evaluation_inside_a_training_run_keeps_the_optimizer_states():
     cap = f"cpu:{(alone.peak_allocated_bytes + states // 2) // 2**20}MiB"
     assert (tune_eval_batch(info, 256, cap, precision="bf16-mixed", max_micro_batch=64)
             > tune_eval_batch(info, 256, cap, training=run, max_micro_batch=64))
+
+
+def test_an_sft_evaluation_is_estimated_through_trls_fused_head_as_it_runs():
+    """SFTTrainer evaluates through TRL's fused LM head (``prediction_step`` ->
+    ``compute_loss``): no (N, V) logits, but on a CPU its torch fallback's fp32 tiles. The
+    model's own loss was estimated: TRL's ``sft.py`` on a tiny Qwen2 (V 32,000) with a tuned
+    eval batch of 25 ran out of 1 GiB in its evaluation (1.6 GiB measured, 0.8 estimated)."""
+    pytest.importorskip("trl")
+    from autofit import measure
+    from autofit.trial.step import RunSpec
+
+    dev = resolve_device("cpu:2GiB")
+    cfg = TrainConfig(micro_batch_size=2, precision="32-true", loss_impl="trl")
+    r = measure("tiny-llama", cfg, seq_len=128, device=dev, isolation="subprocess",
+                run=RunSpec(eval_batch_size=16, eval_length=128))
+    assert not r.eval_oom and r.eval_device_total_bytes
+    est = estimate_eval(probe_model("tiny-llama"), 16, 128, dev, training=cfg)
+    assert est.device_total_bytes == pytest.approx(r.eval_device_total_bytes, rel=0.04)
+    # the model's own loss (full logits, log-softmax) is a third less than what TRL holds
+    plain = estimate_eval(probe_model("tiny-llama"), 16, 128, dev,
+                          training=cfg.replace(loss_impl="model"))
+    assert plain.device_total_bytes < 0.75 * r.eval_device_total_bytes
