@@ -350,3 +350,45 @@ def test_top_level_exports_stay_light():
             "assert 'transformers' not in sys.modules and 'torch' not in sys.modules")
     env = {**os.environ, "PYTHONPATH": root}
     subprocess.run([sys.executable, "-c", code, root], check=True, env=env)
+
+
+def test_a_checks_own_cpu_trial_counts_what_the_run_adds():
+    """A check's trial runs the longest batch once; the run also runs its other shapes, and on
+    a CPU in 16-bit oneDNN keeps its kernels of each for good, and it counts what the
+    first step's set-up leaves resident. The tune's trials count both; a check's own did
+    not: TRL's sft.py on a tiny Qwen2 in bf16 was checked at 736 MiB where its tune had
+    measured 966 (and the run 880-898)."""
+    from autofit.cli.datasets import load_dataset_ref
+    from autofit.memory.analytic import cpu_half_run_growth
+    from autofit.preflight.check import run_check
+    from autofit.probe.data import probe_data
+    from autofit.probe.device import format_bytes, resolve_device
+    from autofit.probe.model import probe_model
+    from autofit.probe.run import RunPlan
+
+    cfg = autofit.TrainConfig(micro_batch_size=4, precision="bf16-mixed")
+    data = load_dataset_ref("tiny-samples")
+    dev = resolve_device("cpu:4GiB")
+    run_args = {"max_steps": 6, "eval_strategy": "steps", "eval_steps": 3}
+    plan = RunPlan.of(run_args)
+    lengths = probe_data(data).lengths
+    shapes = len(plan.order(lengths, cfg, None).distinct()) - 1
+    extra = cpu_half_run_growth(probe_model("tiny-gpt2"), cfg, dev, shapes, evaluates=True)
+    if not extra:
+        pytest.skip("this CPU's 16-bit matmuls keep no kernels per shape (AVX2)")
+    r = run_check("tiny-gpt2", cfg, dataset=data, device=dev, run_args=run_args)
+    t = r.trial
+    assert r.fits and t is not None and t.setup_counted and t.setup_bytes > 0
+    assert any(n.startswith(f"+ {format_bytes(extra)} for the run's {shapes} other")
+               for n in t.notes), t.notes
+    assert any(n.startswith(f"+ {format_bytes(t.setup_bytes)} that the trial's set-up")
+               for n in t.notes), t.notes
+    # the verdict is that figure, counted once (the set-up is in it)
+    assert any(x.startswith(f"fits: measured {format_bytes(t.device_total_bytes)} of")
+               for x in r.reasons), r.reasons
+    assert r.estimate.run_device_total_bytes == r.estimate.device_total_bytes + extra
+    # from the check cache: the same figure, not counted again
+    again = run_check("tiny-gpt2", cfg, dataset=data, device=dev, run_args=run_args)
+    assert again.from_cache and again.trial.device_total_bytes == t.device_total_bytes
+    assert any(x.startswith(f"fits: measured {format_bytes(t.device_total_bytes)} of")
+               for x in again.reasons)

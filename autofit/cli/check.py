@@ -121,6 +121,7 @@ def run_check_command(args: argparse.Namespace) -> int:
         tokenizer=s.tokenizer, block_size=s.block_size, packing=s.packing,
         recipe=recipe, liger_loss=config.chunked_loss and trainer != "autofit",
         sft=fields if trainer == "trl" else None,  # SFTTrainer prepares the data
+        run_args=fields,  # the run's order and evaluations (what its other shapes add)
     )
     from dataclasses import replace
 
@@ -246,8 +247,10 @@ def _print_check(report: Any, path: str) -> None:
                           f"{t.batch_shape[0]} x {t.batch_shape[1]} tokens"
                           + (f", {t.tokens_per_s:,.0f} tokens/s" if t.tokens_per_s else ""))
     if report.eval_estimate is not None:
+        e = report.eval_estimate  # in the run: with what its other shapes left (CPU)
         console.print(f"eval step (batch {report.eval_batch_size}): ~"
-                      f"{format_bytes(report.eval_estimate.device_total_bytes)} (estimate)")
+                      f"{format_bytes(e.run_device_total_bytes or e.device_total_bytes)} "
+                      "(estimate)")
     if report.fits:
         console.print(Text(f"✓ {path} fits on {report.device}", style="bold green"))
     elif report.trial_failed:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import ModelInfo
     from autofit.probe.packing import ScriptData
+    from autofit.probe.run import RunPlan
     from autofit.trial.result import TrialResult
 
 __all__ = ["run_check", "CERTAIN_OVER", "FIX_MARGIN", "MAX_FIX_TRIALS"]
@@ -128,6 +129,9 @@ class _Checker:
         self.recipe = recipe  # the user's launch recipe (autofit.knobs.recipe), or None
         self.refusal: str | None = None  # why the estimate refused the step, where it did
         self.liger_loss = liger_loss  # the config's chunked loss is liger's (use_liger_kernel)
+        # the run's sample lengths and plan (run_check sets them from the dataset): what its
+        # other shapes add to a trial of the longest batch on a CPU (``run_growth``)
+        self.run: tuple[tuple[int, ...], RunPlan] | None = None
         self.versions = library_versions()
         # the PEFT config a tune put on a model given by reference (its file's metadata)
         self.adapter = (self.tune_meta.get("adapter")
@@ -167,6 +171,8 @@ class _Checker:
                          self.versions,
                          {"eval_batch_size": self.eval_batch_size, "eval_seq_len": self.eval_seq_len,
                           "generate_max_new_tokens": self.generate,
+                          # a stored trial holds what the run's other shapes add (CPU)
+                          **({"run_growth": g} if (g := self.run_growth(config)[0]) else {}),
                           **({"recipe": [list(kv) for kv in self.recipe.sharding],
                               "deepspeed": self.recipe.deepspeed}
                              if self.recipe is not None else {})})
@@ -267,13 +273,22 @@ class _Checker:
         from autofit.memory.ranks import estimate_analytic
 
         try:
-            return estimate_analytic(self.info, config, self.seq_len, self.dev,
-                                     self.recipe.layout_fields if self.recipe else None)
+            est = estimate_analytic(self.info, config, self.seq_len, self.dev,
+                                    self.recipe.layout_fields if self.recipe else None)
         except UnmodelledStepError as e:  # memory it does not model (CUDA graphs): say so
             self.refusal = str(e)
             return None
         except BadInputError:
             return None  # not a transformer autofit recognises: the trial decides
+        extra, _ = self.run_growth(config)
+        if not extra:
+            return est
+        import dataclasses
+
+        total = est.device_total_bytes + extra  # the run's, as the tune's estimate holds it
+        return dataclasses.replace(est, run_device_total_bytes=total,
+                                   run_peak_reserved_bytes=total - self.dev.overhead_bytes,
+                                   fits=total <= est.capacity_bytes)
 
     def _eval_estimate(self, config: TrainConfig) -> MemoryEstimate | None:
         if not self.eval_batch_size:
@@ -281,11 +296,20 @@ class _Checker:
         from autofit.memory.eval import estimate_eval
 
         try:
-            return estimate_eval(self.info, self.eval_batch_size, self.eval_seq_len, self.dev,
-                                 training=config,  # evaluation inside the training run
-                                 generate_max_new_tokens=self.generate)
+            e = estimate_eval(self.info, self.eval_batch_size, self.eval_seq_len, self.dev,
+                              training=config,  # evaluation inside the training run
+                              generate_max_new_tokens=self.generate)
         except BadInputError:
             return None
+        extra, _ = self.run_growth(config)  # beside the kernels the run's shapes left
+        if not extra:
+            return e
+        import dataclasses
+
+        total = e.device_total_bytes + extra
+        return dataclasses.replace(e, run_device_total_bytes=total,
+                                   run_peak_reserved_bytes=total - self.dev.overhead_bytes,
+                                   fits=total <= e.capacity_bytes)
 
     def _tune_trial(self, config: TrainConfig) -> Any:
         meta = self.tune_meta
@@ -328,7 +352,45 @@ class _Checker:
                          **({"deepspeed_config": self.recipe.deepspeed}
                             if self.recipe is not None and self.recipe.deepspeed is not None
                             else {}))
-        return result, None
+        return self.as_run_counts(result, config), None
+
+    def run_growth(self, config: TrainConfig) -> tuple[int, int]:
+        """(bytes, shapes): what the run's other micro-batch shapes leave above a step of
+        its longest batch on a CPU whose 16-bit matmuls keep their oneDNN kernels
+        (``memory.analytic.cpu_half_run_growth``); (0, 0) elsewhere or without the run."""
+        if self.run is None or self.dev.allocator == "cuda":
+            return 0, 0
+        from autofit.memory.analytic import cpu_half_run_growth
+
+        lengths, plan = self.run
+        shapes = len(plan.order(lengths, config, self.max_seq_len).distinct()) - 1
+        return cpu_half_run_growth(self.info, config, self.dev, shapes,
+                                   evaluates=plan.eval_steps is not None), shapes
+
+    def as_run_counts(self, result: Any, config: TrainConfig) -> Any:
+        """This check's trial as the run counts it (a tuning run's trials are already):
+        on a CPU, what the run's other micro-batch shapes leave of oneDNN's 16-bit kernels
+        (``memory.analytic.cpu_half_run_growth``, as the tune's ``WholeRun.with_growth``)
+        and what the set-up step left resident (``setup_counted``), with a note."""
+        import dataclasses
+
+        if result.device_total_bytes is None or self.dev.allocator == "cuda":
+            return result
+        extra, shapes = self.run_growth(config)
+        once = _setup_left_out(result)
+        if not extra and not once:
+            return result
+        notes = [f"+ {format_bytes(extra)} for the run's {shapes} other micro-batch shapes: on "
+                 "this CPU oneDNN keeps its 16-bit kernels of every matmul shape for good"
+                 ] if extra else []
+        if once:
+            notes.append(f"+ {format_bytes(once)} that the trial's set-up step left resident "
+                         "(one-time set-up), which a run counts")
+        ev = result.eval_device_total_bytes
+        return dataclasses.replace(
+            result, device_total_bytes=result.device_total_bytes + extra + once,
+            eval_device_total_bytes=ev + extra + once if ev is not None else None,
+            notes=(*result.notes, *notes), setup_counted=True)
 
     # -- the verdict ---------------------------------------------------------------------
     def need(self, a: _Assessment) -> tuple[int | None, str]:
@@ -339,7 +401,7 @@ class _Checker:
         if a.trial is not None and a.trial.oom:
             return None, "out of memory in a trial"
         if a.estimate is not None:
-            return a.estimate.device_total_bytes, "estimated"
+            return _run_total(a.estimate), "estimated"
         return None, "unknown"
 
     def memory_problem(self, a: _Assessment) -> str | None:
@@ -368,16 +430,16 @@ class _Checker:
 
     def eval_problem(self, a: _Assessment) -> str | None:
         e = a.eval_estimate
-        if e is None or e.device_total_bytes <= self.budget:
+        if e is None or _run_total(e) <= self.budget:
             return None
         return (f"evaluation does not fit: per_device_eval_batch_size {self.eval_batch_size} x "
-                f"{self.eval_seq_len} tokens needs ~{format_bytes(e.device_total_bytes)} > "
+                f"{self.eval_seq_len} tokens needs ~{format_bytes(_run_total(e))} > "
                 f"{format_bytes(self.budget)} (estimate)")
 
     def calibration(self, a: _Assessment) -> float:
         if a.estimate is None:
             return 1.0
-        raw = a.estimate.device_total_bytes
+        raw = _run_total(a.estimate)
         if a.trial is not None and a.trial.fits and a.trial.device_total_bytes:
             return a.trial.device_total_bytes / raw
         if a.trial is not None and a.trial.oom:
@@ -396,7 +458,7 @@ class _Checker:
         for m in _divisors_below(product, c.micro_batch_size):
             candidate = c.replace(micro_batch_size=m, grad_accum_steps=product // m)
             est = self._estimate(candidate)
-            if est is not None and est.device_total_bytes * ratio > budget:
+            if est is not None and _run_total(est) * ratio > budget:
                 continue
             if tried >= MAX_FIX_TRIALS:
                 notes.append(f"stopped after {MAX_FIX_TRIALS} fix trials")
@@ -417,7 +479,7 @@ class _Checker:
         budget = int(self.dev.capacity_bytes * (1 - max(self.margin, FIX_MARGIN)))
         for m in _divisors_below(product, c.micro_batch_size):
             est = self._estimate(c.replace(micro_batch_size=m, grad_accum_steps=product // m))
-            if est is not None and est.device_total_bytes * ratio <= budget:
+            if est is not None and _run_total(est) * ratio <= budget:
                 how = how_to_fix(f"set per_device_train_batch_size: {m} and "
                           f"gradient_accumulation_steps: {product // m} in the file",
                           "pass fix=True")
@@ -456,6 +518,7 @@ def run_check(
     trainer: str | None = None,
     liger_loss: bool = False,
     sft: Any = None,
+    run_args: dict[str, object] | None = None,
 ) -> Any:
     """Check one configuration (see the module docstring); returns a ``PreflightReport``.
 
@@ -472,6 +535,11 @@ def run_check(
     ``sft``: an ``SFTConfig`` (or a ``trl sft --config`` file's fields) whose trainer
     prepares ``dataset`` (each text ending in EOS, truncated at ``max_length`` or packed),
     as the tune planned it (``autofit.probe.packing.as_script_sees``).
+    ``run_args``: the TrainingArguments fields of the run (its order, evaluations): on a
+    CPU whose 16-bit matmuls keep their oneDNN kernels, a trial of the longest batch is
+    short of what the run's other shapes leave (``memory.analytic.cpu_half_run_growth``),
+    which the check adds to its own trials as the tune adds it to its (None: the Trainer's
+    defaults, an evaluation assumed).
     ``liger_loss``: ``config``'s chunked loss is liger's fused loss (a file's
     ``use_liger_kernel`` under a plain or TRL trainer), which runs only on the model types
     liger patches: on another the model's own loss is checked (``_Checker.as_run``).
@@ -482,7 +550,7 @@ def run_check(
     from autofit.preflight.verdict import PreflightReport
 
     config, trainer, dev, reasons = _checked_request(config, margin, trainer, device, recipe)
-    seen, dataset, max_seq_len, seq_len = _sequence_length(
+    seen, dataset, max_seq_len, seq_len, lengths = _sequence_length(
         dataset, seq_len, reasons, block_size=block_size, max_seq_len=max_seq_len,
         packing=packing, tokenizer=tokenizer, seq_len_source=seq_len_source, sft=sft)
     store = None
@@ -506,6 +574,10 @@ def run_check(
     config, why = checker.as_run(config)  # (what the file's trainer runs on this model)
     if why:
         reasons.append(why)
+    if lengths is not None and len(set(lengths)) > 1:
+        from autofit.probe.run import RunPlan
+
+        checker.run = (tuple(lengths), RunPlan.of(run_args))
     first = checker.assess(config)
     changes: dict[str, tuple[int | None, int | None]] = {}
     final, fix_notes = _fixed_training_batch(checker, first, fix, changes, reasons)
@@ -538,6 +610,12 @@ def run_check(
         eval_batch_size=eval_batch,
         trials_run=checker.trials_run,
     )
+
+
+def _run_total(est: MemoryEstimate) -> int:
+    """An estimate's device total as the run counts it (``run_device_total_bytes``: with what
+    the run's other shapes leave on a CPU, ``_Checker.run_growth``), else its step's."""
+    return int(est.run_device_total_bytes or est.device_total_bytes)
 
 
 def _setup_left_out(trial: Any) -> int:
@@ -588,11 +666,14 @@ def _checked_request(config: TrainConfig, margin: float, trainer: str | None,
 def _sequence_length(dataset: object, seq_len: int | None, reasons: list[str], *,
                      block_size: int | None, max_seq_len: int | None, packing: str | None,
                      tokenizer: PreTrainedTokenizerBase | None, seq_len_source: str,
-                     sft: Any = None) -> tuple[ScriptData | None, object, int | None, int]:
+                     sft: Any = None,
+                     ) -> tuple[ScriptData | None, object, int | None, int, list[int] | None]:
     """Step 2 of ``run_check``: the sequence length checked, the longest sample of the
     dataset as the script sees it (packed, truncated) or ``seq_len`` as given, its reason
-    appended: ``(what the script sees, the dataset, max_seq_len, seq_len)``."""
+    appended: ``(what the script sees, the dataset, max_seq_len, seq_len, every sample's
+    length or None)``."""
     seen = None
+    lengths = None
     if dataset is not None:
         from autofit.probe.data import probe_data
         from autofit.probe.packing import as_script_sees
@@ -603,6 +684,7 @@ def _sequence_length(dataset: object, seq_len: int | None, reasons: list[str], *
         reasons += seen.reasons
         data = probe_data(dataset, max_seq_len=max_seq_len, tokenizer=tokenizer)
         seq_len = data.length_max
+        lengths = list(data.lengths)
         reasons.append(f"sequence length {seq_len}: the longest sample"
                        + (f" after truncation at {max_seq_len}" if data.num_truncated else "")
                        + f" (p50 {data.length_p50}, p99 {data.length_p99})")
@@ -613,7 +695,7 @@ def _sequence_length(dataset: object, seq_len: int | None, reasons: list[str], *
     else:
         reasons.append(f"sequence length {seq_len}: {seq_len_source} (no dataset: the trial "
                        "batch is random tokens of that length)")
-    return seen, dataset, max_seq_len, seq_len
+    return seen, dataset, max_seq_len, seq_len, lengths
 
 
 def _fixed_training_batch(checker: _Checker, first: _Assessment, fix: bool,

@@ -70,17 +70,15 @@ class WholeRun:
         length) add above its longest step on a CPU whose 16-bit matmuls run on oneDNN
         (``memory.analytic.cpu_half_run_bytes``: kept for good, one set of kernels per
         shape), with the evaluations' forwards when the run evaluates; (0, 0) elsewhere."""
-        from autofit.memory.analytic import cpu_half_run_bytes
+        from autofit.memory.analytic import cpu_half_run_growth
 
         p = self.probed
         if p.device.allocator == "cuda" or len(set(p.data.lengths)) < 2:
             return 0, 0
         if config not in self._growth:
             shapes = len(self.order(config).distinct()) - 1
-            extra = cpu_half_run_bytes(p.info, config, p.device, shapes)
-            if extra and self.plan.eval_steps is not None:
-                extra += cpu_half_run_bytes(p.info, config, p.device, shapes + 1,
-                                            forward_only=True)
+            extra = cpu_half_run_growth(p.info, config, p.device, shapes,
+                                        evaluates=self.plan.eval_steps is not None)
             self._growth[config] = (extra, shapes)
         return self._growth[config]
 

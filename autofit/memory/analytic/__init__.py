@@ -14,7 +14,11 @@ above them (``_reserved``).
 from autofit.memory.allocator._common import pinned_bytes
 from autofit.memory.analytic._activations import kept_input_bytes, offloaded_bytes
 from autofit.memory.analytic._closed_form import AnalyticTerms, analytic_phases, estimate_analytic
-from autofit.memory.analytic._cpu_cache import cpu_half_run_bytes, cpu_library_cache_bytes
+from autofit.memory.analytic._cpu_cache import (
+    cpu_half_run_bytes,
+    cpu_half_run_growth,
+    cpu_library_cache_bytes,
+)
 from autofit.memory.analytic._levers import (
     chunked_loss_bytes,
     compile_saving_bytes,
@@ -34,5 +38,5 @@ __all__ = ["estimate_analytic", "analytic_phases", "AnalyticTerms", "cuda_reserv
            "weights_bytes", "gradients_bytes", "optimizer_state_bytes",
            "quantized_weight_bytes", "kept_input_bytes",
            "chunked_loss_bytes", "loss_chunk_rows", "pinned_bytes", "offload_note", "offloaded_bytes",
-           "compile_saving_bytes", "cpu_half_run_bytes", "cpu_library_cache_bytes",
+           "compile_saving_bytes", "cpu_half_run_bytes", "cpu_half_run_growth", "cpu_library_cache_bytes",
            "derived_coefficients"]

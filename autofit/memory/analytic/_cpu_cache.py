@@ -327,6 +327,21 @@ def cpu_half_run_bytes(info: ModelInfo, config: TrainConfig, device: DeviceInfo,
     return shapes * per_step * _AVX512_HALF_SHAPE
 
 
+def cpu_half_run_growth(info: ModelInfo, config: TrainConfig, device: DeviceInfo,
+                        shapes: int, *, evaluates: bool, ran: int = 0) -> int:
+    """What a run of ``shapes`` micro-batch shapes besides its longest adds above a trial of
+    that longest step on a CPU whose 16-bit matmuls keep their oneDNN kernels
+    (``cpu_half_run_bytes``), with the evaluations' forwards when the run ``evaluates``,
+    less the ``ran`` shapes the trial replayed itself (0 elsewhere). The tune
+    (``autofit.stages.run.WholeRun``) and ``autofit check`` count it alike."""
+    extra = cpu_half_run_bytes(info, config, device, shapes)
+    if extra and evaluates:
+        extra += cpu_half_run_bytes(info, config, device, shapes + 1, forward_only=True)
+    if extra and ran:
+        extra = max(0, extra - cpu_half_run_bytes(info, config, device, ran))
+    return extra
+
+
 def _lm_head_matmul(info: ModelInfo, config: TrainConfig) -> bool:
     """Whether the step multiplies by the LM head in full (not a classifier's, not a chunked
     or TRL loss's own kernel)."""
