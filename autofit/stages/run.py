@@ -1,6 +1,7 @@
 """The run around the step, for ``autofit()``: the Trainer's plan of the run
-(``RunPlan``, from ``autofit.probe.run``, where ``autofit check`` reads it too), the eval batch, the short run a trial replays besides its worst-case steps
-(``trial_run``), and the chosen configuration's whole-run need (``whole_run``).
+(``RunPlan``, from ``autofit.probe.run``, where ``autofit check`` reads it too), the eval
+batch, the short run a trial replays besides its worst-case steps (``trial_run``), and
+the chosen configuration's whole-run need (``whole_run``).
 
     >>> RunPlan.of({"eval_strategy": "steps", "eval_steps": 50}).eval_steps
     50
@@ -96,7 +97,7 @@ class WholeRun:
         its model's construction; ``setup_counted`` says it is in)."""
         import dataclasses
 
-        from autofit.memory.analytic import cpu_half_run_bytes
+        from autofit.memory.analytic import cpu_half_run_growth
         from autofit.probe.device import format_bytes
 
         extra, shapes = self.half_growth(config)
@@ -111,7 +112,8 @@ class WholeRun:
                               strict=True)) - {order.distinct()[0]})
             if ran:
                 p = self.probed
-                extra = max(0, extra - cpu_half_run_bytes(p.info, config, p.device, ran))
+                extra = cpu_half_run_growth(p.info, config, p.device, shapes, ran=ran,
+                                            evaluates=self.plan.eval_steps is not None)
             notes.append(f"+ {format_bytes(extra)} for the run's {shapes - ran} micro-batch "
                          "shapes the trial did not run: on this CPU oneDNN keeps its 16-bit "
                          "kernels of every matmul shape for good")
