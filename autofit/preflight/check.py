@@ -131,7 +131,7 @@ class _Checker:
         self.liger_loss = liger_loss  # the config's chunked loss is liger's (use_liger_kernel)
         # the run's sample lengths and plan (run_check sets them from the dataset): what its
         # other shapes add to a trial of the longest batch on a CPU (``run_growth``)
-        self.run: tuple[tuple[int, ...], RunPlan] | None = None
+        self.run: tuple[tuple[int, ...], RunPlan, bool] | None = None  # (+ padding-free)
         self.versions = library_versions()
         # the PEFT config a tune put on a model given by reference (its file's metadata)
         self.adapter = (self.tune_meta.get("adapter")
@@ -362,8 +362,8 @@ class _Checker:
             return 0, 0
         from autofit.memory.analytic import cpu_half_run_growth
 
-        lengths, plan = self.run
-        shapes = len(plan.order(lengths, config, self.max_seq_len).distinct()) - 1
+        lengths, plan, padding_free = self.run
+        shapes, _ = plan.order(lengths, config, self.max_seq_len).other_shapes(padding_free)
         return cpu_half_run_growth(self.info, config, self.dev, shapes,
                                    evaluates=plan.eval_steps is not None), shapes
 
@@ -574,10 +574,11 @@ def run_check(
     config, why = checker.as_run(config)  # (what the file's trainer runs on this model)
     if why:
         reasons.append(why)
-    if lengths is not None and len(set(lengths)) > 1:
+    padding_free = bool(seen is not None and seen.padding_free)
+    if lengths is not None and (len(set(lengths)) > 1 or padding_free):
         from autofit.probe.run import RunPlan
 
-        checker.run = (tuple(lengths), RunPlan.of(run_args))
+        checker.run = (tuple(lengths), RunPlan.of(run_args), padding_free)
     first = checker.assess(config)
     changes: dict[str, tuple[int | None, int | None]] = {}
     final, fix_notes = _fixed_training_batch(checker, first, fix, changes, reasons)

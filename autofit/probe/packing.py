@@ -26,7 +26,8 @@ batch from them, as from any dataset.
 Known limitations:
     NB: SFTTrainer runs "bfd" rows padding-free (a batch is one row of all its tokens,
     attention per sample through flash-attention's varlen kernel); autofit plans the batch
-    as micro batch x row size, the same tokens.
+    as micro batch x row size, the same tokens, and counts the run's shapes by its batches'
+    token counts (``ScriptData.padding_free``, ``RunOrder.other_shapes``).
 """
 
 from __future__ import annotations
@@ -186,6 +187,8 @@ class ScriptData:
     strategy: str | None  # how (STRATEGIES), when packed
     reasons: tuple[str, ...]
     source: str  # what asked for the block size, for messages: "--block-size", "SFTConfig..."
+    # SFTTrainer's "bfd" rows run padding-free: each micro batch is one row of all its tokens
+    padding_free: bool = False
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -243,7 +246,8 @@ def _sft_sees(dataset: object, sft: Any, tokenizer: PreTrainedTokenizerBase | No
             else ""
         return ScriptData(packed.samples, None, max_length, strategy,
                           (packed.reason(f"; SFTConfig packing=True, packing_strategy="
-                                         f"{strategy!r}, as SFTTrainer packs{free}"),), name)
+                                         f"{strategy!r}, as SFTTrainer packs{free}"),), name,
+                          padding_free=strategy != "wrapped")
     if max_length is None:
         return ScriptData(dataset, None, None, None, (), "SFTConfig.max_length")
     why = f"samples truncated at {max_length} tokens: SFTConfig.max_length, as SFTTrainer does"

@@ -64,6 +64,8 @@ class RunOrder:
         note: how the order was obtained, for the reasons shown to the user.
         steps: micro batches of each optimizer step, in order (the accumulation; the
             last step of an epoch may have fewer: the Trainer steps at every epoch's end).
+        tokens: tokens of each micro batch, its samples' own (truncated) lengths summed:
+            a padding-free batch's one row.
     """
 
     lengths: tuple[int, ...]
@@ -72,6 +74,7 @@ class RunOrder:
     exact: bool
     note: str
     steps: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -80,6 +83,19 @@ class RunOrder:
         """The distinct ``(size, length)`` micro batches, longest first."""
         return sorted(set(zip(self.sizes, self.lengths, strict=True)),
                       key=lambda sl: (sl[1], sl[0]), reverse=True)
+
+    def other_shapes(self, padding_free: bool = False, ran: int = 0) -> tuple[int, int]:
+        """(shapes, of them replayed): the run's micro-batch shapes besides the longest
+        (samples x padded length), the one a trial steps, and how many of them its first
+        ``ran`` micro batches replayed. Padding-free, every batch is one row of its tokens
+        (``tokens``), a shape no trial's (micro batch x row) batch has: all of them count,
+        none replayed."""
+        if padding_free:
+            return len(set(self.tokens)), 0
+        keys = set(zip(self.sizes, self.lengths, strict=True))
+        longest = self.distinct()[0]
+        done = set(zip(self.sizes[:ran], self.lengths[:ran], strict=True)) - {longest}
+        return len(keys) - 1, len(done)
 
 
 def _padded(n: int, max_seq_len: int | None, multiple: int | None) -> int:
@@ -180,6 +196,7 @@ def run_order(
     base = data_seed if data_seed is not None else seed
     out_lengths: list[int] = []
     out_sizes: list[int] = []
+    out_tokens: list[int] = []
     steps: list[int] = []
     epoch = 0
     while len(out_lengths) < total:
@@ -190,6 +207,7 @@ def run_order(
             out_lengths.append(_padded(max(lengths[i] for i in rows), max_seq_len,
                                        pad_to_multiple_of))
             out_sizes.append(len(rows))
+            out_tokens.append(sum(_padded(lengths[i], max_seq_len, None) for i in rows))
             if k % grad_accum_steps == 0:
                 steps.append(0)
             steps[-1] += 1
@@ -205,7 +223,7 @@ def run_order(
         "batch_rebalance": "batch_rebalance is not modelled: a random order stands in for it",
     }[sampling]
     return RunOrder(tuple(out_lengths), tuple(out_sizes), len(out_lengths) / per_epoch, exact,
-                    note, tuple(steps))
+                    note, tuple(steps), tuple(out_tokens))
 
 
 def eval_order(sample_lengths: Sequence[int], *, eval_batch_size: int,

@@ -74,10 +74,11 @@ class WholeRun:
         from autofit.memory.analytic import cpu_half_run_growth
 
         p = self.probed
-        if p.device.allocator == "cuda" or len(set(p.data.lengths)) < 2:
+        if p.device.allocator == "cuda" or (len(set(p.data.lengths)) < 2
+                                            and not self.padding_free):
             return 0, 0
         if config not in self._growth:
-            shapes = len(self.order(config).distinct()) - 1
+            shapes, _ = self.order(config).other_shapes(self.padding_free)
             extra = cpu_half_run_growth(p.info, config, p.device, shapes,
                                         evaluates=self.plan.eval_steps is not None)
             self._growth[config] = (extra, shapes)
@@ -88,6 +89,13 @@ class WholeRun:
         if self.probed.device.allocator == "cuda":
             return step
         return lambda config: step(config) + self.half_growth(config)[0]
+
+    @property
+    def padding_free(self) -> bool:
+        """The script runs each micro batch as one row of its tokens (SFTTrainer's "bfd"
+        packing): its shapes are the batches' token counts."""
+        seen = self.probed.seen
+        return bool(seen is not None and seen.padding_free)
 
     def with_growth(self, result: Any, config: TrainConfig) -> Any:
         """A trial's ``TrialResult`` as the run counts it, with a note for each addition to
@@ -107,9 +115,7 @@ class WholeRun:
             return result
         notes = []
         if extra:
-            order = self.order(config)
-            ran = len(set(zip(order.sizes[:result.run_steps], order.lengths[:result.run_steps],
-                              strict=True)) - {order.distinct()[0]})
+            _, ran = self.order(config).other_shapes(self.padding_free, result.run_steps)
             if ran:
                 p = self.probed
                 extra = cpu_half_run_growth(p.info, config, p.device, shapes, ran=ran,

@@ -107,3 +107,36 @@ def test_bad_arguments(kw, needle):
         run_order([3, 4, 5], **kw)
     with pytest.raises(BadInputError, match="no training samples"):
         run_order([], micro_batch_size=1)
+
+
+def test_the_shapes_a_run_adds_to_its_longest_step_and_padding_free_batches():
+    """On a CPU in 16-bit every micro-batch shape keeps its oneDNN kernels: the run's shapes
+    besides the trial's longest count, less those a trial replayed. SFTTrainer's "bfd"
+    packing runs each micro batch padding-free, one row of its tokens: the shapes are the
+    batches' token counts (TRL's sft.py packed at 256: 22.5 MiB of kernels counted by
+    (micro batch, padded length), 81 by token counts; the run measured 929 MiB, 881 then
+    945 promised)."""
+    from autofit.probe.run import run_order
+
+    o = run_order([5, 9, 3, 7, 2, 8], micro_batch_size=2, sampling="sequential")
+    assert o.lengths == (9, 7, 8) and o.tokens == (14, 10, 10)
+    assert o.other_shapes() == (2, 0)  # (2, 7), (2, 8) besides the longest (2, 9)
+    assert o.other_shapes(ran=2) == (2, 1)  # the replay ran (2, 7) too
+    assert o.other_shapes(padding_free=True) == (2, 0)  # rows of 14 and 10 tokens
+    # full rows padded alike are one shape, padding-free they are as many as their sums
+    full = run_order([256, 250, 256, 241, 256, 256], micro_batch_size=2, sampling="sequential")
+    assert full.other_shapes() == (0, 0) and full.other_shapes(padding_free=True) == (3, 0)
+    # truncation counts in the tokens as in the lengths
+    cut = run_order([300, 100], micro_batch_size=2, max_seq_len=256)
+    assert cut.lengths == (256,) and cut.tokens == (356,)
+
+
+def test_sfttrainers_bfd_packing_is_padding_free_and_wrapped_is_not():
+    from autofit.probe.packing import as_script_sees
+
+    rows = [{"input_ids": list(range(1, n))} for n in (40, 90, 130, 60, 200, 30) * 4]
+    bfd = as_script_sees(rows, sft={"max_length": 128, "packing": True})
+    wrapped = as_script_sees(rows, sft={"max_length": 128, "packing": True,
+                                        "packing_strategy": "wrapped"})
+    assert bfd.padding_free and not wrapped.padding_free
+    assert not as_script_sees(rows, block_size=128).padding_free  # a plain Trainer pads
