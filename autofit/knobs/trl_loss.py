@@ -178,17 +178,22 @@ def trl_sft_loss(model: torch.nn.Module, inputs: Batch, loss_type: str = "nll", 
     return loss
 
 
-def trl_forward_bytes(tokens: int, vocab: int, act: int, *, cuda: bool) -> int:
+def trl_forward_bytes(tokens: int, vocab: int, act: int, *, cuda: bool, hidden: int = 0,
+                      weight_act: int | None = None) -> int:
     """Bytes TRL's fused loss holds in its forward (the peak of an evaluation step under
     ``no_grad``, which ``SFTTrainer.prediction_step`` runs through the same fused head): one
     (rows, cols) tile buffer in the compute dtype (``act``; VOCAB_TILE wide on CUDA, only
-    the vocabulary's columns resident on a CPU), the torch fallback's fp32 tile temporaries
-    on a CPU (``TRL_CPU_FORWARD_TILE_TEMPS``; none on CUDA: the Triton kernel folds in
-    place) and its seven fp32 per-token accumulators. No (N, V) logits exist."""
+    the vocabulary's columns resident on a CPU) and its seven fp32 per-token accumulators;
+    beside the buffer, the larger of the head's chunk cast to the compute dtype for the
+    matmul (``hidden`` wide, when the weight's dtype, ``weight_act`` bytes, is another; freed
+    when the matmul returns) and the torch fallback's fp32 tile temporaries on a CPU
+    (``TRL_CPU_FORWARD_TILE_TEMPS``; none on CUDA: the Triton kernel folds in place). No
+    (N, V) logits exist."""
     rows, cols = min(tokens, TOKEN_TILE), min(vocab, VOCAB_TILE)
     tile = rows * (VOCAB_TILE if cuda else cols) * act
+    w_copy = cols * hidden * act if weight_act not in (None, act) else 0
     temps = 0 if cuda else int(TRL_CPU_FORWARD_TILE_TEMPS * rows * cols * 4)
-    return tile + temps + 7 * tokens * 4
+    return tile + max(w_copy, temps) + 7 * tokens * 4
 
 
 def trl_loss_bytes(tokens: int, vocab: int, hidden: int, act: int, *, cuda: bool,

@@ -118,12 +118,14 @@ def _logits_bytes(tokens: int, vocab: int, logit_bytes: int, loss: bool) -> int:
 
 
 def _head_bytes(tokens: int, vocab: int, cb: int, loss: bool, training: TrainConfig | None,
-                device: DeviceInfo) -> int:
+                device: DeviceInfo, hidden: int, weight_bytes: int) -> int:
     """The LM head's and the loss's bytes in an evaluation step: the logits in the compute
     dtype (``_logits_bytes``), or where SFTTrainer evaluates (``training.loss_impl`` "trl")
-    TRL's fused LM head: its tiles, no full logits (``trl_forward_bytes``)."""
+    TRL's fused LM head: its tiles, no full logits (``trl_forward_bytes``; the head's weight
+    in ``weight_bytes`` per element)."""
     if loss and training is not None and training.loss_impl == "trl":
-        return trl_forward_bytes(tokens, vocab, cb, cuda=device.allocator == "cuda")
+        return trl_forward_bytes(tokens, vocab, cb, cuda=device.allocator == "cuda",
+                                 hidden=hidden, weight_act=weight_bytes)
     return _logits_bytes(tokens, vocab, cb, loss)
 
 
@@ -195,7 +197,7 @@ def estimate_eval(
     fwd_cache = kv_cache_bytes(info, B, T, cb) if info.task in _GEN_TASKS else 0
     block = max(_block_working_set(b, N, T, B, act, cb, eager) for b in info.blocks)
     logit_bytes = cb if lm else 0
-    logits = _head_bytes(N, V, cb, with_loss, training, device) if lm else 0
+    logits = _head_bytes(N, V, cb, with_loss, training, device, h, act) if lm else 0
     kept = kept_logit_batches * N * V * (4 if spec.autocast else logit_bytes)
     A_fwd = encoder_out + fwd_cache + max(block, N * h * act + logits)
     phases = {"forward": (A_fwd, kept)}
