@@ -238,3 +238,40 @@ def test_the_run_amortises_the_optimizer_step_over_its_accumulation():
     # a fused and a plain AdamW: 1.2x apart in a trial's step, 1.05x apart in the run's
     fused, plain = run_step_s(2.2, 0.2, 2, 8), run_step_s(2.6, 0.6, 2, 8)
     assert 2.6 / 2.2 > 1.18 and plain / fused < 1.06
+
+
+def test_a_tunes_trial_holds_its_set_up_once():
+    """A tune's trial totals hold the set-up step's resident memory (the run counts it, the
+    search and the eval batch must): added once, marked, never again; the whole run and the
+    eval batch then add nothing more for it."""
+    import dataclasses
+
+    from autofit.probe.model import build_model
+    from autofit.stages import Probed, WholeRun
+    from autofit.stages.run import setup_residue
+    from autofit.trial.result import TrialResult
+
+    module, task = build_model("tiny-llama")
+    info = probe_model(module)
+    data = SimpleNamespace(lengths=tuple(range(10, 200, 3)))
+    probed = Probed("tiny-llama", module, task, info, data, resolve_device("cpu:2GiB"), 197)
+    whole = WholeRun(probed, None, TuneOptions())
+    cfg = TrainConfig(micro_batch_size=4)  # 32-true: no oneDNN kernels per shape to add
+    raw = TrialResult(oom=False, peak_allocated_bytes=500 << 20, peak_reserved_bytes=500 << 20,
+                      device_total_bytes=500 << 20, step_time_s=1.0, tokens_per_s=1.0,
+                      samples_per_s=1.0, error=None, config=cfg.to_dict(), device="cpu:2GiB",
+                      batch_shape=(4, 197), isolation="subprocess", isolation_reason="",
+                      steps=2, eval_device_total_bytes=700 << 20, setup_bytes=20 << 20)
+    held = whole.with_growth(raw, cfg)
+    assert held.setup_counted and held.device_total_bytes == 520 << 20
+    assert held.eval_device_total_bytes == 720 << 20
+    assert any("set-up step left resident" in n for n in held.notes)
+    assert whole.with_growth(held, cfg) == held  # once
+    outcome = SimpleNamespace(trials=[held])
+    assert setup_residue(outcome) == 0 and setup_residue(outcome, counted=True) == 20 << 20
+    # the eval batch is held to the budget by the trial's total, the set-up already in it
+    reasons = []
+    b, need, _ = eval_from_trial(outcome, cfg, 8, info, 197, probed.device, 0.03, 64, reasons)
+    assert (b, need) == (8, 720 << 20) and "of one-time set-up" not in reasons[-1]
+    assert dataclasses.replace(raw, setup_bytes=None) == whole.with_growth(
+        dataclasses.replace(raw, setup_bytes=None), cfg)  # nothing measured: unchanged
