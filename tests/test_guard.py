@@ -370,3 +370,51 @@ def test_ddp_buckets_go_out_in_order_as_their_gradients_become_final(monkeypatch
         assert sizes == sent  # what the others' collectives expect, in their order
     finally:
         dist.destroy_process_group()
+
+
+def test_a_rescue_line_reaches_stderr_once(tmp_path):
+    """The guard logs each rescue and echoes it on stderr, unless the log reaches stderr
+    already: with no logging configured, logging's last resort prints it (every line came
+    twice, as under TRL's sft.py); with a script's stderr handler, that handler does; a log
+    that goes to a file only gets the echo."""
+    import logging
+    import sys
+
+    from autofit.trial.guard import _logged_to_stderr
+
+    log = logging.getLogger("autofit.test-echo")
+    log.propagate = False
+    try:
+        assert _logged_to_stderr(log, logging.WARNING)  # no handler: the last resort prints
+        stream = logging.StreamHandler(sys.stderr)
+        log.addHandler(stream)
+        assert _logged_to_stderr(log, logging.WARNING)
+        stream.setLevel(logging.ERROR)  # it would not print a warning
+        assert not _logged_to_stderr(log, logging.WARNING)
+        log.removeHandler(stream)
+        to_file = logging.FileHandler(tmp_path / "log.txt")
+        log.addHandler(to_file)
+        assert not _logged_to_stderr(log, logging.WARNING)  # a file only: echo
+        log.removeHandler(to_file)
+        to_file.close()
+        log.setLevel(logging.ERROR)  # a warning is not logged at all: echo
+        assert not _logged_to_stderr(log, logging.WARNING)
+    finally:
+        log.handlers.clear()
+        log.setLevel(logging.NOTSET)
+        log.propagate = True
+
+
+def test_a_shorter_batch_keeps_the_tokens_per_piece_that_ran():
+    """A split set at one length applies to shorter batches by the tokens per piece that
+    ran, not as a whole batch that runs out of memory again at every new length."""
+    from autofit.trial.guard import _Guard
+
+    g = _Guard.__new__(_Guard)
+    g.k, g.length = 8, 117
+    assert g.k_for((32, 117)) == 8 and g.k_for((32, 200)) == 8  # at least as long: the split
+    assert g.k_for((32, 108)) == 8  # 7.4 -> 8: pieces of 4 x 108 tokens
+    assert g.k_for((32, 58)) == 4 and g.k_for((32, 20)) == 2 and g.k_for((32, 10)) == 1
+    assert g.k_for((3, 117)) == 3  # never more pieces than rows
+    g.k = 1
+    assert g.k_for((32, 500)) == 1  # no split in force

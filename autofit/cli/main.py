@@ -93,6 +93,8 @@ def _warnings_on_stderr() -> None:
 class _StderrLines(logging.Handler):
     """``autofit: warning: <message>`` on the stderr of the moment (tests swap it)."""
 
+    to_stderr = True  # what reaches stderr is not echoed again (autofit.trial.guard)
+
     def emit(self, record: logging.LogRecord) -> None:
         print(f"autofit: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
 

@@ -33,8 +33,9 @@ The math: each chunk's loss is weighted as the Trainer weights micro batches.
   summation order; with dropout, their masks are the failed attempt's).
 
 The split persists for micro batches at least as long (in tokens) as the one that
-failed, and is retried one level up (k / 2) after ``retry_after`` guarded steps
-without an OOM. Evaluation is guarded the same way: ``prediction_step`` of a batch that
+failed; a shorter one runs in as many pieces as keep about the tokens per piece that
+ran (``_Guard.k_for``). The split is retried one level up (k / 2) after
+``retry_after`` guarded steps without an OOM. Evaluation is guarded the same way: ``prediction_step`` of a batch that
 does not fit is split, the losses weighted by items and the logits and labels
 concatenated, so the metrics equal the unsplit ones.
 
@@ -61,6 +62,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -289,10 +291,20 @@ class _Guard:
 
     # -- the split in force ----------------------------------------------------------------
     def k_for(self, shape: tuple[int, ...]) -> int:
+        """Pieces for a micro batch of ``shape``: the split in force for batches at least
+        ``length`` long; a shorter one keeps about the tokens per piece that ran (``k`` x its
+        length / ``length``, up to a power of two: a step's memory per token does not grow as
+        its batches shorten), where it ran whole and ran out of memory again at each new,
+        shorter length (TRL's sft.py at micro batch 32 under ``autofit run --guard``: six
+        rescues at 117 tokens, six more at 108)."""
         length = shape[1] if len(shape) > 1 else 0
-        if self.k > 1 and length >= self.length:
-            return min(self.k, max(1, shape[0]))
-        return 1
+        if self.k <= 1:
+            return 1
+        k = self.k
+        if length < self.length:
+            need = self.k * length / self.length
+            k = 1 if need <= 1 else 1 << math.ceil(math.log2(need))
+        return min(k, max(1, shape[0]))
 
     def _settle(self, k: int, shape: tuple[int, ...], smallest: int, rescued: bool) -> None:
         """After a micro batch: a rescue sets the split for batches at least as long; a clean
@@ -338,7 +350,7 @@ class _Guard:
     def _log(self, rescue: Rescue) -> None:
         line = rescue.line()
         logger.warning(line)
-        if self.echo:
+        if self.echo and not _logged_to_stderr(logger, logging.WARNING):
             print(line, file=sys.stderr, flush=True)
         if self.record is not None:
             try:
@@ -724,6 +736,28 @@ def _common_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
     return dtype
 
 
+def _logged_to_stderr(log: logging.Logger, level: int) -> bool:
+    """Whether a record of ``level`` on ``log`` already reaches stderr: a stream handler on
+    stderr on its way up (a script's ``logging.basicConfig``, the CLI's), or no handler at
+    all (logging's last resort prints it there). The echo is then left out: the line came
+    twice, in TRL's ``sft.py`` under ``autofit run --guard`` and in any script that
+    configures no logging."""
+    if not log.isEnabledFor(level):
+        return False
+    found = False
+    current: logging.Logger | None = log
+    while current is not None:
+        for h in current.handlers:
+            found = True
+            to_stderr = getattr(h, "to_stderr", False) or (  # (the CLI's own handler)
+                isinstance(h, logging.StreamHandler)
+                and getattr(h, "stream", None) in (sys.stderr, sys.__stderr__))
+            if to_stderr and level >= h.level:
+                return True
+        current = current.parent if current.propagate else None
+    return not found and logging.lastResort is not None and level >= logging.lastResort.level
+
+
 def _weight(trainer: Trainer, piece: Batch, whole: Batch, total: int) -> float:
     """``piece``'s share of ``whole``: its label items over the whole's (samples when the
     whole has no label item)."""
@@ -779,7 +813,8 @@ def guard(trainer: Trainer, *, retry_after: int = RETRY_AFTER,
         retry_after: guarded steps at a split before one level up is tried again.
         record: where each rescue is appended as a JSON line; default
             ``<output_dir>/autofit-guard.jsonl`` (``$AUTOFIT_GUARD_RECORD`` when set).
-        echo: print each rescue's line on stderr as well as logging it.
+        echo: print each rescue's line on stderr as well as logging it (unless the log
+            already reaches stderr: each line once).
 
     Returns:
         the same trainer, guarded (``trainer.autofit_guard.rescues`` lists the rescues).
