@@ -33,8 +33,8 @@ The math: each chunk's loss is weighted as the Trainer weights micro batches.
   summation order; with dropout, their masks are the failed attempt's).
 
 The split persists for micro batches at least as long (in tokens) as the one that
-failed; a shorter one runs in as many pieces as keep about the tokens per piece that
-ran (``_Guard.k_for``). The split is retried one level up (k / 2) after
+failed; on one process a shorter one runs in as many pieces as keep about the tokens
+per piece that ran (``_Guard.k_for``; on several ranks it runs whole). The split is retried one level up (k / 2) after
 ``retry_after`` guarded steps without an OOM. Evaluation is guarded the same way: ``prediction_step`` of a batch that
 does not fit is split, the losses weighted by items and the logits and labels
 concatenated, so the metrics equal the unsplit ones.
@@ -292,16 +292,21 @@ class _Guard:
     # -- the split in force ----------------------------------------------------------------
     def k_for(self, shape: tuple[int, ...]) -> int:
         """Pieces for a micro batch of ``shape``: the split in force for batches at least
-        ``length`` long; a shorter one keeps about the tokens per piece that ran (``k`` x its
-        length / ``length``, up to a power of two: a step's memory per token does not grow as
-        its batches shorten), where it ran whole and ran out of memory again at each new,
-        shorter length (TRL's sft.py at micro batch 32 under ``autofit run --guard``: six
-        rescues at 117 tokens, six more at 108)."""
+        ``length`` long; on one process a shorter one keeps about the tokens per piece that
+        ran (``k`` x its length / ``length``, up to a power of two: a step's memory per token
+        does not grow as its batches shorten), where it ran whole and ran out of memory again
+        at each new, shorter length (TRL's sft.py at micro batch 32 under ``autofit run
+        --guard``: six rescues at 117 tokens, six more at 108)."""
         length = shape[1] if len(shape) > 1 else 0
         if self.k <= 1:
             return 1
         k = self.k
         if length < self.length:
+            if getattr(self, "ranks", None) is not None:
+                # on several ranks a shorter batch runs whole, as the ranks' agreement on
+                # the overlapped buckets is tested for (a rank's own proportional split,
+                # differing from a peer's, crashed the gloo run at exit 1 time in 4)
+                return 1
             need = self.k * length / self.length
             k = 1 if need <= 1 else 1 << math.ceil(math.log2(need))
         return min(k, max(1, shape[0]))
