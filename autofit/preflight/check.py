@@ -30,6 +30,7 @@ from autofit.errors import BadInputError
 from autofit.errors import fix as how_to_fix
 from autofit.memory.breakdown import MemoryEstimate
 from autofit.probe.device import format_bytes
+from autofit.trial.result import setup_left_out, with_run_additions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -372,12 +373,10 @@ class _Checker:
         on a CPU, what the run's other micro-batch shapes leave of oneDNN's 16-bit kernels
         (``memory.analytic.cpu_half_run_growth``, as the tune's ``WholeRun.with_growth``)
         and what the set-up step left resident (``setup_counted``), with a note."""
-        import dataclasses
-
         if result.device_total_bytes is None or self.dev.allocator == "cuda":
             return result
         extra, shapes = self.run_growth(config)
-        once = _setup_left_out(result)
+        once = setup_left_out(result)
         if not extra and not once:
             return result
         notes = [f"+ {format_bytes(extra)} for the run's {shapes} other micro-batch shapes: on "
@@ -386,18 +385,14 @@ class _Checker:
         if once:
             notes.append(f"+ {format_bytes(once)} that the trial's set-up step left resident "
                          "(one-time set-up), which a run counts")
-        ev = result.eval_device_total_bytes
-        return dataclasses.replace(
-            result, device_total_bytes=result.device_total_bytes + extra + once,
-            eval_device_total_bytes=ev + extra + once if ev is not None else None,
-            notes=(*result.notes, *notes), setup_counted=True)
+        return with_run_additions(result, extra, notes)
 
     # -- the verdict ---------------------------------------------------------------------
     def need(self, a: _Assessment) -> tuple[int | None, str]:
         """(bytes needed, where the number comes from)."""
         if a.trial is not None and a.trial.fits and a.trial.device_total_bytes is not None:
             # + what the trial's set-up step left resident on a CPU: the run counts it
-            return int(a.trial.device_total_bytes) + _setup_left_out(a.trial), "measured"
+            return int(a.trial.device_total_bytes) + setup_left_out(a.trial), "measured"
         if a.trial is not None and a.trial.oom:
             return None, "out of memory in a trial"
         if a.estimate is not None:
@@ -617,14 +612,6 @@ def _run_total(est: MemoryEstimate) -> int:
     """An estimate's device total as the run counts it (``run_device_total_bytes``: with what
     the run's other shapes leave on a CPU, ``_Checker.run_growth``), else its step's."""
     return int(est.run_device_total_bytes or est.device_total_bytes)
-
-
-def _setup_left_out(trial: Any) -> int:
-    """What a CPU trial's set-up step left resident, where its device totals leave it out (a
-    check's own trial; a tuning run's holds it: ``setup_counted``): the run counts it."""
-    if getattr(trial, "setup_counted", False):
-        return 0
-    return int(getattr(trial, "setup_bytes", None) or 0)
 
 
 def _checked_request(config: TrainConfig, margin: float, trainer: str | None,

@@ -89,8 +89,9 @@ class PreflightReport:
 
         c, t = self.config, self.trial
         if t is not None and t.fits and t.device_total_bytes is not None:
-            once = 0 if getattr(t, "setup_counted", False) else int(
-                getattr(t, "setup_bytes", None) or 0)  # (the checker's need counts it)
+            from autofit.trial.result import setup_left_out
+
+            once = setup_left_out(t)  # (the checker's need counts it)
             need = f"measured {format_bytes(t.device_total_bytes + once)}" + (
                 f" (with {format_bytes(once)} of one-time set-up)" if once else "")
         elif t is not None and t.oom:

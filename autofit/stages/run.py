@@ -103,14 +103,12 @@ class WholeRun:
         trial did not run itself (its replayed lengths ran theirs), and on a CPU what its
         set-up step left resident (``setup_bytes``: ``autofit run`` counts a process from
         its model's construction; ``setup_counted`` says it is in)."""
-        import dataclasses
-
         from autofit.memory.analytic import cpu_half_run_growth
         from autofit.probe.device import format_bytes
+        from autofit.trial.result import setup_left_out, with_run_additions
 
         extra, shapes = self.half_growth(config)
-        once = 0 if getattr(result, "setup_counted", False) else int(
-            getattr(result, "setup_bytes", None) or 0)
+        once = setup_left_out(result)
         if (not extra and not once) or result.device_total_bytes is None:
             return result
         notes = []
@@ -126,11 +124,7 @@ class WholeRun:
         if once:
             notes.append(f"+ {format_bytes(once)} that its set-up step left resident (autograd's "
                          "and the math libraries' one-time set-up), which a run counts")
-        ev = result.eval_device_total_bytes
-        return dataclasses.replace(
-            result, device_total_bytes=result.device_total_bytes + extra + once,
-            eval_device_total_bytes=ev + extra + once if ev is not None else None,
-            notes=(*result.notes, *notes), setup_counted=bool(once) or result.setup_counted)
+        return with_run_additions(result, extra, notes)
 
     def eval_batch(self, config: TrainConfig, margin: float,
                    reasons: list[str] | None = None) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["TrialResult", "trial_from_dict"]
+__all__ = ["TrialResult", "trial_from_dict", "setup_left_out", "with_run_additions"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,25 @@ def trial_from_dict(d: dict[str, object]) -> TrialResult:
     if kw.get("per_rank") is not None:
         kw["per_rank"] = tuple(dict(p) for p in kw["per_rank"])
     return TrialResult(**kw)
+
+
+def setup_left_out(trial: Any) -> int:
+    """What a CPU trial's set-up step left resident where its device totals leave it out
+    (``setup_bytes`` not yet ``setup_counted``): a run counts it. 0 for anything else."""
+    if getattr(trial, "setup_counted", False):
+        return 0
+    return int(getattr(trial, "setup_bytes", None) or 0)
+
+
+def with_run_additions(result: TrialResult, extra: int, notes: list[str]) -> TrialResult:
+    """``result`` with ``extra`` bytes (what a run adds to the trial's step and evaluation)
+    in its device totals, ``notes`` appended, and its set-up residue counted in: the tune's
+    (``autofit.stages.run.WholeRun.with_growth``) and the check's own trials alike."""
+    import dataclasses
+
+    once = setup_left_out(result)
+    ev = result.eval_device_total_bytes
+    return dataclasses.replace(
+        result, device_total_bytes=result.device_total_bytes + extra + once,
+        eval_device_total_bytes=ev + extra + once if ev is not None else None,
+        notes=(*result.notes, *notes), setup_counted=bool(once) or result.setup_counted)
