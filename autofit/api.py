@@ -27,6 +27,7 @@ from autofit.errors import BadInputError, fix
 from autofit.knobs import KNOBS, registry
 from autofit.knobs.base import Scope
 from autofit.knobs.chunked_loss import liger_offered
+from autofit.knobs.compile import regional_from_env
 from autofit.knobs.trainer import (
     chunked_loss_refused,
     for_trainer,
@@ -481,10 +482,15 @@ def _space(probed: Probed, target_batch_size: int | None, options: TuneOptions,
     recipe = options.recipe
     mode = ((base_args or {}).get("torch_compile_mode")
             or (recipe.torch_compile_mode if recipe is not None else None))
+    # ... and whether it compiles each block apart (accelerate's regional compilation: the
+    # launch recipe, or the environment accelerate launch sets, as the Trainer reads it)
+    regional = (recipe.torch_compile_regional if recipe is not None
+                and recipe.torch_compile_regional is not None else regional_from_env())
     space = build_space(probed.device, max_micro_batch=max_micro,
                         target_batch_size=target_batch_size, world_size=world_size,
                         nnodes=dev.nnodes, optim_args=options.optim_args, reasons=reasons,
                         loss_impl=loss_impl, compile_mode=str(mode) if mode else None,
+                        compile_regional=bool(regional),
                         **allowed)
     return _Scope(space, base_args, trainer)
 

@@ -308,6 +308,13 @@ class TrainConfig:
             ``training_args``, ``--torch-compile-mode``). On a CUDA card the modes that
             capture CUDA graphs (``reduce-overhead``, ``max-autotune``) keep a private memory
             pool that the estimates do not model: refused there (``UnmodelledStepError``).
+        torch_compile_regional: compile each repeated block apart (accelerate's regional
+            compilation, ``compile_regions``: an accelerate config's
+            ``dynamo_use_regional_compilation: true`` or ``accelerate launch
+            --dynamo_use_regional_compilation``, which the Trainer follows): the blocks save
+            what a whole compile saves, but the head, the loss and the model's own code run
+            eagerly, keeping the eager loss's buffers (a whole compile fuses them). Not
+            searched: the user's launch recipe. Needs ``torch_compile``.
         liger_kernels: liger-kernel's RMSNorm, SwiGLU and RoPE kernels in the model's place
             (``use_liger_kernel`` with ``liger_kernel_config``; ``autofit.knobs.liger``):
             CUDA only, llama / mistral / qwen2 / qwen3 decoders.
@@ -333,6 +340,7 @@ class TrainConfig:
     activation_offloading: bool = False
     torch_compile: bool = False
     torch_compile_mode: str | None = None
+    torch_compile_regional: bool = False
     liger_kernels: bool = False
     nproc_per_node: int = 1
     nnodes: int = 1
@@ -354,9 +362,11 @@ class TrainConfig:
                             f"got {self.activation_offloading!r}")
         elif self.activation_offloading and not self.gradient_checkpointing:
             problems.append(offload_needs_checkpointing())
-        for name in ("chunked_loss", "torch_compile", "liger_kernels"):
+        for name in ("chunked_loss", "torch_compile", "torch_compile_regional", "liger_kernels"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.torch_compile_regional is True and self.torch_compile is not True:
+            problems.append("torch_compile_regional=True needs torch_compile=True")
         if self.torch_compile_mode is not None:
             if self.torch_compile_mode not in COMPILE_MODES:
                 problems.append(f"torch_compile_mode must be one of {', '.join(COMPILE_MODES)}, "

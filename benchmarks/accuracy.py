@@ -88,6 +88,7 @@ def _estimate(spec: dict, method: str, tmp: Path):
         chunked_loss=bool(spec.get("chunked_loss", False)),
         torch_compile=bool(spec.get("torch_compile", False)),
         torch_compile_mode=spec.get("torch_compile_mode"),
+        torch_compile_regional=bool(spec.get("torch_compile_regional", False)),
         loss_impl="trl" if spec.get("trl_loss") else "model",
     )
     t = time.perf_counter()
@@ -135,8 +136,10 @@ def _describe(spec: dict) -> str:
     if spec.get("chunked_loss"):
         parts.append("chunked loss")
     if spec.get("torch_compile"):
-        parts.append("torch.compile" + (f" ({spec['torch_compile_mode']})"
-                                        if spec.get("torch_compile_mode") else ""))
+        parts.append(("regional torch.compile" if spec.get("torch_compile_regional")
+                      else "torch.compile")
+                     + (f" ({spec['torch_compile_mode']})" if spec.get("torch_compile_mode")
+                        else ""))
     if spec.get("trl_loss"):
         parts.append("TRL SFT loss")
     if spec.get("attn_implementation") == "eager":

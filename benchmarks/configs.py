@@ -186,6 +186,7 @@ def spec(
     lora: dict[str, Any] | None = None,
     chunked: bool = False,
     compiled: bool = False,
+    regional: bool = False,
     peft: dict[str, Any] | None = None,
     trl: bool = False,
     quantization: dict[str, Any] | None = None,
@@ -211,6 +212,8 @@ def spec(
         out["chunked_loss"] = True
     if compiled:
         out["torch_compile"] = True
+    if regional:
+        out["torch_compile"] = out["torch_compile_regional"] = True
     if peft is not None:
         out["peft"] = dict(peft)
     if trl:
@@ -400,6 +403,20 @@ CONFIGS: list[dict[str, Any]] = [
     _llama("llama-b4s256-bf16t-gc-compile", precision="bf16-true", gc=True, compiled=True),
     _gpt2("gpt2-b4s256-bf16t", precision="bf16-true"),
     _gpt2("gpt2-b4s256-bf16t-compile", precision="bf16-true", compiled=True),
+    # accelerate's regional compilation (dynamo_use_regional_compilation: each decoder
+    # block compiled, the head and the loss eager): the blocks' rule without the loss's
+    _llama("llama-b4s256-compile-regional", regional=True),
+    _llama("llama-b4s256-bf16m-compile-regional", precision="bf16-mixed", regional=True),
+    _llama("llama-b4s256-bf16t-compile-regional", precision="bf16-true", regional=True),
+    _llama("llama-b4s256-bf16t-gc-compile-regional", precision="bf16-true", gc=True,
+           regional=True),
+    _gpt2("gpt2-b4s256-bf16m-compile-regional", precision="bf16-mixed", regional=True),
+    _gpt2("gpt2-b4s256-bf16t-compile-regional", precision="bf16-true", regional=True),
+    spec("llamas-b8s512-bf16t-compile-regional", "llama", LLAMA_SMALL, "causal-lm", 8, 512,
+         precision="bf16-true", regional=True),
+    spec("llamas-b8s512-bf16m-compile-regional", "llama", LLAMA_SMALL, "causal-lm", 8, 512,
+         precision="bf16-mixed", regional=True),
+    _gpt2("gpt2-b2s256-compile-regional", batch=2, regional=True),
     # torch.compile's modes on the CPU (no CUDA graphs here): beside the default mode
     spec("llamas-b4s256-compile", "llama", LLAMA_SMALL, "causal-lm", 4, 256, compiled=True),
     {**spec("llamas-b4s256-compile-ro", "llama", LLAMA_SMALL, "causal-lm", 4, 256,

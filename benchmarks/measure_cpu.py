@@ -33,6 +33,11 @@ Spec (a JSON-able dict; the project-wide format)::
                               # torch.compile(model, backend="inductor"), as the Trainer's
                               # accelerate does for TrainingArguments(torch_compile=True)
      "torch_compile_mode": null,  # optional: its mode (TrainingArguments.torch_compile_mode)
+     "torch_compile_regional": false,  # optional: accelerate's regional compilation
+                              # (accelerate.utils.compile_regions: each repeated block
+                              # compiled, the rest of the forward and the loss eager), as
+                              # the Trainer runs under an accelerate config's
+                              # dynamo_use_regional_compilation: true
      "peft": {"peft_type": "IA3", ...},  # optional, instead of "lora": any peft method, a
                               # dict as in adapter_config.json (task_type from "task")
      "trl_loss": false,      # optional: TRL's SFT loss as trl.SFTTrainer computes it
@@ -170,7 +175,8 @@ SPEC_KEYS = (
     "attn_implementation",
     "lora",
 )
-OPTIONAL_KEYS = ("chunked_loss", "torch_compile", "torch_compile_mode", "peft", "trl_loss",
+OPTIONAL_KEYS = ("chunked_loss", "torch_compile", "torch_compile_mode", "torch_compile_regional",
+                 "peft", "trl_loss",
                  "quantization", "grad_accum_steps")
 
 TASK_CLASSES = {
@@ -223,6 +229,8 @@ def check_spec(spec: dict[str, Any]) -> None:
         problems.append("grad_accum_steps must be a positive integer")
     if spec.get("torch_compile") and spec.get("chunked_loss"):
         problems.append("torch_compile with chunked_loss is not measured here")
+    if spec.get("torch_compile_regional") and not spec.get("torch_compile"):
+        problems.append("torch_compile_regional needs torch_compile")
     lora = spec.get("lora")
     if lora is not None and not {"r", "alpha", "target_modules"} <= set(lora):
         problems.append("lora needs r, alpha, target_modules (and optionally dropout)")
@@ -631,9 +639,15 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     model, config = _build_model(spec)
     # the module the steps call: the Trainer's accelerate wraps the prepared model last,
-    # torch.compile(model, backend="inductor") (TorchDynamoPlugin.to_kwargs())
-    stepped = (torch.compile(model, backend="inductor", mode=spec.get("torch_compile_mode"))
-               if spec.get("torch_compile") else model)
+    # torch.compile(model, backend="inductor") (TorchDynamoPlugin.to_kwargs()), or with
+    # use_regional_compilation accelerate's compile_regions (Accelerator.prepare_model)
+    stepped = model
+    if spec.get("torch_compile") and spec.get("torch_compile_regional"):
+        from accelerate.utils import compile_regions
+
+        stepped = compile_regions(model, backend="inductor", mode=spec.get("torch_compile_mode"))
+    elif spec.get("torch_compile"):
+        stepped = torch.compile(model, backend="inductor", mode=spec.get("torch_compile_mode"))
     rss_after_build = _rss_bytes()  # bytes; for the warm-up residue below
     params = [p for p in model.parameters() if p.requires_grad]
     _, autocast_dtype, use_scaler = PRECISIONS[spec["precision"]]

@@ -385,3 +385,31 @@ def test_an_evaluating_run_stays_within_the_tuned_promise(tmp_path):
     assert out["survived"]
     # within the CPU's stated 3% safety (the Trainer's own objects are not modelled)
     assert out["measured_bytes"] <= out["predicted_bytes"] * 1.03, out
+
+
+def test_a_regional_compile_s_environment_is_set_for_the_command(tmp_path):
+    """A tuned file whose launch file compiles regionally runs so under ``autofit run`` even
+    as a plain ``python train.py``: the command gets the environment accelerate launch would
+    set (which the Trainer reads), with a note; a value the user set is kept."""
+    tuned = tmp_path / "tuned.yaml"
+    write_config(tuned, {"per_device_train_batch_size": 4, "torch_compile": True},
+                 {"device": "cpu:1GiB", "predicted_run_bytes": 400 * MiB})
+    (tmp_path / "tuned-accelerate.yaml").write_text(
+        "distributed_type: 'NO'\nnum_processes: 1\ndynamo_config:\n  dynamo_backend: INDUCTOR\n"
+        "  dynamo_use_regional_compilation: true\n")
+    script = tmp_path / "env.py"
+    script.write_text("import os, torch\nm = torch.nn.Linear(2, 2)\n"
+                      "print('REGIONAL', os.environ.get("
+                      "'ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION'))\n")
+    env = {k: v for k, v in os.environ.items()
+           if k != "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, "-m", "autofit", "run", "--json", "--", sys.executable,
+               str(script), str(tuned)]
+    p = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "REGIONAL true" in p.stdout
+    assert any("regional torch.compile" in n for n in last_json(p.stdout)["notes"])
+    env["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "false"
+    p = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert "REGIONAL false" in p.stdout and last_json(p.stdout)["notes"] == []

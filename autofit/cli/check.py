@@ -173,8 +173,10 @@ def _with_ranks(config: Any, meta: dict[str, object],
     """``config`` on the ranks the run is launched with (no TrainingArguments field says how
     many processes a run has: the launcher does): the ``<name>-accelerate.yaml`` a tune wrote
     beside the file when there is one (``accelerate launch`` reads it, edited or not), else
-    the ranks the tuned file records; ``--nproc-per-node`` / ``--nnodes`` over both. Also
-    the reason to show when the launch file and the metadata disagree."""
+    the ranks the tuned file records; ``--nproc-per-node`` / ``--nnodes`` over both. A
+    compiled file launched with a launch file that compiles regionally (its ``dynamo_config``)
+    is checked compiled that way. Also the reason to show when the launch file and the
+    metadata disagree."""
     from autofit.cli.options import rank_kwargs
 
     recorded = meta.get("config") or {}
@@ -182,9 +184,13 @@ def _with_ranks(config: Any, meta: dict[str, object],
              if isinstance(recorded.get(k), int) and not isinstance(recorded.get(k), bool)}
     note: tuple[str, ...] = ()
     # the launch file beside a tuned file (--accelerate-config, when given, is the recipe's)
-    launched = (_launched_ranks(args.config)
+    from autofit.emit.launch import launched_ranks
+
+    launched = (launched_ranks(args.config)
                 if meta and getattr(args, "accelerate_config", None) is None else None)
     if launched is not None:
+        if launched.pop("regional") and config.torch_compile:
+            config = config.replace(torch_compile_regional=True)
         said = (int(ranks.get("nproc_per_node", 1)), int(ranks.get("nnodes", 1)))
         if said != (launched["nproc_per_node"], launched["nnodes"]):
             note = (f"ranks from the launch file beside it ({launched['nproc_per_node']} x "
@@ -196,34 +202,6 @@ def _with_ranks(config: Any, meta: dict[str, object],
         return config, note
     nproc, nnodes = int(ranks.get("nproc_per_node", 1)), int(ranks.get("nnodes", 1))
     return config.replace(nproc_per_node=nproc, nnodes=nnodes, world_size=nproc * nnodes), note
-
-
-def _launched_ranks(path: str) -> dict[str, int] | None:
-    """``{nproc_per_node, nnodes}`` of the accelerate config beside a tuned file (None when
-    there is none); a launch file that is not one accelerate could run is bad input."""
-    from autofit.emit.launch import accelerate_path
-    from autofit.errors import BadInputError
-
-    side = accelerate_path(path)
-    if not side.is_file():
-        return None
-    import yaml
-
-    fix = f"fix it or delete {side.name} (autofit tune -o writes it again)"
-    try:
-        d = yaml.safe_load(side.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError, OSError):
-        raise BadInputError(f"{side}: not a readable accelerate config; {fix}") from None
-    d = d if isinstance(d, dict) else {}
-    procs, machines = d.get("num_processes", 1), d.get("num_machines", 1)
-    for name, v in (("num_processes", procs), ("num_machines", machines)):
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
-            raise BadInputError(f"{side}: {name} must be a positive whole number, got {v!r}; "
-                                f"{fix}")
-    if procs % machines:
-        raise BadInputError(f"{side}: num_processes {procs} is not a multiple of num_machines "
-                            f"{machines} (every node runs as many); {fix}")
-    return {"nproc_per_node": procs // machines, "nnodes": machines}
 
 
 def _print_check(report: Any, path: str) -> None:

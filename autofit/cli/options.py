@@ -61,6 +61,10 @@ def add_compile_mode_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-compile-mode", choices=COMPILE_MODES, default=None,
                    help="torch.compile's mode (implies --torch-compile); reduce-overhead and "
                         "max-autotune capture CUDA graphs: refused for a CUDA card")
+    p.add_argument("--torch-compile-regional", action="store_true", default=False,
+                   help="compile each decoder block apart, the head and loss eager "
+                        "(accelerate's dynamo_use_regional_compilation; implies "
+                        "--torch-compile)")
 
 
 def add_trainer_option(p: argparse.ArgumentParser, default: str = "plain") -> None:
@@ -202,7 +206,8 @@ def train_config(args: argparse.Namespace):
 
     knobs = {k.name: k.option_value(args) for k in KNOBS}
     mode = getattr(args, "torch_compile_mode", None)
-    if mode is not None:  # the mode turns compiling on, as TrainingArguments does
+    regional = bool(getattr(args, "torch_compile_regional", False))
+    if mode is not None or regional:  # the mode turns compiling on, as TrainingArguments does
         knobs["torch_compile"] = True
     return TrainConfig(
         micro_batch_size=args.batch_size,
@@ -210,6 +215,7 @@ def train_config(args: argparse.Namespace):
         optim_args=args.optim_args,
         seq_len=args.seq_len,
         torch_compile_mode=mode,
+        torch_compile_regional=regional,
         **rank_kwargs(args),
         **knobs,
     )

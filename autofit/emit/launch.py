@@ -50,7 +50,7 @@ from typing import Any
 from autofit.config import TrainConfig
 
 __all__ = ["accelerate_config", "deepspeed_path", "accelerate_path", "launch_commands",
-           "launch_files", "MIXED_PRECISION"]
+           "launch_files", "launched_ranks", "MIXED_PRECISION"]
 
 # TrainConfig.precision -> accelerate's mixed_precision
 MIXED_PRECISION = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
@@ -117,22 +117,35 @@ def accelerate_config(config: TrainConfig, *, use_cpu: bool = False,
         # the DeepSpeed file says the precision ("auto": the TrainingArguments' bf16 / fp16);
         # accelerate refuses mixed_precision beside a deepspeed_config_file
         out.pop("mixed_precision")
+    elif config.world_size == 1:
+        out["distributed_type"] = "NO"  # one process (a regional compile's launch file)
+    if config.torch_compile and config.torch_compile_regional:
+        # no TrainingArguments field carries it: accelerate launch sets the environment the
+        # Trainer's TorchDynamoPlugin reads (ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION)
+        out["dynamo_config"] = {"dynamo_backend": "INDUCTOR",
+                                "dynamo_mode": config.torch_compile_mode or "default",
+                                "dynamo_use_regional_compilation": True}
     return out
 
 
 def launch_commands(path: str | Path, config: TrainConfig, script: str = "train.py") -> list[str]:
     """The commands that launch ``script`` (which loads the tuned file) on ``config``'s ranks:
-    ``accelerate launch`` with the accelerate config, then the equivalent ``torchrun``."""
+    ``accelerate launch`` with the accelerate config, then the equivalent ``torchrun`` (one
+    process: ``python``), with the environment a regional compile needs."""
     acc = accelerate_path(path)
     cmds = [f"accelerate launch --config_file {acc} {script}"]
-    if config.nnodes > 1:
+    env = ("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=true "
+           if config.torch_compile and config.torch_compile_regional else "")
+    if config.world_size == 1:
+        cmds.append(f"{env}python {script}")
+    elif config.nnodes > 1:
         cmds[0] = (f"accelerate launch --config_file {acc} --machine_rank $NODE_RANK "
                    f"--main_process_ip $MAIN_ADDR {script}")
-        cmds.append(f"torchrun --nnodes {config.nnodes} --nproc-per-node {config.nproc_per_node}"
+        cmds.append(f"{env}torchrun --nnodes {config.nnodes} --nproc-per-node {config.nproc_per_node}"
                     f" --node-rank $NODE_RANK --master-addr $MAIN_ADDR --master-port "
                     f"{MAIN_PROCESS_PORT} {script}")
     elif config.strategy not in _ZERO:  # torchrun alone: DDP and FSDP come from the file
-        cmds.append(f"torchrun --nproc-per-node {config.nproc_per_node} {script}")
+        cmds.append(f"{env}torchrun --nproc-per-node {config.nproc_per_node} {script}")
     return cmds
 
 
@@ -142,11 +155,12 @@ def launch_files(path: str | Path, config: TrainConfig,
 
     Returns ``args`` (its ``deepspeed`` dict replaced by the JSON's path), the files to
     write (path -> text) and the metadata that names them (``launch``: files and
-    commands). Nothing for a single rank.
+    commands). Nothing for a single rank, unless it compiles regionally (no
+    ``TrainingArguments`` field says so: the accelerate config does).
     """
     import yaml
 
-    if config.world_size <= 1:
+    if config.world_size <= 1 and not (config.torch_compile and config.torch_compile_regional):
         return args, {}, {}
     args = dict(args)
     files: dict[Path, str] = {}
@@ -158,9 +172,12 @@ def launch_files(path: str | Path, config: TrainConfig,
         args["deepspeed"] = ds_file
     acc = accelerate_path(path)
     cfg = accelerate_config(config, use_cpu=bool(args.get("use_cpu")), deepspeed_file=ds_file)
-    header = [f"# accelerate config written by autofit for {Path(path).name}: "
-              f"{config.world_size} ranks ({config.strategy}"
-              + (f", offload {config.offload}" if config.offload != "none" else "") + ")",
+    what = (f"{config.world_size} ranks ({config.strategy}"
+            + (f", offload {config.offload}" if config.offload != "none" else "") + ")"
+            if config.world_size > 1 else "one process")
+    if "dynamo_config" in cfg:
+        what += ", regional torch.compile"
+    header = [f"# accelerate config written by autofit for {Path(path).name}: {what}",
               f"#   {launch_commands(path, config)[0]}"]
     if config.nnodes > 1:
         header.append("#   on every node: its --machine_rank and the first node's "
@@ -169,3 +186,34 @@ def launch_files(path: str | Path, config: TrainConfig,
     meta = {"launch": {"accelerate_config": str(acc), "deepspeed_config": ds_file,
                        "commands": launch_commands(path, config)}}
     return args, files, meta
+
+
+def launched_ranks(path: str | Path) -> dict[str, int] | None:
+    """``{nproc_per_node, nnodes, regional}`` of the accelerate config beside a tuned file
+    (None when there is none; ``regional``: its ``dynamo_config`` compiles each block apart,
+    1 or 0); a launch file that is not one accelerate could run is bad input."""
+    from autofit.errors import BadInputError
+    from autofit.knobs.recipe import dynamo_of
+
+    side = accelerate_path(path)
+    if not side.is_file():
+        return None
+    import yaml
+
+    fix = f"fix it or delete {side.name} (autofit tune -o writes it again)"
+    try:
+        d = yaml.safe_load(side.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError, OSError):
+        raise BadInputError(f"{side}: not a readable accelerate config; {fix}") from None
+    d = d if isinstance(d, dict) else {}
+    procs, machines = d.get("num_processes", 1), d.get("num_machines", 1)
+    for name, v in (("num_processes", procs), ("num_machines", machines)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
+            raise BadInputError(f"{side}: {name} must be a positive whole number, got {v!r}; "
+                                f"{fix}")
+    if procs % machines:
+        raise BadInputError(f"{side}: num_processes {procs} is not a multiple of num_machines "
+                            f"{machines} (every node runs as many); {fix}")
+    compiled = dynamo_of(str(side), d.get("dynamo_config"))
+    return {"nproc_per_node": procs // machines, "nnodes": machines,
+            "regional": int(bool(compiled and compiled[0] and compiled[2]))}

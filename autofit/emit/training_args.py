@@ -90,11 +90,17 @@ def config_from_arguments(args: dict[str, object], seq_len: int | None = None, *
     check_training_arguments(args, source=source, extra=extra)
     knobs = {k.name: k.read(args) for k in KNOBS}
     mode = args.get("torch_compile_mode") if knobs.get("torch_compile") else None
+    # no TrainingArguments field says it: accelerate launch's environment, which the
+    # Trainer's TorchDynamoPlugin reads (autofit.knobs.compile.regional_from_env)
+    from autofit.knobs.compile import regional_from_env
+
+    regional = bool(knobs.get("torch_compile")) and regional_from_env()
     return TrainConfig(
         micro_batch_size=int(args.get("per_device_train_batch_size", 8)),
         grad_accum_steps=int(args.get("gradient_accumulation_steps", 1)),
         optim_args=args.get("optim_args") or None,
         seq_len=seq_len,
         torch_compile_mode=str(mode) if mode else None,
+        torch_compile_regional=regional,
         **knobs,
     )

@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 
     from autofit.config import TrainConfig
 
-__all__ = ["Recipe", "read_recipe", "recipe_of_fields", "DS_OPTIMIZERS", "BATCH_KEYS"]
+__all__ = ["Recipe", "read_recipe", "recipe_of_fields", "DS_OPTIMIZERS", "BATCH_KEYS", "dynamo_of"]
 
 # DeepSpeed's zero_optimization key -> autofit.memory.ranks.ZeroSizes field (modelled)
 _ZERO_SIZES = {"reduce_bucket_size": "reduce_bucket_size",
@@ -121,8 +121,9 @@ class Recipe:
             the same states (None: the Trainer's ``optim``).
         micro_batch_size, grad_accum_steps: DeepSpeed's batch numbers (None: ``"auto"``).
         nproc_per_node, nnodes: the accelerate config's ranks.
-        torch_compile, torch_compile_mode: the accelerate config's ``dynamo_config``
-            (``dynamo_backend`` INDUCTOR: compiled, its ``dynamo_mode``).
+        torch_compile, torch_compile_mode, torch_compile_regional: the accelerate config's
+            ``dynamo_config`` (``dynamo_backend`` INDUCTOR: compiled, its ``dynamo_mode``,
+            ``dynamo_use_regional_compilation``: each repeated block compiled apart).
         sharding: ``Layout`` fields of its sizes (``zero_sizes``, ``zero_overrides``,
             ``zero_optimizer``), as ``estimate(sharding=)`` takes them.
         deepspeed: the DeepSpeed config as given (for trials and the tuned file).
@@ -143,6 +144,7 @@ class Recipe:
     nnodes: int | None = None
     torch_compile: bool | None = None
     torch_compile_mode: str | None = None
+    torch_compile_regional: bool | None = None
     sharding: tuple[tuple[str, Any], ...] = ()
     deepspeed: dict[str, Any] | None = field(default=None, compare=False)
     deepspeed_file: str | None = None
@@ -180,7 +182,7 @@ class Recipe:
         out: dict[str, Any] = {}
         for name in ("strategy", "offload", "precision", "optimizer", "optim_args",
                      "micro_batch_size", "grad_accum_steps", "nproc_per_node", "nnodes",
-                     "torch_compile", "torch_compile_mode"):
+                     "torch_compile", "torch_compile_mode", "torch_compile_regional"):
             v = getattr(self, name)
             if v is not None:
                 out[name] = v
@@ -188,6 +190,7 @@ class Recipe:
             out["optim_args"] = None
         if self.torch_compile is False:
             out["torch_compile_mode"] = None
+            out["torch_compile_regional"] = False
         return out
 
     def apply(self, config: TrainConfig) -> TrainConfig:
@@ -680,7 +683,7 @@ def _accelerate(acc: dict[str, object] | str | os.PathLike[str]) -> dict[str, An
     out: dict[str, Any] = {"name": name, "base": base, "type": kind, "nproc": nproc,
                            "nnodes": machines if total is not None or machines > 1 else None,
                            "precision": precision, "deepspeed": None,
-                           "compile": _dynamo(name, acc.get("dynamo_config"))}
+                           "compile": dynamo_of(name, acc.get("dynamo_config"))}
     if kind == "DEEPSPEED":
         dsc = acc.get("deepspeed_config") or {}
         if dsc.get("deepspeed_config_file"):
@@ -709,15 +712,17 @@ def _accelerate(acc: dict[str, object] | str | os.PathLike[str]) -> dict[str, An
     return out
 
 
-def _dynamo(name: str, dynamo: object) -> tuple[bool, str | None] | None:
-    """(compiled, mode) of an accelerate config's ``dynamo_config`` (accelerate's
-    ``TorchDynamoPlugin``: ``torch.compile(model, backend=, mode=)``); None when it says
-    nothing. A backend other than inductor is not modelled: refused in one line."""
+def dynamo_of(name: str, dynamo: object) -> tuple[bool, str | None, bool] | None:
+    """(compiled, mode, regional) of an accelerate config's ``dynamo_config`` (accelerate's
+    ``TorchDynamoPlugin``: ``torch.compile(model, backend=, mode=)``, or with
+    ``dynamo_use_regional_compilation`` its ``compile_regions``: each repeated block
+    compiled apart, the rest eager); None when it says nothing. A backend other than
+    inductor is not modelled: refused in one line."""
     if not isinstance(dynamo, dict) or not dynamo:
         return None
     backend = str(dynamo.get("dynamo_backend", "NO")).upper().split(".")[-1]
     if backend == "NO":
-        return False, None
+        return False, None, False
     if backend != "INDUCTOR":
         raise BadInputError(f"{name}: dynamo_backend {backend} is not modelled; autofit "
                             "models torch.compile's inductor (or NO)")
@@ -728,7 +733,7 @@ def _dynamo(name: str, dynamo: object) -> tuple[bool, str | None] | None:
     if mode is not None and mode not in COMPILE_MODES:
         raise BadInputError(f"{name}: dynamo_mode {mode!r} is not one of "
                             f"{', '.join(COMPILE_MODES)}")
-    return True, mode
+    return True, mode, _truthy(dynamo.get("dynamo_use_regional_compilation", False))
 
 
 def _with_accelerate(recipe: Recipe | None, acc: dict[str, object]) -> Recipe:
@@ -766,9 +771,12 @@ def _with_accelerate(recipe: Recipe | None, acc: dict[str, object]) -> Recipe:
                             "> 1) is modelled across nodes: set num_machines > 1")
     compiled = acc.get("compile")
     if compiled is not None:
-        details.append("torch.compile" + (f" ({compiled[1]})" if compiled[1] else "")
+        details.append(("regional torch.compile" if compiled[2] else "torch.compile")
+                       + (f" ({compiled[1]})" if compiled[1] else "")
                        if compiled[0] else "not compiled")
     return dataclasses.replace(recipe, precision=precision, nproc_per_node=nproc,
                                nnodes=nnodes, details=tuple(details),
                                torch_compile=compiled[0] if compiled is not None else None,
-                               torch_compile_mode=compiled[1] if compiled is not None else None)
+                               torch_compile_mode=compiled[1] if compiled is not None else None,
+                               torch_compile_regional=(compiled[2] if compiled is not None
+                                                       else None))

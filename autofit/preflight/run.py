@@ -196,6 +196,7 @@ def run_command(command: Sequence[str], *, device: str | None = None,
                         hook_dir / "sitecustomize.py")
         child_env = _child_env(dict(os.environ if env is None else env), hook_dir, records,
                                kind, cap)
+        notes += _launch_env(config_path, child_env)
         guard_record = None
         if guard:
             from autofit.trial.guard import record_beside
@@ -261,6 +262,25 @@ def _prediction(command: list[str], config: Any, device: str
     if planned and device != "auto" and str(planned) != device:
         notes.append(f"{path} was tuned for {planned}, this run is on {device}")
     return predicted, path, notes
+
+
+def _launch_env(config_path: str | None, env: dict[str, str]) -> list[str]:
+    """What the tuned file's launch file asks of the environment that no TrainingArguments
+    field carries (``autofit.emit.launch``): a regional compile, which ``accelerate launch
+    --config_file`` turns into ``ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION`` for the
+    Trainer; set here too, so that a plain ``python train.py`` runs what was tuned. Returns
+    the note saying so (nothing when unset, or when the environment says it already)."""
+    if config_path is None:
+        return []
+    from autofit.emit.launch import accelerate_path, launched_ranks
+    from autofit.knobs.compile import REGIONAL_ENV
+
+    launched = launched_ranks(config_path)
+    if not launched or not launched["regional"] or REGIONAL_ENV in env:
+        return []
+    env[REGIONAL_ENV] = "true"
+    return [f"{REGIONAL_ENV}=true for the command: {accelerate_path(config_path).name} "
+            "compiles each block apart (regional torch.compile), as tuned"]
 
 
 def _file_arguments(command: list[str]) -> Iterator[str]:

@@ -232,6 +232,8 @@ class Engine:
             nnodes=self.space.nnodes,
             torch_compile_mode=(self.space.compile_mode if c.choice.get("torch_compile")
                                 else None),
+            torch_compile_regional=(self.space.compile_regional
+                                    and bool(c.choice.get("torch_compile"))),
             **c.choice,
         )
 

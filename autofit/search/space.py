@@ -54,6 +54,9 @@ class SearchSpace:
     nnodes: int = 1  # world_size = nproc_per_node x nnodes
     # TrainConfig.torch_compile_mode of the compiled candidates, fixed: the user's
     compile_mode: str | None = None
+    # TrainConfig.torch_compile_regional of the compiled candidates, fixed: the user's launch
+    # recipe (accelerate's regional compilation)
+    compile_regional: bool = False
 
     @property
     def nproc_per_node(self) -> int:
@@ -169,6 +172,7 @@ def build_space(
     loss_impl: str = "model",
     nnodes: int = 1,
     compile_mode: str | None = None,
+    compile_regional: bool = False,
     **allowed: Any,
 ) -> SearchSpace:
     """The space the caller allows on ``device``, with a reason for every default.
@@ -189,4 +193,5 @@ def build_space(
         reasons.append(note)
     return SearchSpace(choices, micro, target_batch_size=target_batch_size,
                        world_size=world_size, optim_args=optim_args, loss_impl=loss_impl,
-                       nnodes=nnodes, compile_mode=compile_mode)
+                       nnodes=nnodes, compile_mode=compile_mode,
+                       compile_regional=compile_regional)

@@ -487,7 +487,8 @@ class _Steps:
         raw = self.raw
         prepare_model(model, plan)
         raw.notes.extend(plan.notes)
-        forward = (compile_model(model, getattr(plan.config, "torch_compile_mode", None))
+        forward = (compile_model(model, getattr(plan.config, "torch_compile_mode", None),
+                                 getattr(plan.config, "torch_compile_regional", False))
                    if plan.torch_compile else None)
         stepper = self.stepper = Stepper(model, plan, self.device, forward)
         if forward is None:

@@ -402,12 +402,20 @@ def _forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor],
 COMPILE_BACKEND = "inductor"  # TrainingArguments' default torch_compile_backend (CPU, CUDA)
 
 
-def compile_model(model: torch.nn.Module, mode: str | None = None) -> torch.nn.Module:
+def compile_model(model: torch.nn.Module, mode: str | None = None,
+                  regional: bool = False) -> torch.nn.Module:
     """What the Trainer's accelerate does last to the prepared model for
     ``torch_compile=True``: ``torch.compile(model, **TorchDynamoPlugin.to_kwargs())``, i.e.
     ``backend="inductor"``, ``mode`` (``TrainingArguments.torch_compile_mode``; None: the
-    default), ``dynamic=None`` (a second shape recompiles with symbolic ones). The result
-    wraps ``model`` (``_orig_mod``); ``model`` is not changed."""
+    default), ``dynamic=None`` (a second shape recompiles with symbolic ones); with
+    ``regional`` (``use_regional_compilation``) accelerate's own ``compile_regions`` with the
+    same arguments: each repeated block compiled apart, the rest of the forward eager. The
+    result wraps ``model`` (``_orig_mod``; the blocks' copies share its parameters);
+    ``model`` is not changed."""
+    if regional:
+        from accelerate.utils import compile_regions
+
+        return compile_regions(model, backend=COMPILE_BACKEND, mode=mode)
     return torch.compile(model, backend=COMPILE_BACKEND, mode=mode)
 
 

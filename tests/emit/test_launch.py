@@ -286,3 +286,44 @@ def test_tune_on_two_ranks_then_train_with_the_real_launchers(tmp_path):
                tmp_path, env, 600)
     for rank in (0, 1):
         assert f"rank {rank}/2: FSDP2 step done" in out and "(50%)" in out
+
+
+def test_a_regional_compile_writes_its_launch_file_even_on_one_rank(tmp_path, capsys,
+                                                                   monkeypatch):
+    """No TrainingArguments field carries a regional compile: a tuned file that chose one gets
+    an accelerate config beside it (one process) whose ``dynamo_config`` accelerate loads, and
+    the commands that run it; ``autofit check`` reads it back (checked as regional), and
+    without the launch file the same fields are a whole compile."""
+    from autofit.emit.launch import launched_ranks
+    from autofit.knobs.compile import REGIONAL_ENV
+
+    monkeypatch.delenv(REGIONAL_ENV, raising=False)
+    config = TrainConfig(micro_batch_size=8, precision="bf16-mixed", torch_compile=True,
+                         torch_compile_regional=True, seq_len=64)
+    cfg = accelerate_config(config)
+    assert cfg["distributed_type"] == "NO" and cfg["num_processes"] == 1
+    assert cfg["dynamo_config"]["dynamo_use_regional_compilation"] is True
+    cmds = launch_commands("tuned.yaml", config)
+    assert cmds == ["accelerate launch --config_file tuned-accelerate.yaml train.py",
+                    f"{REGIONAL_ENV}=true python train.py"]
+    path = _save(tmp_path, config)
+    side = tmp_path / "tuned-accelerate.yaml"
+    loaded = _load_accelerate(side)
+    assert loaded.dynamo_config["dynamo_use_regional_compilation"] is True
+    assert loaded.dynamo_config["dynamo_backend"] == "INDUCTOR"
+    assert launched_ranks(path) == {"nproc_per_node": 1, "nnodes": 1, "regional": 1}
+    peaks = []
+    for _ in range(2):
+        code = main(["check", str(path), "--no-trial", "--no-cache", "--json",
+                     "--seq-len", "512"])
+        d = json.loads(capsys.readouterr().out)
+        assert code in (0, 3), d  # fits, or does not: a verdict either way
+        peaks.append((d["config"]["torch_compile_regional"],
+                      d["estimate"]["peak_allocated_bytes"]))
+        side.unlink(missing_ok=True)
+    assert peaks[0][0] is True and peaks[1][0] is False
+    assert peaks[0][1] > peaks[1][1]  # the eager loss a whole compile fuses
+    # a whole compile on one rank writes nothing beside, as before
+    whole = config.replace(torch_compile_regional=False)
+    args = training_arguments_dict(whole)
+    assert launch_files("tuned.yaml", whole, args) == (args, {}, {})

@@ -390,3 +390,55 @@ def test_the_search_gives_the_compiled_candidates_the_users_mode():
     assert out.config is not None and not out.config.torch_compile
     refused = [c for c in out.candidates if c.choice["torch_compile"]]
     assert refused and all("CUDA graphs" in c.reason for c in refused)
+
+
+def test_a_regional_compile_keeps_the_eager_loss(monkeypatch):
+    """accelerate's regional compilation (``compile_regions``: the blocks compiled apart, the
+    head and the loss eager) saves the blocks' part of the rule and none of the loss's: on a
+    large vocabulary it needs more than a whole compile and less than eager, by both methods.
+    It needs ``torch_compile``; the environment ``accelerate launch`` sets turns it on for a
+    compiled file's fields, as the Trainer's TorchDynamoPlugin reads it."""
+    from autofit.emit.training_args import config_from_arguments
+    from autofit.errors import InvalidConfigError
+    from autofit.knobs.compile import REGIONAL_ENV
+    from autofit.memory.analytic import compile_saving_bytes
+    from autofit.probe.model import describe
+
+    model = _llama(intermediate_size=512, vocab_size=8192)
+    info = describe(model, task="causal-lm")
+    B, T = 4, 64
+    whole = TrainConfig(micro_batch_size=B, precision="bf16-true", torch_compile=True)
+    regional = whole.replace(torch_compile_regional=True)
+    blocks_only = compile_saving_bytes(info, regional, T)
+    assert 0 < blocks_only < compile_saving_bytes(info, whole, T)
+    for method in ("analytic", "simulate"):
+        peaks = [estimate(model, c, seq_len=T, device="cpu", method=method).peak_allocated_bytes
+                 for c in (whole.replace(torch_compile=False), regional, whole)]
+        assert peaks[0] > peaks[1] > peaks[2], (method, peaks)
+        # the loss's fp32 (B, T, V) buffers a whole compile fuses, at least one
+        assert peaks[1] - peaks[2] > B * T * 8192 * 4, (method, peaks)
+    with pytest.raises(InvalidConfigError) as e:
+        TrainConfig(torch_compile_regional=True)
+    assert "needs torch_compile=True" in str(e.value)
+    fields = {"per_device_train_batch_size": 2, "torch_compile": True}
+    monkeypatch.delenv(REGIONAL_ENV, raising=False)
+    assert not config_from_arguments(fields).torch_compile_regional
+    monkeypatch.setenv(REGIONAL_ENV, "True")  # what accelerate launch writes
+    assert config_from_arguments(fields).torch_compile_regional
+    assert not config_from_arguments({"per_device_train_batch_size": 2}).torch_compile_regional
+
+
+def test_a_regional_trial_compiles_the_blocks_apart_and_leaves_the_model_alone():
+    """The trial's module for a regional compile is accelerate's own ``compile_regions``: each
+    decoder block is a compiled wrapper sharing the model's parameters, the rest eager; the
+    user's model keeps its modules (nothing compiled on it)."""
+    from autofit.trial.step import compile_model
+
+    model = _llama()
+    layers = list(model.model.layers)
+    stepped = compile_model(model, None, regional=True)
+    assert stepped is not model
+    assert all(type(b).__name__ == "OptimizedModule" for b in stepped.model.layers)
+    assert list(model.model.layers) == layers
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in model.model.layers)
+    assert {id(p) for p in stepped.parameters()} == {id(p) for p in model.parameters()}

@@ -360,3 +360,28 @@ def test_an_accelerate_configs_dynamo_settings_fix_compiling_and_its_mode():
         with pytest.raises(BadInputError) as e:
             read_recipe(accelerate={**acc, "dynamo_config": bad})
         assert "\n" not in str(e.value)
+
+
+def test_an_accelerate_configs_regional_compilation_is_the_recipe():
+    """``dynamo_use_regional_compilation: true`` (accelerate config's question "Do you want to
+    enable regional compilation?") compiles each block apart: the recipe says so, the config
+    it fixes carries it, and the estimate is above a whole compile's (the loss stays eager);
+    a recipe that turns compiling off turns it off too."""
+    from autofit import TrainConfig, estimate
+    from autofit.knobs.recipe import read_recipe
+
+    acc = {"distributed_type": "NO", "mixed_precision": "bf16",
+           "dynamo_config": {"dynamo_backend": "INDUCTOR",
+                             "dynamo_use_regional_compilation": True}}
+    recipe = read_recipe(accelerate=acc)
+    assert recipe.torch_compile_regional is True
+    assert "regional torch.compile" in recipe.describe()
+    config = recipe.apply(TrainConfig(micro_batch_size=2))
+    assert config.torch_compile and config.torch_compile_regional
+    whole = read_recipe(accelerate={**acc, "dynamo_config": {"dynamo_backend": "INDUCTOR"}})
+    assert whole.torch_compile_regional is False
+    peaks = [estimate("tiny-llama", r.apply(TrainConfig(micro_batch_size=8)), seq_len=512,
+                      device="cpu").peak_allocated_bytes for r in (whole, recipe)]
+    assert peaks[1] > peaks[0]  # at the backward peak: the loss's buffers
+    off = read_recipe(accelerate={**acc, "dynamo_config": {"dynamo_backend": "NO"}})
+    assert not off.apply(config).torch_compile_regional
