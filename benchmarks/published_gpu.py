@@ -74,7 +74,8 @@ def estimate_row(row: dict[str, Any], method: str, tmp: Path) -> tuple[float | N
                          precision=row["precision"],
                          gradient_checkpointing=row.get("gradient_checkpointing") == "full",
                          optimizer=row.get("estimated_optimizer", row["optimizer"]),
-                         torch_compile=bool(row.get("torch_compile", False)))
+                         torch_compile=bool(row.get("torch_compile", False)),
+                         torch_compile_regional=bool(row.get("torch_compile_regional", False)))
     limit = SIMULATE_LIMIT_S if method == "simulate" else 0
     t = time.perf_counter()
     old = signal.signal(signal.SIGALRM, _alarm)
@@ -139,7 +140,7 @@ def setup_of(row: dict[str, Any]) -> str:
     if row.get("attn_implementation"):
         parts.append(row["attn_implementation"])
     if row.get("torch_compile"):
-        parts.append("compile")
+        parts.append("regional compile" if row.get("torch_compile_regional") else "compile")
     if row.get("context_mib") is not None:
         parts.append(f"context {row['context_mib']} MiB")
     if row.get("lora"):

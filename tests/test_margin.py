@@ -81,3 +81,22 @@ def test_a_plan_for_a_card_carries_the_runs_need_and_why():
                     optimizer=["adamw_torch"], gradient_checkpointing=False,
                     max_micro_batch=16, margin=0.25)
     assert given.meta["margin"] == 0.25 and any("as given" in x for x in given.reasons)
+
+
+def test_a_run_that_does_not_evaluate_needs_no_evaluation():
+    """A training_args whose run does not evaluate (no eval_strategy, no do_eval) still gets
+    an eval batch that fits, but the whole run's need (the promise ``autofit run`` compares
+    with) is its training alone; a run that evaluates, or no training_args (an evaluation
+    assumed), counts the evaluation when it needs more."""
+    kw = dict(device="A100-80GB", precision=["bf16-mixed"], optimizer=["adamw_torch"],
+              gradient_checkpointing=False, max_micro_batch=4, target_batch_size=4)
+    base = {"output_dir": "out", "per_device_train_batch_size": 4}
+    quiet = autofit("tiny-llama", _rows(), training_args=base, **kw)
+    evaluating = autofit("tiny-llama", _rows(),
+                         training_args={**base, "eval_strategy": "steps", "eval_steps": 5}, **kw)
+    assert quiet.config == evaluating.config and quiet.eval_micro_batch is not None
+    assert any("no evaluation counted" in x for x in quiet.reasons)
+    assert not any("no evaluation counted" in x for x in evaluating.reasons)
+    assert quiet.predicted_run_bytes < evaluating.predicted_run_bytes
+    assert quiet.estimate.run_device_total_bytes <= evaluating.estimate.run_device_total_bytes
+    assert quiet.predicted_run_bytes >= quiet.estimate.device_total_bytes

@@ -258,16 +258,20 @@ def whole_run(probed: Probed, engine: Engine, outcome: SearchOutcome, est: Memor
     step = measured if measured is not None else (
         engine.estimated(best, b) if best is not None else est.device_total_bytes + growth)
     estimable = eval_micro is not None and info.is_transformer  # (else: the training batch)
+    # the file says its run does not evaluate (no eval_strategy, no do_eval): its eval batch
+    # is sized to fit, but no evaluation is in the run's need
+    evaluates = whole.plan.eval_steps is not None
     evaluation = (estimate_eval(info, eval_micro, seq, dev, training=config,
                                 generate_max_new_tokens=whole.options.generate_max_new_tokens)
-                  .device_total_bytes if estimable else 0)
+                  .device_total_bytes if estimable and evaluates else 0)
     evaluation += growth if evaluation else 0
     # a CPU run counts its one-time set-up: in the tune's trial totals already (folded),
     # added where a trial's peaks leave it out (once); the estimates never hold it
     once, folded = setup_residue(outcome), setup_residue(outcome, counted=True)
     setup = max(once, folded)
     predicted = max(step + extra + once,
-                    eval_need + once if eval_need is not None else evaluation + setup)
+                    eval_need + once if eval_need is not None and evaluates
+                    else evaluation + setup)
     total = max(est.device_total_bytes + growth + extra, evaluation) + setup
     est = dataclasses.replace(est, run_device_total_bytes=total,
                               run_peak_reserved_bytes=total - dev.overhead_bytes,
@@ -287,6 +291,9 @@ def whole_run(probed: Probed, engine: Engine, outcome: SearchOutcome, est: Memor
                       + (eval_how if eval_need is not None
                          else f"needs ~{format_bytes(evaluation)}" if estimable
                          else "not estimated, within about the training step")
+                      if eval_micro is not None and evaluates else
+                      f"; no evaluation counted: the run does not evaluate (no eval_strategy "
+                      f"or do_eval), its eval batch {eval_micro} is sized to fit all the same"
                       if eval_micro is not None else "")
                    + ")")
     return est, int(predicted)
