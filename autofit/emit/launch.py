@@ -141,9 +141,9 @@ def launch_commands(path: str | Path, config: TrainConfig, script: str = "train.
     elif config.nnodes > 1:
         cmds[0] = (f"accelerate launch --config_file {acc} --machine_rank $NODE_RANK "
                    f"--main_process_ip $MAIN_ADDR {script}")
-        cmds.append(f"{env}torchrun --nnodes {config.nnodes} --nproc-per-node {config.nproc_per_node}"
-                    f" --node-rank $NODE_RANK --master-addr $MAIN_ADDR --master-port "
-                    f"{MAIN_PROCESS_PORT} {script}")
+        cmds.append(f"{env}torchrun --nnodes {config.nnodes} --nproc-per-node "
+                    f"{config.nproc_per_node} --node-rank $NODE_RANK --master-addr $MAIN_ADDR "
+                    f"--master-port {MAIN_PROCESS_PORT} {script}")
     elif config.strategy not in _ZERO:  # torchrun alone: DDP and FSDP come from the file
         cmds.append(f"{env}torchrun --nproc-per-node {config.nproc_per_node} {script}")
     return cmds
