@@ -51,6 +51,15 @@ chains inside the backward's fused kernels, so, per block and token:
   and 2.2 in bf16-true; another model type the least of the two; Gemma 2's soft-capped
   logits 0.9 more in bf16-true.
 
+Regional compilation (accelerate's ``compile_regions``: an accelerate config's
+``dynamo_use_regional_compilation``, or its environment ``REGIONAL_ENV``, which the Trainer's
+TorchDynamoPlugin reads; ``TrainConfig.torch_compile_regional``) compiles each repeated block
+apart and runs the rest eagerly: its blocks save what a whole compile's do, and what a
+compiled block keeps fewer beyond the blocks' rule (``_REGIONAL_BLOCKS_MORE``, measured by
+depth on llama and GPT-2); the loss, the causal mask and the embeddings' dropout are eager's.
+Estimated as a whole compile it was 12-32% under (the loss's fp32 buffers a whole compile
+fuses); the regional rows of ``benchmarks/results/accuracy.md`` are +0.2..+3.2%.
+
 With gradient checkpointing only the block being recomputed gains. The simulator
 takes the saving off every forward and backward event of its replayed eager step (so
 a peak in the optimizer step stays where it was). Tracing the compiled graph itself on
