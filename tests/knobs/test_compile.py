@@ -442,3 +442,29 @@ def test_a_regional_trial_compiles_the_blocks_apart_and_leaves_the_model_alone()
     assert list(model.model.layers) == layers
     assert all(getattr(b, "_compiled_call_impl", None) is None for b in model.model.layers)
     assert {id(p) for p in stepped.parameters()} == {id(p) for p in model.parameters()}
+
+
+@pytest.mark.slow  # compiles a tiny llama's blocks (fwd + bwd): ~20-40 s on CPU
+def test_a_regional_trial_measures_the_compiled_blocks_and_leaves_the_model_alone():
+    """A regional trial (accelerate's ``compile_regions``) compiles in its set-up steps,
+    measures compiled steps, and leaves the user's model as it was (no compiled call on any
+    of its blocks, the same values)."""
+    from autofit import measure
+    from autofit.trial.step import RunSpec
+
+    model = _llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    attrs = {id(m): set(vars(m)) for m in model.modules()}
+    start = _compiled_graphs()
+    config = TrainConfig(micro_batch_size=2, torch_compile=True, torch_compile_regional=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trial = measure(model, config, seq_len=16, device="cpu", isolation="in-process",
+                        measure_steps=2, timeout_s=None, run=RunSpec(lengths=(12,)))
+    assert trial.fits and trial.steps == 2
+    assert trial.config["torch_compile_regional"] is True and trial.compile_s is not None
+    assert _compiled_graphs() > start
+    assert {id(m): set(vars(m)) for m in model.modules()} == attrs
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
