@@ -14,7 +14,9 @@ strategy (``fsdp`` + ``fsdp_config``, or ``deepspeed``) and gets, beside it:
   torchrun, also on a CPU), ``num_processes`` (every rank, all nodes), ``num_machines``,
   ``mixed_precision``, ``use_cpu``; FSDP2 as ``fsdp_config`` (``fsdp_version: 2``,
   ``fsdp_reshard_after_forward``, ``fsdp_offload_params``, ``fsdp_auto_wrap_policy:
-  TRANSFORMER_BASED_WRAP``: the model's ``_no_split_modules``); ZeRO as
+  TRANSFORMER_BASED_WRAP``: the model's ``_no_split_modules``; with checkpointing FSDP's own,
+  ``fsdp_activation_checkpointing``, which the tuned file's ``fsdp_config`` says too, its
+  ``activation_checkpointing`` training argument off: the Trainer refuses both); ZeRO as
   ``deepspeed_config: {deepspeed_config_file, zero3_init_flag}``; hybrid sharding as
   ``parallelism_config`` (``dp_replicate_size`` = nodes, ``dp_shard_size`` = processes
   per node).
@@ -103,6 +105,10 @@ def accelerate_config(config: TrainConfig, *, use_cpu: bool = False,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         }
+        from autofit.knobs.strategy import fsdp_checkpoints
+
+        if fsdp_checkpoints(config):  # FSDP's own, as the tuned file's fsdp_config says
+            fsdp["fsdp_activation_checkpointing"] = True
         out["distributed_type"] = "FSDP"
         out["fsdp_config"] = fsdp
         if strategy == "hsdp":

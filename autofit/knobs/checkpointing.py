@@ -17,7 +17,7 @@ from autofit.knobs.base import OnOffKnob, training_arguments_fields
 if TYPE_CHECKING:
     from autofit.config import TrainConfig
 
-__all__ = ["CHECKPOINTING", "CheckpointingKnob"]
+__all__ = ["CHECKPOINTING", "CheckpointingKnob", "fsdp_checkpointing", "clear_fields"]
 
 _NEW, _OLD = "activation_checkpointing", "gradient_checkpointing"  # transformers 5.x / 4.x
 
@@ -25,6 +25,23 @@ _NEW, _OLD = "activation_checkpointing", "gradient_checkpointing"  # transformer
 def field_name() -> str:
     """The installed transformers' name of the checkpointing field (5.x renamed it)."""
     return _NEW if _NEW in training_arguments_fields() else _OLD
+
+
+def fsdp_checkpointing(args: dict[str, object]) -> bool:
+    """Whether TrainingArguments fields checkpoint through FSDP's own activation
+    checkpointing (``fsdp`` with ``fsdp_config`` ``activation_checkpointing``)."""
+    cfg = args.get("fsdp_config")
+    if not args.get("fsdp") or not isinstance(cfg, dict):
+        return False
+    on = cfg.get("activation_checkpointing", cfg.get("fsdp_activation_checkpointing", False))
+    return str(on).strip().lower() in ("true", "1", "yes")
+
+
+def clear_fields(args: dict[str, object]) -> None:
+    """``args`` without the checkpointing training argument (off: FSDP checkpoints)."""
+    for f in (_OLD, f"{_OLD}_kwargs", _NEW, f"{_NEW}_kwargs"):
+        args.pop(f, None)
+    args[field_name()] = False
 
 
 class CheckpointingKnob(OnOffKnob):
@@ -53,7 +70,7 @@ class CheckpointingKnob(OnOffKnob):
             args.pop(f"{name}_kwargs", None)
 
     def read(self, args: dict[str, object]) -> bool:
-        return bool(args.get(_NEW) or args.get(_OLD))
+        return bool(args.get(_NEW) or args.get(_OLD)) or fsdp_checkpointing(args)
 
 
 CHECKPOINTING = CheckpointingKnob()

@@ -77,7 +77,8 @@ if TYPE_CHECKING:
 
     from autofit.config import TrainConfig
 
-__all__ = ["Recipe", "read_recipe", "recipe_of_fields", "DS_OPTIMIZERS", "BATCH_KEYS", "dynamo_of"]
+__all__ = ["Recipe", "read_recipe", "recipe_of_fields", "DS_OPTIMIZERS", "BATCH_KEYS", "dynamo_of",
+           "fsdp_config_dict"]
 
 # DeepSpeed's zero_optimization key -> autofit.memory.ranks.ZeroSizes field (modelled)
 _ZERO_SIZES = {"reduce_bucket_size": "reduce_bucket_size",
@@ -124,6 +125,9 @@ class Recipe:
         torch_compile, torch_compile_mode, torch_compile_regional: the accelerate config's
             ``dynamo_config`` (``dynamo_backend`` INDUCTOR: compiled, its ``dynamo_mode``,
             ``dynamo_use_regional_compilation``: each repeated block compiled apart).
+        gradient_checkpointing: True when FSDP's own activation checkpointing is on (an
+            ``fsdp_config``'s ``activation_checkpointing``, accelerate's
+            ``fsdp_activation_checkpointing``): the step checkpoints every block.
         sharding: ``Layout`` fields of its sizes (``zero_sizes``, ``zero_overrides``,
             ``zero_optimizer``), as ``estimate(sharding=)`` takes them.
         deepspeed: the DeepSpeed config as given (for trials and the tuned file).
@@ -145,6 +149,7 @@ class Recipe:
     torch_compile: bool | None = None
     torch_compile_mode: str | None = None
     torch_compile_regional: bool | None = None
+    gradient_checkpointing: bool | None = None
     sharding: tuple[tuple[str, Any], ...] = ()
     deepspeed: dict[str, Any] | None = field(default=None, compare=False)
     deepspeed_file: str | None = None
@@ -182,7 +187,8 @@ class Recipe:
         out: dict[str, Any] = {}
         for name in ("strategy", "offload", "precision", "optimizer", "optim_args",
                      "micro_batch_size", "grad_accum_steps", "nproc_per_node", "nnodes",
-                     "torch_compile", "torch_compile_mode", "torch_compile_regional"):
+                     "torch_compile", "torch_compile_mode", "torch_compile_regional",
+                     "gradient_checkpointing"):
             v = getattr(self, name)
             if v is not None:
                 out[name] = v
@@ -214,7 +220,8 @@ class Recipe:
     def search_constraints(self) -> dict[str, Any]:
         """What ``autofit()`` keeps fixed: one value per knob the recipe says."""
         out: dict[str, Any] = {}
-        for name in ("strategy", "offload", "precision", "optimizer", "torch_compile"):
+        for name in ("strategy", "offload", "precision", "optimizer", "torch_compile",
+                     "gradient_checkpointing"):
             v = getattr(self, name)
             if v is not None:
                 out[name] = [v]
@@ -277,6 +284,12 @@ def recipe_of_fields(fields: dict[str, object], source: str,
                          source=None if ds and not isinstance(ds, dict) else source)
     if recipe is not None:
         check_batch(recipe, fields, source)
+        if recipe.gradient_checkpointing and (_truthy(fields.get("activation_checkpointing"))
+                                              or _truthy(fields.get("gradient_checkpointing"))):
+            raise BadInputError(
+                f"{source}: fsdp_config's activation_checkpointing and the "
+                "activation_checkpointing training argument are both on, which the Trainer "
+                "refuses; keep FSDP's (set activation_checkpointing: false)")
     return recipe
 
 
@@ -561,26 +574,34 @@ def _truthy(v: object) -> bool:
     return str(v).strip().lower() in ("true", "1", "yes")
 
 
+def fsdp_config_dict(raw: object) -> dict[str, object]:
+    """A TrainingArguments ``fsdp_config`` as a mapping (given as one, as JSON text or as
+    the path of a JSON file)."""
+    if isinstance(raw, str):
+        raw = _json(Path(raw).read_text() if Path(raw).is_file() else raw, raw)
+    return dict(raw) if isinstance(raw, dict) else {}
+
+
 def _from_fsdp(fields: dict[str, object], name: str) -> Recipe:
     """TrainingArguments' ``fsdp`` + ``fsdp_config`` (keys with or without ``fsdp_``)."""
     from autofit.knobs.strategy import OFFLOAD, STRATEGY
 
     fsdp = fields.get("fsdp")
-    raw = fields.get("fsdp_config") or {}
-    if isinstance(raw, str):
-        raw = _json(Path(raw).read_text() if Path(raw).is_file() else raw, raw)
-    cfg = {k.removeprefix("fsdp_"): v for k, v in raw.items()}
+    cfg = {k.removeprefix("fsdp_"): v
+           for k, v in fsdp_config_dict(fields.get("fsdp_config") or {}).items()}
     return _fsdp_recipe(
         name, version=cfg.get("version", 2),
         strategy=STRATEGY.read({"fsdp": fsdp, "fsdp_config": cfg}),
         offload=OFFLOAD.read({"fsdp": fsdp, "fsdp_config": cfg}),
         wrap=cfg.get("auto_wrap_policy"),
         layer_cls=cfg.get("transformer_layer_cls_to_wrap"),
-        mixed=cfg.get("mixed_precision_policy"))
+        mixed=cfg.get("mixed_precision_policy"),
+        checkpointing=_truthy(cfg.get("activation_checkpointing", False)))
 
 
 def _fsdp_recipe(name: str, *, version: object, strategy: str, offload: str, wrap: object,
-                 layer_cls: object, mixed: object, hsdp: bool = False) -> Recipe:
+                 layer_cls: object, mixed: object, hsdp: bool = False,
+                 checkpointing: bool = False) -> Recipe:
     if str(version) != "2":
         raise BadInputError(f"{name}: FSDP version {version} (FSDP1) is not modelled; autofit "
                             "models FSDP2: set version 2 (fsdp_version: 2)")
@@ -600,7 +621,10 @@ def _fsdp_recipe(name: str, *, version: object, strategy: str, offload: str, wra
         details.append(f"wraps {cls}")
     if precision is not None:
         details.append(f"mixed_precision_policy {_WORD[precision]}")
+    if checkpointing:
+        details.append("FSDP's activation checkpointing (every block)")
     return Recipe(source=name, strategy=strategy, offload=offload, precision=precision,
+                  gradient_checkpointing=True if checkpointing else None,
                   details=tuple(details),
                   notes=(("transformer_layer_cls_to_wrap: estimated as one unit per block "
                           "of the model's _no_split_modules"),) if layer_cls else ())
@@ -708,7 +732,8 @@ def _accelerate(acc: dict[str, object] | str | os.PathLike[str]) -> dict[str, An
             else "fsdp-shard-grad-op",
             offload="optimizer+params" if _truthy(cfg.get("offload_params", False)) else "none",
             wrap=cfg.get("auto_wrap_policy"), layer_cls=cfg.get("transformer_layer_cls_to_wrap"),
-            mixed=cfg.get("mixed_precision_policy"), hsdp=replicate > 1)
+            mixed=cfg.get("mixed_precision_policy"), hsdp=replicate > 1,
+            checkpointing=_truthy(cfg.get("activation_checkpointing", False)))
     return out
 
 

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from autofit.probe.device import DeviceInfo
 
 __all__ = ["STRATEGY", "OFFLOAD", "StrategyKnob", "OffloadKnob", "ranks_of",
-           "deepspeed_config", "ZERO_STAGE"]
+           "deepspeed_config", "ZERO_STAGE", "fsdp_checkpoints"]
 
 ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
 _FSDP_RESHARD = {"fsdp": True, "fsdp-shard-grad-op": False, "hsdp": True}
@@ -98,6 +98,17 @@ def deepspeed_config(stage: int, offload: str) -> dict[str, Any]:
         out["zero_force_ds_cpu_optimizer"] = False
     return out
 
+
+
+def fsdp_checkpoints(config: object) -> bool:
+    """Whether an FSDP plan's checkpointing is FSDP's own (``fsdp_config``'s
+    ``activation_checkpointing``, accelerate's ``fsdp_activation_checkpointing``) rather than
+    the training argument: every FSDP plan that checkpoints, unless it offloads the
+    checkpointed inputs (transformers offloads only through the training argument)."""
+    return (getattr(config, "world_size", 1) > 1
+            and getattr(config, "strategy", "ddp") in _FSDP_RESHARD
+            and bool(getattr(config, "gradient_checkpointing", False))
+            and not getattr(config, "activation_offloading", False))
 
 class StrategyKnob:
     name = "strategy"
@@ -189,6 +200,14 @@ class StrategyKnob:
                                            "reshard_after_forward": _FSDP_RESHARD[strategy]}
             if offload != "none":
                 fsdp_config["cpu_offload"] = True
+            if fsdp_checkpoints(config):
+                # FSDP's own activation checkpointing, which transformers prefers under FSDP
+                # (the training argument's re-gathers in backward) and which the Trainer
+                # refuses beside the training argument: the checkpointing knob's field off
+                from autofit.knobs.checkpointing import clear_fields
+
+                fsdp_config["activation_checkpointing"] = True
+                clear_fields(args)
             args["fsdp_config"] = fsdp_config
         else:
             args["deepspeed"] = deepspeed_config(ZERO_STAGE[strategy], offload)

@@ -191,6 +191,15 @@ def _recipe_fields(kwargs: dict[str, object], recipe: Any, config: TrainConfig,
         kwargs["fsdp"] = base_args["fsdp"]
         if base_args.get("fsdp_config"):
             kwargs["fsdp_config"] = base_args["fsdp_config"]
+            from autofit.knobs.strategy import fsdp_checkpoints
+
+            if fsdp_checkpoints(config):
+                # the plan checkpoints through FSDP's own (the training argument is off); a
+                # path or JSON text of the user's is written inline with it
+                from autofit.knobs.recipe import fsdp_config_dict
+
+                kwargs["fsdp_config"] = {**fsdp_config_dict(kwargs["fsdp_config"]),
+                                         "activation_checkpointing": True}
 
 
 def _ranks_line(outcome: SearchOutcome, config: TrainConfig) -> list[str]:

@@ -327,3 +327,39 @@ def test_a_regional_compile_writes_its_launch_file_even_on_one_rank(tmp_path, ca
     whole = config.replace(torch_compile_regional=False)
     args = training_arguments_dict(whole)
     assert launch_files("tuned.yaml", whole, args) == (args, {}, {})
+
+
+def test_an_fsdp_plan_checkpoints_through_fsdp_s_own_activation_checkpointing(tmp_path):
+    """An FSDP plan that checkpoints writes it as FSDP's own activation checkpointing (the
+    tuned file's ``fsdp_config`` and the accelerate config's ``fsdp_activation_checkpointing``)
+    with the training argument off: the Trainer refuses both at once, and transformers prefers
+    FSDP's under FSDP. TrainingArguments carries it to accelerate's plugin; read back, the
+    plan checkpoints. With activation offloading (transformers offloads only through the
+    training argument) the training argument stays."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from autofit.emit.training_args import config_from_arguments
+
+    config = TrainConfig(micro_batch_size=2, nproc_per_node=2, strategy="fsdp",
+                         gradient_checkpointing=True, seq_len=64)
+    path = _save(tmp_path, config)
+    fields, _ = read_config(path)
+    assert fields["fsdp_config"]["activation_checkpointing"] is True
+    assert fields["activation_checkpointing"] is False
+    assert "activation_checkpointing_kwargs" not in fields
+    (args,) = HfArgumentParser(TrainingArguments).parse_yaml_file(str(path))
+    assert args.fsdp_plugin_args["activation_checkpointing"] is True
+    assert not args.activation_checkpointing
+    back = config_from_arguments(fields)
+    assert back.gradient_checkpointing and back.strategy == "fsdp"
+    loaded = _load_accelerate(tmp_path / "tuned-accelerate.yaml")
+    assert loaded.fsdp_config["fsdp_activation_checkpointing"] is True
+    # off: neither says it
+    off = training_arguments_dict(config.replace(gradient_checkpointing=False))
+    assert "activation_checkpointing" not in off["fsdp_config"] and not off[
+        "activation_checkpointing"]
+    assert "fsdp_activation_checkpointing" not in accelerate_config(
+        config.replace(gradient_checkpointing=False))["fsdp_config"]
+    offloaded = training_arguments_dict(config.replace(activation_offloading=True))
+    assert offloaded["activation_checkpointing"] is True
+    assert "activation_checkpointing" not in offloaded["fsdp_config"]

@@ -385,3 +385,31 @@ def test_an_accelerate_configs_regional_compilation_is_the_recipe():
     assert peaks[1] > peaks[0]  # at the backward peak: the loss's buffers
     off = read_recipe(accelerate={**acc, "dynamo_config": {"dynamo_backend": "NO"}})
     assert not off.apply(config).torch_compile_regional
+
+
+def test_fsdp_s_own_activation_checkpointing_is_the_recipe_s():
+    """FSDP's activation checkpointing (accelerate's ``fsdp_activation_checkpointing``, a
+    training_args ``fsdp_config``'s ``activation_checkpointing``) fixes checkpointing on (the
+    step recomputes every block), where it was read as no checkpointing (the search could
+    then write the training argument too, which the Trainer refuses beside FSDP's); both on
+    in one file is refused in one line."""
+    from autofit import TrainConfig
+    from autofit.errors import BadInputError
+    from autofit.knobs.recipe import read_recipe, recipe_of_fields
+
+    acc = {"distributed_type": "FSDP", "num_processes": 2, "mixed_precision": "bf16",
+           "fsdp_config": {"fsdp_version": 2, "fsdp_activation_checkpointing": True}}
+    recipe = read_recipe(accelerate=acc)
+    assert recipe.gradient_checkpointing is True
+    assert recipe.search_constraints()["gradient_checkpointing"] == [True]
+    assert "activation checkpointing" in recipe.describe()
+    assert recipe.apply(TrainConfig(micro_batch_size=2)).gradient_checkpointing
+    plain = read_recipe(accelerate={**acc, "fsdp_config": {"fsdp_version": 2}})
+    assert plain.gradient_checkpointing is None
+    assert "gradient_checkpointing" not in plain.search_constraints()
+    fields = {"per_device_train_batch_size": 8, "fsdp": "full_shard",
+              "fsdp_config": {"version": 2, "activation_checkpointing": "true"}}
+    assert recipe_of_fields(fields, "train.yaml").gradient_checkpointing is True
+    with pytest.raises(BadInputError) as e:
+        recipe_of_fields({**fields, "activation_checkpointing": True}, "train.yaml")
+    assert "\n" not in str(e.value) and "both on" in str(e.value)
