@@ -702,8 +702,12 @@ def _accelerate(acc: dict[str, object] | str | os.PathLike[str]) -> dict[str, An
             raise BadInputError(f"{name}: num_processes {total} is not a multiple of "
                                 f"num_machines {machines}")
         nproc = total // machines
-    precision = {"bf16": "bf16-mixed", "fp16": "16-mixed", "no": "32-true"}.get(
-        str(acc.get("mixed_precision", "")).lower())
+    said = str(acc.get("mixed_precision") or "").strip().lower()
+    precision = {"bf16": "bf16-mixed", "fp16": "16-mixed", "no": "32-true"}.get(said)
+    if said and precision is None:  # fp8 (TransformerEngine, torchao, MS-AMP) or unknown
+        raise BadInputError(f"{name}: mixed_precision {said} is not modelled (autofit models "
+                            "no, fp16 and bf16); set one of those, or measure the step on the "
+                            "card (autofit measure)")
     out: dict[str, Any] = {"name": name, "base": base, "type": kind, "nproc": nproc,
                            "nnodes": machines if total is not None or machines > 1 else None,
                            "precision": precision, "deepspeed": None,

@@ -413,3 +413,20 @@ def test_fsdp_s_own_activation_checkpointing_is_the_recipe_s():
     with pytest.raises(BadInputError) as e:
         recipe_of_fields({**fields, "activation_checkpointing": True}, "train.yaml")
     assert "\n" not in str(e.value) and "both on" in str(e.value)
+
+
+def test_an_accelerate_configs_fp8_is_refused_not_read_as_unsaid():
+    """``mixed_precision: fp8`` (TransformerEngine, torchao, MS-AMP: scaled fp8 copies autofit
+    does not model) was read as no precision said (searched); now one line, as any value
+    accelerate does not have."""
+    from autofit.errors import BadInputError
+    from autofit.knobs.recipe import read_recipe
+
+    for said in ("fp8", "int4"):
+        with pytest.raises(BadInputError) as e:
+            read_recipe(accelerate={"distributed_type": "NO", "mixed_precision": said})
+        assert "\n" not in str(e.value) and f"mixed_precision {said} is not modelled" in str(
+            e.value)
+    assert read_recipe(accelerate={"distributed_type": "NO", "mixed_precision": "no"}
+                       ).precision == "32-true"
+    assert read_recipe(accelerate={"distributed_type": "NO"}).precision is None
