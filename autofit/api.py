@@ -514,6 +514,12 @@ def _base_args(training_args: Any, reasons: list[str]) -> dict[str, Any] | None:
         check_training_arguments(training_args, source="training_args")
         base_args, real = dict(training_args), None
     reasons += drop_secrets(base_args, real)  # never written, masked or not
+    from autofit.knobs.checkpointing import every_n_layers
+
+    n = every_n_layers(base_args)
+    if n > 1:  # not modelled: what is tuned, and written, checkpoints every layer
+        reasons.append(f"activation_checkpointing_kwargs every_n_layers {n}: not modelled; "
+                       "where the tuned file checkpoints, it checkpoints every layer")
     return base_args
 
 

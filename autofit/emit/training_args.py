@@ -89,6 +89,17 @@ def config_from_arguments(args: dict[str, object], seq_len: int | None = None, *
 
     check_training_arguments(args, source=source, extra=extra)
     knobs = {k.name: k.read(args) for k in KNOBS}
+    from autofit.knobs.checkpointing import every_n_layers
+
+    n = every_n_layers(args)
+    if knobs.get("gradient_checkpointing") and n > 1:
+        from autofit.errors import UnmodelledStepError
+
+        raise UnmodelledStepError(
+            f"{source}: activation_checkpointing_kwargs every_n_layers {n} (the layers between "
+            "checkpoints keep their activations) is not modelled: an estimate of every layer "
+            "checkpointed would be low; drop it (every layer), or measure the step on the "
+            "device (autofit measure)")
     mode = args.get("torch_compile_mode") if knobs.get("torch_compile") else None
     # no TrainingArguments field says it: accelerate launch's environment, which the
     # Trainer's TorchDynamoPlugin reads (autofit.knobs.compile.regional_from_env)

@@ -17,7 +17,8 @@ from autofit.knobs.base import OnOffKnob, training_arguments_fields
 if TYPE_CHECKING:
     from autofit.config import TrainConfig
 
-__all__ = ["CHECKPOINTING", "CheckpointingKnob", "fsdp_checkpointing", "clear_fields"]
+__all__ = ["CHECKPOINTING", "CheckpointingKnob", "fsdp_checkpointing", "clear_fields",
+           "every_n_layers"]
 
 _NEW, _OLD = "activation_checkpointing", "gradient_checkpointing"  # transformers 5.x / 4.x
 
@@ -25,6 +26,27 @@ _NEW, _OLD = "activation_checkpointing", "gradient_checkpointing"  # transformer
 def field_name() -> str:
     """The installed transformers' name of the checkpointing field (5.x renamed it)."""
     return _NEW if _NEW in training_arguments_fields() else _OLD
+
+
+def every_n_layers(args: dict[str, object]) -> int:
+    """``every_n_layers`` of the training arguments' checkpointing kwargs (transformers 5.x:
+    only every n-th decoder layer checkpointed, the others keep their activations); 1 when
+    not given."""
+    import json
+
+    for name in (f"{_NEW}_kwargs", f"{_OLD}_kwargs"):
+        kw = args.get(name)
+        if isinstance(kw, str):
+            try:
+                kw = json.loads(kw)
+            except ValueError:
+                continue
+        if isinstance(kw, dict) and kw.get("every_n_layers") not in (None, ""):
+            try:
+                return max(1, int(kw["every_n_layers"]))
+            except (TypeError, ValueError):
+                return 1
+    return 1
 
 
 def fsdp_checkpointing(args: dict[str, object]) -> bool:

@@ -142,3 +142,39 @@ def test_one_configurations_options_come_from_the_knobs():
                                           gradient_checkpointing=True, optimizer="sgd",
                                           optim_args="momentum=0.9", torch_compile=True)
     assert train_config(p.parse_args(["--batch-size", "1"])) == TrainConfig()
+
+
+def test_checkpointing_every_n_layers_is_refused_where_it_would_be_estimated(tmp_path, capsys):
+    """transformers 5's ``activation_checkpointing_kwargs={"every_n_layers": n}`` checkpoints
+    every n-th layer only (the rest keep their activations): a file that runs it is refused in
+    one line where it would be estimated as every layer checkpointed (``autofit check``, the
+    callback's ``config_of``), where it was read as plain checkpointing, low; a tune says it
+    and writes every layer checkpointed; 1 is the usual behaviour."""
+    import json
+
+    from autofit.api import autofit
+    from autofit.cli import main
+    from autofit.emit import write_config
+    from autofit.errors import UnmodelledStepError
+    from autofit.preflight.trainer import config_of
+
+    fields = {"per_device_train_batch_size": 2, "activation_checkpointing": True,
+              "activation_checkpointing_kwargs": {"every_n_layers": 2}}
+    with pytest.raises(UnmodelledStepError) as e:
+        config_of(fields)
+    assert "\n" not in str(e.value) and "every_n_layers 2" in str(e.value)
+    assert config_of({**fields, "activation_checkpointing_kwargs": {"every_n_layers": 1}}
+                     ).gradient_checkpointing
+    path = tmp_path / "train.yaml"
+    write_config(path, fields, {})
+    code = main(["check", str(path), "--model", "tiny-llama", "--seq-len", "64", "--device",
+                 "cpu:2GiB", "--no-trial", "--no-cache", "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "every_n_layers 2" in err and len(err.strip().splitlines()) == 1
+    rows = [{"input_ids": list(range(1, 33))} for _ in range(8)]
+    r = autofit("tiny-llama", rows, device="A100-80GB", training_args=dict(fields),
+                gradient_checkpointing=True, precision=["bf16-mixed"],
+                optimizer=["adamw_torch"], max_micro_batch=2)
+    assert any("every_n_layers 2: not modelled" in x for x in r.reasons)
+    kw = r.training_arguments_kwargs.get("activation_checkpointing_kwargs")
+    assert r.config.gradient_checkpointing and "every_n_layers" not in json.dumps(kw)
