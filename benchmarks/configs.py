@@ -255,6 +255,10 @@ CONFIGS: list[dict[str, Any]] = [
     # TRL's SFT loss (SFTTrainer's fused LM head: (4096, 32768) tiles, no (B, T, V) logits)
     _llama("llama-b4s256-trl", trl=True),
     _llama("llama-b4s256-bf16m-trl", precision="bf16-mixed", trl=True),
+    # ... compiled whole (SFTConfig(torch_compile=True)): no full logits to fuse, its compiled
+    # backward above the eager step's
+    _llama("llama-b4s256-trl-compile", trl=True, compiled=True),
+    _llama("llama-b4s256-bf16m-trl-compile", precision="bf16-mixed", trl=True, compiled=True),
     # llama, other shapes
     _llama("llama-b1s128", batch=1, seq=128),
     _llama("llama-b2s512", batch=2, seq=512),

@@ -222,8 +222,10 @@ def check_spec(spec: dict[str, Any]) -> None:
     if spec.get("chunked_loss") and spec.get("task") != "causal-lm":
         problems.append("chunked_loss needs task causal-lm")
     if spec.get("trl_loss") and (spec.get("task") != "causal-lm" or spec.get("chunked_loss")
-                                 or spec.get("torch_compile")):
-        problems.append("trl_loss needs task causal-lm, without chunked_loss or torch_compile")
+                                 or spec.get("torch_compile_regional")):
+        problems.append("trl_loss needs task causal-lm, without chunked_loss or a regional "
+                        "compile (here the fused head would be added after the regions are "
+                        "copied)")
     accum = spec.get("grad_accum_steps", 1)
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         problems.append("grad_accum_steps must be a positive integer")
