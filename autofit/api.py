@@ -486,6 +486,12 @@ def _space(probed: Probed, target_batch_size: int | None, options: TuneOptions,
     # launch recipe, or the environment accelerate launch sets, as the Trainer reads it)
     regional = (recipe.torch_compile_regional if recipe is not None
                 and recipe.torch_compile_regional is not None else regional_from_env())
+    if regional and (recipe is None or recipe.torch_compile_regional is None):
+        from autofit.knobs.compile import REGIONAL_ENV
+
+        reasons.append(f"regional torch.compile: {REGIONAL_ENV} is set (accelerate launch "
+                       "--dynamo_use_regional_compilation), as the Trainer reads it: compiled "
+                       "candidates compile each block apart, the head and the loss eager")
     space = build_space(probed.device, max_micro_batch=max_micro,
                         target_batch_size=target_batch_size, world_size=world_size,
                         nnodes=dev.nnodes, optim_args=options.optim_args, reasons=reasons,

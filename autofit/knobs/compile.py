@@ -365,7 +365,9 @@ class TorchCompileKnob(OnOffKnob):
 
         n = costs.compile_saving_bytes(config)
         what = f"~{_gib(n)} fewer" if n >= 0 else f"~{_gib(-n)} more"
-        return (f"torch.compile: {what} activations than eager at micro batch "
+        how = ("regional torch.compile (each block apart, the loss eager)"
+               if getattr(config, "torch_compile_regional", False) else "torch.compile")
+        return (f"{how}: {what} activations than eager at micro batch "
                 f"{config.micro_batch_size}, estimated (fused pointwise chains: "
                 "autofit.knobs.compile)")
 

@@ -492,3 +492,29 @@ def test_a_compiled_trl_step_is_not_taken_below_its_eager_one():
         for c in (trl, trl.replace(torch_compile_regional=True)):
             assert estimate(model, c, seq_len=64, device="cpu",
                             method=method).peak_allocated_bytes >= eager, (method, c)
+
+
+def test_a_tune_inside_accelerate_launch_s_regional_environment_compiles_by_regions(
+        monkeypatch, tmp_path):
+    """Under ``accelerate launch --dynamo_use_regional_compilation`` (its environment) the
+    compiled candidates are regional, said in a reason, and the tuned file gets the launch
+    file that carries it."""
+    from autofit.api import autofit
+    from autofit.knobs.compile import REGIONAL_ENV
+
+    monkeypatch.setenv(REGIONAL_ENV, "true")
+    rows = [{"input_ids": list(range(1, 65))} for _ in range(16)]
+    r = autofit("tiny-llama", rows, device="A100-80GB", torch_compile=[True],
+                precision=["bf16-mixed"], optimizer=["adamw_torch"],
+                gradient_checkpointing=False, max_micro_batch=4)
+    assert r.config.torch_compile and r.config.torch_compile_regional
+    assert any(x.startswith("regional torch.compile: ") and REGIONAL_ENV in x
+               for x in r.reasons)
+    r.save(tmp_path / "tuned.yaml")
+    side = (tmp_path / "tuned-accelerate.yaml").read_text()
+    assert "dynamo_use_regional_compilation: true" in side
+    monkeypatch.delenv(REGIONAL_ENV)
+    plain = autofit("tiny-llama", rows, device="A100-80GB", torch_compile=[True],
+                    precision=["bf16-mixed"], optimizer=["adamw_torch"],
+                    gradient_checkpointing=False, max_micro_batch=4)
+    assert plain.config.torch_compile and not plain.config.torch_compile_regional
