@@ -472,6 +472,8 @@ def _space(probed: Probed, target_batch_size: int | None, options: TuneOptions,
     allowed = {k.name: options.asked(k.name) for k in KNOBS}
     if allowed.get("precision") is None:
         allowed["precision"] = _quantized_precisions(probed, reasons)
+    if allowed.get("torch_compile") is None:
+        allowed["torch_compile"] = _compile_asked(base_args, reasons)
     trainer, loss_impl = _trainer(options.trainer, training_args, base_args, allowed, dev,
                                   loss_impl_of(training_args), reasons)
     allowed = registry.narrow(allowed, Scope(probed.module, probed.task, dev, trainer,
@@ -499,6 +501,19 @@ def _space(probed: Probed, target_batch_size: int | None, options: TuneOptions,
                         compile_regional=bool(regional),
                         **allowed)
     return _Scope(space, base_args, trainer)
+
+
+def _compile_asked(base_args: dict[str, Any] | None, reasons: list[str]) -> list[bool] | None:
+    """The compile knob's values when the user's training_args compile (``torch_compile``,
+    or a backend or mode, which turn it on): with and without, where the knob alone
+    searches without only (it was turned off unseen); None otherwise (its defaults)."""
+    from autofit.knobs import TORCH_COMPILE
+
+    if base_args is None or not TORCH_COMPILE.read(base_args):
+        return None
+    reasons.append("torch.compile: your training_args compile (torch_compile); searched with "
+                   "and without, the trials deciding whether compiling pays")
+    return [False, True]
 
 
 def _base_args(training_args: Any, reasons: list[str]) -> dict[str, Any] | None:

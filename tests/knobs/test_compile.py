@@ -518,3 +518,22 @@ def test_a_tune_inside_accelerate_launch_s_regional_environment_compiles_by_regi
                     precision=["bf16-mixed"], optimizer=["adamw_torch"],
                     gradient_checkpointing=False, max_micro_batch=4)
     assert plain.config.torch_compile and not plain.config.torch_compile_regional
+
+
+def test_a_training_args_file_that_compiles_has_compiling_searched_not_dropped():
+    """``torch_compile: true`` in the user's training_args (the knob alone searches without
+    compiling only) is searched with and without, said in a reason line: it was turned off
+    unseen in the tuned file. Without it, or with ``torch_compile=`` given, as before."""
+    from autofit.api import autofit
+
+    rows = [{"input_ids": list(range(1, 65))} for _ in range(16)]
+    kw = dict(device="A100-80GB", precision=["bf16-mixed"], optimizer=["adamw_torch"],
+              gradient_checkpointing=False, max_micro_batch=4)
+    base = {"output_dir": "out", "per_device_train_batch_size": 4, "torch_compile": True}
+    r = autofit("tiny-llama", rows, training_args=base, **kw)
+    assert {c["torch_compile"] for c in r.candidates} == {False, True}
+    assert any(x.startswith("torch.compile: your training_args compile") for x in r.reasons)
+    plain = autofit("tiny-llama", rows, training_args={**base, "torch_compile": False}, **kw)
+    assert {c["torch_compile"] for c in plain.candidates} == {False}
+    told = autofit("tiny-llama", rows, training_args=base, torch_compile=False, **kw)
+    assert {c["torch_compile"] for c in told.candidates} == {False}
