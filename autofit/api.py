@@ -27,7 +27,7 @@ from autofit.errors import BadInputError, fix
 from autofit.knobs import KNOBS, registry
 from autofit.knobs.base import Scope
 from autofit.knobs.chunked_loss import liger_offered
-from autofit.knobs.compile import regional_from_env
+from autofit.knobs.compile import compile_asked, compile_recipe
 from autofit.knobs.trainer import (
     chunked_loss_refused,
     for_trainer,
@@ -473,47 +473,20 @@ def _space(probed: Probed, target_batch_size: int | None, options: TuneOptions,
     if allowed.get("precision") is None:
         allowed["precision"] = _quantized_precisions(probed, reasons)
     if allowed.get("torch_compile") is None:
-        allowed["torch_compile"] = _compile_asked(base_args, reasons)
+        allowed["torch_compile"] = compile_asked(base_args, reasons)
     trainer, loss_impl = _trainer(options.trainer, training_args, base_args, allowed, dev,
                                   loss_impl_of(training_args), reasons)
     allowed = registry.narrow(allowed, Scope(probed.module, probed.task, dev, trainer,
                                              loss_impl, training_args, reasons))
-    # the user's compile mode (TrainingArguments.torch_compile_mode, an accelerate config's
-    # dynamo_mode), for the compiled candidates: estimated, tried and written as given
-    # (CUDA graphs' modes refused on a card)
-    recipe = options.recipe
-    mode = ((base_args or {}).get("torch_compile_mode")
-            or (recipe.torch_compile_mode if recipe is not None else None))
-    # ... and whether it compiles each block apart (accelerate's regional compilation: the
-    # launch recipe, or the environment accelerate launch sets, as the Trainer reads it)
-    regional = (recipe.torch_compile_regional if recipe is not None
-                and recipe.torch_compile_regional is not None else regional_from_env())
-    if regional and (recipe is None or recipe.torch_compile_regional is None):
-        from autofit.knobs.compile import REGIONAL_ENV
-
-        reasons.append(f"regional torch.compile: {REGIONAL_ENV} is set (accelerate launch "
-                       "--dynamo_use_regional_compilation), as the Trainer reads it: compiled "
-                       "candidates compile each block apart, the head and the loss eager")
+    # the user's compile mode and regional compilation, for the compiled candidates
+    mode, regional = compile_recipe(base_args, options.recipe, reasons)
     space = build_space(probed.device, max_micro_batch=max_micro,
                         target_batch_size=target_batch_size, world_size=world_size,
                         nnodes=dev.nnodes, optim_args=options.optim_args, reasons=reasons,
-                        loss_impl=loss_impl, compile_mode=str(mode) if mode else None,
+                        loss_impl=loss_impl, compile_mode=mode,
                         compile_regional=bool(regional),
                         **allowed)
     return _Scope(space, base_args, trainer)
-
-
-def _compile_asked(base_args: dict[str, Any] | None, reasons: list[str]) -> list[bool] | None:
-    """The compile knob's values when the user's training_args compile (``torch_compile``,
-    or a backend or mode, which turn it on): with and without, where the knob alone
-    searches without only (it was turned off unseen); None otherwise (its defaults)."""
-    from autofit.knobs import TORCH_COMPILE
-
-    if base_args is None or not TORCH_COMPILE.read(base_args):
-        return None
-    reasons.append("torch.compile: your training_args compile (torch_compile); searched with "
-                   "and without, the trials deciding whether compiling pays")
-    return [False, True]
 
 
 def _base_args(training_args: Any, reasons: list[str]) -> dict[str, Any] | None:
@@ -535,12 +508,9 @@ def _base_args(training_args: Any, reasons: list[str]) -> dict[str, Any] | None:
         check_training_arguments(training_args, source="training_args")
         base_args, real = dict(training_args), None
     reasons += drop_secrets(base_args, real)  # never written, masked or not
-    from autofit.knobs.checkpointing import every_n_layers
+    from autofit.knobs.checkpointing import every_n_layers_note
 
-    n = every_n_layers(base_args)
-    if n > 1:  # not modelled: what is tuned, and written, checkpoints every layer
-        reasons.append(f"activation_checkpointing_kwargs every_n_layers {n}: not modelled; "
-                       "where the tuned file checkpoints, it checkpoints every layer")
+    reasons += every_n_layers_note(base_args)
     return base_args
 
 

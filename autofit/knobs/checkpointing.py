@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from autofit.config import TrainConfig
 
 __all__ = ["CHECKPOINTING", "CheckpointingKnob", "fsdp_checkpointing", "clear_fields",
-           "every_n_layers"]
+           "every_n_layers", "every_n_layers_note"]
 
 _NEW, _OLD = "activation_checkpointing", "gradient_checkpointing"  # transformers 5.x / 4.x
 
@@ -47,6 +47,14 @@ def every_n_layers(args: dict[str, object]) -> int:
             except (TypeError, ValueError):
                 return 1
     return 1
+
+
+def every_n_layers_note(args: dict[str, object]) -> list[str]:
+    """The reason line of a tune whose training arguments checkpoint every n-th layer only
+    (not modelled: what is tuned, and written, checkpoints every layer); none otherwise."""
+    n = every_n_layers(args)
+    return ([f"activation_checkpointing_kwargs every_n_layers {n}: not modelled; where the "
+             "tuned file checkpoints, it checkpoints every layer"] if n > 1 else [])
 
 
 def fsdp_checkpointing(args: dict[str, object]) -> bool:

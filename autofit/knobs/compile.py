@@ -111,13 +111,44 @@ if TYPE_CHECKING:
     from autofit.probe.model import ModelInfo
 
 __all__ = ["TORCH_COMPILE", "TorchCompileKnob", "FIELD", "compiled_saving_parts",
-           "check_compile_mode", "CUDA_GRAPH_MODES", "REGIONAL_ENV", "regional_from_env"]
+           "check_compile_mode", "CUDA_GRAPH_MODES", "REGIONAL_ENV", "regional_from_env",
+           "compile_asked", "compile_recipe"]
 
 FIELD = "torch_compile"
 # what ``accelerate launch --dynamo_use_regional_compilation`` (or an accelerate config's
 # ``dynamo_config: {dynamo_use_regional_compilation: true}``) sets, and the Trainer's
 # TorchDynamoPlugin reads: compile each repeated block apart (accelerate's compile_regions)
 REGIONAL_ENV = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
+
+
+def compile_asked(base_args: dict[str, object] | None, reasons: list[str]
+                  ) -> list[bool] | None:
+    """The compile knob's values when the user's training_args compile (``torch_compile``,
+    or a backend or mode, which turn it on): with and without, where the knob alone
+    searches without only (it was turned off unseen); None otherwise (its defaults)."""
+    if base_args is None or not TORCH_COMPILE.read(base_args):
+        return None
+    reasons.append("torch.compile: your training_args compile (torch_compile); searched with "
+                   "and without, the trials deciding whether compiling pays")
+    return [False, True]
+
+
+def compile_recipe(base_args: dict[str, object] | None, recipe: object,
+                   reasons: list[str]) -> tuple[str | None, bool]:
+    """``(mode, regional)`` of the compiled candidates, the user's: the mode from their
+    training_args' ``torch_compile_mode`` or the launch recipe's ``dynamo_mode`` (estimated,
+    tried and written as given; CUDA graphs' modes refused on a card); regional from the
+    recipe's ``dynamo_use_regional_compilation``, else the environment ``accelerate launch``
+    sets (as the Trainer reads it: said in a reason line)."""
+    mode = ((base_args or {}).get("torch_compile_mode")
+            or getattr(recipe, "torch_compile_mode", None))
+    said = getattr(recipe, "torch_compile_regional", None)
+    regional = said if said is not None else regional_from_env()
+    if regional and said is None:
+        reasons.append(f"regional torch.compile: {REGIONAL_ENV} is set (accelerate launch "
+                       "--dynamo_use_regional_compilation), as the Trainer reads it: compiled "
+                       "candidates compile each block apart, the head and the loss eager")
+    return (str(mode) if mode else None), bool(regional)
 
 
 def regional_from_env() -> bool:
