@@ -259,6 +259,8 @@ CONFIGS: list[dict[str, Any]] = [
     # backward above the eager step's
     _llama("llama-b4s256-trl-compile", trl=True, compiled=True),
     _llama("llama-b4s256-bf16m-trl-compile", precision="bf16-mixed", trl=True, compiled=True),
+    _llama("llama-b4s256-bf16m-trl-compile-regional", precision="bf16-mixed", trl=True,
+           regional=True),
     # llama, other shapes
     _llama("llama-b1s128", batch=1, seq=128),
     _llama("llama-b2s512", batch=2, seq=512),

@@ -221,11 +221,8 @@ def check_spec(spec: dict[str, Any]) -> None:
         problems.append("attn_implementation must be 'eager' or 'sdpa'")
     if spec.get("chunked_loss") and spec.get("task") != "causal-lm":
         problems.append("chunked_loss needs task causal-lm")
-    if spec.get("trl_loss") and (spec.get("task") != "causal-lm" or spec.get("chunked_loss")
-                                 or spec.get("torch_compile_regional")):
-        problems.append("trl_loss needs task causal-lm, without chunked_loss or a regional "
-                        "compile (here the fused head would be added after the regions are "
-                        "copied)")
+    if spec.get("trl_loss") and (spec.get("task") != "causal-lm" or spec.get("chunked_loss")):
+        problems.append("trl_loss needs task causal-lm, without chunked_loss")
     accum = spec.get("grad_accum_steps", 1)
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         problems.append("grad_accum_steps must be a positive integer")
@@ -640,6 +637,12 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
 
     model, config = _build_model(spec)
+    trl = bool(spec.get("trl_loss"))
+    if trl:  # as SFTTrainer.__init__ does (before the Trainer compiles), with its metrics' outputs
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model,
+                          outputs=("log_probs", "entropy", "is_top1"))
     # the module the steps call: the Trainer's accelerate wraps the prepared model last,
     # torch.compile(model, backend="inductor") (TorchDynamoPlugin.to_kwargs()), or with
     # use_regional_compilation accelerate's compile_regions (Accelerator.prepare_model)
@@ -664,12 +667,6 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     warm_batch = _make_batch(spec, config, *warm_shape)
     warm_opt = _make_optimizer(model, opt_cls, opt_kwargs, args.weight_decay)
     chunked = bool(spec.get("chunked_loss"))
-    trl = bool(spec.get("trl_loss"))
-    if trl:  # as SFTTrainer.__init__ does, with the outputs its metrics need
-        from trl.trainer.utils import add_fused_lm_head
-
-        add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model,
-                          outputs=("log_probs", "entropy", "is_top1"))
     t_warm = time.perf_counter()
     accum = int(spec.get("grad_accum_steps", 1))
     _step(stepped, warm_batch, warm_opt, params, autocast_dtype, new_scaler(), chunked=chunked,

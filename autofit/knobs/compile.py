@@ -86,10 +86,11 @@ Known limitations (what the rule does not model):
     * block families without a measured rule (BERT, T5, ...) are estimated as eager;
     * with the chunked loss nothing is saved: ``ChunkedLossTrainer``'s loss runs the
       backbone itself, past the compiled wrapper; with TRL's fused LM head
-      (``loss_impl="trl"``) nothing either: its tiled loss makes no full logits to fuse, and
-      its compiled step peaked 2.2-2.8% above the eager one (``llama-b4s256*-trl-compile``),
-      where the rule took 14% off: estimated as eager plus half an fp32 tile
-      (``_TRL_COMPILED_TILES``), from those two rows only;
+      (``loss_impl="trl"``) compiled whole nothing either: its tiled loss makes no full
+      logits to fuse, and its compiled step peaked 2.2-2.8% above the eager one
+      (``llama-b4s256*-trl-compile``), where the rule took 14% off: estimated as eager plus
+      half an fp32 tile (``_TRL_COMPILED_TILES``), from those two rows only; compiled by
+      regions, the blocks' part as any regional compile (the fused head runs eagerly);
     * the whole-run replay (``estimate(..., dataset=...)``) replays the eager step's
       allocations.
 """
@@ -299,17 +300,17 @@ def compiled_saving_parts(info: ModelInfo, config: TrainConfig, seq_len: int, *,
                            else sum(x * n for x, n in per_layer)))
     regional = getattr(config, "torch_compile_regional", False)
     causal_mask = tokens * seq_len * c["mask"] * e  # kept by the compiled step, not by eager
+    if regional:  # TRL's fused head too runs eagerly there (llama-b4s256-bf16m-trl-...)
+        return blocks, 0
     if getattr(config, "loss_impl", "model") == "trl":
-        # TRL's fused LM head: no full logits to fuse, and its compiled backward peaked
-        # above the eager step's (llama 4 x 256: +39 MiB in bf16-mixed, +58 MiB in fp32,
-        # where the whole-compile rule took 14% off): estimated as eager plus half an fp32
-        # tile (and the whole graph's mask)
+        # TRL's fused LM head compiled whole: no full logits to fuse, and its compiled
+        # backward peaked above the eager step's (llama 4 x 256: +39 MiB in bf16-mixed, +58
+        # MiB in fp32, where the whole-compile rule took 14% off): estimated as eager plus
+        # half an fp32 tile and the whole graph's mask
         from autofit.knobs.trl_loss import TOKEN_TILE, VOCAB_TILE
 
         tile = min(tokens, TOKEN_TILE) * min(info.vocab_size or 0, VOCAB_TILE) * 4
-        return 0, -int(_TRL_COMPILED_TILES * tile + (0 if regional else causal_mask))
-    if regional:
-        return blocks, 0
+        return 0, -int(_TRL_COMPILED_TILES * tile + causal_mask)
     # the embeddings' dropout (outside the blocks): its mask too
     base = tokens * mask * (info.hidden_size or 0) * (info.embedding_dropout > 0) - causal_mask
     lm = info.lm_logits

@@ -472,10 +472,12 @@ def test_a_regional_trial_measures_the_compiled_blocks_and_leaves_the_model_alon
 
 def test_a_compiled_trl_step_is_not_taken_below_its_eager_one():
     """TRL's fused LM head (``loss_impl="trl"``) makes no full logits, so the loss part of
-    the rule (fp32 (B, T, V) buffers fused) has nothing to take off, and its compiled step
-    was measured above the eager one (half an fp32 tile more): a compiled TRL estimate is
-    not below its eager estimate, by both methods, compiled whole or by regions (the
-    whole-model rule took 14% off: ``llama-b4s256-bf16m-trl-compile``)."""
+    the rule (fp32 (B, T, V) buffers fused) has nothing to take off, and its step compiled
+    whole was measured above the eager one (half an fp32 tile more): not below its eager
+    estimate, by both methods (the whole-model rule took 14% off:
+    ``llama-b4s256-bf16m-trl-compile``). Compiled by regions the fused head runs eagerly
+    and the blocks save what they save with the model's own loss
+    (``llama-b4s256-bf16m-trl-compile-regional``: +0.2%)."""
     from autofit.memory.analytic import compile_saving_bytes
     from autofit.probe.model import describe
 
@@ -486,12 +488,16 @@ def test_a_compiled_trl_step_is_not_taken_below_its_eager_one():
     tile = 4 * 64 * 4096 * 4  # one fp32 (rows, vocab) tile at 4 x 64 tokens
     assert compile_saving_bytes(info, trl, 64) <= -tile // 2
     assert compile_saving_bytes(info, trl.replace(loss_impl="model"), 64) > 0
+    regional = trl.replace(torch_compile_regional=True)
+    assert compile_saving_bytes(info, regional, 64) == compile_saving_bytes(
+        info, regional.replace(loss_impl="model"), 64) > 0
     for method in ("analytic", "simulate"):
         eager = estimate(model, trl.replace(torch_compile=False), seq_len=64, device="cpu",
                          method=method).peak_allocated_bytes
-        for c in (trl, trl.replace(torch_compile_regional=True)):
-            assert estimate(model, c, seq_len=64, device="cpu",
-                            method=method).peak_allocated_bytes >= eager, (method, c)
+        whole = estimate(model, trl, seq_len=64, device="cpu", method=method)
+        assert whole.peak_allocated_bytes >= eager, method
+        by_regions = estimate(model, regional, seq_len=64, device="cpu", method=method)
+        assert by_regions.peak_allocated_bytes < eager, method
 
 
 def test_a_tune_inside_accelerate_launch_s_regional_environment_compiles_by_regions(
