@@ -392,3 +392,63 @@ def test_a_checks_own_cpu_trial_counts_what_the_run_adds():
     assert again.from_cache and again.trial.device_total_bytes == t.device_total_bytes
     assert any(x.startswith(f"fits: measured {format_bytes(t.device_total_bytes)} of")
                for x in again.reasons)
+
+
+def _metrics_trainer(tmp_path, eval_rows, compute_metrics, preprocess=None, **args):
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=160,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=32000)
+    model = AutoModelForCausalLM.from_config(cfg)
+    rows = [{"input_ids": ids, "labels": ids.clone()}
+            for ids in torch.randint(0, 32000, (eval_rows, 128))]
+    targs = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                              per_device_eval_batch_size=4, use_cpu=True, report_to=[],
+                              eval_strategy="steps", eval_steps=10, **args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Trainer(model=model, args=targs, train_dataset=rows[:8], eval_dataset=rows,
+                       compute_metrics=compute_metrics,
+                       preprocess_logits_for_metrics=preprocess)
+
+
+def test_preflight_counts_the_predictions_compute_metrics_keeps(tmp_path):
+    """A Trainer with ``compute_metrics`` keeps every evaluation batch's logits and labels
+    until the evaluation ends (measured on the CPU: 872 MiB more for 500 MiB of logits):
+    counted beside the evaluation step (2 copies: 32 x 128 tokens x 32,000 fp32 logits =
+    1000 MiB), a problem when it then does not fit, with what to set; without
+    ``compute_metrics`` nothing; with ``preprocess_logits_for_metrics`` said, not counted;
+    on a card ``fix`` sets ``eval_accumulation_steps`` (to the host every step)."""
+    def metrics(p):
+        return {}
+
+    kept = 2 * 32 * (128 * 32000 * 4 + 128 * 8)
+    r = autofit.preflight(_metrics_trainer(tmp_path, 32, metrics), device="cpu:8GiB",
+                          trial=False, raise_on_failure=False)
+    (line,) = [x for x in r.reasons if x.startswith("compute_metrics:")]
+    assert r.fits and "32 samples" in line and f"~{kept / 2**20:.0f} MiB" in line
+    small = autofit.preflight(_metrics_trainer(tmp_path, 32, metrics), device="cpu:1GiB",
+                              trial=False, raise_on_failure=False)
+    assert not small.fits and any("compute_metrics' predictions" in p and "preprocess_logits"
+                                  in p for p in small.problems)
+    plain = autofit.preflight(_metrics_trainer(tmp_path, 32, None), device="cpu:1GiB",
+                              trial=False, raise_on_failure=False)
+    assert plain.fits and not any("compute_metrics" in x for x in plain.reasons)
+    argmax = autofit.preflight(
+        _metrics_trainer(tmp_path, 32, metrics, preprocess=lambda logits, labels: logits),
+        device="cpu:1GiB", trial=False, raise_on_failure=False)
+    assert argmax.fits and any("not counted" in x for x in argmax.reasons)
+    # a card: 4,000 samples' logits (~122 GiB) do not fit 80 GB; fixed by sending them to
+    # the host every step
+    trainer = _metrics_trainer(tmp_path, 4000, metrics)
+    card = autofit.preflight(trainer, device="A100-80GB", trial=False, fix=True,
+                             raise_on_failure=False)
+    assert card.changes.get("eval_accumulation_steps") == (None, 1)
+    assert trainer.args.eval_accumulation_steps == 1
+    assert any(x.startswith("fixed: eval_accumulation_steps 1") for x in card.reasons)
+    done = autofit.preflight(trainer, device="A100-80GB", trial=False, raise_on_failure=False)
+    assert not any("compute_metrics:" in x for x in done.reasons)

@@ -70,6 +70,8 @@ _ARG_FIELDS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", *owned_fields(),
     "per_device_eval_batch_size", "eval_strategy", "do_eval", "predict_with_generate",
     "generation_max_length", "max_length", "world_size",
+    # what an evaluation keeps for compute_metrics (autofit.preflight.predictions)
+    "eval_accumulation_steps", "prediction_loss_only", "batch_eval_metrics",
 )
 
 
@@ -352,6 +354,14 @@ def preflight(
                        max_seq_len=max_seq_len, tokenizer=tokenizer, collator=collator,
                        timeout_s=timeout_s, block_size=block_size, packing=packing,
                        recipe=recipe, liger_loss=config.chunked_loss and runs != "autofit")
+    from autofit.preflight.predictions import with_kept_predictions
+
+    report, more = with_kept_predictions(report, trainer, d, eval_dataset, eval_seq, fix=fix,
+                                         margin=margin)
+    if more:
+        import dataclasses
+
+        report = dataclasses.replace(report, changes={**report.changes, **more})
     if report.changes:
         _apply(args, trainer, report.changes)
         what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in report.changes.items())
