@@ -271,6 +271,16 @@ def compiled_saving_parts(info: ModelInfo, config: TrainConfig, seq_len: int, *,
     # a dropout's bool mask instead of the CPU's noise in the activation dtype (CUDA's eager
     # dropout keeps a bool mask too)
     mask = 0 if cuda else e - 1
+    spec = config.precision_spec
+    key = ("loss_mixed" if spec.autocast
+           else "loss_half" if spec.param_dtype != "float32" else "loss")
+    # accelerate's compile_regions: only the blocks are compiled graphs; the embeddings'
+    # dropout, the head and the loss run eagerly (their buffers as eager), and the causal
+    # mask is built eagerly (None for SDPA: is_causal), not materialised by a trace; its
+    # blocks keep what the rule takes off and ``_REGIONAL_BLOCKS_MORE`` fewer
+    regional = config.torch_compile_regional
+    regional_more = (_REGIONAL_BLOCKS_MORE.get(info.model_type, {}).get(key, 0.0)
+                     if regional else 0.0)
     per_layer = []
     for b in _blocks(info):
         kv = b.num_kv_heads * b.head_dim
@@ -280,29 +290,18 @@ def compiled_saving_parts(info: ModelInfo, config: TrainConfig, seq_len: int, *,
             el, more = 0.0, _MLP_UNMEASURED[1]  # as eager (a bool mask more: the safe side)
         masks = (b.num_dropouts * b.hidden_size
                  + (b.num_heads * seq_len if b.attention_dropout > 0 else 0))
-        per_layer.append((max(el, 0.0) * e + mask * masks - more * b.intermediate_size,
-                          b.count))
+        per_layer.append((max(el, 0.0) * e + mask * masks - more * b.intermediate_size
+                          + regional_more * b.hidden_size, b.count))
     if not per_layer:
         return 0, 0
     tokens = config.micro_batch_size * seq_len
-    spec = config.precision_spec
-    key = ("loss_mixed" if spec.autocast
-           else "loss_half" if spec.param_dtype != "float32" else "loss")
-    if getattr(config, "torch_compile_regional", False):
-        # accelerate's compile_regions: only the blocks are compiled graphs; the embeddings'
-        # dropout, the head and the loss run eagerly (their buffers as eager), and the causal
-        # mask is built eagerly (None for SDPA: is_causal), not materialised by a trace
-        more = _REGIONAL_BLOCKS_MORE.get(info.model_type, {}).get(key, 0.0)
-        per_layer = [(x + more * b.hidden_size, n)
-                     for (x, n), b in zip(per_layer, _blocks(info), strict=True)]
     # the blocks: one recomputed at a time with checkpointing
     blocks = int(tokens * (max(x for x, _ in per_layer) if config.gradient_checkpointing
                            else sum(x * n for x, n in per_layer)))
-    regional = getattr(config, "torch_compile_regional", False)
-    causal_mask = tokens * seq_len * c["mask"] * e  # kept by the compiled step, not by eager
     if regional:  # TRL's fused head too runs eagerly there (llama-b4s256-bf16m-trl-...)
         return blocks, 0
-    if getattr(config, "loss_impl", "model") == "trl":
+    causal_mask = tokens * seq_len * c["mask"] * e  # kept by the compiled step, not by eager
+    if config.loss_impl == "trl":
         # TRL's fused LM head compiled whole: no full logits to fuse, and its compiled
         # backward peaked above the eager step's (llama 4 x 256: +39 MiB in bf16-mixed, +58
         # MiB in fp32, where the whole-compile rule took 14% off): estimated as eager plus
@@ -398,7 +397,7 @@ class TorchCompileKnob(OnOffKnob):
         n = costs.compile_saving_bytes(config)
         what = f"~{_gib(n)} fewer" if n >= 0 else f"~{_gib(-n)} more"
         how = ("regional torch.compile (each block apart, the loss eager)"
-               if getattr(config, "torch_compile_regional", False) else "torch.compile")
+               if config.torch_compile_regional else "torch.compile")
         return (f"{how}: {what} activations than eager at micro batch "
                 f"{config.micro_batch_size}, estimated (fused pointwise chains: "
                 "autofit.knobs.compile)")
