@@ -125,7 +125,7 @@ def accelerate_config(config: TrainConfig, *, use_cpu: bool = False,
         out.pop("mixed_precision")
     elif config.world_size == 1:
         out["distributed_type"] = "NO"  # one process (a regional compile's launch file)
-    if config.torch_compile and config.torch_compile_regional:
+    if config.torch_compile_regional:
         # no TrainingArguments field carries it: accelerate launch sets the environment the
         # Trainer's TorchDynamoPlugin reads (ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION)
         out["dynamo_config"] = {"dynamo_backend": "INDUCTOR",
@@ -141,7 +141,7 @@ def launch_commands(path: str | Path, config: TrainConfig, script: str = "train.
     acc = accelerate_path(path)
     cmds = [f"accelerate launch --config_file {acc} {script}"]
     env = ("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=true "
-           if config.torch_compile and config.torch_compile_regional else "")
+           if config.torch_compile_regional else "")
     if config.world_size == 1:
         cmds.append(f"{env}python {script}")
     elif config.nnodes > 1:
@@ -166,7 +166,7 @@ def launch_files(path: str | Path, config: TrainConfig,
     """
     import yaml
 
-    if config.world_size <= 1 and not (config.torch_compile and config.torch_compile_regional):
+    if config.world_size <= 1 and not config.torch_compile_regional:
         return args, {}, {}
     args = dict(args)
     files: dict[Path, str] = {}

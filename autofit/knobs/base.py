@@ -81,7 +81,7 @@ if TYPE_CHECKING:
     from autofit.probe.device import DeviceInfo
     from autofit.probe.model import ModelInfo
 
-__all__ = ["Costs", "Knob", "KnobValue", "OnOffKnob", "Scope", "StepContext", "installed",
+__all__ = ["Costs", "Knob", "KnobValue", "OnOffKnob", "Scope", "StepContext", "installed", "truthy",
            "training_arguments_fields", "restrict"]
 
 # A knob's value: on/off levers a bool, the others a name (``"bf16-mixed"``, ``"zero2"``).
@@ -231,6 +231,12 @@ class OnOffKnob:
 
     def option_value(self, args: argparse.Namespace) -> bool:
         return bool(getattr(args, self.name))
+
+
+def truthy(v: object) -> bool:
+    """A config value that says yes (``True``, ``"true"``, ``"1"``, ``"yes"``: YAML and JSON
+    files write them all)."""
+    return str(v).strip().lower() in ("true", "1", "yes")
 
 
 def installed(package: str) -> bool:

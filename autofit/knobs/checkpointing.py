@@ -10,15 +10,16 @@ are searched by default; on is the value that saves memory.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from typing import TYPE_CHECKING, Any
 
-from autofit.knobs.base import OnOffKnob, training_arguments_fields
+from autofit.knobs.base import OnOffKnob, training_arguments_fields, truthy
 
 if TYPE_CHECKING:
     from autofit.config import TrainConfig
 
 __all__ = ["CHECKPOINTING", "CheckpointingKnob", "fsdp_checkpointing", "clear_fields",
-           "every_n_layers", "every_n_layers_note"]
+           "every_n_layers", "every_n_layers_note", "checkpoint_kwargs"]
 
 _NEW, _OLD = "activation_checkpointing", "gradient_checkpointing"  # transformers 5.x / 4.x
 
@@ -28,22 +29,26 @@ def field_name() -> str:
     return _NEW if _NEW in training_arguments_fields() else _OLD
 
 
+def checkpoint_kwargs(args: dict[str, object], name: str) -> dict[str, Any]:
+    """``args[name]`` as a dict (a file may hold the JSON string TrainingArguments accepts)."""
+    v = args.get(name)
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError:
+            return {}
+    return dict(v) if isinstance(v, dict) else {}
+
+
 def every_n_layers(args: dict[str, object]) -> int:
     """``every_n_layers`` of the training arguments' checkpointing kwargs (transformers 5.x:
     only every n-th decoder layer checkpointed, the others keep their activations); 1 when
     not given."""
-    import json
-
     for name in (f"{_NEW}_kwargs", f"{_OLD}_kwargs"):
-        kw = args.get(name)
-        if isinstance(kw, str):
+        n = checkpoint_kwargs(args, name).get("every_n_layers")
+        if n not in (None, ""):
             try:
-                kw = json.loads(kw)
-            except ValueError:
-                continue
-        if isinstance(kw, dict) and kw.get("every_n_layers") not in (None, ""):
-            try:
-                return max(1, int(kw["every_n_layers"]))
+                return max(1, int(n))
             except (TypeError, ValueError):
                 return 1
     return 1
@@ -63,8 +68,8 @@ def fsdp_checkpointing(args: dict[str, object]) -> bool:
     cfg = args.get("fsdp_config")
     if not args.get("fsdp") or not isinstance(cfg, dict):
         return False
-    on = cfg.get("activation_checkpointing", cfg.get("fsdp_activation_checkpointing", False))
-    return str(on).strip().lower() in ("true", "1", "yes")
+    return truthy(cfg.get("activation_checkpointing",
+                          cfg.get("fsdp_activation_checkpointing", False)))
 
 
 def clear_fields(args: dict[str, object]) -> None:

@@ -39,12 +39,12 @@ checkpointing); autofit does not model it.
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autofit.errors import BadInputError, MissingDependencyError, fix
 from autofit.knobs.base import OnOffKnob
+from autofit.knobs.checkpointing import checkpoint_kwargs as _kwargs
 from autofit.knobs.checkpointing import field_name
 
 if TYPE_CHECKING:
@@ -55,17 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["OFFLOADING", "OffloadingKnob", "transformers_offloads"]
 
 _KEY = "offload"  # the key of activation_checkpointing_kwargs transformers pops
-
-
-def _kwargs(args: dict[str, object], name: str) -> dict[str, Any]:
-    """``args[name]`` as a dict (a file may hold the JSON string TrainingArguments accepts)."""
-    v = args.get(name)
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except ValueError:
-            return {}
-    return dict(v) if isinstance(v, dict) else {}
 
 
 @lru_cache(maxsize=1)

@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autofit.errors import BadInputError
+from autofit.knobs.base import truthy
 
 if TYPE_CHECKING:
     import os
@@ -284,8 +285,8 @@ def recipe_of_fields(fields: dict[str, object], source: str,
                          source=None if ds and not isinstance(ds, dict) else source)
     if recipe is not None:
         check_batch(recipe, fields, source)
-        if recipe.gradient_checkpointing and (_truthy(fields.get("activation_checkpointing"))
-                                              or _truthy(fields.get("gradient_checkpointing"))):
+        if recipe.gradient_checkpointing and (truthy(fields.get("activation_checkpointing"))
+                                              or truthy(fields.get("gradient_checkpointing"))):
             raise BadInputError(
                 f"{source}: fsdp_config's activation_checkpointing and the "
                 "activation_checkpointing training argument are both on, which the Trainer "
@@ -297,8 +298,8 @@ def check_batch(recipe: Recipe, fields: dict[str, object], source: str) -> None:
     """Raise when the recipe's batch numbers (or a DeepSpeed config's precision) disagree
     with ``fields`` (TrainingArguments): transformers refuses such a pair at launch."""
     if recipe.deepspeed is not None and recipe.precision is not None:
-        theirs = ("bf16-mixed" if _truthy(fields.get("bf16")) else
-                  "16-mixed" if _truthy(fields.get("fp16")) else "32-true")
+        theirs = ("bf16-mixed" if truthy(fields.get("bf16")) else
+                  "16-mixed" if truthy(fields.get("fp16")) else "32-true")
         if theirs != recipe.precision:
             raise BadInputError(
                 f"{recipe.source} enables {_WORD[recipe.precision]} but {source} trains in "
@@ -570,10 +571,6 @@ def _ds_optimizer(ds: dict[str, object], name: str,
 # --------------------------------------------------------------------------- FSDP
 
 
-def _truthy(v: object) -> bool:
-    return str(v).strip().lower() in ("true", "1", "yes")
-
-
 def fsdp_config_dict(raw: object) -> dict[str, object]:
     """A TrainingArguments ``fsdp_config`` as a mapping (given as one, as JSON text or as
     the path of a JSON file)."""
@@ -596,7 +593,7 @@ def _from_fsdp(fields: dict[str, object], name: str) -> Recipe:
         wrap=cfg.get("auto_wrap_policy"),
         layer_cls=cfg.get("transformer_layer_cls_to_wrap"),
         mixed=cfg.get("mixed_precision_policy"),
-        checkpointing=_truthy(cfg.get("activation_checkpointing", False)))
+        checkpointing=truthy(cfg.get("activation_checkpointing", False)))
 
 
 def _fsdp_recipe(name: str, *, version: object, strategy: str, offload: str, wrap: object,
@@ -732,12 +729,12 @@ def _accelerate(acc: dict[str, object] | str | os.PathLike[str]) -> dict[str, An
                                 par.get("dp_replicate_size", 1)) or 1)
         out["fsdp"] = dict(
             version=cfg.get("version", 1),  # accelerate's default is FSDP1
-            strategy="fsdp" if _truthy(reshard) or str(reshard).upper() == "FULL_SHARD"
+            strategy="fsdp" if truthy(reshard) or str(reshard).upper() == "FULL_SHARD"
             else "fsdp-shard-grad-op",
-            offload="optimizer+params" if _truthy(cfg.get("offload_params", False)) else "none",
+            offload="optimizer+params" if truthy(cfg.get("offload_params", False)) else "none",
             wrap=cfg.get("auto_wrap_policy"), layer_cls=cfg.get("transformer_layer_cls_to_wrap"),
             mixed=cfg.get("mixed_precision_policy"), hsdp=replicate > 1,
-            checkpointing=_truthy(cfg.get("activation_checkpointing", False)))
+            checkpointing=truthy(cfg.get("activation_checkpointing", False)))
     return out
 
 
@@ -762,7 +759,7 @@ def dynamo_of(name: str, dynamo: object) -> tuple[bool, str | None, bool] | None
     if mode is not None and mode not in COMPILE_MODES:
         raise BadInputError(f"{name}: dynamo_mode {mode!r} is not one of "
                             f"{', '.join(COMPILE_MODES)}")
-    return True, mode, _truthy(dynamo.get("dynamo_use_regional_compilation", False))
+    return True, mode, truthy(dynamo.get("dynamo_use_regional_compilation", False))
 
 
 def _with_accelerate(recipe: Recipe | None, acc: dict[str, object]) -> Recipe:

@@ -298,7 +298,7 @@ def print_fit(result: Any, path: Any = None, console: Console | None = None) -> 
         console.print(f"wrote {path}")
         # the launch configs written beside it (autofit.emit.launch): several ranks, or the
         # regional compile no TrainingArguments field carries
-        if c.world_size > 1 or (c.torch_compile and c.torch_compile_regional):
+        if c.world_size > 1 or c.torch_compile_regional:
             from autofit.emit.launch import accelerate_path, deepspeed_path, launch_commands
 
             beside = [accelerate_path(path)] + (
