@@ -37,23 +37,25 @@ def kept_prediction_bytes(model: Any, samples: int, seq_len: int, *, autocast: b
                           half: bool) -> int | None:
     """Bytes of the logits and labels an evaluation of ``samples`` samples of at most
     ``seq_len`` tokens keeps for ``compute_metrics`` (``_COPIES`` copies), by the model's
-    head: (T, V) for a language-model head, (T, labels) for token classification, (labels)
-    for sequence classification; None for a model whose head is not one of those. The
-    logits are fp32 under autocast (accelerate converts the outputs) or in fp32 weights,
-    else 2 bytes."""
-    config = getattr(model, "config", None)
-    name = type(model).__name__
+    task (``autofit.probe.loading.module_task``): (T, V) for a language-model head, (T,
+    labels) for token classification, (labels) for sequence classification; None for
+    another. The logits are fp32 under autocast (accelerate converts the outputs) or in fp32
+    weights, else 2 bytes."""
+    from autofit.probe.loading import module_task
+
+    task = module_task(model)  # the class's task (a PEFT model's base's)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
     labels = int(getattr(config, "num_labels", 2) or 2)
-    if any(k in name for k in ("ForCausalLM", "ForMaskedLM", "ForConditionalGeneration",
-                               "LMHeadModel")):
+    if task in ("causal-lm", "masked-lm", "seq2seq"):
         vocab = getattr(config, "vocab_size", None) or getattr(
             getattr(config, "get_text_config", lambda: None)(), "vocab_size", None)
         if not vocab:
             return None
         per_sample, label_elems = seq_len * int(vocab), seq_len
-    elif "ForTokenClassification" in name:
+    elif task == "token-cls":
         per_sample, label_elems = seq_len * labels, seq_len
-    elif "ForSequenceClassification" in name:
+    elif task == "seq-cls":
         per_sample, label_elems = labels, 1
     else:
         return None
