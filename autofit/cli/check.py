@@ -184,9 +184,9 @@ def _with_ranks(config: Any, meta: dict[str, object],
              if isinstance(recorded.get(k), int) and not isinstance(recorded.get(k), bool)}
     note: tuple[str, ...] = ()
     # the launch file beside a tuned file (--accelerate-config, when given, is the recipe's)
-    from autofit.emit.launch import launched_ranks
+    from autofit.emit.launch import launch_settings
 
-    launched = (launched_ranks(args.config)
+    launched = (launch_settings(args.config)
                 if meta and getattr(args, "accelerate_config", None) is None else None)
     if launched is not None:
         if launched.pop("regional") and config.torch_compile:

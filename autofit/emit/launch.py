@@ -52,7 +52,7 @@ from typing import Any
 from autofit.config import TrainConfig
 
 __all__ = ["accelerate_config", "deepspeed_path", "accelerate_path", "launch_commands",
-           "launch_files", "launched_ranks", "MIXED_PRECISION"]
+           "launch_files", "launch_settings", "MIXED_PRECISION"]
 
 # TrainConfig.precision -> accelerate's mixed_precision
 MIXED_PRECISION = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
@@ -194,10 +194,10 @@ def launch_files(path: str | Path, config: TrainConfig,
     return args, files, meta
 
 
-def launched_ranks(path: str | Path) -> dict[str, int] | None:
-    """``{nproc_per_node, nnodes, regional}`` of the accelerate config beside a tuned file
-    (None when there is none; ``regional``: its ``dynamo_config`` compiles each block apart,
-    1 or 0); a launch file that is not one accelerate could run is bad input."""
+def launch_settings(path: str | Path) -> dict[str, int] | None:
+    """What the accelerate config beside a tuned file launches, ``{nproc_per_node, nnodes,
+    regional}`` (None when there is none; ``regional``: its ``dynamo_config`` compiles each
+    block apart, 1 or 0); a launch file that is not one accelerate could run is bad input."""
     from autofit.errors import BadInputError
     from autofit.knobs.recipe import dynamo_of
 

@@ -272,10 +272,10 @@ def _launch_env(config_path: str | None, env: dict[str, str]) -> list[str]:
     the note saying so (nothing when unset, or when the environment says it already)."""
     if config_path is None:
         return []
-    from autofit.emit.launch import accelerate_path, launched_ranks
+    from autofit.emit.launch import accelerate_path, launch_settings
     from autofit.knobs.compile import REGIONAL_ENV
 
-    launched = launched_ranks(config_path)
+    launched = launch_settings(config_path)
     if not launched or not launched["regional"] or REGIONAL_ENV in env:
         return []
     env[REGIONAL_ENV] = "true"

@@ -294,7 +294,7 @@ def test_a_regional_compile_writes_its_launch_file_even_on_one_rank(tmp_path, ca
     an accelerate config beside it (one process) whose ``dynamo_config`` accelerate loads, and
     the commands that run it; ``autofit check`` reads it back (checked as regional), and
     without the launch file the same fields are a whole compile."""
-    from autofit.emit.launch import launched_ranks
+    from autofit.emit.launch import launch_settings
     from autofit.knobs.compile import REGIONAL_ENV
 
     monkeypatch.delenv(REGIONAL_ENV, raising=False)
@@ -311,7 +311,7 @@ def test_a_regional_compile_writes_its_launch_file_even_on_one_rank(tmp_path, ca
     loaded = _load_accelerate(side)
     assert loaded.dynamo_config["dynamo_use_regional_compilation"] is True
     assert loaded.dynamo_config["dynamo_backend"] == "INDUCTOR"
-    assert launched_ranks(path) == {"nproc_per_node": 1, "nnodes": 1, "regional": 1}
+    assert launch_settings(path) == {"nproc_per_node": 1, "nnodes": 1, "regional": 1}
     peaks = []
     for _ in range(2):
         code = main(["check", str(path), "--no-trial", "--no-cache", "--json",
