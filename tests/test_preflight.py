@@ -418,7 +418,7 @@ def _metrics_trainer(tmp_path, eval_rows, compute_metrics, preprocess=None, **ar
 
 def test_preflight_counts_the_predictions_compute_metrics_keeps(tmp_path):
     """A Trainer with ``compute_metrics`` keeps every evaluation batch's logits and labels
-    until the evaluation ends (measured on the CPU: 872 MiB more for 500 MiB of logits):
+    until the evaluation ends (benchmarks/eval_predictions.py: 875 MiB more for 500 MiB of logits):
     counted beside the evaluation step (2 copies: 32 x 128 tokens x 32,000 fp32 logits =
     1000 MiB), a problem when it then does not fit, with what to set; without
     ``compute_metrics`` nothing; with ``preprocess_logits_for_metrics`` said, not counted;

@@ -6,9 +6,10 @@ unless ``eval_accumulation_steps`` moves them to the host every n steps; on the 
 is the device, so they stay in any case. At the end the container concatenates them and
 turns them into numpy arrays, so the whole evaluation set's logits are held about twice.
 Measured on the CPU (a 4-layer llama, 32,000-token vocabulary, 32 evaluation samples of 128
-tokens, eval batch 4): ``Trainer.evaluate()`` peaked 127 MiB above its start without
-``compute_metrics``, 999 MiB with it (the fp32 logits of the set are 500 MiB), 1000 MiB
-with ``eval_accumulation_steps=1``; counted 1000 MiB beside the step.
+tokens, eval batch 4; ``benchmarks/eval_predictions.py``, ``results/eval_predictions.md``):
+``Trainer.evaluate()`` peaked 125 MiB above its start without ``compute_metrics``, 1000 MiB
+with it (the fp32 logits of the set are 500 MiB), 997 MiB with ``eval_accumulation_steps=1``;
+counted 1000 MiB beside the step.
 
 Counted where the ``Trainer`` object is known (``autofit.preflight(trainer)``): a file does
 not say whether its script passes ``compute_metrics``, nor do the arguments
@@ -28,7 +29,7 @@ __all__ = ["kept_prediction_bytes", "with_kept_predictions"]
 
 # how many copies of the kept predictions are alive at the evaluation's end (the container
 # concatenates each batch's onto the earlier ones: the old and the new whole are alive at
-# once): measured 872 MiB above the same evaluation without compute_metrics (999 - 127) for
+# once): measured 875 MiB above the same evaluation without compute_metrics (1000 - 125) for
 # 500 MiB of logits, 1.75 copies; 2 taken (the safe side)
 _COPIES = 2
 
