@@ -179,8 +179,10 @@ def main(argv=None) -> int:
             # the instruction set it ran on: the math libraries' caches differ by it
             measured[spec["name"]] = {**measure(spec), "cpu": cpu_capability(),
                                       "vendor": cpu_vendor()}
-        if not args.names:
-            measured_path.write_text(json.dumps(list(measured.values()), indent=1))
+        if args.names and measured_path.exists():  # the others' measurements kept
+            kept = {r["name"]: r for r in json.loads(measured_path.read_text())}
+            measured = {**kept, **measured}
+        measured_path.write_text(json.dumps(list(measured.values()), indent=1))
     else:
         measured = {r["name"]: r for r in json.loads(measured_path.read_text())}
 

@@ -247,6 +247,20 @@ CONFIGS: list[dict[str, Any]] = [
     _llama("llama-b4s256-sgdm", optimizer="sgd", optim_args="momentum=0.9"),
     _llama("llama-b4s256-adafactor", optimizer="adafactor"),
     _llama("llama-b4s256-bnb8", optimizer="adamw_bnb_8bit"),
+    # ... every other optimizer TrainingArguments.optim names that autofit estimates
+    _llama("llama-b4s256-paged8", optimizer="paged_adamw_8bit"),
+    _llama("llama-b4s256-paged32", optimizer="paged_adamw_32bit"),
+    _llama("llama-b4s256-lion8", optimizer="lion_8bit"),
+    _llama("llama-b4s256-lion32", optimizer="lion_32bit"),
+    _llama("llama-b4s256-paged-lion8", optimizer="paged_lion_8bit"),
+    _llama("llama-b4s256-adagrad", optimizer="adagrad"),
+    _llama("llama-b4s256-rmsprop", optimizer="rmsprop"),
+    _llama("llama-b4s256-rmsprop-mc", optimizer="rmsprop", optim_args="momentum=0.9,centered=True"),
+    _llama("llama-b4s256-bf16m-gc-lion8", precision="bf16-mixed", gc=True, optimizer="lion_8bit"),
+    _llama("llama-b4s256-ademamix", optimizer="ademamix"),
+    _llama("llama-b4s256-ademamix8", optimizer="ademamix_8bit"),
+    _llama("llama-b4s256-rmsprop-bnb", optimizer="rmsprop_bnb"),
+    _llama("llama-b4s256-rmsprop-bnb8", optimizer="rmsprop_bnb_8bit"),
     # llama, chunked loss (torch's linear_cross_entropy: no (B, T, V) logits)
     _llama("llama-b4s256-chunk", chunked=True),
     _llama("llama-b4s256-bf16m-chunk", precision="bf16-mixed", chunked=True),
@@ -303,6 +317,7 @@ CONFIGS: list[dict[str, Any]] = [
     _gpt2("gpt2-b2s256-fused", batch=2, optimizer="adamw_torch_fused"),
     _gpt2("gpt2-b1s512-adafactor", batch=1, seq=512, optimizer="adafactor"),
     _gpt2("gpt2-b1s128-bnb8", batch=1, seq=128, optimizer="adamw_bnb_8bit"),
+    _gpt2("gpt2-b1s128-ademamix8", batch=1, seq=128, optimizer="ademamix_8bit"),
     _gpt2("gpt2-lora-b4s256", lora=LORA_GPT2),
     _gpt2(
         "gpt2-lora-b8s128-bf16m-gc",

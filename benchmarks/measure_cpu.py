@@ -79,7 +79,9 @@ Protocol (one configuration per fresh child process, so nothing leaks between ru
    caches (see the limitations), which that full-size warm-up creates before the
    baseline: a compiled spec reads up to ~14 MiB lower than a run holds (issue 25: a
    harness with its baseline before compiling found compiled steps 9-17% higher).
-4. Baseline = RSS from ``/proc/self/statm``. Weights and buffers already exist here,
+4. Baseline = RSS from ``/proc/self/statm``, taken before the measured optimizer is built
+   (torch's Adagrad allocates its state in its constructor; a baseline after it missed
+   one fp32 copy of the trainable weights). Weights and buffers already exist here,
    so every number below EXCLUDES them; they are reported as ``weights_bytes``
    (computed from the tensors' storages, with bitsandbytes' quantization states: a
    4-bit weight's absmax, code and nested statistics, an 8-bit weight's row scales) so
@@ -678,11 +680,12 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     warmup_s = time.perf_counter() - t_warm
 
     batch = _make_batch(spec, config, spec["batch"], spec["seq"])
-    optimizer = _make_optimizer(model, opt_cls, opt_kwargs, args.weight_decay)
     scaler = new_scaler()
     gc.collect()
 
     baseline = _rss_bytes()  # bytes; weights, batch and imports already resident
+    # after the baseline: torch's Adagrad allocates its state in its constructor
+    optimizer = _make_optimizer(model, opt_cls, opt_kwargs, args.weight_decay)
     _reset_hwm()
     _step(stepped, batch, optimizer, params, autocast_dtype, scaler,
           chunked=chunked, trl=trl, accum=accum)  # optimizer state appears

@@ -1,7 +1,7 @@
 import pytest
 
 from autofit import TrainConfig
-from autofit.config import OPTIMIZERS, PRECISIONS, parse_optim_args
+from autofit.config import OPTIMIZERS, PRECISIONS, UNSIZED_OPTIMIZERS, parse_optim_args
 from autofit.errors import AutofitError, InvalidConfigError
 
 
@@ -42,6 +42,21 @@ def test_all_problems_reported_at_once():
     msg = str(e.value)
     assert "micro_batch_size" in msg and "bf17" in msg and "adamw" in msg
     assert "did you mean" in msg
+
+
+def test_every_transformers_optimizer_is_sized_or_refused_with_its_reason():
+    """A new TrainingArguments.optim name fails here until autofit sizes it or says why not."""
+    from transformers.training_args import OptimizerNames
+
+    names = {o.value for o in OptimizerNames}
+    assert set(OPTIMIZERS) | set(UNSIZED_OPTIMIZERS) == names
+    assert not set(OPTIMIZERS) & set(UNSIZED_OPTIMIZERS)
+    with pytest.raises(InvalidConfigError) as e:
+        TrainConfig(optimizer="galore_adamw")
+    msg = str(e.value)
+    assert "cannot size yet" in msg and "low-rank" in msg and "\n" not in msg
+    assert "unknown optimizer" in str(pytest.raises(InvalidConfigError, TrainConfig,
+                                                    optimizer="adamw_torch_foo").value)
 
 
 def test_optim_args():

@@ -186,19 +186,29 @@ def _optimizer_step_temporaries(info: ModelInfo, config: TrainConfig, device: De
         upcast = largest * 4 if elem == 2 else 0
         return 2 * largest * 4 + upcast
     if spec.family in ("adagrad", "rmsprop") and not spec.bnb:
-        return 2 * largest * elem
+        if device.allocator == "cuda":
+            # foreach on CUDA: the denominators (_foreach_sqrt) are one full copy, Adagrad's
+            # numerators (grads x -lr) a second
+            return (2 if spec.family == "adagrad" else 1) * trainable_bytes
+        # one tensor at a time on the CPU: its denominator (sqrt(state) + eps)
+        return largest * elem
     if spec.bnb and device.allocator == "cpu":
         # NB: bitsandbytes' CPU path works in fp32 temporaries: ~5 fp32 copies of the
         # largest tensor with 8-bit states (it dequantizes them) and ~3 of the largest
         # with 32-bit states (embeddings, small tensors) — measured 5.2x and 3.0x on
-        # llama-b4s256-bnb8 and gpt2-b1s128-bnb8; its CUDA kernels update in place
+        # llama-b4s256-bnb8 and gpt2-b1s128-bnb8; 8-bit AdEMAMix dequantizes its two
+        # first moments apart, stacks them, and stacks them again after its update, which
+        # takes three more: 9.5x (llama-b4s256-ademamix8: 9.3x); with 32-bit states its
+        # mixed momentum and denominator take 4x (gpt2-b1s128-ademamix8's tied embedding).
+        # Its CUDA kernels update in place.
         eight = thirty_two = 0
         for g in stepped:
             if _bnb_8bit_states(g, config):
                 eight = max(eight, g.numel)
             else:
                 thirty_two = max(thirty_two, g.numel)
-        return max(5 * eight, 3 * thirty_two) * 4
+        copies8, copies32 = (9.5, 4) if spec.family == "ademamix" else (5, 3)
+        return int(max(copies8 * eight, copies32 * thirty_two) * 4)
     return 0  # SGD and bitsandbytes' CUDA kernels update in place
 
 

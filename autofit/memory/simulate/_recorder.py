@@ -341,7 +341,7 @@ class StorageRecorder(TorchDispatchMode):
             try:
                 return func(*args, **kwargs)
             except DataDependentOutputException:
-                return _scalar_read(args[0])
+                return _scalar_read(args[0], optimizer=self.phase == "optimizer")
         if func is torch.ops.aten.index.Tensor and (positions := real_index(args)) is not None:
             args = positions  # a boolean mask with values: its positions
         impl = self.decompositions.get(func) if self.decompositions else None
@@ -508,15 +508,19 @@ def _origin(name: str, args: tuple[object, ...]) -> str:
     return name
 
 
-def _scalar_read(t: torch.Tensor) -> bool:
+def _scalar_read(t: torch.Tensor, optimizer: bool = False) -> bool | float:
     """The value of a one-element bool tensor read by Python (``if`` on a tensor).
 
     Fake tensors have no values, so a step that branches on one cannot be traced as
     is. PEFT methods do it in two ways, both answered with the common case: a sanity
     check (VB-LoRA's ``logits.isinf().any()``: False) and a random draw against a
     probability (LoHa's / LoKr's ``torch.rand(1) > module_dropout``: True, the adapter
-    runs). A read of a number (not a bool) is an error: its value would change shapes.
+    runs). A number read in the ``optimizer`` phase is the step count (torch's Adagrad
+    and RMSprop read ``state["step"]`` made in their constructor): 1, which sizes
+    nothing. Any other read of a number is an error: its value would change shapes.
     """
+    if t.dtype != torch.bool and optimizer:
+        return 1 if not t.dtype.is_floating_point else 1.0
     if t.dtype != torch.bool:
         from autofit.errors import ValueDependentShapeError, fix
 

@@ -294,6 +294,7 @@ class Simulator:
             host_peak_bytes,
             offloaded_to_host,
             run_steps,
+            track_built_states,
         )
 
         t0 = time.perf_counter()
@@ -327,6 +328,7 @@ class Simulator:
                 rec.track(t, Component.WEIGHTS)
             num_params, trainable = _count_params(model)
             optimizer = build_optimizer(model, config, target)
+            track_built_states(optimizer, rec)
             ctx: Any = contextlib.nullcontext()
             cuda = None
             if target.kind == "cuda":
