@@ -257,6 +257,19 @@ def cpu_capability() -> str:
 
 
 @cache
+def cpu_onednn_fp16() -> bool:
+    """Whether this CPU's torch runs fp16 matmuls in oneDNN: only with AVX512-FP16 or
+    AMX-FP16 (torch's ``mkldnn_fp16_device_check``); bf16 ones run there on any AVX512 CPU.
+    Elsewhere fp16 takes torch's own kernels, which keep no oneDNN state."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the query
+        return False
+
+
+@cache
 def cpu_vendor() -> str:
     """This CPU's maker as the kernel reports it: ``"Intel"``, ``"AMD"``, another
     ``vendor_id``, or ``"?"`` (no ``/proc/cpuinfo``). The math libraries' caches differ by

@@ -281,6 +281,30 @@ def test_cpu_library_cache_rules(info):
     assert cpu_library_cache_bytes(info, TrainConfig(), 1024, cuda) == 0
 
 
+@pytest.mark.parametrize("takes_fp16", [False, True])
+def test_fp16_keeps_onednn_state_only_where_onednn_takes_it(monkeypatch, takes_fp16):
+    """oneDNN runs fp16 matmuls only with AVX512-FP16 / AMX-FP16; elsewhere torch's own
+    kernels keep nothing (a llama in 16-true on an AMD EPYC: 10 MiB under its bf16-true
+    step, the whole of oneDNN's part). bf16 keeps it on any AVX512 CPU."""
+    import autofit.probe.device as device
+    from autofit.memory.analytic._cpu_cache import cpu_half_run_bytes, cpu_library_once_bytes
+
+    monkeypatch.setattr(device, "cpu_onednn_fp16", lambda: takes_fp16)
+    info, cpu = probe_model("tiny-llama"), resolve_device("cpu")
+    fp16, bf16 = (TrainConfig(micro_batch_size=2, precision=p) for p in ("16-true", "bf16-true"))
+    for vendor in ("AMD", "Intel"):
+        kept = cpu_library_cache_bytes(info, fp16, 64, cpu, "AVX512", vendor=vendor)
+        assert kept == (cpu_library_cache_bytes(info, bf16, 64, cpu, "AVX512", vendor=vendor)
+                        if takes_fp16 else 0)
+        once = cpu_library_once_bytes(info, fp16, 64, cpu, "AVX512", vendor=vendor)
+        assert (once > 0) == (takes_fp16 and vendor == "Intel")
+    assert (cpu_half_run_bytes(info, fp16, cpu, 3, capability="AVX512") > 0) == takes_fp16
+    assert cpu_half_run_bytes(info, bf16, cpu, 3, capability="AVX512") > 0
+    # the AVX2 rule (torch's own kernels for both there) is unchanged
+    assert cpu_library_cache_bytes(info, fp16, 64, cpu, "AVX2") == \
+        cpu_library_cache_bytes(info, bf16, 64, cpu, "AVX2")
+
+
 def test_checkpointing_lowers_activations(info):
     dev = resolve_device("cpu")
     full = estimate_analytic(info, TrainConfig(micro_batch_size=8), 256, dev)

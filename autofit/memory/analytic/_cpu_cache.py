@@ -136,6 +136,8 @@ def cpu_library_once_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
     capability = _capability(capability)
     spec = config.precision_spec
     half = spec.autocast or spec.param_dtype != "float32"
+    if half and _fp16_outside_onednn(config, capability):
+        return 0
     if not _amd(capability, vendor):
         # a Xeon's (AVX512, the maker's own rule): oneDNN's state from its first 16-bit
         # matmul, MKL's from its first fp32 step
@@ -207,6 +209,8 @@ def cpu_library_cache_bytes(info: ModelInfo, config: TrainConfig, seq_len: int,
             widest = max(widest, info.vocab_size)
     spec = config.precision_spec
     half = bool(spec.autocast or spec.param_dtype != "float32")
+    if half and _fp16_outside_onednn(config, capability):
+        return 0
     elem = 2 if half else 4
     avx2 = int(min(_CPU_LIB_CACHE_MAX, _CPU_LIB_CACHE_SHARE * tokens * widest * elem)
                * min(1.0, tokens / _CPU_LIB_CACHE_FULL_TOKENS))
@@ -282,6 +286,18 @@ def _amd_product(m: int, k: int, n: int) -> int:
     return 4 * block * (min(m, _AMD_PRODUCT_ROWS) + min(n, _AMD_PRODUCT_COLS))
 
 
+def _fp16_outside_onednn(config: TrainConfig, capability: str) -> bool:
+    """An AVX512 CPU's fp16 step whose matmuls oneDNN does not take (no AVX512-FP16 or
+    AMX-FP16: ``cpu_onednn_fp16``): torch's own kernels, which keep nothing a step or a run
+    of new shapes adds (a llama in 16-true on an AMD EPYC: 874 MiB measured, 10 MiB under
+    its bf16-true step, its resident memory after the step its optimizer's states alone)."""
+    if config.precision_spec.compute_dtype != "float16" or not capability.startswith("AVX512"):
+        return False
+    from autofit.probe.device import cpu_onednn_fp16
+
+    return not cpu_onednn_fp16()
+
+
 def _capability(capability: str | None) -> str:
     if capability is not None:
         return capability
@@ -311,14 +327,15 @@ def cpu_half_run_bytes(info: ModelInfo, config: TrainConfig, device: DeviceInfo,
     Measured (``benchmarks/cpu_cache.py --half``): tiny-gpt2 in bf16-mixed at micro batch
     2, 15 matmul shapes a step, +11.3 MiB for every new length, +680 MiB over 60 lengths
     (32-true: +10 MiB in all); a user's script under glibc's default thresholds kept 3x
-    that. 0 on CUDA, in fp32, or on AVX2 (not measured there). ``forward_only``: an
-    evaluation's forwards (a shape per weight shape, not three)."""
+    that. 0 on CUDA, in fp32, on AVX2 (not measured there) or for fp16 oneDNN does not
+    take. ``forward_only``: an evaluation's forwards (a shape per weight shape, not three)."""
     if device.allocator == "cuda" or shapes <= 0:
         return 0
     spec = config.precision_spec
     if not (spec.autocast or spec.param_dtype != "float32"):
         return 0
-    if _capability(capability) == "AVX2":
+    capability = _capability(capability)
+    if capability == "AVX2" or _fp16_outside_onednn(config, capability):
         return 0
     per_step = _half_matmul_shapes(info, _lm_head_matmul(info, config),
                                    forward_only=forward_only)
