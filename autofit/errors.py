@@ -23,11 +23,13 @@ from collections.abc import Iterator
 
 __all__ = [
     "fix",
+    "inplace_autograd_error",
     "on_command_line",
     "AutofitError",
     "BadInputError",
     "ValueDependentShapeError",
     "UnmodelledStepError",
+    "StepFailsError",
     "UnknownModelError",
     "UnknownTaskError",
     "UnknownDeviceError",
@@ -63,6 +65,21 @@ def fix(cli: str, python: str) -> str:
     return cli if _SURFACE.get() == "cli" else python
 
 
+def inplace_autograd_error(e: BaseException, name: str, config: object) -> StepFailsError | None:
+    """The one line for a step that autograd refuses because the model modifies a tensor it
+    saved for backward in place (transformers' xLSTM without checkpointing), which a run
+    hits the same way; None for any other error."""
+    if "modified by an inplace operation" not in str(e):
+        return None
+    if getattr(config, "gradient_checkpointing", False):
+        return StepFailsError(f"{name}: its checkpointed step fails in autograd (a tensor "
+                             "saved for backward is modified in place), as a run's would")
+    return StepFailsError(f"{name}: its step without checkpointing fails in autograd (a tensor "
+                         "saved for backward is modified in place), as a run's would: train "
+                         "it with " + fix("--gradient-checkpointing",
+                                          "gradient_checkpointing=True"))
+
+
 class AutofitError(Exception):
     """Base class of every error autofit raises on purpose."""
 
@@ -91,6 +108,13 @@ class UnmodelledStepError(BadInputError):
     (RWKV's CPU kernel, whose thousands of autograd objects a block and the heap's holes
     between them are host memory that was 5-12% over the simulated step; Mamba's scan is
     measured and estimated). Refused, never estimated low."""
+
+
+class StepFailsError(UnmodelledStepError):
+    """The configuration's step fails as a run's would, whatever its memory: a number beyond
+    a 16-bit dtype's range (DeBERTa's attention mask under bf16-mixed), a tensor saved for
+    backward modified in place (xLSTM without checkpointing). A search leaves the
+    configuration out with this reason; asked alone, it is refused in one line."""
 
 
 class UnknownModelError(BadInputError):

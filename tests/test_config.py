@@ -2,7 +2,7 @@ import pytest
 
 from autofit import TrainConfig
 from autofit.config import OPTIMIZERS, PRECISIONS, UNSIZED_OPTIMIZERS, parse_optim_args
-from autofit.errors import AutofitError, InvalidConfigError
+from autofit.errors import AutofitError, BadInputError, InvalidConfigError
 
 
 def test_defaults_and_effective_batch():
@@ -73,3 +73,17 @@ def test_frozen_and_replace():
     with pytest.raises(InvalidConfigError):
         c.replace(micro_batch_size=0)
     assert TrainConfig(**c.to_dict()) == c
+
+
+def test_a_step_autograd_refuses_in_place_is_one_line_saying_what_to_do():
+    """transformers' xLSTM trains with checkpointing only: its step without it modifies a
+    tensor saved for backward; both methods say so, as a run would fail."""
+    from autofit.errors import inplace_autograd_error
+
+    err = RuntimeError("one of the variables needed for gradient computation has been "
+                       "modified by an inplace operation: [torch.FloatTensor [4, 4, 32]]")
+    off = inplace_autograd_error(err, "xlstm", TrainConfig())
+    assert isinstance(off, BadInputError) and "gradient_checkpointing=True" in str(off)
+    on = inplace_autograd_error(err, "xlstm", TrainConfig(gradient_checkpointing=True))
+    assert "checkpointed step fails" in str(on)
+    assert inplace_autograd_error(RuntimeError("shape mismatch"), "x", TrainConfig()) is None

@@ -16,10 +16,13 @@ from typing import TYPE_CHECKING, Any
 from autofit.knobs.base import OnOffKnob, training_arguments_fields, truthy
 
 if TYPE_CHECKING:
+    import torch
+
     from autofit.config import TrainConfig
+    from autofit.knobs.base import Scope
 
 __all__ = ["CHECKPOINTING", "CheckpointingKnob", "fsdp_checkpointing", "clear_fields",
-           "every_n_layers", "every_n_layers_note", "checkpoint_kwargs"]
+           "every_n_layers", "every_n_layers_note", "checkpoint_kwargs", "unsupported_reason"]
 
 _NEW, _OLD = "activation_checkpointing", "gradient_checkpointing"  # transformers 5.x / 4.x
 
@@ -106,6 +109,36 @@ class CheckpointingKnob(OnOffKnob):
 
     def read(self, args: dict[str, object]) -> bool:
         return bool(args.get(_NEW) or args.get(_OLD)) or fsdp_checkpointing(args)
+
+    def narrow(self, asked: object, scope: Scope) -> object:
+        """Off only, with the reason, for a model that cannot checkpoint (its class says
+        ``supports_gradient_checkpointing = False``: ALBERT, CTRL, XLM, MPNet, ...: the
+        Trainer's ``gradient_checkpointing_enable`` raises at start); asked for such a
+        model: ``BadInputError``. As asked otherwise."""
+        why = unsupported_reason(scope.module)
+        if why is None:
+            return asked
+        self.check_model(asked is True or (isinstance(asked, (list, tuple)) and True in asked),
+                         scope.module, scope.task)
+        scope.reasons.append(f"no gradient checkpointing: {why}")
+        return False
+
+    def check_model(self, value: bool, module: torch.nn.Module, task: str) -> None:
+        """Raise ``BadInputError`` for checkpointing asked of a model that cannot run it."""
+        why = unsupported_reason(module) if value else None
+        if why is not None:
+            from autofit.errors import BadInputError, fix
+
+            raise BadInputError(f"gradient checkpointing: {why}; drop "
+                                + fix("--gradient-checkpointing", "gradient_checkpointing=True"))
+
+
+def unsupported_reason(module: torch.nn.Module) -> str | None:
+    """Why ``module`` (a PEFT model: its base) cannot checkpoint, or None when it can."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    if getattr(base, "supports_gradient_checkpointing", True):
+        return None
+    return f"{type(base).__name__} does not support it (transformers refuses it at start)"
 
 
 CHECKPOINTING = CheckpointingKnob()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autofit.errors import BadInputError, MissingDependencyError
+from autofit.errors import BadInputError, MissingDependencyError, fix
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -413,10 +413,53 @@ def apply_peft(module: torch.nn.Module, config: PeftConfig, *, meta: bool = True
         warnings.simplefilter("ignore")
         try:
             if not meta or pt in _CPU_INIT:  # initialised on the CPU, moved to the base's meta device
-                return get_peft_model(module, config)
-            qdora = quant is not None and name == "dora"
-            with torch.device("meta"), _meta_dequantize(quant) if qdora else contextlib.nullcontext():
-                return get_peft_model(module, config)
+                model = get_peft_model(module, config)
+            else:
+                qdora = quant is not None and name == "dora"
+                with torch.device("meta"), (_meta_dequantize(quant) if qdora
+                                            else contextlib.nullcontext()):
+                    model = get_peft_model(module, config)
         except Exception as e:  # noqa: BLE001 - peft's own failure, named with the method
             raise BadInputError(f"PEFT {name} cannot be put on this model: "
                                 f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
+    check_lora_targets(model)
+    return model
+
+
+def check_lora_targets(model: torch.nn.Module) -> None:
+    """Raise ``BadInputError`` where LoRA wrapped a layer whose own forward returns no
+    tensor: a mixture-of-experts router that subclasses ``nn.Linear`` (PhiMoE's, Llama 4's)
+    and returns (logits, weights, experts), to which peft's LoRA layer adds its update (the
+    step fails: "'tuple' object has no attribute 'dtype'", in a run as in the estimate)."""
+    import torch
+
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:  # pragma: no cover - peft without LoRA's layer module
+        return
+    broken = []
+    for name, m in model.named_modules():
+        if not isinstance(m, LoraLinear):
+            continue
+        base = m.get_base_layer()
+        if type(base).forward is torch.nn.Linear.forward:
+            continue
+        w = getattr(base, "weight", None)
+        if not isinstance(w, torch.Tensor):
+            continue
+        try:
+            with torch.no_grad():
+                out = base(torch.zeros(1, base.in_features, dtype=w.dtype, device=w.device))
+        except Exception:  # noqa: BLE001 - a layer that needs more than one row: not judged
+            continue
+        if not isinstance(out, torch.Tensor):
+            broken.append(name.rsplit(".", 1)[-1] if "." in name else name)
+    if broken:
+        kinds = sorted(set(broken))
+        raise BadInputError(
+            f"LoRA wraps {len(broken)} layers whose own forward returns no tensor ("
+            + ", ".join(kinds) + ": mixture-of-experts routers), which peft's LoRA layer "
+            "cannot wrap (the step fails); leave them out of the targets: name the ones to "
+            "adapt (" + fix("--lora-target-modules q_proj v_proj ...",
+                            "lora={'target_modules': ['q_proj', 'v_proj', ...]}")
+            + ") or give a peft config with exclude_modules=" + repr(kinds))

@@ -178,3 +178,37 @@ def test_checkpointing_every_n_layers_is_refused_where_it_would_be_estimated(tmp
     assert any("every_n_layers 2: not modelled" in x for x in r.reasons)
     kw = r.training_arguments_kwargs.get("activation_checkpointing_kwargs")
     assert r.config.gradient_checkpointing and "every_n_layers" not in json.dumps(kw)
+
+
+def test_checkpointing_narrowed_off_for_a_model_that_refuses_it():
+    """ALBERT (like CTRL, XLM, MPNet, ...) says ``supports_gradient_checkpointing = False``:
+    the Trainer raises at start, so a tune never searches it (a reason says why), asking
+    for it is one line, and the estimate refuses it as the simulation does."""
+    from transformers import AlbertConfig, AlbertForMaskedLM, LlamaConfig, LlamaForCausalLM
+
+    from autofit.errors import BadInputError
+    from autofit.knobs.base import Scope
+
+    albert = AlbertForMaskedLM(AlbertConfig(hidden_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, intermediate_size=64,
+                                            embedding_size=16, vocab_size=64))
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, intermediate_size=64,
+                                         vocab_size=64))
+    for asked in (None, [True, False], False):
+        reasons: list[str] = []
+        scope = Scope(albert, "masked-lm", A100, "plain", "model", None, reasons)
+        if asked == [True, False]:
+            with pytest.raises(BadInputError, match="AlbertForMaskedLM does not support it"):
+                CHECKPOINTING.narrow(asked, scope)
+            continue
+        assert CHECKPOINTING.narrow(asked, scope) is False
+        assert reasons == ["no gradient checkpointing: AlbertForMaskedLM does not support it "
+                           "(transformers refuses it at start)"]
+        llama_scope = Scope(llama, "causal-lm", A100, "plain", "model", None, reasons)
+        assert CHECKPOINTING.narrow(asked, llama_scope) == asked  # as asked, no reason added
+        assert len(reasons) == 1
+    with pytest.raises(BadInputError, match="drop"):
+        CHECKPOINTING.check_model(True, albert, "masked-lm")
+    CHECKPOINTING.check_model(False, albert, "masked-lm")
+    CHECKPOINTING.check_model(True, llama, "causal-lm")

@@ -743,3 +743,40 @@ def test_1b_at_4x1024_under_30s() -> None:
     est = simulate(module, TrainConfig(micro_batch_size=4), seq_len=1024, device=H100, task=task)
     assert time.perf_counter() - t0 < 30
     assert est.peak_phase == "backward"
+
+
+def test_a_fill_beyond_a_16_bit_range_fails_the_step_as_torch_does(tmp_path) -> None:
+    """DeBERTa masks its bf16 attention scores under autocast with float32's lowest value,
+    which torch's kernel refuses ("value cannot be converted to type c10::BFloat16 without
+    overflow"): every mixed-precision step fails. Fake kernels let it through; both
+    methods refuse the precision as a run would (a search leaves it out: StepFailsError)."""
+    import json
+
+    from autofit import estimate
+    from autofit.errors import StepFailsError
+
+    path = tmp_path / "deberta.json"
+    path.write_text(json.dumps({"model_type": "deberta", "hidden_size": 64,
+                                "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "intermediate_size": 128, "vocab_size": 256,
+                                "max_position_embeddings": 128}))
+    for precision in ("bf16-mixed", "16-mixed"):
+        for method in ("analytic", "simulate"):
+            with pytest.raises(StepFailsError, match="beyond .*range .*masked_fill.*32-true"):
+                estimate(str(path), TrainConfig(micro_batch_size=2, precision=precision),
+                         seq_len=32, device="cpu", task="masked-lm", method=method)
+    for precision in ("32-true", "bf16-true"):  # finfo of the scores' own dtype: in range
+        assert estimate(str(path), TrainConfig(micro_batch_size=2, precision=precision),
+                        seq_len=32, device="cpu", task="masked-lm",
+                        method="simulate").peak_allocated_bytes > 0
+    # the check itself: torch refuses what it refuses, nothing else
+    from autofit.memory.simulate._recorder import _check_fill
+
+    bf16 = torch.zeros(2, dtype=torch.bfloat16)
+    _check_fill(torch.ops.aten.fill_.Scalar, (bf16, float("-inf")), {})
+    _check_fill(torch.ops.aten.fill_.Scalar, (bf16, torch.finfo(torch.bfloat16).min), {})
+    _check_fill(torch.ops.aten.fill_.Scalar, (torch.zeros(2), -3.4e38), {})
+    with pytest.raises(StepFailsError):
+        _check_fill(torch.ops.aten.clamp.default, (bf16,), {"min": -3.4e38})
+    with pytest.raises(StepFailsError):
+        _check_fill(torch.ops.aten.full.default, ((2,), 1e39), {"dtype": torch.float16})

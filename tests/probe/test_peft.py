@@ -199,3 +199,23 @@ def test_all_linear_lora_on_a_token_classifier_trains_its_head_whole():
     est = estimate("tiny-bert", TrainConfig(micro_batch_size=2), seq_len=32, device="cpu",
                    task="token-cls", lora={"r": 4})
     assert est.trainable_params < est.num_params // 10
+
+
+def test_lora_on_a_router_that_returns_a_tuple_is_refused_in_one_line(tmp_path):
+    """PhiMoE's router subclasses nn.Linear and returns (logits, weights, experts): LoRA's
+    "all-linear" wraps it and its step fails ("'tuple' object has no attribute 'dtype'",
+    a run's too). Refused naming it, with the fix; named targets are estimated."""
+    cfg = {"model_type": "phimoe", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256,
+           "max_position_embeddings": 256}
+    path = tmp_path / "phimoe.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(BadInputError) as e:
+        estimate(str(path), TrainConfig(micro_batch_size=2), seq_len=32, device="cpu",
+                 lora={"r": 8, "target_modules": "all-linear"})
+    msg = str(e.value)
+    assert "router" in msg and "exclude_modules=['router']" in msg and "\n" not in msg
+    est = estimate(str(path), TrainConfig(micro_batch_size=2), seq_len=32, device="cpu",
+                   lora={"r": 8, "target_modules": ["q_proj", "v_proj"]})
+    assert est.trainable_params > 0

@@ -560,8 +560,13 @@ def _probe(module: torch.nn.Module, info: ModelInfo, config: TrainConfig, device
             "which neither estimate can follow; measure it ("
             + fix("autofit measure", "autofit.measure") + ")", e.op) from None
     except RuntimeError as e:  # xLSTM's step trains with checkpointing only (transformers')
-        if "modified by an inplace operation" not in str(e):
+        from autofit.errors import inplace_autograd_error
+
+        refused = inplace_autograd_error(e, info.name or "the model", config)
+        if refused is None:
             raise
+        if not config.gradient_checkpointing:  # a run fails the same way
+            raise refused from None
         raise BadInputError(f"{info.name}: its step without checkpointing fails in autograd "
                             "(a tensor saved for backward is modified in place), so the "
                             "analytic coefficients cannot be derived from it; use "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -342,6 +343,8 @@ class StorageRecorder(TorchDispatchMode):
                 return func(*args, **kwargs)
             except DataDependentOutputException:
                 return _scalar_read(args[0], optimizer=self.phase == "optimizer")
+        if func in _FILLS:
+            _check_fill(func, args, kwargs)
         if func is torch.ops.aten.index.Tensor and (positions := real_index(args)) is not None:
             args = positions  # a boolean mask with values: its positions
         impl = self.decompositions.get(func) if self.decompositions else None
@@ -432,6 +435,44 @@ _GROUPED_MM = ({torch.ops.aten._grouped_mm.default: _grouped_mm}
 
 
 _ADD = torch.ops.aten.add.Tensor
+# ops that convert a Python number to their tensor's dtype, which torch's kernels check and
+# fake kernels do not: (op, index of the number in args, or its keyword)
+_FILLS = {torch.ops.aten.masked_fill.Scalar: 2, torch.ops.aten.masked_fill_.Scalar: 2,
+          torch.ops.aten.fill.Scalar: 1, torch.ops.aten.fill_.Scalar: 1,
+          torch.ops.aten.full.default: 1, torch.ops.aten.clamp.default: "min/max",
+          torch.ops.aten.clamp_.default: "min/max"}
+
+
+def _check_fill(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    """Refuse, as torch's kernel does, a number beyond the range of the 16-bit tensor it
+    fills ("value cannot be converted to type c10::BFloat16 without overflow"): DeBERTa's
+    attention masks its bf16 scores with float32's lowest value under bf16-mixed, so its
+    every mixed-precision step fails, which the fake kernels let through."""
+    at = _FILLS[func]
+    if func is torch.ops.aten.full.default:
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    else:
+        dtype = args[0].dtype if args and isinstance(args[0], torch.Tensor) else None
+    if dtype not in (torch.bfloat16, torch.float16):
+        return
+    if at == "min/max":
+        values = [kwargs.get(k, args[i] if len(args) > i else None)
+                  for i, k in ((1, "min"), (2, "max"))]
+    else:
+        values = [args[at] if len(args) > at else kwargs.get("value", kwargs.get("fill_value"))]
+    top = torch.finfo(dtype).max
+    for v in values:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+                and abs(v) > top:
+            from autofit.errors import StepFailsError, fix
+
+            name = str(dtype).removeprefix("torch.")
+            raise StepFailsError(
+                f"the model's step fills a {name} tensor with {v:.4g}, beyond {name}'s range "
+                f"({func.overloadpacket.__name__}), which torch refuses (\"value cannot be "
+                "converted ... without overflow\"): a run fails at its first step in this "
+                "precision; train it in 32-true (" + fix("--precision 32-true",
+                                                         "precision='32-true'") + ")")
 # ``storage.use_count()`` of a tensor's storage held by that tensor alone, as read here:
 # the tensor plus the Python storage object that ``untyped_storage()`` hands out
 _SOLE_USE = 2

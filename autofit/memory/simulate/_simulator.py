@@ -268,7 +268,15 @@ class Simulator:
             layout = Layout.of(config, **self.sharding) if self.sharding else None
             result = simulate_ranks(self, config, s, layout)
         else:
-            result = self._run(config, s)
+            try:
+                result = self._run(config, s)
+            except RuntimeError as e:  # xLSTM's step trains with checkpointing only
+                from autofit.errors import inplace_autograd_error
+
+                refused = inplace_autograd_error(e, self.model_name, config)
+                if refused is None:
+                    raise
+                raise refused from None
         self._cache[key] = result
         return result
 
