@@ -427,10 +427,12 @@ def apply_peft(module: torch.nn.Module, config: PeftConfig, *, meta: bool = True
 
 
 def check_lora_targets(model: torch.nn.Module) -> None:
-    """Raise ``BadInputError`` where LoRA wrapped a layer whose own forward returns no
-    tensor: a mixture-of-experts router that subclasses ``nn.Linear`` (PhiMoE's, Llama 4's)
-    and returns (logits, weights, experts), to which peft's LoRA layer adds its update (the
-    step fails: "'tuple' object has no attribute 'dtype'", in a run as in the estimate)."""
+    """Raise ``BadInputError`` where LoRA wrapped a layer that subclasses ``nn.Linear`` but
+    does not compute ``x @ W.T`` on a (rows, in_features) input as it does: a mixture of
+    experts' router that returns (logits, weights, experts) (PhiMoE's, Llama 4's), to which
+    peft's LoRA layer adds its update ("'tuple' object has no attribute 'dtype'"), or
+    DeepSeek-V4's grouped output projection (a shape mismatch). The step fails, in a run
+    as in the estimate."""
     import torch
 
     try:
@@ -439,27 +441,30 @@ def check_lora_targets(model: torch.nn.Module) -> None:
         return
     broken = []
     for name, m in model.named_modules():
-        if not isinstance(m, LoraLinear):
+        if type(m) is not LoraLinear:  # peft's own layers for bitsandbytes, ... adapt theirs
             continue
         base = m.get_base_layer()
-        if type(base).forward is torch.nn.Linear.forward:
-            continue
         w = getattr(base, "weight", None)
-        if not isinstance(w, torch.Tensor):
+        if (type(base).forward is torch.nn.Linear.forward or not isinstance(w, torch.Tensor)
+                or "bitsandbytes" in type(base).__module__):
             continue
+        # the LoRA layer's own sizes: peft reads a transposed weight (GPT-2's Conv1D) right
+        rows_in, rows_out = m.in_features, m.out_features
         try:
             with torch.no_grad():
-                out = base(torch.zeros(1, base.in_features, dtype=w.dtype, device=w.device))
-        except Exception:  # noqa: BLE001 - a layer that needs more than one row: not judged
+                out = base(torch.zeros(1, rows_in, dtype=w.dtype, device=w.device))
+        except TypeError:  # a forward that takes more arguments: peft passes them on
             continue
-        if not isinstance(out, torch.Tensor):
-            broken.append(name.rsplit(".", 1)[-1] if "." in name else name)
+        except Exception:  # noqa: BLE001 - it cannot take a (rows, in_features) input
+            out = None
+        if not isinstance(out, torch.Tensor) or out.shape[-1] != rows_out:
+            broken.append(name.rsplit(".", 1)[-1])
     if broken:
         kinds = sorted(set(broken))
         raise BadInputError(
-            f"LoRA wraps {len(broken)} layers whose own forward returns no tensor ("
-            + ", ".join(kinds) + ": mixture-of-experts routers), which peft's LoRA layer "
-            "cannot wrap (the step fails); leave them out of the targets: name the ones to "
+            f"LoRA wraps {len(broken)} layers that subclass nn.Linear but do not compute "
+            "x @ W.T as it does (" + ", ".join(kinds) + "), to which peft's LoRA layer adds "
+            "its update: the step fails; leave them out of the targets: name the ones to "
             "adapt (" + fix("--lora-target-modules q_proj v_proj ...",
                             "lora={'target_modules': ['q_proj', 'v_proj', ...]}")
             + ") or give a peft config with exclude_modules=" + repr(kinds))
