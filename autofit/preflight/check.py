@@ -277,7 +277,10 @@ class _Checker:
             est = estimate_analytic(self.info, config, self.seq_len, self.dev,
                                     self.recipe.layout_fields if self.recipe else None)
         except UnmodelledStepError as e:  # memory it does not model (CUDA graphs): say so
-            self.refusal = str(e)
+            from autofit.errors import StepFailsError
+
+            self.refusal = (f"the step fails whatever its memory, as the run's would: {e}"
+                            if isinstance(e, StepFailsError) else f"cannot tell: {e}")
             return None
         except BadInputError:
             return None  # not a transformer autofit recognises: the trial decides
@@ -415,7 +418,7 @@ class _Checker:
         need, source = self.need(a)
         if need is None:
             if self.refusal:
-                return f"cannot tell: {self.refusal}"
+                return self.refusal
             return "cannot tell: no estimate for this model and no trial"
         if need > self.budget:
             kept = f" less a {self.margin:.0%} margin" if self.margin else ""
