@@ -473,6 +473,8 @@ def _check_fill(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
                 "converted ... without overflow\"): a run fails at its first step in this "
                 "precision; train it in 32-true (" + fix("--precision 32-true",
                                                          "precision='32-true'") + ")")
+
+
 # ``storage.use_count()`` of a tensor's storage held by that tensor alone, as read here:
 # the tensor plus the Python storage object that ``untyped_storage()`` hands out
 _SOLE_USE = 2
