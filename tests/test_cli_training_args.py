@@ -392,3 +392,23 @@ def test_pad_to_max_length_plans_the_padded_length_not_the_longest_sample(here, 
                              "T4", "--json", "-o", here / f"tuned-{pad}.json")
         assert code == 0, err
         assert json.loads(out)["estimate"]["seq_len"] == want, pad
+
+
+def test_check_of_a_step_that_fails_whatever_its_memory_exits_4(here, capsys):
+    """DeBERTa in bf16: its attention fills 16-bit scores with float32's lowest value, which
+    torch refuses; without a trial the estimate finds it, and says it is not a memory
+    verdict (exit 4, as a trial's failure), not "does NOT fit"."""
+    model = here / "deberta.json"
+    model.write_text(json.dumps({"model_type": "deberta", "hidden_size": 64,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "intermediate_size": 128, "vocab_size": 50265,
+                                 "max_position_embeddings": 256}))
+    src = here / "args.json"
+    src.write_text(json.dumps({"output_dir": "out", "per_device_train_batch_size": 2,
+                               "bf16": True}))
+    code, out, err = run(capsys, "check", src, "--model", model, "--task", "masked-lm",
+                         "--seq-len", 64, "--device", "A100-80GB", "--no-trial", "--json")
+    assert code == 4, err
+    d = json.loads(out)
+    assert d["step_fails"] and not d["fits"]
+    assert any("fails whatever its memory" in p and "32-true" in p for p in d["problems"])

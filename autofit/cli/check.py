@@ -53,8 +53,8 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="pre-flight: will this tuned file fit on this machine? (exit 0 fits, 3 does not)",
         description="Verify a configuration file on the present device: estimate, then one "
         "trial on the worst-case batch unless the cache holds one for exactly this "
-        "configuration. Exit 0 fits, 3 does not fit, 2 bad input, 4 the trial failed for "
-        "another reason than memory.",
+        "configuration. Exit 0 fits, 3 does not fit, 2 bad input, 4 the run fails for "
+        "another reason than memory (its trial did, or its step as estimated).",
     )
     p.add_argument("config", help="tuned.yaml / .json (autofit tune -o), or a TrainingArguments "
                    "YAML/JSON with --model")
@@ -141,7 +141,7 @@ def run_check_command(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:
         _print_check(report, args.config)
-    if report.trial_failed:
+    if report.fails_otherwise:
         return EXIT_TRIAL_FAILED  # not a memory verdict (as measure): the cause is printed
     return EXIT_OK if report.fits else EXIT_DOES_NOT_FIT
 
@@ -231,9 +231,10 @@ def _print_check(report: Any, path: str) -> None:
                       "(estimate)")
     if report.fits:
         console.print(Text(f"✓ {path} fits on {report.device}", style="bold green"))
-    elif report.trial_failed:
-        console.print(Text(f"✗ {path}: the trial failed on {report.device} (not a memory "
-                           "verdict)", style="bold red"))
+    elif report.fails_otherwise:
+        what = "the trial failed" if report.trial_failed else "its step fails"
+        console.print(Text(f"✗ {path}: {what} on {report.device} (not a memory verdict)",
+                           style="bold red"))
         for p in report.problems:
             console.print(Text(f"  ✗ {p}", style="red"))
     else:

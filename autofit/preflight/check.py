@@ -129,6 +129,7 @@ class _Checker:
         self.progress = progress or (lambda _: None)
         self.recipe = recipe  # the user's launch recipe (autofit.knobs.recipe), or None
         self.refusal: str | None = None  # why the estimate refused the step, where it did
+        self.step_fails = False  # ... because the step fails whatever its memory
         self.liger_loss = liger_loss  # the config's chunked loss is liger's (use_liger_kernel)
         # the run's sample lengths and plan (run_check sets them from the dataset): what its
         # other shapes add to a trial of the longest batch on a CPU (``run_growth``)
@@ -279,8 +280,9 @@ class _Checker:
         except UnmodelledStepError as e:  # memory it does not model (CUDA graphs): say so
             from autofit.errors import StepFailsError
 
+            self.step_fails = isinstance(e, StepFailsError)
             self.refusal = (f"the step fails whatever its memory, as the run's would: {e}"
-                            if isinstance(e, StepFailsError) else f"cannot tell: {e}")
+                            if self.step_fails else f"cannot tell: {e}")
             return None
         except BadInputError:
             return None  # not a transformer autofit recognises: the trial decides
@@ -608,6 +610,7 @@ def run_check(
         eval_estimate=final.eval_estimate,
         eval_batch_size=eval_batch,
         trials_run=checker.trials_run,
+        step_fails=bool(problems) and checker.step_fails and final.trial is None,
     )
 
 

@@ -51,6 +51,7 @@ class PreflightReport:
     eval_estimate: MemoryEstimate | None = None
     eval_batch_size: int | None = None
     trials_run: int = 0
+    step_fails: bool = False  # the estimate found a step that fails whatever its memory
 
     @property
     def trial_failed(self) -> bool:
@@ -59,10 +60,17 @@ class PreflightReport:
         t = self.trial
         return t is not None and not t.oom and t.error is not None
 
+    @property
+    def fails_otherwise(self) -> bool:
+        """The run fails for a reason other than memory: its trial did (``trial_failed``),
+        or, without one, the estimate found that its step fails (``StepFailsError``)."""
+        return self.trial_failed or self.step_fails
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data (the ``autofit check --json`` object)."""
         return {
             "fits": self.fits,
+            "step_fails": self.step_fails,
             "estimate": self.estimate.to_dict() if self.estimate else None,
             "trial": self.trial.to_dict() if self.trial is not None else None,
             "from_cache": self.from_cache,
@@ -128,7 +136,7 @@ class PreflightError(DoesNotFitError):
 
     def __init__(self, report: PreflightReport, hint: str | None = None) -> None:
         self.report = report
-        if report.trial_failed:
+        if report.fails_otherwise:
             self.exit_code = 4
         self.problems = report.problems
         n = len(report.problems)
