@@ -57,6 +57,7 @@ UNSUPPORTED: dict[str, str] = {
     "WAVEFT": "its forward selects coefficients by their values (nonzero)",
     "SHIRA": "its sparse mask is built from the weights' values",
     "FROD": "its initialisation decomposes the real weights",
+    "ADAMSS": "its adapters' shapes come from clustering the real weights' SVD",
     "MULTITASK_PROMPT_TUNING": "its forward needs a task id per sample",
     "POLY": "its forward needs a task id per sample",
     "XLORA": "it mixes adapters loaded from saved checkpoints",
@@ -192,7 +193,7 @@ def default_config(method: str) -> dict[str, Any]:
     m = method.strip().lower().replace("-", "_")
     peft_type, extra = _ALIASES.get(method.strip().lower(), (m.upper(), {}))
     d: dict[str, Any] = {"peft_type": peft_type, **extra}
-    if peft_type in {"PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING"}:
+    if peft_type in {"PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "CARTRIDGE"}:
         d["num_virtual_tokens"] = 20
     if peft_type == "ADAPTION_PROMPT":
         d.update(adapter_len=10, adapter_layers=1)
@@ -251,6 +252,13 @@ def peft_config(value: object, task: str) -> Any:
     for k in ("base_model_name_or_path", "revision", "auto_mapping"):
         d.pop(k, None)
     problems = _field_problems(PEFT_TYPE_TO_CONFIG_MAPPING[pt], d, peft.__version__)
+    if d.get("num_virtual_tokens", 0) is None or (
+            "num_virtual_tokens" not in d and any(
+                f.name == "num_virtual_tokens" and f.default is None
+                for f in dataclasses.fields(PEFT_TYPE_TO_CONFIG_MAPPING[pt]))):
+        # peft leaves it None and fails in get_peft_model ("'>' not supported between
+        # instances of 'int' and 'NoneType'": cartridge's)
+        problems.append("num_virtual_tokens is required (e.g. \"num_virtual_tokens\": 20)")
     if problems:
         raise BadInputError(f"PEFT {pt.lower()}: " + "; ".join(problems))
     import warnings

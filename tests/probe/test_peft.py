@@ -223,3 +223,21 @@ def test_lora_on_a_router_that_returns_a_tuple_is_refused_in_one_line(tmp_path):
     # zoo's 729 measured LoRA rows, none refused)
     assert estimate("tiny-gpt2", TrainConfig(micro_batch_size=2), seq_len=32, device="cpu",
                     lora={"r": 8, "target_modules": "all-linear"}).trainable_params > 0
+
+
+def test_newer_methods_estimated_or_refused_saying_why():
+    """ShadowPEFT wraps the hidden states at the first block and unwraps them at the last
+    (forward hooks): the closed form's derivation keeps hooked blocks apart (it failed with
+    "'ShadowCarrier' object has no attribute 'dtype'"), agreeing with the simulation.
+    Cartridge needs num_virtual_tokens (peft fails in a comparison of None); AdaMSS is refused
+    (its shapes come from the real weights)."""
+    cfg = TrainConfig(micro_batch_size=2)
+    shadow = {"peft_type": "SHADOW"}
+    a, s = (estimate("tiny-llama", cfg, seq_len=64, device="cpu", method=m, peft_config=shadow)
+            for m in ("analytic", "simulate"))
+    assert abs(a.peak_allocated_bytes / s.peak_allocated_bytes - 1) < 0.02
+    with pytest.raises(BadInputError, match="num_virtual_tokens is required"):
+        peft_config({"peft_type": "CARTRIDGE"}, "causal-lm")
+    assert peft_config(default_config("cartridge"), "causal-lm").num_virtual_tokens == 20
+    with pytest.raises(BadInputError, match="clustering the real weights"):
+        peft_config({"peft_type": "ADAMSS"}, "causal-lm")

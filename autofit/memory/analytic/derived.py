@@ -146,13 +146,21 @@ def _kinds(blocks: list[torch.nn.Module]) -> list[tuple[int, int]]:
     models have one kind, adaption prompt's adapted top layers are a second) its first
     block for itself and its second for the rest. The first block of a model is not like
     the others: its input (a frozen embedding's output) needs no gradient, so it keeps
-    less for backward than the blocks after it."""
+    less for backward than the blocks after it. A block's forward hooks are part of its
+    kind: ShadowPEFT wraps the hidden states at the first block and unwraps them at the
+    last, which a stack cut to its first blocks never ran (its step failed: "'ShadowCarrier'
+    object has no attribute 'dtype'")."""
+    def hooks(blk: torch.nn.Module) -> tuple[str, ...]:
+        return tuple(getattr(h, "__name__", type(h).__name__)
+                     for d in (blk._forward_pre_hooks, blk._forward_hooks) for h in d.values())
+
     seen: dict[tuple, list[int]] = {}
     for i, blk in enumerate(blocks):
         sig = (tuple((n, type(m).__name__) for n, m in blk.named_modules()),
                tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad)
                      for n, p in blk.named_parameters()),
-               tuple((n, tuple(b.shape), str(b.dtype)) for n, b in blk.named_buffers()))
+               tuple((n, tuple(b.shape), str(b.dtype)) for n, b in blk.named_buffers()),
+               hooks(blk))
         seen.setdefault(sig, []).append(i)
     kept = []
     for idx in seen.values():
