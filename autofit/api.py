@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from autofit.config import ModelSpec, TrainConfig, one_process_strategy
 from autofit.errors import BadInputError, fix
 from autofit.knobs import KNOBS, registry
-from autofit.knobs.base import Scope
+from autofit.knobs.base import Scope, asks_on
 from autofit.knobs.chunked_loss import liger_offered
 from autofit.knobs.compile import compile_asked, compile_recipe
 from autofit.knobs.trainer import (
@@ -545,7 +545,7 @@ def _trainer(given: str | None, training_args: Any, base_args: dict[str, object]
     (``trainer=``) or implied: ``trl`` for an SFTConfig, ``autofit`` when the chunked loss
     is asked for, else ``plain``."""
     asked = allowed.get("chunked_loss")
-    wants = asked is True or (isinstance(asked, (list, tuple)) and True in asked)
+    wants = asks_on(asked)
     sft = is_sft_config(training_args)
     if given is None:
         trainer = implied_trainer(chunked_loss=wants, sft=sft)

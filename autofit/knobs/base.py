@@ -82,7 +82,7 @@ if TYPE_CHECKING:
     from autofit.probe.model import ModelInfo
 
 __all__ = ["Costs", "Knob", "KnobValue", "OnOffKnob", "Scope", "StepContext", "installed", "truthy",
-           "training_arguments_fields", "restrict"]
+           "asks_on", "training_arguments_fields", "restrict"]
 
 # A knob's value: on/off levers a bool, the others a name (``"bf16-mixed"``, ``"zero2"``).
 KnobValue: TypeAlias = bool | str
@@ -231,6 +231,12 @@ class OnOffKnob:
 
     def option_value(self, args: argparse.Namespace) -> bool:
         return bool(getattr(args, self.name))
+
+
+def asks_on(asked: object) -> bool:
+    """Whether what a caller asked of an on/off knob includes on (``True``, or a list of values
+    with ``True`` in it)."""
+    return asked is True or (isinstance(asked, (list, tuple)) and True in asked)
 
 
 def truthy(v: object) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from autofit.knobs.base import OnOffKnob, training_arguments_fields, truthy
+from autofit.knobs.base import OnOffKnob, asks_on, training_arguments_fields, truthy
 
 if TYPE_CHECKING:
     import torch
@@ -118,8 +118,7 @@ class CheckpointingKnob(OnOffKnob):
         why = unsupported_reason(scope.module)
         if why is None:
             return asked
-        self.check_model(asked is True or (isinstance(asked, (list, tuple)) and True in asked),
-                         scope.module, scope.task)
+        self.check_model(asks_on(asked), scope.module, scope.task)
         scope.reasons.append(f"no gradient checkpointing: {why}")
         return False
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
-from autofit.knobs.base import OnOffKnob, installed, training_arguments_fields
+from autofit.knobs.base import OnOffKnob, asks_on, installed, training_arguments_fields
 from autofit.probe.device import sm_version
 
 if TYPE_CHECKING:
@@ -298,7 +298,7 @@ class ChunkedLossKnob(OnOffKnob):
         from autofit.knobs.trainer import not_searched_reason, runs_chunked_loss
         from autofit.knobs.trl_loss import trl_loss_reason, trl_loss_type
 
-        wants = asked is True or (isinstance(asked, (list, tuple)) and True in asked)
+        wants = asks_on(asked)
         if scope.loss_impl == "trl":  # SFTTrainer computes its own loss: not autofit's
             if wants:
                 raise BadInputError("chunked loss: training_args is an SFTConfig, whose "

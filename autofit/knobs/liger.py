@@ -54,7 +54,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from autofit.errors import BadInputError, MissingDependencyError, fix
-from autofit.knobs.base import OnOffKnob, installed, training_arguments_fields
+from autofit.knobs.base import OnOffKnob, asks_on, installed, training_arguments_fields
 
 if TYPE_CHECKING:
     import torch
@@ -267,7 +267,7 @@ class LigerKnob(OnOffKnob):
     def narrow(self, asked: object, scope: Scope) -> object:
         """As asked, or False (with the reason) for a model autofit cannot model liger for
         (asked for such a model: ``BadInputError``) or where TRL's loss runs."""
-        wants = asked is True or (isinstance(asked, (list, tuple)) and True in asked)
+        wants = asks_on(asked)
         if scope.loss_impl == "trl":
             if wants:
                 raise BadInputError("liger kernels: training_args is an SFTConfig, whose "

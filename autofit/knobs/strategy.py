@@ -99,7 +99,6 @@ def deepspeed_config(stage: int, offload: str) -> dict[str, Any]:
     return out
 
 
-
 def fsdp_checkpoints(config: object) -> bool:
     """Whether an FSDP plan's checkpointing is FSDP's own (``fsdp_config``'s
     ``activation_checkpointing``, accelerate's ``fsdp_activation_checkpointing``) rather than
@@ -109,6 +108,7 @@ def fsdp_checkpoints(config: object) -> bool:
             and getattr(config, "strategy", "ddp") in _FSDP_RESHARD
             and bool(getattr(config, "gradient_checkpointing", False))
             and not getattr(config, "activation_offloading", False))
+
 
 class StrategyKnob:
     name = "strategy"
