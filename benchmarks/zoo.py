@@ -379,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         done: dict[str, Any] = {}
         chosen = set(_selected(data, args))
         todo = [(name, row) for name, row in sorted(data["rows"].items()) if name in chosen
-                and (args.vendor is None or (row.get("vendor") or "none") == args.vendor)
-                and (not args.failed or "error" in row)]
+                and (args.vendor is None or (row.get("vendor") or "none") == args.vendor)]
         for n, (name, row) in enumerate(todo, 1):
             done[name] = reestimate(row, args.methods.split(","))
             print(f"[{n}/{len(todo)}]", name,
