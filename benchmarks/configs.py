@@ -342,6 +342,8 @@ CONFIGS: list[dict[str, Any]] = [
     _gpt2("gpt2-b1s512-adafactor", batch=1, seq=512, optimizer="adafactor"),
     _gpt2("gpt2-b1s128-bnb8", batch=1, seq=128, optimizer="adamw_bnb_8bit"),
     _gpt2("gpt2-b1s128-ademamix8", batch=1, seq=128, optimizer="ademamix_8bit"),
+    _gpt2("gpt2-b1s128-rmsprop-bnb8", batch=1, seq=128, optimizer="rmsprop_bnb_8bit"),
+    _gpt2("gpt2-b1s128-lion8", batch=1, seq=128, optimizer="lion_8bit"),
     _gpt2("gpt2-lora-b4s256", lora=LORA_GPT2),
     _gpt2(
         "gpt2-lora-b8s128-bf16m-gc",

@@ -199,15 +199,16 @@ def _optimizer_step_temporaries(info: ModelInfo, config: TrainConfig, device: De
         # llama-b4s256-bnb8 and gpt2-b1s128-bnb8; 8-bit AdEMAMix dequantizes its two
         # first moments apart, stacks them, and stacks them again after its update, which
         # takes three more: 9.5x (llama-b4s256-ademamix8: 9.3x); with 32-bit states its
-        # mixed momentum and denominator take 4x (gpt2-b1s128-ademamix8's tied embedding).
-        # Its CUDA kernels update in place.
+        # mixed momentum and denominator take 4x (gpt2-b1s128-ademamix8's tied embedding);
+        # 8-bit RMSprop holds one state and its denominator: 3x, as its 32-bit states (5x
+        # was 20% over on tiny-llama's optimizer step). Its CUDA kernels update in place.
         eight = thirty_two = 0
         for g in stepped:
             if _bnb_8bit_states(g, config):
                 eight = max(eight, g.numel)
             else:
                 thirty_two = max(thirty_two, g.numel)
-        copies8, copies32 = (9.5, 4) if spec.family == "ademamix" else (5, 3)
+        copies8, copies32 = {"ademamix": (9.5, 4), "rmsprop": (3, 3)}.get(spec.family, (5, 3))
         return int(max(copies8 * eight, copies32 * thirty_two) * 4)
     return 0  # SGD and bitsandbytes' CUDA kernels update in place
 
