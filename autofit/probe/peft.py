@@ -430,8 +430,32 @@ def apply_peft(module: torch.nn.Module, config: PeftConfig, *, meta: bool = True
         except Exception as e:  # noqa: BLE001 - peft's own failure, named with the method
             raise BadInputError(f"PEFT {name} cannot be put on this model: "
                                 f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
+    if quant is not None:
+        check_trained_whole(model, name)
     check_lora_targets(model)
     return model
+
+
+def check_trained_whole(model: torch.nn.Module, name: str) -> None:
+    """Raise ``BadInputError`` where peft trains a module whole (``modules_to_save``: a
+    classifier's head) that bitsandbytes quantized. transformers leaves unquantized only the
+    output embeddings, tied modules and the module of the model's last parameter, so a head
+    whose last parameter is a bias (BERT's or RoBERTa's token classifier, RoBERTa's
+    sequence-classification head) is quantized, and peft's ``requires_grad_`` on its integer
+    weight fails at ``get_peft_model`` ("only Tensors of floating point dtype can require
+    gradients"). On the meta device the quantized weight is a float stand-in, so it would
+    not fail here: checked by type."""
+    wrapped = sorted({n.split(".modules_to_save.")[0].rsplit(".", 1)[-1]
+                      for n, p in model.named_parameters()
+                      if p.requires_grad and type(p).__name__ in ("Params4bit", "Int8Params")})
+    if wrapped:
+        names = ", ".join(f"'{w}'" for w in wrapped)
+        raise BadInputError(
+            f"PEFT {name} cannot be put on this model: it trains {names} whole "
+            "(modules_to_save), which bitsandbytes quantized (transformers leaves a head "
+            "whose last parameter is a bias quantized), and a quantized weight cannot "
+            "require gradients; keep it unquantized: a quantization config with "
+            f'"llm_int8_skip_modules": [{names.replace(chr(39), chr(34))}]')
 
 
 def check_lora_targets(model: torch.nn.Module) -> None:

@@ -241,3 +241,32 @@ def test_newer_methods_estimated_or_refused_saying_why():
     assert peft_config(default_config("cartridge"), "causal-lm").num_virtual_tokens == 20
     with pytest.raises(BadInputError, match="clustering the real weights"):
         peft_config({"peft_type": "ADAMSS"}, "causal-lm")
+
+
+def test_a_quantized_head_peft_trains_whole_is_refused_with_the_fix():
+    """transformers leaves unquantized only the output embeddings, tied modules and the
+    module of the model's last parameter: BERT's token classifier ends in a bias, so a 4-bit
+    load quantizes it, and peft's modules_to_save fails on its integer weight at
+    get_peft_model ("only Tensors of floating point dtype can require gradients", measured:
+    a RoBERTa and a llama token classifier drawn by benchmarks/random_sweep.py). Refused in
+    one line naming the head and the skip that fixes it; with that skip it is estimated."""
+    pytest.importorskip("bitsandbytes")
+    cfg = TrainConfig(micro_batch_size=2)
+    lora = {"peft_type": "LORA", "r": 4, "target_modules": "all-linear",
+            "exclude_modules": ["classifier"]}
+    q4 = {"load_in_4bit": True, "bnb_4bit_compute_dtype": "float32"}
+    for method in ("analytic", "simulate"):
+        with pytest.raises(BadInputError) as e:
+            estimate("tiny-bert", cfg, seq_len=32, device="cpu", task="token-cls",
+                     method=method, peft_config=lora, quantization_config=q4)
+        msg = str(e.value)
+        assert "'classifier'" in msg and '"llm_int8_skip_modules": ["classifier"]' in msg
+        assert "\n" not in msg
+    est = estimate("tiny-bert", cfg, seq_len=32, device="cpu", task="token-cls",
+                   peft_config=lora,
+                   quantization_config={**q4, "llm_int8_skip_modules": ["classifier"]})
+    assert 0 < est.trainable_params < est.num_params
+    # a head without a bias (llama's seq-cls score) is the last parameter: left unquantized
+    assert estimate("tiny-llama", cfg, seq_len=32, device="cpu", task="seq-cls",
+                    peft_config={"peft_type": "LORA", "r": 4},
+                    quantization_config=q4).trainable_params > 0

@@ -96,6 +96,7 @@ from autofit.memory.allocator._common import pinned_bytes
 from autofit.memory.analytic._activations import (
     _coef,
     _dequantized_bytes,
+    _family,
     _first_input_stays,
     _layer_bytes,
     _packed,
@@ -201,7 +202,7 @@ def analytic_phases(info: ModelInfo, config: TrainConfig, seq_len: int,
     saved = _saved_activations(info, config, seq_len, device, c, act, kept8)
     G_held, loss_temp, block_bwd_temp, opt_temp = _temporaries(
         info, config, seq_len, device, act, G,
-        frozenset(tuple(s) for s in c.get("no_grad_shapes", ())))
+        frozenset(tuple(s) for s in c.get("no_grad_shapes", ())), _loss_elem(info, config, c, act))
     derived_bwd = _derived_block_backward(info, config, seq_len, c)
     block_bwd_temp = max(block_bwd_temp, derived_bwd)
     # with checkpointing, a recomputed block's backward stands beside its recomputed
@@ -445,24 +446,48 @@ def _block_input(c: dict, key: str, B: int, T: int, per_token: int) -> float:
     return _fitted(fit, B, T) if fit is not None else float(B * T * per_token)
 
 
+# the table's families whose head takes its loss on the logits as they are (BERT's masked
+# LM and T5 call CrossEntropyLoss; llama's and GPT-2's transformers loss upcasts them)
+_LOSS_AS_LOGITS = frozenset({"bert", "t5"})
+
+
+def _loss_elem(info: ModelInfo, config: TrainConfig, c: dict, act: int) -> int:
+    """Bytes of one element of the loss backward's (N, V) gradients: fp32 under autocast
+    (the log-softmax runs in fp32), on fp32 logits, or where the model upcasts its logits
+    (transformers' loss functions); a 16-bit model's own where its head calls
+    CrossEntropyLoss on its 16-bit logits (derived: the dtype of the step's largest
+    log-softmax; a DeBERTa masked LM in bf16-true drawn by ``benchmarks/random_sweep.py``
+    was 29% over with fp32 ones, BERT's 35%, T5's 18%, against their simulations)."""
+    if config.precision_spec.autocast or act == 4:
+        return 4
+    if "loss_elem" in c:
+        return int(c["loss_elem"])
+    return act if not c.get("derived") and _family(info) in _LOSS_AS_LOGITS else 4
+
+
 def _temporaries(info: ModelInfo, config: TrainConfig, T: int, device: DeviceInfo, act: int,
-                 G: int, no_grad_shapes: frozenset[tuple[int, ...]] = frozenset()
-                 ) -> tuple[int, float, float, int]:
+                 G: int, no_grad_shapes: frozenset[tuple[int, ...]] = frozenset(),
+                 loss_elem: int = 4) -> tuple[int, float, float, int]:
     """Step 3: (G_held, loss_temp, block_bwd_temp, opt_temp): the earlier micro batches'
-    gradients held, the loss's backward, one block's backward, the optimizer step's (of
-    the parameters a gradient reaches: not ``no_grad_shapes``)."""
+    gradients held, the loss's backward (its gradients ``loss_elem`` bytes an element:
+    ``_loss_elem``), one block's backward, the optimizer step's (of the parameters a
+    gradient reaches: not ``no_grad_shapes``)."""
     B = config.micro_batch_size
     N = B * T
     spec = config.precision_spec
     V, trl, chunked = _lm(info, config)
     h = info.hidden_size or 0
     NL = B * (T + info.virtual_tokens)  # the logits' rows: prompt tuning's tokens too
-    loss_grads = 2 * NL * V * 4  # fp32 d log_softmax and d logits at the loss backward
+    loss_grads = 2 * NL * V * loss_elem  # d log_softmax and d logits at the loss backward
     head_grad = V * h * act if V else 0
     head_grad_in_G = min(head_grad, G)
-    # one block's backward: grads of its widest activations (e.g. MLP: 2 x (N, i))
+    # one block's backward: grads of its widest activations (e.g. MLP: 2 x (N, i)), those
+    # of its matmuls' outputs in the compute dtype under autocast (the residual stream's
+    # stay in the parameters'): a 2-layer qwen2 classifier in bf16-mixed with
+    # checkpointing at 1,024 tokens, drawn by random_sweep.py, 13% over with fp32 ones
     inter = max((b.intermediate_size for b in info.blocks), default=0)
-    block_bwd_temp = 2 * N * inter * act + 2 * N * h * act + _dequantized_bytes(info)
+    inter_elem = _bytes(spec.compute_dtype) if spec.autocast else act
+    block_bwd_temp = 2 * N * inter * inter_elem + 2 * N * h * act + _dequantized_bytes(info)
     opt_temp = _optimizer_step_temporaries(info, config, device, no_grad_shapes)
 
     # with accumulation, the gradients of the earlier micro batches are held through
@@ -472,7 +497,7 @@ def _temporaries(info: ModelInfo, config: TrainConfig, T: int, device: DeviceInf
     # 1 x 512 tokens and 4 micro batches on a card: simulated 3.4% above the closed form
     # that took it as the held one, +0.0% with it)
     G_held = G if config.grad_accum_steps > 1 else 0
-    loss_temp = max(loss_grads, head_grad_in_G + (0 if G_held else NL * V * 4))
+    loss_temp = max(loss_grads, head_grad_in_G + (0 if G_held else NL * V * loss_elem))
     if trl:
         head_trainable = any(g.trainable and tuple(g.shape) == (V, h) for g in info.params)
         loss_temp = trl_loss_bytes(NL, V, h, 2 if spec.autocast else act,

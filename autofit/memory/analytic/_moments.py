@@ -50,6 +50,9 @@ class _AtShape(NamedTuple):
     # the gradients outside the blocks alive at the first stack's block's backward
     # (an encoder-decoder's encoder block: _kept.grads_outside)
     grads_outside: int
+    # the largest log-softmax's element size, 0 without one (StorageRecorder.log_softmax):
+    # the loss's backward makes its gradients in that dtype
+    loss_elem: int = 0
 
 
 # where a moment's transient is compared with the others': micro batches and lengths

@@ -284,7 +284,7 @@ def _forward_saved(module: torch.nn.Module, config: TrainConfig, task: str, devi
                                     top_moments,
                                     len(rec.half_matmuls), rec.half_step(),
                                     first_of_stacks(stacks, [b for b, _, _ in inputs]),
-                                    below, outside))
+                                    below, outside, rec.log_softmax[1]))
     return out, dead
 
 
@@ -673,7 +673,7 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
         "half_step": [max(a.half_step[0] for a in at), any(a.half_step[1] for a in at)],
     }
     _add_moments(coef, at, roles, shapes)
-    _add_runs_and_dead(coef, runs, dead)
+    _add_runs_and_dead(coef, runs, dead, at[-1].loss_elem)
     if info.is_encoder_decoder:  # "layer" is then an encoder block's, this a decoder's
         coef["layer_decoder"] = layer(lays[1])
         coef["block_backward_decoder"] = _form(bwds[1])
@@ -688,9 +688,13 @@ def derived_coefficients(module: torch.nn.Module, info: ModelInfo, config: Train
 
 
 def _add_runs_and_dead(coef: dict[str, object], runs: list[float],
-                       dead: tuple[int, list[list[int]]]) -> None:
-    """Put a block's forward runs per stack (where not 1) and the trainable parameters no
-    gradient reaches (``_unreached``) into ``coef``."""
+                       dead: tuple[int, list[list[int]]], loss_elem: int = 0) -> None:
+    """Put a block's forward runs per stack (where not 1), the trainable parameters no
+    gradient reaches (``_unreached``) and the loss's element size (``loss_elem``: its
+    log-softmax's, 16-bit where the head does not upcast its 16-bit logits) into
+    ``coef``."""
+    if loss_elem:
+        coef["loss_elem"] = loss_elem
     if any(r != 1 for r in runs):
         coef["layer_runs"] = [float(r) for r in runs]
     if dead[0]:  # trainable elements without a gradient (no state, no step either)

@@ -125,6 +125,11 @@ class StorageRecorder(TorchDispatchMode):
         self.cpu_kernels = False
         self.cpu_mkldnn = False
         self.half_attention = False
+        # the largest log-softmax the step runs, (elements, element size): the loss's over
+        # the vocabulary, whose dtype tells whether the model upcasts its logits first
+        # (transformers' loss functions do; a head that calls CrossEntropyLoss on 16-bit
+        # logits -- BERT's and T5's -- does not)
+        self.log_softmax: tuple[int, int] = (0, 0)
 
     def __enter__(self) -> StorageRecorder:
         if self._depth == 0:
@@ -385,6 +390,8 @@ class StorageRecorder(TorchDispatchMode):
                                            for a in operands))
         elif func in _FLASH_CPU and args[0].dtype in _HALF:
             self.half_attention = True
+        elif func is _LOG_SOFTMAX and out.numel() > self.log_softmax[0]:
+            self.log_softmax = (out.numel(), out.element_size())
         self._track_out(out)
         if self.cpu_kernels and (
                 inside := cpu_kernel_temporaries(func, args, kwargs, out, self.cpu_mkldnn)):
@@ -429,6 +436,8 @@ _FLASH_CPU = frozenset(getattr(torch.ops.aten, n).default for n in (
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention_for_cpu_backward")
     if hasattr(torch.ops.aten, n))
+
+_LOG_SOFTMAX = torch.ops.aten._log_softmax.default
 
 _GROUPED_MM = ({torch.ops.aten._grouped_mm.default: _grouped_mm}
                if hasattr(torch.ops.aten, "_grouped_mm") else {})
