@@ -350,6 +350,9 @@ CONFIGS: list[dict[str, Any]] = [
           optimizer="adafactor"),
     _llama("llama-b1s128-bf16t-adafactor", batch=1, seq=128, precision="bf16-true",
            optimizer="adafactor"),
+    # ... and bitsandbytes' CPU update of a 16-bit parameter one fp32 copy of it more
+    _llama("llama-b1s128-bf16t-bnb8", batch=1, seq=128, precision="bf16-true",
+           optimizer="adamw_bnb_8bit"),
     _gpt2("gpt2-lora-b4s256", lora=LORA_GPT2),
     _gpt2(
         "gpt2-lora-b8s128-bf16m-gc",

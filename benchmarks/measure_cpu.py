@@ -355,7 +355,10 @@ def _load_quantized(model, config, cls, spec: dict[str, Any]):
         model.save_pretrained(tmp)
         del model
         gc.collect()
-        model = cls.from_pretrained(tmp, quantization_config=transformers.BitsAndBytesConfig(**q),
+        # (the built config, not the saved one read back: BART's classifier saved with 2
+        # labels came back with its config's default 3, a size mismatch)
+        model = cls.from_pretrained(tmp, config=config,
+                                    quantization_config=transformers.BitsAndBytesConfig(**q),
                                     device_map="cpu", dtype=dtype,
                                     attn_implementation=spec["attn_implementation"])
     with torch.no_grad():

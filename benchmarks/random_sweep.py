@@ -6,7 +6,9 @@ levers as neither does: bf16-true with 8-bit Lion and checkpointing, a 4-bit bas
 rank-64 LoRA with dropout at 1024 tokens, accumulation with Adafactor on an encoder. This
 draws such combinations from a seeded generator (``draw``: a popular family and task, a
 width, depth, vocabulary, micro batch, sequence, precision, checkpointing, accumulation,
-attention, optimizer and adaptation -- full, LoRA or QLoRA), measures each in a fresh child
+attention, optimizer and adaptation -- full, LoRA or QLoRA; from seed 3 on (``WIDE_FROM_SEED``)
+more families, 16-true, an 8-bit base, DoRA / rsLoRA / IA3 / LoHa, autofit's chunked loss,
+SGD with momentum and 4 micro batches too), measures each in a fresh child
 of ``benchmarks/measure_cpu.py`` (no autofit code: the kernel's high-water mark) and
 estimates it with ``autofit.estimate(method="analytic" | "simulate", device="cpu")``. The
 error is ``(estimate - measured) / measured`` on the absolute peak; negative is an
@@ -57,6 +59,26 @@ FAMILIES = {
     "masked-lm": ["bert", "roberta", "deberta-v2", "distilbert", "electra", "modernbert"],
     "seq2seq": ["t5", "bart", "mt5", "pegasus"],
 }
+# seeds from WIDE_FROM_SEED on draw from a wider space (the first two seeds' draws stay as
+# they were): more families, 16-true, an 8-bit base, other PEFT methods, autofit's chunked
+# loss, SGD with momentum, accumulation over 4 micro batches
+WIDE_FROM_SEED = 3
+WIDER_FAMILIES = {
+    "causal-lm": ["bloom", "phi", "gpt_bigcode", "gptj", "codegen", "olmoe", "qwen2_moe",
+                  "granitemoe", "mpt", "persimmon", "nemotron", "exaone4", "glm", "helium"],
+    "seq-cls": ["phi3", "gpt2", "opt", "bart", "albert", "mpnet", "funnel"],
+    "token-cls": ["electra", "xlm-roberta", "gpt2", "qwen2", "bloom"],
+    "masked-lm": ["xlm-roberta", "albert", "camembert", "rembert", "mobilebert", "funnel"],
+    "seq2seq": ["bart", "mbart", "marian", "umt5", "blenderbot"],
+}
+OTHER_PEFT = {
+    "dora": {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_dora": True,
+             "target_modules": "all-linear"},
+    "rslora": {"peft_type": "LORA", "r": 16, "lora_alpha": 16, "use_rslora": True,
+               "target_modules": "all-linear"},
+    "ia3": {"peft_type": "IA3"},
+    "loha": {"peft_type": "LOHA", "r": 8, "target_modules": "all-linear"},
+}
 TASK_WEIGHTS = {"causal-lm": 5, "seq-cls": 2, "token-cls": 1, "masked-lm": 1, "seq2seq": 1}
 FULL_OPTIMIZERS = {"adamw_torch": 5, "adamw_torch_fused": 3, "adamw_bnb_8bit": 3,
                    "adafactor": 2, "sgd": 2, "lion_8bit": 1, "lion_32bit": 1,
@@ -77,8 +99,9 @@ def draw(seed: int, index: int) -> dict[str, Any]:
     """The ``index``-th draw of ``seed``: a size key for ``zoo.SIZES`` and the spec's levers
     (the model's config is filled in by ``build``). Deterministic in (seed, index)."""
     rng = random.Random(f"{seed}-{index}")
+    wide = seed >= WIDE_FROM_SEED
     task = _pick(rng, TASK_WEIGHTS)
-    model_type = rng.choice(FAMILIES[task])
+    model_type = rng.choice(FAMILIES[task] + (WIDER_FAMILIES[task] if wide else []))
     hidden = rng.choice([256, 384, 512, 768])
     ffn = 64 * round(hidden * rng.choice([2.0, 2.75, 4.0]) / 64)
     vocab = rng.choice([8192, 16384, 32768, 50257])
@@ -87,8 +110,9 @@ def draw(seed: int, index: int) -> dict[str, Any]:
         if batch * seq <= MAX_TOKENS:
             break
     size = (hidden, rng.choice([2, 3, 4]), hidden // 64, ffn, vocab, batch, seq)
-    adapt = rng.choices(["full", "lora", "qlora"], weights=[45, 40, 15])[0]
-    precision = _pick(rng, PRECISION_WEIGHTS)
+    adapt = (rng.choices(["full", "lora", "qlora", "int8", "peft"], weights=[40, 25, 12, 8, 15])
+             if wide else rng.choices(["full", "lora", "qlora"], weights=[45, 40, 15]))[0]
+    precision = _pick(rng, {**PRECISION_WEIGHTS, "16-true": 1} if wide else PRECISION_WEIGHTS)
     spec: dict[str, Any] = {
         "model_type": model_type, "task": task, "batch": batch, "seq": seq,
         "precision": precision, "gradient_checkpointing": rng.random() < 0.5,
@@ -103,25 +127,36 @@ def draw(seed: int, index: int) -> dict[str, Any]:
         spec["peft"] = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r,
                         "target_modules": "all-linear",
                         "lora_dropout": rng.choice([0.0, 0.05, 0.1])}
-        if task == "token-cls":  # as zoo._spec: peft adapts a token head under all-linear
+        if adapt == "peft":
+            spec["peft"] = dict(OTHER_PEFT[rng.choice(sorted(OTHER_PEFT))])
+        if task == "token-cls" and "target_modules" in spec["peft"]:
+            # as zoo._spec: peft adapts a token head under all-linear
             spec["peft"]["exclude_modules"] = ["classifier", "score"]
-    if adapt == "qlora":
-        # a 4-bit base is loaded in its compute dtype: bf16 under bf16-true, else fp32
-        compute = "bfloat16" if precision == "bf16-true" else "float32"
-        if precision in ("16-mixed",):
+    if adapt in ("qlora", "int8"):
+        # a quantized base is loaded in its compute dtype: a *-true precision's, else fp32
+        compute = {"bf16-true": "bfloat16", "16-true": "float16"}.get(precision, "float32")
+        if precision == "16-mixed":
             spec["precision"] = "32-true"
-        spec["quantization"] = {"load_in_4bit": True,
-                                "bnb_4bit_quant_type": rng.choice(["nf4", "fp4"]),
-                                "bnb_4bit_use_double_quant": rng.random() < 0.5,
-                                "bnb_4bit_compute_dtype": compute}
+        spec["quantization"] = ({"load_in_4bit": True,
+                                 "bnb_4bit_quant_type": rng.choice(["nf4", "fp4"]),
+                                 "bnb_4bit_use_double_quant": rng.random() < 0.5,
+                                 "bnb_4bit_compute_dtype": compute}
+                                if adapt == "qlora" else
+                                {"load_in_8bit": True, "bnb_4bit_compute_dtype": compute})
     if rng.random() < 0.3:
-        spec["grad_accum_steps"] = 2
+        spec["grad_accum_steps"] = 2 if not wide or rng.random() < 0.5 else 4
     if task == "causal-lm" and adapt == "full" and rng.random() < 0.15:
         spec["trl_loss"] = True
     sdpa = zoo._attention(model_type, task) == "sdpa"
     spec["attn_implementation"] = "sdpa" if sdpa and rng.random() < 0.7 else "eager"
-    spec["name"] = (f"rs{seed}-{index:03d}-{model_type}-{task}-{adapt}"
-                    + ("-trl" if spec.get("trl_loss") else ""))
+    if wide:
+        if spec["optimizer"] == "sgd" and rng.random() < 0.5:
+            spec["optim_args"] = "momentum=0.9"
+        if (task == "causal-lm" and adapt in ("full", "lora") and not spec.get("trl_loss")
+                and rng.random() < 0.15):
+            spec["chunked_loss"] = True  # autofit's own trainer's loss
+    flag = "-trl" if spec.get("trl_loss") else "-chunked" if spec.get("chunked_loss") else ""
+    spec["name"] = f"rs{seed}-{index:03d}-{model_type}-{task}-{adapt}{flag}"
     return {"size": size, "spec": spec}
 
 
@@ -167,15 +202,24 @@ def _levers(spec: dict[str, Any]) -> str:
         parts.append("gc")
     if spec.get("grad_accum_steps", 1) > 1:
         parts.append(f"ga{spec['grad_accum_steps']}")
-    if spec.get("peft"):
-        lo = spec["peft"]
-        parts.append(f"LoRA r{lo['r']} dropout {lo['lora_dropout']}")
+    lo = spec.get("peft")
+    if lo:
+        name = {"LORA": "LoRA"}.get(lo["peft_type"], lo["peft_type"])
+        name += "".join(f" {k[4:]}" for k in ("use_dora", "use_rslora") if lo.get(k))
+        parts.append(name + (f" r{lo['r']}" if "r" in lo else "")
+                     + (f" dropout {lo['lora_dropout']}" if "lora_dropout" in lo else ""))
     q = spec.get("quantization")
-    if q:
+    if q and q.get("load_in_8bit"):
+        parts.append(f"int8 {q['bnb_4bit_compute_dtype']}")
+    elif q:
         parts.append(q["bnb_4bit_quant_type"] + ("-dq" if q["bnb_4bit_use_double_quant"] else "")
                      + f" {q['bnb_4bit_compute_dtype']}")
+    if spec.get("optim_args"):
+        parts[2] += f"({spec['optim_args']})"
     if spec.get("trl_loss"):
         parts.append("trl loss")
+    if spec.get("chunked_loss"):
+        parts.append("chunked loss")
     cfg = spec.get("config") or {}
     hidden = next((cfg[k] for k in zoo._HIDDEN if k in cfg), None)
     if hidden:

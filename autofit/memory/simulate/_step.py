@@ -295,6 +295,8 @@ def forward_loss(model: torch.nn.Module, config: TrainConfig, task: str, batch_s
     the batch made and tracked as activations, the loss under autocast (the chunked loss
     when asked), the outputs dropped as ``compute_loss`` drops them. Returns (loss, batch,
     the model's keyword arguments); the caller frees the last two when the Trainer would."""
+    if target_kind == "cpu":
+        check_cpu_experts(model)
     batch = make_batch(unwrap(model), task, batch_size, seq_len)
     for v in batch.values():
         if isinstance(v, torch.Tensor):
@@ -383,6 +385,29 @@ def recurrent_checkpoint_refusal(block_nodes: int) -> UnmodelledStepError:
         "memory was up to 12% above the simulated step; train it without gradient "
         f"checkpointing ({fix('--no-gradient-checkpointing', 'gradient_checkpointing=False')})"
         ", or measure it (autofit.measure)")
+
+
+def check_cpu_experts(model: torch.nn.Module) -> None:
+    """Refuse (``UnmodelledStepError``) a mixture of experts whose expert weights are 16-bit
+    on a CPU target: each expert's matmul runs at its own token count, which the routing
+    changes every step, and oneDNN keeps a primitive and its JIT-compiled kernels for each
+    shape, with scratch beyond them, none of it a tensor (Mixtral and GraniteMoE in
+    bf16-true, drawn by ``benchmarks/random_sweep.py``: measured 15-22% above both
+    estimates, 8-9% with oneDNN's primitive cache off; transformers' grouped_mm and its
+    per-expert loop alike). In fp32 and under autocast they are measured within the
+    targets."""
+    for m in model.modules():
+        if not type(m).__name__.endswith("Experts"):
+            continue
+        half = [p for p in m.parameters(recurse=False)
+                if p.dim() == 3 and p.dtype in (torch.bfloat16, torch.float16)]
+        if half:
+            raise UnmodelledStepError(
+                f"a mixture of experts in {str(half[0].dtype)[6:]} on a CPU is not modelled: oneDNN "
+                "keeps state for each expert's matmul shape, which the routing changes every "
+                "step (a bf16-true Mixtral measured 22% above the estimate); train it in "
+                f"32-true or bf16-mixed ({fix('--precision bf16-mixed', 'precision=bf16-mixed')}"
+                "), or measure it (autofit.measure)")
 
 
 def graph_nodes(loss: torch.Tensor) -> list[Any]:
