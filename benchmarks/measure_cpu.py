@@ -540,9 +540,11 @@ def _chunked_loss(model, batch):
     from torch.nn import LinearCrossEntropyOptions
 
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
+    # (a PEFT model's own base_model is the tuner around the causal LM: its model's)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = inner.base_model(**inputs, use_cache=False).last_hidden_state
     labels = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
-    head = model.get_output_embeddings()
+    head = inner.get_output_embeddings()
     return F.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
                                   labels.reshape(-1), linear_bias=head.bias,
                                   ignore_index=-100, options=LinearCrossEntropyOptions())
