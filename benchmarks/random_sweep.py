@@ -34,9 +34,7 @@ Known limitations:
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -88,7 +86,7 @@ ADAPTER_OPTIMIZERS = {"adamw_torch": 4, "adamw_torch_fused": 2, "adamw_bnb_8bit"
 PRECISION_WEIGHTS = {"32-true": 3, "bf16-mixed": 3, "bf16-true": 3, "16-mixed": 1}
 MAX_TOKENS = 4096  # a micro batch's tokens (batch x sequence)
 MAX_PARAMS = 60_000_000
-SECONDS = {"analytic": 60, "simulate": 300}
+zoo.PROBE_MAX_PARAMS = MAX_PARAMS  # (the worker processes fork with it)
 
 
 def _pick(rng: random.Random, weights: dict[str, int]) -> str:
@@ -165,7 +163,6 @@ def build(drawn: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     and runs a step), or None and why not."""
     key = drawn["spec"]["name"]
     zoo.SIZES[key] = tuple(drawn["size"])
-    zoo.PROBE_MAX_PARAMS = MAX_PARAMS
     try:
         kw, why = zoo.probe(drawn["spec"]["model_type"], drawn["spec"]["task"], key)
     finally:
@@ -187,16 +184,9 @@ def run_draw(seed: int, index: int, methods: list[str]) -> dict[str, Any]:
     return row
 
 
-def _load(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {"rows": {}}
-
-
-def _save(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-
-
 def _levers(spec: dict[str, Any]) -> str:
-    parts = [f"b{spec['batch']}x{spec['seq']}", spec["precision"], spec["optimizer"],
+    optimizer = spec["optimizer"] + (f"({spec['optim_args']})" if spec.get("optim_args") else "")
+    parts = [f"b{spec['batch']}x{spec['seq']}", spec["precision"], optimizer,
              spec["attn_implementation"]]
     if spec.get("gradient_checkpointing"):
         parts.append("gc")
@@ -214,8 +204,7 @@ def _levers(spec: dict[str, Any]) -> str:
     elif q:
         parts.append(q["bnb_4bit_quant_type"] + ("-dq" if q["bnb_4bit_use_double_quant"] else "")
                      + f" {q['bnb_4bit_compute_dtype']}")
-    if spec.get("optim_args"):
-        parts[2] += f"({spec['optim_args']})"
+
     if spec.get("trl_loss"):
         parts.append("trl loss")
     if spec.get("chunked_loss"):
@@ -238,21 +227,18 @@ def report(out: Path, data: dict[str, Any], methods: list[str]) -> None:
              f"Draws: {len(rows)}; measured: {len(measured)}; the harness could not run: "
              f"{sum('error' in r for r in rows)}; did not build at the drawn size: "
              f"{sum('skip' in r for r in rows)}.", "",
-             "| method | rows | median abs | worst | lowest | under -3% | target | met |",
+             "| method | rows | median abs | worst abs | lowest | under -3% | target | met |",
              "|---|---|---|---|---|---|---|---|"]
     for m in methods:
-        errs = [r[f"{m}_err"] for r in measured if f"{m}_err" in r]
-        if not errs:
+        got = zoo._summary(measured, m)  # (the zoo's targets)
+        if got is None:
             continue
-        med, worst = statistics.median(abs(e) for e in errs), max(errs, key=abs)
         t_med, t_worst = zoo.TARGETS[m]
-        under = sum(e < zoo.UNDER for e in errs)
-        ok = med <= t_med and abs(worst) <= t_worst and under == 0
         refused = sum(f"{m}_error" in r for r in measured)
-        lines.append(f"| {m} | {len(errs)}{f' (+{refused} refused)' if refused else ''} | "
-                     f"{100 * med:.1f}% | {100 * worst:+.1f}% | {100 * min(errs):+.1f}% | "
-                     f"{under} | <= {100 * t_med:.0f}% / {100 * t_worst:.0f}%, none < -3% | "
-                     f"{'yes' if ok else 'no'} |")
+        lines.append(f"| {m} | {got['n']}{f' (+{refused} refused)' if refused else ''} | "
+                     f"{100 * got['median_abs']:.1f}% | {100 * got['max_abs']:.1f}% | "
+                     f"{100 * got['min']:+.1f}% | {got['under']} | <= {100 * t_med:.0f}% / "
+                     f"{100 * t_worst:.0f}%, none < -3% | {'yes' if got['met'] else 'no'} |")
     lines += ["", "## Rows", "", "| draw | levers | measured MiB | "
               + " | ".join(methods) + " |", "|---|---|---|" + "---|" * len(methods)]
     for r in measured:
@@ -288,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "random_sweep"))
     args = ap.parse_args(argv)
     out, methods = Path(args.out), args.methods.split(",")
-    data = _load(out.with_suffix(".json"))
+    data = zoo._load(out.with_suffix(".json"))
     indices = range(args.start, args.start + args.draws)
     if args.list:
         for i in indices:
@@ -301,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 data["rows"][name] = zoo.reestimate(row, methods)
                 print(name, "  ".join(f"{m} {100 * row[m + '_err']:+.1f}%"
                                       for m in methods if m + "_err" in row), flush=True)
-        _save(out.with_suffix(".json"), data)
+        zoo._save(out.with_suffix(".json"), data)
     elif not args.report:
         todo = [i for i in indices
                 if draw(args.seed, i)["spec"]["name"] not in data["rows"]]
@@ -315,14 +301,14 @@ def main(argv: list[str] | None = None) -> int:
                     d = draw(args.seed, futures[fut])
                     row = {"name": d["spec"]["name"], "spec": d["spec"],
                            "error": f"sweep: {type(e).__name__}: {str(e)[:300]}"}
-                disk = _load(out.with_suffix(".json"))
+                disk = zoo._load(out.with_suffix(".json"))
                 disk["rows"][row["name"]] = row
-                _save(out.with_suffix(".json"), disk)
+                zoo._save(out.with_suffix(".json"), disk)
                 errs = "  ".join(f"{m} {100 * row[m + '_err']:+.1f}%" for m in methods
                                  if m + "_err" in row)
                 print(f"[{n}/{len(todo)}] {row['name']}: "
                       f"{errs or row.get('error') or row.get('skip')}", flush=True)
-        data = _load(out.with_suffix(".json"))
+        data = zoo._load(out.with_suffix(".json"))
     report(out, data, methods)
     return 0
 

@@ -449,13 +449,12 @@ def check_trained_whole(model: torch.nn.Module, name: str) -> None:
                       for n, p in model.named_parameters()
                       if p.requires_grad and type(p).__name__ in ("Params4bit", "Int8Params")})
     if wrapped:
-        names = ", ".join(f"'{w}'" for w in wrapped)
         raise BadInputError(
-            f"PEFT {name} cannot be put on this model: it trains {names} whole "
-            "(modules_to_save), which bitsandbytes quantized (transformers leaves a head "
-            "whose last parameter is a bias quantized), and a quantized weight cannot "
-            "require gradients; keep it unquantized: a quantization config with "
-            f'"llm_int8_skip_modules": [{names.replace(chr(39), chr(34))}]')
+            f"PEFT {name} cannot be put on this model: it trains "
+            f"{', '.join(repr(w) for w in wrapped)} whole (modules_to_save), which "
+            "bitsandbytes quantized (transformers leaves a head whose last parameter is a "
+            "bias quantized), and a quantized weight cannot require gradients; keep it "
+            f'unquantized: a quantization config with "llm_int8_skip_modules": {json.dumps(wrapped)}')
 
 
 def check_lora_targets(model: torch.nn.Module) -> None:
